@@ -1,0 +1,26 @@
+"""kvbridge: byte-exact DeepSeek-V4 KV-cache layouts, transcoding and migration between engines."""
+
+from kvbridge.api import LossReport, auto_scale, decode, encode, transcode
+from kvbridge.errors import DumpFormatError, InputError, KVBridgeError, LayoutError, NonFiniteError
+from kvbridge.layouts import Field, Layout, all_layouts, get_layout, register
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DumpFormatError",
+    "Field",
+    "InputError",
+    "KVBridgeError",
+    "Layout",
+    "LayoutError",
+    "LossReport",
+    "NonFiniteError",
+    "__version__",
+    "all_layouts",
+    "auto_scale",
+    "decode",
+    "encode",
+    "get_layout",
+    "register",
+    "transcode",
+]

@@ -1,0 +1,279 @@
+"""Public codec API: ``encode``, ``decode``, ``transcode`` (torch tensors in and out).
+
+Pages are uint8 ``[num_pages, page_bytes]``; token ``t`` sits in page ``t // P`` at row
+``t % P``. Latents are ``[num_tokens, 512]`` (448 nope then 64 rope dims).
+Every function returns on the device of its input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+
+from kvbridge import numerics as nx
+from kvbridge.codecs import HEAD_DIM, reciprocal_f32
+from kvbridge.errors import InputError, LayoutError, NonFiniteError
+from kvbridge.layouts import Layout, get_layout
+from kvbridge.reference import check_finite
+
+NonFinitePolicy = Literal["error", "zero", "saturate"]
+NONFINITE_POLICIES = ("error", "zero", "saturate")
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_latents(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_INPUTS:
+        raise InputError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != HEAD_DIM:
+        raise InputError(f"x must have shape [num_tokens, {HEAD_DIM}], got {list(x.shape)}")
+
+
+def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
+    """Return fp32 ``x`` with NaN/Inf handled per ``policy`` (see ``encode``)."""
+    if policy not in NONFINITE_POLICIES:
+        raise InputError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {policy!r}")
+    bad = ~torch.isfinite(x)
+    if not bool(bad.any()):
+        return x
+    if policy == "error":
+        token, dim = (int(v) for v in bad.nonzero()[0])
+        value = float(x[token, dim])
+        raise NonFiniteError(
+            f"non-finite value {value} at token {token}, dim {dim} "
+            f"({int(bad.sum())} non-finite values in all); pass nonfinite='zero' or 'saturate' to encode anyway"
+        )
+    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
+    if policy == "zero":
+        return torch.where(torch.isinf(x), torch.zeros_like(x), x)
+    big = torch.finfo(torch.float32).max
+    return x.clamp(min=-big, max=big)
+
+
+def _check_scale(scale: float | None, layout: Layout, what: str = "scale") -> float:
+    if scale is None:
+        return 1.0
+    if not layout.per_tensor_scale:
+        raise InputError(f"{what} applies only to per-tensor layouts; {layout.name} has per-tile scales")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise InputError(f"{what} must be a positive finite number, got {scale!r}")
+    s = float(torch.tensor(float(scale), dtype=torch.float32))
+    if not (math.isfinite(s) and s > 0):
+        raise InputError(f"{what} must be a positive finite number (as fp32), got {scale!r}")
+    return s
+
+
+def _check_dialect(dialect: str | None, layout: Layout) -> str | None:
+    if dialect is None:
+        return layout.default_dialect
+    if dialect not in layout.dialects:
+        if not layout.dialects:
+            raise InputError(f"layout {layout.name} has no encoder dialects; got dialect={dialect!r}")
+        raise InputError(f"dialect {dialect!r} does not apply to {layout.name}; choose one of {', '.join(layout.dialects)}")
+    return dialect
+
+
+def auto_scale(x: torch.Tensor) -> float:
+    """Smallest fp32 per-tensor scale with which no value of ``x`` saturates (amax / 448).
+
+    The scale is nudged up by fp32 ulps until amax * fp32(1/s) <= 448. All-zero input gives 1.0.
+    """
+    amax = float(x.abs().max()) if x.numel() else 0.0
+    if amax == 0.0:
+        return 1.0
+    s = torch.tensor(amax, dtype=torch.float32) / torch.tensor(nx.E4M3_MAX, dtype=torch.float32)
+    amax32 = torch.tensor(amax, dtype=torch.float32)
+    while float(amax32 * reciprocal_f32(float(s))) > nx.E4M3_MAX:
+        s = torch.nextafter(s, torch.tensor(math.inf))
+    return float(s)
+
+
+def encode(
+    x: torch.Tensor,
+    layout: str | Layout,
+    *,
+    page_size: int,
+    dialect: str | None = None,
+    scale: float | str | None = None,
+    nonfinite: NonFinitePolicy = "error",
+) -> torch.Tensor:
+    """Encode latents ``x`` ``[num_tokens, 512]`` (bf16/fp16/fp32) into pages of ``layout``.
+
+    Returns uint8 ``[ceil(num_tokens / page_size), page_bytes]``; rows of a partly filled
+    last page and each page's padding tail are zero. ``dialect`` picks the encoder's scale
+    rule (584-byte layouts: ``flashmla`` default, ``amax-1e-4``, ``amax-1e-8``;
+    ``trtllm-fp8``: ``swa`` default, ``compress``). ``scale`` is the per-tensor scale of
+    ``trtllm-fp8`` (default 1.0; ``"auto"`` picks ``auto_scale(x)``).
+    ``nonfinite``: ``error`` (default) raises naming the first bad token and dim; ``zero``
+    writes NaN and +-Inf as 0; ``saturate`` writes NaN as 0 and +-Inf as the format's max.
+    """
+    lay = get_layout(layout)
+    _check_latents(x)
+    lay.check_page_size(page_size)
+    d = _check_dialect(dialect, lay)
+    xf = _apply_nonfinite(x.float(), nonfinite)
+    if scale == "auto":
+        if not lay.per_tensor_scale:
+            raise InputError(f"scale='auto' applies only to per-tensor layouts, not {lay.name}")
+        scale = auto_scale(xf)
+    s = _check_scale(scale, lay)
+    from kvbridge import fastpath
+
+    return fastpath.encode_pages(xf.contiguous(), lay, page_size, d, s)
+
+
+def decode(
+    pages: torch.Tensor,
+    layout: str | Layout,
+    *,
+    page_size: int,
+    num_tokens: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Decode pages of ``layout`` to fp32 latents ``[num_tokens, 512]``.
+
+    ``num_tokens`` defaults to every row of every page; ``scale`` is the per-tensor scale
+    of ``trtllm-fp8`` (default 1.0). Exact: each decoded value is the stored value.
+    """
+    lay = get_layout(layout)
+    lay.check_page_size(page_size)
+    lay.check_pages(pages, page_size)
+    s = _check_scale(scale, lay)
+    from kvbridge import fastpath
+
+    return fastpath.decode_pages(pages, lay, page_size, num_tokens, s)
+
+
+@dataclass
+class LossReport:
+    """What a transcode lost, measured against the decoded source values.
+
+    ``max_abs_error`` and ``rms_error`` are in latent units; ``max_rel_error`` divides the
+    max abs error by the source's max |value|; ``saturated`` counts values clipped at the
+    destination format's max; ``flushed_to_zero`` counts nonzero source values stored as 0.
+    """
+
+    src_layout: str
+    dst_layout: str
+    num_tokens: int
+    lossless: bool
+    byte_move: bool
+    dst_scale: float | None
+    max_abs_error: float
+    max_rel_error: float
+    rms_error: float
+    saturated: int
+    flushed_to_zero: int
+    nope_max_abs_error: float
+    rope_max_abs_error: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_loss(
+    src: torch.Tensor, dst: torch.Tensor, *, src_layout: str, dst_layout: str, dst_scale: float | None, byte_move: bool, saturated: int
+) -> LossReport:
+    """Compare decoded source ``src`` and decoded destination ``dst`` (fp32 ``[N, 512]``)."""
+    err = (dst - src).abs()
+    amax = float(src.abs().max()) if src.numel() else 0.0
+    max_abs = float(err.max()) if err.numel() else 0.0
+    return LossReport(
+        src_layout=src_layout,
+        dst_layout=dst_layout,
+        num_tokens=src.shape[0],
+        lossless=bool(torch.equal(src, dst)),
+        byte_move=byte_move,
+        dst_scale=dst_scale,
+        max_abs_error=max_abs,
+        max_rel_error=max_abs / amax if amax > 0 else 0.0,
+        rms_error=float(err.square().mean().sqrt()) if err.numel() else 0.0,
+        saturated=saturated,
+        flushed_to_zero=int(((src != 0) & (dst == 0)).sum()),
+        nope_max_abs_error=float(err[:, :448].max()) if err.numel() else 0.0,
+        rope_max_abs_error=float(err[:, 448:].max()) if err.numel() else 0.0,
+    )
+
+
+def is_byte_move(src: Layout, dst: Layout, src_scale: float, dst_scale: float) -> bool:
+    """True when ``src`` and ``dst`` store identical token records (only paging differs)."""
+    same_record = type(src.codec) is type(dst.codec) and src.record_bytes == dst.record_bytes
+    return same_record and (not src.per_tensor_scale or src_scale == dst_scale)
+
+
+def count_saturated(x: torch.Tensor, layout: Layout, dialect: str | None, scale: float) -> int:
+    """Values of fp32 ``x`` beyond the E4M3 range of a per-tensor layout at ``scale``."""
+    if not layout.per_tensor_scale:
+        return 0
+    mult = torch.tensor(1.0) if dialect == "compress" else reciprocal_f32(scale)
+    return int(((x * mult.to(x.device)).abs() > nx.E4M3_MAX).sum())
+
+
+def transcode(
+    pages: torch.Tensor,
+    src_layout: str | Layout,
+    dst_layout: str | Layout,
+    *,
+    src_page_size: int,
+    dst_page_size: int | None = None,
+    num_tokens: int | None = None,
+    src_scale: float | None = None,
+    dst_scale: float | str | None = None,
+    dialect: str | None = None,
+    report: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, LossReport]:
+    """Convert pages from ``src_layout`` to ``dst_layout`` (and page size).
+
+    When both layouts store the same token record (re-paging, ``flashmla-model1`` <->
+    ``trtllm-fp8-ds-mla``, per-tensor at an equal scale) this is a pure byte move, bit-exact;
+    ``dialect`` is then refused since nothing is re-encoded. Otherwise the source is decoded
+    and re-encoded with ``dialect`` and ``dst_scale`` (``"auto"``: no saturation).
+    With ``report=True`` returns ``(pages, LossReport)``.
+    """
+    src = get_layout(src_layout)
+    dst = get_layout(dst_layout)
+    src.check_page_size(src_page_size)
+    dps = src_page_size if dst_page_size is None else dst.check_page_size(dst_page_size)
+    src.check_pages(pages, src_page_size)
+    s_in = _check_scale(src_scale, src, "src_scale")
+    auto = dst_scale == "auto"
+    s_out = 1.0 if auto else _check_scale(dst_scale, dst, "dst_scale")
+    if auto and not dst.per_tensor_scale:
+        raise InputError(f"dst_scale='auto' applies only to per-tensor layouts, not {dst.name}")
+    from kvbridge import fastpath
+
+    if not auto and is_byte_move(src, dst, s_in, s_out):
+        if dialect is not None:
+            raise InputError(
+                f"{src.name} -> {dst.name} is a byte move that keeps the source's scales; "
+                f"dialect={dialect!r} would not be applied"
+            )
+        out = fastpath.repage(pages, src, src_page_size, dst, dps, num_tokens)
+        if not report:
+            return out
+        n = out.shape[0] * dps if num_tokens is None else num_tokens
+        n = min(n, pages.shape[0] * src_page_size)
+        zero = LossReport(src.name, dst.name, n, True, True, s_out if dst.per_tensor_scale else None,
+                          0.0, 0.0, 0.0, 0, 0, 0.0, 0.0)
+        return out, zero
+    d = _check_dialect(dialect, dst)
+    if not report and not auto:
+        return fastpath.transcode_pages(pages, src, src_page_size, dst, dps, num_tokens, s_in, s_out, d)
+    values = fastpath.decode_pages(pages, src, src_page_size, num_tokens, s_in)
+    check_finite(values)
+    if auto:
+        s_out = auto_scale(values)
+    out = fastpath.encode_pages(values, dst, dps, d, s_out)
+    if not report:
+        return out
+    back = fastpath.decode_pages(out, dst, dps, values.shape[0], s_out)
+    rep = measure_loss(
+        values, back, src_layout=src.name, dst_layout=dst.name,
+        dst_scale=s_out if dst.per_tensor_scale else None, byte_move=False,
+        saturated=count_saturated(values, dst, d, s_out),
+    )
+    return out, rep

@@ -1,0 +1,21 @@
+"""Exception types. Every kvbridge error is a ``KVBridgeError`` with a one-line message."""
+
+
+class KVBridgeError(Exception):
+    """Base class of all kvbridge errors."""
+
+
+class LayoutError(KVBridgeError, ValueError):
+    """Unknown layout, bad page size, or pages whose shape or dtype do not fit the layout."""
+
+
+class InputError(KVBridgeError, ValueError):
+    """Bad tensor input: wrong shape, dtype, device or scale."""
+
+
+class NonFiniteError(InputError):
+    """NaN or Inf in an encoder's input."""
+
+
+class DumpFormatError(KVBridgeError, ValueError):
+    """A dump file that is truncated, foreign, or inconsistent with its own metadata."""

@@ -1,0 +1,150 @@
+"""Exact number-format arithmetic, written from integer bit operations.
+
+Everything here is independent of the torch version and device: fp32 values are
+read as their IEEE-754 bit patterns (int32) and the target codes are computed with
+integer arithmetic only. This is the single source of truth for
+
+- E4M3 (``float8_e4m3fn``): round-to-nearest-even, saturating to +-448 (0x7E/0xFE),
+  subnormals down to 2^-9, signed zero kept (-0.0 -> 0x80);
+- UE8M0 power-of-two scale exponents for the 584-byte layouts (spec section 4);
+- BF16 rounding (round-to-nearest-even) of fp32 values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+#: fp32 bit pattern of 448.0 (1.75 * 2^8); |x| >= this saturates to code 0x7E.
+_F32_448_BITS = 0x43E00000
+#: biased fp32 exponent of 2^-6, the smallest normal E4M3 magnitude.
+_F32_EXP_E4M3_MIN_NORMAL = 127 - 6
+
+#: Lower bound of the scale exponent per MODEL1 dialect: ceil(log2(floor)) of the clamp.
+#: flashmla: max(amax/448, 1e-4) -> 2^-13; amax-1e-4: max(amax,1e-4)/448 -> 2^-22;
+#: amax-1e-8: max(amax,1e-8)/448 -> 2^-35. Zero tiles get scale bytes 114 / 105 / 92.
+DIALECT_MIN_EXPONENT: dict[str, int] = {"flashmla": -13, "amax-1e-4": -22, "amax-1e-8": -35}
+DIALECTS: tuple[str, ...] = tuple(DIALECT_MIN_EXPONENT)
+
+
+def f32_bits(x: torch.Tensor) -> torch.Tensor:
+    """IEEE-754 bit pattern of an fp32 tensor, as int64 (no sign extension issues)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"expected float32, got {x.dtype}")
+    return x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+    """Encode fp32 values as E4M3 bytes (uint8), RNE with saturation to +-448.
+
+    NaN inputs must be rejected by the caller; here they would saturate.
+    """
+    bits = f32_bits(x)
+    sign = (bits >> 31) << 7
+    mag = bits & 0x7FFFFFFF
+    exp = mag >> 23
+    # Normal E4M3 range: drop 20 mantissa bits with RNE; carries roll into the exponent.
+    lsb = (mag >> 20) & 1
+    normal = ((mag + 0x7FFFF + lsb) >> 20) - ((127 - 7) << 3)
+    # Subnormal range (|x| < 2^-6): code = RNE(|x| * 2^9) as an integer in 0..8.
+    mant24 = (mag & 0x7FFFFF) | 0x800000
+    shift = (14 - (exp - 127)).clamp(min=1, max=40)
+    q = mant24 >> shift
+    rem = mant24 - (q << shift)
+    half = torch.ones_like(shift) << (shift - 1)
+    round_up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = q + round_up.to(torch.int64)
+    sub = torch.where(exp == 0, torch.zeros_like(sub), sub)  # fp32 zero/subnormal -> 0
+    code = torch.where(exp >= _F32_EXP_E4M3_MIN_NORMAL, normal, sub)
+    code = torch.where(mag >= _F32_448_BITS, torch.full_like(code, 0x7E), code)
+    return (code | sign).to(torch.uint8)
+
+
+def _e4m3_table() -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.int64)
+    sign = torch.where(codes >= 128, -1.0, 1.0).to(torch.float64)
+    e = (codes >> 3) & 0xF
+    m = (codes & 7).to(torch.float64)
+    normal = (1.0 + m / 8.0) * torch.pow(2.0, (e - 7).to(torch.float64))
+    sub = m / 8.0 * 2.0**-6
+    val = sign * torch.where(e == 0, sub, normal)
+    val[(codes & 0x7F) == 0x7F] = float("nan")
+    return val.to(torch.float32)
+
+
+#: fp32 value of each E4M3 code (0x7F and 0xFF are NaN).
+E4M3_TABLE = _e4m3_table()
+
+
+def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
+    """Decode E4M3 bytes (uint8) to fp32 through the 256-entry table."""
+    table = E4M3_TABLE.to(codes.device)
+    return table[codes.to(torch.int64)]
+
+
+def ceil_log2_div448(amax: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(amax / 448)) for fp32 amax >= 0, as int64; amax == 0 gives -1000.
+
+    amax = M * 2^E with M in [1, 2); 448 = 1.75 * 2^8, so the result is E - 8, plus one
+    when M > 1.75 (mantissa bits above 0x600000). fp32 subnormals are normalised first.
+    """
+    bits = f32_bits(amax) & 0x7FFFFFFF
+    exp = bits >> 23
+    mant = bits & 0x7FFFFF
+    # Normalise subnormals: value = mant * 2^-149; find the leading bit.
+    lead = sum(((mant >> k) > 0).to(torch.int64) for k in range(1, 23))  # index of top bit
+    sub_exp = lead - 149
+    sub_frac = (mant - (torch.ones_like(lead) << lead)) << (23 - lead).clamp(min=0)
+    e = torch.where(exp == 0, sub_exp, exp - 127)
+    frac = torch.where(exp == 0, sub_frac, mant)
+    result = e - 8 + (frac > 0x600000).to(torch.int64)
+    return torch.where(bits == 0, torch.full_like(result, -1000), result)
+
+
+def scale_exponent(amax: torch.Tensor, dialect: str) -> torch.Tensor:
+    """Power-of-two scale exponent k (scale = 2^k) of each tile for a MODEL1 dialect."""
+    try:
+        floor = DIALECT_MIN_EXPONENT[dialect]
+    except KeyError:
+        raise ValueError(f"unknown dialect {dialect!r}; known: {', '.join(DIALECTS)}") from None
+    return ceil_log2_div448(amax).clamp(min=floor)
+
+
+def ue8m0_byte(exponent: torch.Tensor) -> torch.Tensor:
+    """UE8M0 byte for scale 2^exponent (byte = exponent + 127); exponent must be in [-127, 127]."""
+    if exponent.numel() and (int(exponent.min()) < -127 or int(exponent.max()) > 127):
+        raise ValueError("scale exponent outside UE8M0 range [-127, 127]")
+    return (exponent + 127).to(torch.uint8)
+
+
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 2^exponent for int exponents in [-149, 127] (built from bits)."""
+    e = exponent.to(torch.int64)
+    normal_bits = (e + 127).clamp(min=1, max=254) << 23
+    sub_bits = torch.ones_like(e) << (e + 149).clamp(min=0, max=22)
+    bits = torch.where(e >= -126, normal_bits, sub_bits)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def bf16_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 bit patterns (int16 as uint16 values in int64), round-to-nearest-even."""
+    bits = f32_bits(x)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return torch.where(nan, (bits >> 16) | 0x40, rounded) & 0xFFFF
+
+
+def bf16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., n] -> little-endian bf16 bytes [..., 2n] (uint8)."""
+    b = bf16_round(x)
+    lo = (b & 0xFF).to(torch.uint8)
+    hi = (b >> 8).to(torch.uint8)
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+def bf16_from_bytes(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian bf16 bytes [..., 2n] (uint8) -> fp32 [..., n] (exact)."""
+    pairs = b.reshape(*b.shape[:-1], -1, 2).to(torch.int64)
+    bits = (pairs[..., 0] | (pairs[..., 1] << 8)) << 16
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
+    return bits.to(torch.int32).view(torch.float32)

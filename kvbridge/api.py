@@ -15,7 +15,7 @@ import torch
 
 from kvbridge import numerics as nx
 from kvbridge.codecs import HEAD_DIM, reciprocal_f32
-from kvbridge.errors import InputError, LayoutError, NonFiniteError
+from kvbridge.errors import InputError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout
 from kvbridge.reference import check_finite
 
@@ -73,7 +73,9 @@ def _check_dialect(dialect: str | None, layout: Layout) -> str | None:
     if dialect not in layout.dialects:
         if not layout.dialects:
             raise InputError(f"layout {layout.name} has no encoder dialects; got dialect={dialect!r}")
-        raise InputError(f"dialect {dialect!r} does not apply to {layout.name}; choose one of {', '.join(layout.dialects)}")
+        raise InputError(
+            f"dialect {dialect!r} does not apply to {layout.name}; choose one of {', '.join(layout.dialects)}"
+        )
     return dialect
 
 
@@ -176,7 +178,14 @@ class LossReport:
 
 
 def measure_loss(
-    src: torch.Tensor, dst: torch.Tensor, *, src_layout: str, dst_layout: str, dst_scale: float | None, byte_move: bool, saturated: int
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    src_layout: str,
+    dst_layout: str,
+    dst_scale: float | None,
+    byte_move: bool,
+    saturated: int,
 ) -> LossReport:
     """Compare decoded source ``src`` and decoded destination ``dst`` (fp32 ``[N, 512]``)."""
     err = (dst - src).abs()
@@ -257,8 +266,9 @@ def transcode(
             return out
         n = out.shape[0] * dps if num_tokens is None else num_tokens
         n = min(n, pages.shape[0] * src_page_size)
-        zero = LossReport(src.name, dst.name, n, True, True, s_out if dst.per_tensor_scale else None,
-                          0.0, 0.0, 0.0, 0, 0, 0.0, 0.0)
+        zero = LossReport(
+            src.name, dst.name, n, True, True, s_out if dst.per_tensor_scale else None, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0
+        )
         return out, zero
     d = _check_dialect(dialect, dst)
     if not report and not auto:
@@ -272,8 +282,12 @@ def transcode(
         return out
     back = fastpath.decode_pages(out, dst, dps, values.shape[0], s_out)
     rep = measure_loss(
-        values, back, src_layout=src.name, dst_layout=dst.name,
-        dst_scale=s_out if dst.per_tensor_scale else None, byte_move=False,
+        values,
+        back,
+        src_layout=src.name,
+        dst_layout=dst.name,
+        dst_scale=s_out if dst.per_tensor_scale else None,
+        byte_move=False,
         saturated=count_saturated(values, dst, d, s_out),
     )
     return out, rep

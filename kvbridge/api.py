@@ -264,10 +264,21 @@ def transcode(
         out = fastpath.repage(pages, src, src_page_size, dst, dps, num_tokens)
         if not report:
             return out
-        n = out.shape[0] * dps if num_tokens is None else num_tokens
-        n = min(n, pages.shape[0] * src_page_size)
+        n = pages.shape[0] * src_page_size if num_tokens is None else num_tokens
         zero = LossReport(
-            src.name, dst.name, n, True, True, s_out if dst.per_tensor_scale else None, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0
+            src_layout=src.name,
+            dst_layout=dst.name,
+            num_tokens=n,
+            lossless=True,
+            byte_move=True,
+            dst_scale=s_out if dst.per_tensor_scale else None,
+            max_abs_error=0.0,
+            max_rel_error=0.0,
+            rms_error=0.0,
+            saturated=0,
+            flushed_to_zero=0,
+            nope_max_abs_error=0.0,
+            rope_max_abs_error=0.0,
         )
         return out, zero
     d = _check_dialect(dialect, dst)

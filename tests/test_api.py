@@ -325,3 +325,10 @@ def test_layout_registry_field_offsets_and_page_rule():
     assert get_layout(TRT).field_offset("rope", 5, 128) == 5 * 512 + 448
     with pytest.raises(kb.LayoutError, match="already registered"):
         kb.register(m1)
+
+
+def test_byte_move_report_is_lossless_and_counts_tokens():
+    pages = kb.encode(random_latents(7, 6, 1.0), MODEL1, page_size=4)
+    out, rep = kb.transcode(pages, MODEL1, FOOTER, src_page_size=4, dst_page_size=3, report=True)
+    assert rep.byte_move and rep.lossless and rep.num_tokens == 8 and rep.max_abs_error == 0.0
+    assert out.shape == (3, 3 * 584)

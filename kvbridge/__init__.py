@@ -1,6 +1,7 @@
 """kvbridge: byte-exact DeepSeek-V4 KV-cache layouts, transcoding and migration between engines."""
 
 from kvbridge.api import LossReport, auto_scale, decode, encode, transcode
+from kvbridge.attention import sparse_decode
 from kvbridge.errors import DumpFormatError, InputError, KVBridgeError, LayoutError, NonFiniteError
 from kvbridge.layouts import Field, Layout, all_layouts, get_layout, register
 
@@ -22,5 +23,6 @@ __all__ = [
     "encode",
     "get_layout",
     "register",
+    "sparse_decode",
     "transcode",
 ]

@@ -1,0 +1,316 @@
+"""Conformance: the peers' reference vectors through the public API, and writer identification.
+
+``run_conformance`` replays the fixture files of ``fixtures/`` (FlashMLA's MODEL1 encoder and
+dequantizer at P = 2, 64, 256; TensorRT-LLM's per-tensor FP8 writer and reader at each scale)
+plus the dialect zero-tile scale bytes of spec section 4 (114 / 105 / 92), comparing bytes with
+``torch.equal``. ``identify_writer`` says which encoder (dialect, input precision, scale)
+reproduces a given byte stream from its source values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvbridge.api import decode, encode, transcode
+from kvbridge.codecs import HEAD_DIM, NUM_TILES
+from kvbridge.errors import DumpFormatError, InputError
+from kvbridge.layouts import Layout, get_layout
+
+MODEL1_FIXTURE = "model1_reference.safetensors"
+TRTLLM_FIXTURE = "trtllm_fp8_reference.safetensors"
+#: Scale byte of an all-zero tile per dialect, as stated in spec section 4 (not derived from the encoder).
+ZERO_TILE_SCALE_BYTE = {"flashmla": 114, "amax-1e-4": 105, "amax-1e-8": 92}
+#: Odd page size (FlashMLA's tests use 61) for the re-paging round trip check.
+ODD_PAGE_SIZE = 61
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One conformance check: which layout/dialect/case, what was compared, and the outcome."""
+
+    layout: str
+    dialect: str | None
+    case: str
+    check: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class ConformanceReport:
+    """All checks of one ``run_conformance`` call and the fixture directory they came from."""
+
+    fixtures_dir: str
+    results: list[CheckResult]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.passed for r in self.results)
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if not r.passed]
+
+    def to_dict(self) -> dict:
+        return {
+            "fixtures_dir": self.fixtures_dir,
+            "passed": self.passed,
+            "num_checks": len(self.results),
+            "num_failed": len(self.failures),
+            "results": [asdict(r) for r in self.results],
+        }
+
+
+def default_fixtures_dir() -> Path:
+    """The repository's ``fixtures/`` next to the (editable-installed) package; error if absent."""
+    path = Path(__file__).resolve().parent.parent / "fixtures"
+    if not (path / MODEL1_FIXTURE).is_file():
+        raise InputError(
+            f"no conformance fixtures found at {path} (kvbridge is not run from a source checkout); "
+            "pass the directory holding model1_reference.safetensors and trtllm_fp8_reference.safetensors"
+        )
+    return path
+
+
+def byte_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
+    """Exact comparison of two uint8 tensors: (equal?, one-line detail naming the first differing byte)."""
+    if got.shape != want.shape:
+        return False, f"shape {list(got.shape)} != expected {list(want.shape)}"
+    if torch.equal(got, want):
+        return True, f"{want.numel()} bytes equal"
+    diff = (got != want).flatten().nonzero()
+    first = int(diff[0])
+    return False, (
+        f"{diff.numel()} of {want.numel()} bytes differ; first at flat byte {first} "
+        f"(got 0x{int(got.flatten()[first]):02x}, want 0x{int(want.flatten()[first]):02x})"
+    )
+
+
+def value_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
+    """Exact comparison of two fp32 tensors, NaN equal to NaN: (equal?, one-line detail)."""
+    if got.shape != want.shape:
+        return False, f"shape {list(got.shape)} != expected {list(want.shape)}"
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    if bool(same.all()):
+        return True, f"{want.numel()} values equal exactly"
+    bad = int((~same).sum())
+    return False, f"{bad} of {want.numel()} values differ; max |diff| {float((got - want).abs()[~same].max()):.3g}"
+
+
+def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    try:
+        with safe_open(str(path), "pt") as fh:
+            cases = json.loads(fh.metadata()["cases"])
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except FileNotFoundError:
+        raise InputError(f"fixture file {path} not found") from None
+    except (SafetensorError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise DumpFormatError(f"{path}: not a kvbridge fixture file ({exc})") from None
+    return tensors, cases
+
+
+def _check(layout: str, dialect: str | None, case: str, check: str, outcome: tuple[bool, str]) -> CheckResult:
+    return CheckResult(layout, dialect, case, check, *outcome)
+
+
+def model1_checks(path: Path) -> list[CheckResult]:
+    """FlashMLA MODEL1 vectors: encode (flashmla dialect), decode, footer-scale layout, re-paging."""
+    tensors, cases = _load(path)
+    results = []
+    for case, info in cases.items():
+        p = int(info["page_size"])
+        x = tensors[f"{case}.input"].reshape(-1, HEAD_DIM)
+        want = tensors[f"{case}.model1"]
+        label = f"{case} (P={p})"
+        got = encode(x, "flashmla-model1", page_size=p, dialect="flashmla")
+        results.append(
+            _check("flashmla-model1", "flashmla", label, "encode == FlashMLA quant.py", byte_diff(got, want))
+        )
+        decoded = decode(want, "flashmla-model1", page_size=p)
+        dequant = tensors[f"{case}.dequant"].reshape(-1, HEAD_DIM).float()
+        results.append(
+            _check("flashmla-model1", None, label, "decode == FlashMLA dequantize", value_diff(decoded, dequant))
+        )
+        ds = get_layout("trtllm-fp8-ds-mla")
+        footer = encode(x, ds, page_size=p, dialect="flashmla")
+        results.append(
+            _check(
+                ds.name,
+                "flashmla",
+                label,
+                "token records == MODEL1 records",
+                byte_diff(ds.pages_to_records(footer, p), get_layout("flashmla-model1").pages_to_records(want, p)),
+            )
+        )
+        odd = transcode(want, "flashmla-model1", "flashmla-model1", src_page_size=p, dst_page_size=ODD_PAGE_SIZE)
+        back = transcode(
+            odd,
+            "flashmla-model1",
+            "flashmla-model1",
+            src_page_size=ODD_PAGE_SIZE,
+            dst_page_size=p,
+            num_tokens=x.shape[0],
+        )
+        results.append(
+            _check(
+                "flashmla-model1", None, label, f"re-page P={p}->{ODD_PAGE_SIZE}->{p} byte move", byte_diff(back, want)
+            )
+        )
+    return results
+
+
+def trtllm_checks(path: Path) -> list[CheckResult]:
+    """TensorRT-LLM per-tensor FP8 vectors: SWA writer bytes and reader values at each scale."""
+    tensors, cases = _load(path)
+    results = []
+    for case, info in cases.items():
+        s = float(info["scale"])
+        x = tensors[f"{case}.input"]
+        label = f"{case} (s={s:g})"
+        got = encode(x, "trtllm-fp8", page_size=1, dialect="swa", scale=s)
+        results.append(_check("trtllm-fp8", "swa", label, "encode == writer", byte_diff(got, tensors[f"{case}.fp8"])))
+        decoded = decode(tensors[f"{case}.fp8"], "trtllm-fp8", page_size=1, scale=s)
+        results.append(
+            _check("trtllm-fp8", None, label, "decode == reader", value_diff(decoded, tensors[f"{case}.decoded"]))
+        )
+    return results
+
+
+def dialect_checks() -> list[CheckResult]:
+    """Spec section 4: an all-zero tile gets scale byte 114 / 105 / 92 and value bytes 0x00."""
+    results = []
+    zeros = torch.zeros(1, HEAD_DIM)
+    for name in ("flashmla-model1", "trtllm-fp8-ds-mla"):
+        lay = get_layout(name)
+        for dialect, byte in ZERO_TILE_SCALE_BYTE.items():
+            rec = lay.pages_to_records(encode(zeros, lay, page_size=1, dialect=dialect), 1, 1)[0]
+            want = torch.cat([torch.zeros(576, dtype=torch.uint8), torch.full((NUM_TILES,), byte, dtype=torch.uint8)])
+            results.append(
+                _check(name, dialect, "zero tile", f"scale bytes == {byte}, values 0x00", byte_diff(rec[:583], want))
+            )
+    return results
+
+
+def run_conformance(fixtures_dir: str | os.PathLike | None = None) -> ConformanceReport:
+    """Run every conformance check against ``fixtures_dir`` (default: the repository's ``fixtures/``)."""
+    root = default_fixtures_dir() if fixtures_dir is None else Path(fixtures_dir)
+    if not root.is_dir():
+        raise InputError(f"fixtures directory {root} does not exist")
+    results = [*model1_checks(root / MODEL1_FIXTURE), *trtllm_checks(root / TRTLLM_FIXTURE), *dialect_checks()]
+    return ConformanceReport(str(root), results)
+
+
+@dataclass(frozen=True)
+class WriterCandidate:
+    """One encoder tried by ``identify_writer`` and how its bytes compare with the given ones.
+
+    ``differing_bytes`` counts record bytes (pad bytes excluded) that differ.
+    """
+
+    writer: str
+    dialect: str | None
+    input_precision: str
+    scale: float | None
+    matches: bool
+    differing_bytes: int
+
+
+@dataclass
+class WriterReport:
+    """Result of ``identify_writer``: every candidate, and the names of those matching exactly."""
+
+    layout: str
+    num_tokens: int
+    candidates: list[WriterCandidate]
+
+    @property
+    def matches(self) -> list[str]:
+        return [c.writer for c in self.candidates if c.matches]
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.layout,
+            "num_tokens": self.num_tokens,
+            "matches": self.matches,
+            "candidates": [asdict(c) for c in self.candidates],
+        }
+
+
+#: Engines known to use each (layout family, dialect, input precision), from spec sections 3-4.
+KNOWN_WRITERS: dict[tuple[str, str], str] = {
+    ("flashmla", "bf16"): "FlashMLA tests/quant.py",
+    ("flashmla", "fp32"): "SGLang V4.1 kernels (fp32 input)",
+    ("amax-1e-4", "bf16"): "vLLM writer / DeepSeek act_quant",
+    ("amax-1e-4", "fp32"): "SGLang V4 SWA store (fp32 input)",
+    ("amax-1e-8", "bf16"): "TensorRT-LLM fp8_ds_mla writer",
+    ("amax-1e-8", "fp32"): "SGLang test-path Triton quantizer (fp32 input)",
+    ("swa", "bf16"): "TensorRT-LLM SWA writer",
+    ("compress", "fp32"): "TensorRT-LLM COMPRESS writer",
+}
+
+
+def _meaningful_bytes(lay: Layout) -> torch.Tensor:
+    """Boolean mask over a record: True except pad bytes (unspecified by the writers)."""
+    mask = torch.ones(lay.record_bytes, dtype=torch.bool)
+    for f in lay.fields:
+        if f.format == "pad":
+            mask[f.offset : f.offset + f.nbytes] = False
+    return mask
+
+
+def identify_writer(
+    pages: torch.Tensor,
+    layout: str | Layout,
+    values: torch.Tensor,
+    *,
+    page_size: int,
+    num_tokens: int | None = None,
+    scale: float | None = None,
+) -> WriterReport:
+    """Which encoder reproduces ``pages`` exactly from source ``values`` (``[num_tokens, 512]``).
+
+    Tries every dialect of ``layout`` with bf16-rounded input and with the values as given
+    (fp32); for ``trtllm-fp8`` the ``swa`` writer at ``scale`` (default 1.0) and the
+    ``compress`` writer (scale 1). Token records are compared over the first ``num_tokens``
+    tokens (default: ``values.shape[0]``), pad bytes excluded. Bf16 ``values`` make the two
+    input precisions indistinguishable, so both match or neither.
+    """
+    lay = get_layout(layout)
+    lay.check_pages(pages, page_size)
+    if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[1] != HEAD_DIM:
+        raise InputError(f"values must be a tensor [num_tokens, {HEAD_DIM}], got {getattr(values, 'shape', values)!r}")
+    n = values.shape[0] if num_tokens is None else num_tokens
+    if n > values.shape[0]:
+        raise InputError(f"num_tokens={n} exceeds the {values.shape[0]} source values given")
+    mask = _meaningful_bytes(lay).to(pages.device)
+    have = lay.pages_to_records(pages, page_size, n)[:, mask]
+    src = values[:n].to(pages.device)
+    inputs = {"bf16": src.bfloat16(), "fp32": src.float()}
+    candidates = []
+    for dialect in lay.dialects or (None,):
+        s = (1.0 if dialect == "compress" or scale is None else scale) if lay.per_tensor_scale else None
+        for precision, x in inputs.items():
+            got = lay.pages_to_records(encode(x, lay, page_size=page_size, dialect=dialect, scale=s), page_size, n)
+            differing = int((got[:, mask] != have).sum())
+            family = dialect or lay.name
+            name = KNOWN_WRITERS.get((family, precision), f"{family} ({precision} input)")
+            label = f"{family}/{precision}" + (f"@s={s:g}" if s is not None else "") + f": {name}"
+            candidates.append(WriterCandidate(label, dialect, precision, s, differing == 0, differing))
+    return WriterReport(lay.name, n, candidates)
+
+
+__all__ = [
+    "CheckResult",
+    "ConformanceReport",
+    "WriterCandidate",
+    "WriterReport",
+    "default_fixtures_dir",
+    "identify_writer",
+    "run_conformance",
+]

@@ -1,0 +1,135 @@
+"""Conformance suite over fixtures/ and writer identification across dialects and precisions."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FIXTURES
+
+import kvbridge
+from kvbridge.conformance import (
+    ZERO_TILE_SCALE_BYTE,
+    default_fixtures_dir,
+    identify_writer,
+    run_conformance,
+)
+from kvbridge.errors import DumpFormatError, InputError
+
+
+@pytest.fixture(scope="module")
+def report():
+    return run_conformance()
+
+
+def test_every_fixture_check_passes(report):
+    assert report.passed, [r for r in report.failures]
+    assert report.fixtures_dir == str(FIXTURES)
+    cases = {(r.layout, r.case, r.check) for r in report.results}
+    for p in (2, 64, 256):
+        assert ("flashmla-model1", f"p{p} (P={p})", "encode == FlashMLA quant.py") in cases
+        assert ("flashmla-model1", f"p{p} (P={p})", "decode == FlashMLA dequantize") in cases
+    scales = {r.case for r in report.results if r.layout == "trtllm-fp8" and r.check == "encode == writer"}
+    assert scales == {"s0 (s=1)", "s1 (s=0.5)", "s2 (s=2)", "s3 (s=0.037)"}
+    zero = {(r.layout, r.dialect) for r in report.results if r.case == "zero tile"}
+    assert len(zero) == 6
+    assert report.to_dict()["num_failed"] == 0
+
+
+def test_zero_tile_bytes_are_the_spec_constants():
+    assert ZERO_TILE_SCALE_BYTE == {"flashmla": 114, "amax-1e-4": 105, "amax-1e-8": 92}
+
+
+def test_a_corrupted_fixture_fails_with_the_first_differing_byte(tmp_path: Path):
+    for name in ("model1_reference.safetensors", "trtllm_fp8_reference.safetensors"):
+        shutil.copy(FIXTURES / name, tmp_path / name)
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "trtllm_fp8_reference.safetensors"
+    with safe_open(str(path), "pt") as fh:
+        meta = fh.metadata()
+    tensors = load_file(str(path))
+    tensors["s2.fp8"][3, 5] ^= 1
+    save_file(tensors, str(path), metadata=meta)
+    bad = run_conformance(tmp_path)
+    assert not bad.passed
+    encode_failure, decode_failure = bad.failures
+    assert (encode_failure.layout, encode_failure.case, encode_failure.check) == (
+        "trtllm-fp8",
+        "s2 (s=2)",
+        "encode == writer",
+    )
+    assert encode_failure.detail.startswith("1 of 153600 bytes differ; first at flat byte 1541")
+    assert (decode_failure.case, decode_failure.check) == ("s2 (s=2)", "decode == reader")
+
+
+def test_missing_fixtures_are_a_clear_error(tmp_path: Path):
+    with pytest.raises(InputError, match="fixture file .* not found"):
+        run_conformance(tmp_path)
+    with pytest.raises(InputError, match="does not exist"):
+        run_conformance(tmp_path / "nowhere")
+    (tmp_path / "model1_reference.safetensors").write_bytes(b"garbage")
+    with pytest.raises(DumpFormatError, match="not a kvbridge fixture file"):
+        run_conformance(tmp_path)
+    assert default_fixtures_dir() == FIXTURES
+
+
+def tiles_with_small_amax() -> torch.Tensor:
+    """bf16 latents whose tiles straddle the dialect boundary amax = 448 * 2^-14."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 512, generator=g)
+    x[:, :448] *= torch.logspace(-7, 1, 40).unsqueeze(1)
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("dialect", ["flashmla", "amax-1e-4", "amax-1e-8"])
+def test_identify_model1_dialect_from_bf16_values(dialect: str):
+    x = tiles_with_small_amax()
+    pages = kvbridge.encode(x, "model1", page_size=16, dialect=dialect)
+    rep = identify_writer(pages, "model1", x, page_size=16)
+    matched = {c.dialect for c in rep.candidates if c.matches}
+    assert matched == {dialect}  # bf16 values: both input precisions are the same writer
+    assert all(c.matches for c in rep.candidates if c.dialect == dialect)
+    assert all(c.differing_bytes > 0 for c in rep.candidates if c.dialect != dialect)
+
+
+def test_identify_bf16_first_vs_fp32_input():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 512, generator=g)  # fp32 values: bf16 rounding first changes some bytes
+    from_fp32 = kvbridge.encode(x, "model1", page_size=64, dialect="amax-1e-4")
+    from_bf16 = kvbridge.encode(x.bfloat16(), "model1", page_size=64, dialect="amax-1e-4")
+    fp32_rep = identify_writer(from_fp32, "model1", x, page_size=64)
+    bf16_rep = identify_writer(from_bf16, "model1", x, page_size=64)
+    # every tile's amax is far above 0.0273, so the three dialects agree; the precision does not
+    assert {c.input_precision for c in fp32_rep.candidates if c.matches} == {"fp32"}
+    assert {c.input_precision for c in bf16_rep.candidates if c.matches} == {"bf16"}
+    assert "amax-1e-4/fp32: SGLang V4 SWA store (fp32 input)" in fp32_rep.matches
+    assert "amax-1e-4/bf16: vLLM writer / DeepSeek act_quant" in bf16_rep.matches
+
+
+def test_identify_trtllm_swa_vs_compress_writer_at_a_scale():
+    x = torch.randn(32, 512, generator=torch.Generator().manual_seed(7)) * 4
+    swa = kvbridge.encode(x.bfloat16(), "trtllm-fp8", page_size=32, scale=0.037, dialect="swa")
+    compress = kvbridge.encode(x, "trtllm-fp8", page_size=32, dialect="compress")
+    assert identify_writer(swa, "trtllm-fp8", x, page_size=32, scale=0.037).matches == [
+        "swa/bf16@s=0.037: TensorRT-LLM SWA writer"
+    ]
+    rep = identify_writer(compress, "trtllm-fp8", x, page_size=32, scale=0.037)
+    assert rep.matches == ["compress/fp32@s=1: TensorRT-LLM COMPRESS writer"]
+    assert rep.to_dict()["num_tokens"] == 32
+
+
+def test_identify_ignores_pad_bytes_and_checks_arguments():
+    x = tiles_with_small_amax()[:5]
+    pages = kvbridge.encode(x, "trtllm-fp8-ds-mla", page_size=8, dialect="amax-1e-8")
+    lay = kvbridge.get_layout("trtllm-fp8-ds-mla")
+    pages[0, lay.field_offset("pad", 2, 8)] = 0xAB  # TensorRT-LLM never writes the pad byte
+    pages[0, lay.field_offset("nope", 6, 8)] = 0x55  # a row past the 5 tokens: not compared
+    assert {c.dialect for c in identify_writer(pages, lay, x, page_size=8).candidates if c.matches} == {"amax-1e-8"}
+    with pytest.raises(InputError, match="values must be"):
+        identify_writer(pages, lay, x[:, :448], page_size=8)
+    with pytest.raises(InputError, match="exceeds"):
+        identify_writer(pages, lay, x, page_size=8, num_tokens=6)

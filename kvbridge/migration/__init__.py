@@ -1,0 +1,43 @@
+"""Request migration between engines: plan, pools, local execution and distributed transport."""
+
+from kvbridge.migration.execute import (
+    ChecksumError,
+    MigrationError,
+    MigrationReport,
+    Payload,
+    TransferError,
+    convert_payload,
+    destination_pools,
+    fill_synthetic,
+    migrate_local,
+    pack,
+    publish,
+    source_request,
+    verify,
+)
+from kvbridge.migration.plan import MigrationPlan, Transfer, live_entries, plan_migration
+from kvbridge.migration.pools import EnginePools, RequestTables, gather_records, scatter_records
+
+__all__ = [
+    "ChecksumError",
+    "EnginePools",
+    "MigrationError",
+    "MigrationPlan",
+    "MigrationReport",
+    "Payload",
+    "RequestTables",
+    "Transfer",
+    "TransferError",
+    "convert_payload",
+    "destination_pools",
+    "fill_synthetic",
+    "gather_records",
+    "live_entries",
+    "migrate_local",
+    "pack",
+    "plan_migration",
+    "publish",
+    "scatter_records",
+    "source_request",
+    "verify",
+]

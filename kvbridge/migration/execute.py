@@ -1,0 +1,278 @@
+"""Executing a plan: pack source entries, convert them, verify checksums, publish into destination pools.
+
+The same steps serve the in-process path (``migrate_local``) and the distributed one
+(``kvbridge.migration.transport``): the sender packs (and converts, when it is the side that
+transcodes), the receiver verifies every page chunk's CRC-32, converts if it has to, and only
+then claims destination pages and writes them. Nothing is claimed when any step fails.
+
+Checksums: CRC-32 (``zlib.crc32``) of the record bytes of each (transfer, source page)
+chunk, computed by the sender before anything leaves it.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+
+import kvbridge
+from kvbridge import indexer as ix
+from kvbridge.api import LossReport, is_byte_move
+from kvbridge.engines import Storage
+from kvbridge.errors import InputError, KVBridgeError
+from kvbridge.migration.plan import MigrationPlan, Transfer
+from kvbridge.migration.pools import EnginePools, RequestTables, gather_records, scatter_records, window_released
+
+ConvertSide = Literal["sender", "receiver"]
+
+
+class MigrationError(KVBridgeError):
+    """A migration that could not complete; no destination page was claimed."""
+
+
+class ChecksumError(MigrationError):
+    """A page chunk whose CRC-32 on arrival differs from the sender's."""
+
+
+class TransferError(MigrationError):
+    """The peer died, the link broke, or a timeout passed before the transfer finished."""
+
+
+@dataclass
+class Payload:
+    """A request's entries in flight: one record tensor per plan transfer, in plan order.
+
+    ``converted``: records are already in the destination format. ``chunks[i]`` lists the
+    row counts of transfer i's page chunks and ``checksums[i]`` their CRC-32 values.
+    """
+
+    fingerprint: str
+    converted: bool
+    records: list[torch.Tensor]
+    chunks: list[list[int]]
+    checksums: list[list[int]]
+    loss: list[LossReport] = field(default_factory=list)
+    indexer_max_abs_error: float = 0.0
+
+
+@dataclass
+class MigrationReport:
+    """Outcome of one migration: bytes moved, where conversion ran, loss and timings (seconds)."""
+
+    num_tokens: int
+    transfers: int
+    payload_bytes: int
+    converted_on: str
+    kv_lossless: bool
+    kv_max_abs_error: float
+    indexer_max_abs_error: float
+    pack_s: float
+    convert_s: float
+    wire_s: float
+    publish_s: float
+    loss: list[LossReport]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["loss"] = [r.to_dict() for r in self.loss]
+        return data
+
+
+def _chunk_rows(t: Transfer, storage: Storage) -> list[int]:
+    """Row counts of ``t``'s entries grouped by the page of ``storage`` they sit in."""
+    if storage.addressing == "ring":
+        return [t.count]
+    p = storage.page_size
+    bounds = [t.first] + list(range((t.first // p + 1) * p, t.first + t.count, p)) + [t.first + t.count]
+    return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def crc32_chunks(records: torch.Tensor, rows: list[int]) -> list[int]:
+    """CRC-32 of each consecutive chunk of ``rows[i]`` records."""
+    data = records.contiguous().numpy()
+    out, start = [], 0
+    for n in rows:
+        out.append(zlib.crc32(data[start : start + n]))
+        start += n
+    return out
+
+
+def _kv_convert(records: torch.Tensor, t: Transfer) -> tuple[torch.Tensor, LossReport | None]:
+    src, dst = t.src.layout, t.dst.layout
+    if is_byte_move(src, dst, t.src.scale or 1.0, t.dst.scale or 1.0):
+        return records, None
+    n = records.shape[0]
+    pages = src.records_to_pages(records, n)
+    out, report = kvbridge.transcode(
+        pages, src, dst, src_page_size=n, dst_page_size=n, src_scale=t.src.scale, dst_scale=t.dst.scale,
+        dialect=t.dst.dialect, report=True,
+    )
+    return dst.pages_to_records(out, n), report
+
+
+def convert_payload(plan: MigrationPlan, payload: Payload) -> Payload:
+    """Source-format records -> destination-format records (chunks follow the source pages)."""
+    if payload.converted:
+        return payload
+    records, loss, idx_err = [], [], 0.0
+    for t, rec in zip(plan.transfers, payload.records, strict=True):
+        if t.src.kind == "kv":
+            out, report = _kv_convert(rec, t)
+            if report is not None:
+                loss.append(report)
+        elif t.src.kind == "indexer":
+            if t.conversion == "byte copy":
+                out = rec
+            else:
+                out, err = ix.transcode_keys(rec, t.src.indexer, t.dst.indexer, t.dst.dialect or "")
+                idx_err = max(idx_err, err)
+        else:
+            out = rec
+        records.append(out)
+    return Payload(payload.fingerprint, True, records, payload.chunks, payload.checksums, loss, idx_err)
+
+
+def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, convert: bool) -> Payload:
+    """Gather every transfer's source records, checksum them per source page, optionally convert.
+
+    Checksums always cover the bytes that travel: with ``convert`` they are computed on the
+    converted records, chunked by the source pages the entries came from.
+    """
+    _check_pools(plan, src, "src")
+    records, chunks = [], []
+    for t in plan.transfers:
+        records.append(gather_records(src.pool(t.spec), t.src, tables[t.src.table], t.first, t.count))
+        chunks.append(_chunk_rows(t, t.src))
+    payload = Payload(plan.fingerprint(), False, records, chunks, [])
+    if convert:
+        payload = convert_payload(plan, payload)
+    payload.checksums = [crc32_chunks(r, c) for r, c in zip(payload.records, payload.chunks, strict=True)]
+    return payload
+
+
+def verify(plan: MigrationPlan, payload: Payload) -> None:
+    """Raise ``ChecksumError`` naming the first chunk whose CRC-32 does not match."""
+    if payload.fingerprint != plan.fingerprint():
+        raise MigrationError("payload was packed for a different plan (plan fingerprints differ)")
+    n = len(plan.transfers)
+    if not len(payload.records) == len(payload.chunks) == len(payload.checksums) == n:
+        raise MigrationError(f"payload holds {len(payload.records)} transfers, the plan {n}")
+    for t, rec, rows, sums in zip(plan.transfers, payload.records, payload.chunks, payload.checksums, strict=True):
+        if len(sums) != len(rows) or sum(rows) != rec.shape[0]:
+            raise MigrationError(f"layer {t.spec.layer} {t.spec.role.value}: page chunks do not cover its records")
+        got = crc32_chunks(rec, rows)
+        for i, (want, have) in enumerate(zip(sums, got, strict=True)):
+            if want != have:
+                raise ChecksumError(
+                    f"checksum mismatch in layer {t.spec.layer} {t.spec.role.value}, source page chunk {i} "
+                    f"(crc32 {have:#010x}, sender sent {want:#010x}); nothing was published"
+                )
+
+
+def publish(plan: MigrationPlan, payload: Payload, dst: EnginePools) -> RequestTables:
+    """Claim the request's destination pages and write every converted record into them."""
+    _check_pools(plan, dst, "dst")
+    if not payload.converted:
+        raise MigrationError("publish needs converted records; call convert_payload first")
+    lengths = plan.table_lengths("dst")
+    released = window_released(plan.dst, plan.model, plan.num_tokens, plan.draft_tokens, plan.include_mtp)
+    tables = dst.claim(lengths, released)
+    try:
+        for t, rec in zip(plan.transfers, payload.records, strict=True):
+            scatter_records(dst.pool(t.spec), t.dst, tables[t.dst.table], t.first, rec)
+    except Exception:
+        dst.release(tables)
+        raise
+    return tables
+
+
+def _check_pools(plan: MigrationPlan, pools: EnginePools, side: str) -> None:
+    profile = plan.src if side == "src" else plan.dst
+    if pools.profile.spec != profile.spec or pools.model.compress_ratios != plan.model.compress_ratios:
+        raise InputError(f"{side} pools are {pools.profile.spec} / {pools.model.name}; the plan wants "
+                         f"{profile.spec} / {plan.model.name}")
+
+
+def finish(plan: MigrationPlan, payload: Payload, dst: EnginePools, *, converted_on: str, pack_s: float,
+           wire_s: float) -> tuple[RequestTables, MigrationReport]:
+    """Verify, convert (if not yet), publish; the common tail of local and remote migration."""
+    verify(plan, payload)
+    t0 = time.perf_counter()
+    converted = convert_payload(plan, payload)
+    t1 = time.perf_counter()
+    tables = publish(plan, converted, dst)
+    t2 = time.perf_counter()
+    loss = converted.loss
+    report = MigrationReport(
+        num_tokens=plan.num_tokens,
+        transfers=len(plan.transfers),
+        payload_bytes=sum(r.numel() for r in payload.records),
+        converted_on=converted_on,
+        kv_lossless=all(r.lossless for r in loss),
+        kv_max_abs_error=max((r.max_abs_error for r in loss), default=0.0),
+        indexer_max_abs_error=converted.indexer_max_abs_error,
+        pack_s=pack_s,
+        convert_s=t1 - t0,
+        wire_s=wire_s,
+        publish_s=t2 - t1,
+        loss=loss,
+    )
+    return tables, report
+
+
+def migrate_local(plan: MigrationPlan, src: EnginePools, src_tables: RequestTables, dst: EnginePools, *,
+                  convert_on: ConvertSide = "receiver") -> tuple[RequestTables, MigrationReport]:
+    """Run ``plan`` in one process: returns the request's destination block tables and a report.
+
+    ``convert_on="sender"`` converts while packing (its time is then part of ``pack_s``).
+    """
+    if convert_on not in ("sender", "receiver"):
+        raise InputError(f"convert_on must be 'sender' or 'receiver', got {convert_on!r}")
+    t0 = time.perf_counter()
+    payload = pack(plan, src, src_tables, convert=convert_on == "sender")
+    pack_s = time.perf_counter() - t0
+    return finish(plan, payload, dst, converted_on=convert_on, pack_s=pack_s, wire_s=0.0)
+
+
+def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, seed: int = 0) -> None:
+    """Write a synthetic request into source pools with the source engine's own writers.
+
+    KV: latents ~ N(0, 1) per dim (bf16-rounded), a few tokens scaled by 2^-12 to exercise small
+    tiles, encoded with ``kvbridge.encode`` in the engine's dialect and scale; indexer keys
+    ~ N(0, 1) encoded by the engine's rule; state rows fp32 ~ N(0, 1).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for t in plan.transfers:
+        st = t.src
+        if st.kind == "kv":
+            x = torch.randn(t.count, 512, generator=gen).bfloat16().float()
+            x[::7] *= 2.0**-12
+            pages = kvbridge.encode(x, st.layout, page_size=t.count, dialect=st.dialect, scale=st.scale)
+            rec = st.layout.pages_to_records(pages, t.count)
+        elif st.kind == "indexer":
+            rec = ix.encode_keys(torch.randn(t.count, t.spec.width, generator=gen), st.indexer, st.dialect or "")
+        else:
+            rec = torch.randn(t.count, t.spec.width, generator=gen).contiguous().view(torch.uint8)
+        scatter_records(src.pool(t.spec), st, tables[st.table], t.first, rec)
+
+
+def source_request(plan: MigrationPlan, *, spare_pages: int = 0, seed: int = 0) -> tuple[EnginePools, RequestTables]:
+    """Source pools holding one synthetic request of ``plan`` (scattered page ids, released SWA blocks)."""
+    lengths = plan.table_lengths("src")
+    pools = EnginePools.create(plan.src, plan.model, {k: v + spare_pages for k, v in lengths.items()},
+                               include_mtp=plan.include_mtp, seed=seed)
+    released = window_released(plan.src, plan.model, plan.num_tokens, plan.draft_tokens, plan.include_mtp)
+    tables = pools.claim(lengths, released)
+    fill_synthetic(plan, pools, tables, seed=seed)
+    return pools, tables
+
+
+def destination_pools(plan: MigrationPlan, *, spare_pages: int = 0, seed: int | None = 1) -> EnginePools:
+    """Empty destination pools with room for ``plan``'s request plus ``spare_pages`` per table."""
+    lengths = plan.table_lengths("dst")
+    return EnginePools.create(plan.dst, plan.model, {k: v + spare_pages for k, v in lengths.items()},
+                              include_mtp=plan.include_mtp, seed=seed)
+

@@ -1,0 +1,218 @@
+"""The migration plan: which entries of a request move, from which pages to which, and how.
+
+For a request of ``L`` tokens (``draft_tokens`` MTP draft slots beyond the window):
+
+- SWA, every layer: tokens ``[max(0, L - window - draft), L)`` (the last window);
+- COMPRESS, ratio-r layers: compressed tokens ``[0, L // r)``;
+- INDEXER_COMPRESS, ratio-4 layers: keys ``[0, L // 4)``;
+- compressor state (and indexer-compressor state), ratio-r layers: the rows of the unfinished
+  window, tokens ``[max(0, (L // r) * r - o), L)`` with o = r for the overlapping ratio 4
+  (the next compressed token also reads the previous window) and o = 0 for ratio 128.
+
+Page indices in a plan are *logical*: positions in the request's block table for that cache
+(``Storage.table``); execution maps them to physical pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.api import is_byte_move
+from kvbridge.engines import EngineProfile, Storage, parse_engine
+from kvbridge.errors import InputError
+from kvbridge.topology import CacheSpec, ModelTopology, Role, get_model
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Entries ``[first, first + count)`` of one layer's cache, moved from ``src`` to ``dst`` storage."""
+
+    spec: CacheSpec
+    first: int
+    count: int
+    src: Storage
+    dst: Storage
+    conversion: str
+
+    @property
+    def src_bytes(self) -> int:
+        """Payload bytes in the source format (records only, no page padding)."""
+        return self.count * self.src.record_bytes
+
+    @property
+    def dst_bytes(self) -> int:
+        return self.count * self.dst.record_bytes
+
+    def table_slots(self, storage: Storage) -> list[int]:
+        """Logical page indices (into ``storage.table``) the entries occupy."""
+        if self.count == 0:
+            return []
+        if storage.addressing == "ring":
+            return [0]
+        return list(range(self.first // storage.page_size, (self.first + self.count - 1) // storage.page_size + 1))
+
+    @property
+    def src_page_bytes(self) -> int:
+        """Bytes of the source pages touched (what a raw page copy would send)."""
+        return len(self.table_slots(self.src)) * self.src.page_bytes
+
+    @property
+    def dst_page_bytes(self) -> int:
+        return len(self.table_slots(self.dst)) * self.dst.page_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layer": self.spec.layer,
+            "role": self.spec.role.value,
+            "ratio": self.spec.ratio,
+            "first": self.first,
+            "count": self.count,
+            "src": {"format": self.src.fmt, "table": self.src.table, "page_size": self.src.page_size,
+                    "pages": _ranges(self.table_slots(self.src))},
+            "dst": {"format": self.dst.fmt, "table": self.dst.table, "page_size": self.dst.page_size,
+                    "pages": _ranges(self.table_slots(self.dst))},
+            "conversion": self.conversion,
+            "src_bytes": self.src_bytes,
+            "dst_bytes": self.dst_bytes,
+            "src_page_bytes": self.src_page_bytes,
+            "dst_page_bytes": self.dst_page_bytes,
+        }
+
+
+def _ranges(slots: list[int]) -> list[int]:
+    """``[first, stop)`` of a contiguous list of table slots (empty list when none)."""
+    return [slots[0], slots[-1] + 1] if slots else []
+
+
+def live_entries(spec: CacheSpec, num_tokens: int, draft_tokens: int) -> tuple[int, int]:
+    """``(first, count)`` of the entries of ``spec``'s cache a request of ``num_tokens`` holds."""
+    n = num_tokens
+    if spec.role == Role.SWA:
+        assert spec.window is not None
+        first = max(0, n - spec.window - draft_tokens)
+        return first, n - first
+    if spec.role in (Role.COMPRESS, Role.INDEXER):
+        return 0, n // spec.ratio
+    overlap = spec.ratio if spec.ratio == 4 else 0
+    first = max(0, (n // spec.ratio) * spec.ratio - overlap)
+    return first, n - first
+
+
+def conversion_name(src: Storage, dst: Storage) -> str:
+    """How entries of ``src`` become entries of ``dst`` (a short human-readable name)."""
+    if src.kind == "state":
+        return "fp32 rows by position"
+    if src.kind == "indexer":
+        if src.fmt == dst.fmt and src.dialect == dst.dialect:
+            return "byte copy"
+        return f"requantize {src.fmt} -> {dst.fmt} ({dst.dialect})"
+    if is_byte_move(src.layout, dst.layout, src.scale or 1.0, dst.scale or 1.0):
+        return "byte move"
+    dialect = f", {dst.dialect}" if dst.dialect else ""
+    scale = f", scale {dst.scale:g}" if dst.scale is not None else ""
+    return f"transcode {src.fmt} -> {dst.fmt}{dialect}{scale}"
+
+
+def request_table_lengths(profile: EngineProfile, model: ModelTopology, num_tokens: int,
+                          include_mtp: bool = True) -> dict[str, int]:
+    """Block-table length of every table a request of ``num_tokens`` needs on ``profile``.
+
+    Paged tables span every entry the request ever had (pages before the window are -1
+    once released); ring tables have one page.
+    """
+    lengths: dict[str, int] = {}
+    for spec in model.all_caches(include_mtp):
+        st = profile.storage(spec)
+        if st.addressing == "ring":
+            need = 1
+        else:
+            per_token = spec.role in (Role.SWA, Role.STATE, Role.INDEXER_STATE)
+            entries = num_tokens if per_token else num_tokens // spec.ratio
+            need = -(-entries // st.page_size)
+        lengths[st.table] = max(lengths.get(st.table, 0), need)
+    return lengths
+
+
+@dataclass(frozen=True)
+class MigrationPlan:
+    """Every transfer of one request from ``src`` to ``dst`` pools (see module docstring)."""
+
+    model: ModelTopology
+    src: EngineProfile
+    dst: EngineProfile
+    num_tokens: int
+    draft_tokens: int
+    include_mtp: bool
+    transfers: tuple[Transfer, ...]
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """Per role, and ``all``: layers, entries, payload and page bytes on each side."""
+        keys = ("layers", "entries", "src_bytes", "dst_bytes", "src_page_bytes", "dst_page_bytes")
+        out: dict[str, dict[str, int]] = {}
+        for t in self.transfers:
+            for name in (t.spec.role.value, "all"):
+                row = out.setdefault(name, dict.fromkeys(keys, 0))
+                row["layers"] += 1
+                row["entries"] += t.count
+                row["src_bytes"] += t.src_bytes
+                row["dst_bytes"] += t.dst_bytes
+                row["src_page_bytes"] += t.src_page_bytes
+                row["dst_page_bytes"] += t.dst_page_bytes
+        return out
+
+    def table_lengths(self, side: str) -> dict[str, int]:
+        """Block-table lengths the request needs on the ``src`` or ``dst`` side."""
+        profile = self.src if side == "src" else self.dst
+        return request_table_lengths(profile, self.model, self.num_tokens, self.include_mtp)
+
+    def to_dict(self, transfers: bool = True) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "model": self.model.to_dict(),
+            "src": self.src.to_dict(),
+            "dst": self.dst.to_dict(),
+            "num_tokens": self.num_tokens,
+            "draft_tokens": self.draft_tokens,
+            "include_mtp": self.include_mtp,
+            "totals": self.totals(),
+        }
+        if transfers:
+            data["transfers"] = [t.to_dict() for t in self.transfers]
+        return data
+
+    def fingerprint(self) -> str:
+        """sha256 of the plan's JSON: both ends of a transfer must agree on it."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def plan_migration(
+    src: str | EngineProfile,
+    dst: str | EngineProfile,
+    model: str | ModelTopology,
+    num_tokens: int,
+    *,
+    draft_tokens: int = 0,
+    include_mtp: bool = True,
+) -> MigrationPlan:
+    """Plan the migration of one request of ``num_tokens`` tokens from ``src`` to ``dst`` pools.
+
+    ``src``/``dst`` are engine specs (``parse_engine``) or profiles; ``model`` a preset name,
+    a ``config.json`` path or a ``ModelTopology``. ``draft_tokens`` widens the SWA tail by
+    the MTP draft length. ``include_mtp`` moves the MTP layers' caches too.
+    """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise InputError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 0:
+        raise InputError(f"draft_tokens must be a non-negative integer, got {draft_tokens!r}")
+    src_p, dst_p = parse_engine(src), parse_engine(dst)
+    topo = get_model(model)
+    transfers = []
+    for spec in topo.all_caches(include_mtp):
+        first, count = live_entries(spec, num_tokens, draft_tokens)
+        if count == 0:
+            continue
+        s, d = src_p.storage(spec), dst_p.storage(spec)
+        transfers.append(Transfer(spec, first, count, s, d, conversion_name(s, d)))
+    return MigrationPlan(topo, src_p, dst_p, num_tokens, draft_tokens, include_mtp, tuple(transfers))

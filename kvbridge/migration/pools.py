@@ -1,0 +1,155 @@
+"""Engine-side page pools in one process: one uint8 tensor per (layer, role), page allocation,
+and record gather/scatter through a request's block tables.
+
+Every pool addressed by the same block table (e.g. all ratio-4 COMPRESS layers) has the same
+number of pages, so one page id means the same slot in each of them, as in the engines.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbridge.engines import EngineProfile, Storage, parse_engine
+from kvbridge.errors import InputError
+from kvbridge.topology import CacheSpec, ModelTopology, Role, get_model
+
+#: A request's block tables: table name -> physical page ids (-1: released / not held).
+RequestTables = dict[str, list[int]]
+
+
+def _locations(storage: Storage, table: Sequence[int], first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Physical page and row of entries ``[first, first + count)``; refuses released pages."""
+    entries = torch.arange(first, first + count, dtype=torch.int64)
+    if storage.addressing == "ring":
+        slots = torch.zeros_like(entries)
+    else:
+        slots = entries // storage.page_size
+    rows = entries % storage.page_size
+    if count and int(slots.max()) >= len(table):
+        raise InputError(
+            f"block table {storage.table!r} has {len(table)} pages; entry {first + count - 1} needs "
+            f"page index {int(slots.max())}"
+        )
+    table_t = torch.tensor(list(table), dtype=torch.int64)
+    pages = table_t[slots]
+    if count and bool((pages < 0).any()):
+        bad = int(slots[pages < 0][0])
+        raise InputError(f"block table {storage.table!r} index {bad} is released (-1) but holds live entries")
+    return pages, rows
+
+
+def _page_views(pool: torch.Tensor, storage: Storage) -> list[tuple[torch.Tensor, int, int]]:
+    """Views ``[num_pages, P, width]`` of a pool, with the record byte range each holds."""
+    p, rec = storage.page_size, storage.record_bytes
+    n = pool.shape[0]
+    if storage.split is None:
+        return [(pool[:, : p * rec].view(n, p, rec), 0, rec)]
+    s = storage.split
+    return [(pool[:, : p * s].view(n, p, s), 0, s), (pool[:, p * s : p * rec].view(n, p, rec - s), s, rec)]
+
+
+def gather_records(pool: torch.Tensor, storage: Storage, table: Sequence[int], first: int, count: int) -> torch.Tensor:
+    """Records ``[count, record_bytes]`` (uint8) of entries ``[first, first + count)``."""
+    pages, rows = _locations(storage, table, first, count)
+    out = torch.empty(count, storage.record_bytes, dtype=torch.uint8)
+    for view, lo, hi in _page_views(pool, storage):
+        out[:, lo:hi] = view[pages, rows]
+    return out
+
+
+def scatter_records(pool: torch.Tensor, storage: Storage, table: Sequence[int], first: int,
+                    records: torch.Tensor) -> None:
+    """Write records ``[count, record_bytes]`` into the pool slots of entries ``[first, first + count)``."""
+    pages, rows = _locations(storage, table, first, records.shape[0])
+    for view, lo, hi in _page_views(pool, storage):
+        view[pages, rows] = records[:, lo:hi]
+
+
+@dataclass
+class EnginePools:
+    """All cache pools of one engine instance (one process), with a free list per block table."""
+
+    profile: EngineProfile
+    model: ModelTopology
+    include_mtp: bool
+    pages_per_table: dict[str, int]
+    pools: dict[tuple[int, Role], torch.Tensor] = field(default_factory=dict)
+    free: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, profile: str | EngineProfile, model: str | ModelTopology, pages_per_table: dict[str, int], *,
+               include_mtp: bool = True, seed: int | None = None) -> EnginePools:
+        """Zero-filled pools; ``pages_per_table`` gives each block table's capacity in pages.
+
+        With ``seed`` the free lists are shuffled, so requests get scattered page ids.
+        """
+        prof, topo = parse_engine(profile), get_model(model)
+        pools: dict[tuple[int, Role], torch.Tensor] = {}
+        for spec in topo.all_caches(include_mtp):
+            st = prof.storage(spec)
+            if st.table not in pages_per_table:
+                raise InputError(f"pages_per_table lacks block table {st.table!r} of {prof.spec}")
+            pools[(spec.layer, spec.role)] = torch.zeros(pages_per_table[st.table], st.page_bytes, dtype=torch.uint8)
+        free = {name: list(range(n)) for name, n in pages_per_table.items()}
+        if seed is not None:
+            rng = random.Random(seed)
+            for ids in free.values():
+                rng.shuffle(ids)
+        return cls(prof, topo, include_mtp, dict(pages_per_table), pools, free)
+
+    def storage(self, spec: CacheSpec) -> Storage:
+        return self.profile.storage(spec)
+
+    def pool(self, spec: CacheSpec) -> torch.Tensor:
+        return self.pools[(spec.layer, spec.role)]
+
+    def num_free(self) -> dict[str, int]:
+        return {name: len(ids) for name, ids in self.free.items()}
+
+    def claim(self, lengths: dict[str, int], released: dict[str, int] | None = None) -> RequestTables:
+        """Allocate block tables of ``lengths`` pages; the first ``released[name]`` entries stay -1.
+
+        All or nothing: raises without taking any page when a table lacks free pages.
+        """
+        released = released or {}
+        wanted = {name: n - min(released.get(name, 0), n) for name, n in lengths.items()}
+        for name, n in wanted.items():
+            if name not in self.free:
+                raise InputError(f"{self.profile.spec} has no block table {name!r}")
+            if len(self.free[name]) < n:
+                raise InputError(f"block table {name!r} of {self.profile.spec} has {len(self.free[name])} free pages, "
+                                 f"the request needs {n}")
+        tables: RequestTables = {}
+        for name, n in lengths.items():
+            held = [self.free[name].pop() for _ in range(wanted[name])]
+            tables[name] = [-1] * (n - wanted[name]) + held
+        return tables
+
+    def release(self, tables: RequestTables) -> None:
+        """Return a request's pages to the free lists."""
+        for name, ids in tables.items():
+            self.free[name].extend(i for i in ids if i >= 0)
+
+
+def window_released(profile: EngineProfile, model: ModelTopology, num_tokens: int, draft_tokens: int,
+                    include_mtp: bool = True) -> dict[str, int]:
+    """Leading table entries of ``profile``'s paged windowed tables that are out of the window.
+
+    Engines free SWA (and TensorRT-LLM's windowed state) blocks once no token in them is in
+    the window; their table entries read -1.
+    """
+    from kvbridge.migration.plan import live_entries
+
+    released: dict[str, int] = {}
+    for spec in model.all_caches(include_mtp):
+        st = profile.storage(spec)
+        if spec.window is None or st.addressing == "ring":
+            continue
+        first, _ = live_entries(spec, num_tokens, draft_tokens)
+        n = first // st.page_size
+        released[st.table] = n if st.table not in released else min(released[st.table], n)
+    return released

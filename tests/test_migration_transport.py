@@ -1,0 +1,249 @@
+"""Distributed migration: two real processes, a real gloo process group on 127.0.0.1.
+
+The request is a synthetic DeepSeek-V4-Flash request of 3000 tokens cut to the first 6 main
+layers (+ the MTP layer) to keep the test fast: ratios [0, 0, 4, 128, 4, 128] + [0], so 23 C128
+entries per HCA layer, 750 C4 entries per CSA layer, and a 128-token SWA window that straddles
+a page boundary (tokens 2872..2999). Every process runs under a hard join timeout and every
+receive under the transport's own timeout, so nothing here can hang CI.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from kvbridge import indexer as ix
+from kvbridge.migration import (
+    ChecksumError,
+    EnginePools,
+    TransferError,
+    destination_pools,
+    gather_records,
+    pack,
+    plan_migration,
+    source_request,
+)
+from kvbridge.migration.transport import receive_request, send_payload, send_request
+from kvbridge.topology import FLASH
+
+MODEL = FLASH.with_layers(6)
+TOKENS = 3000
+FORWARD = ("trtllm:fp8:tpb=128", "sglang")
+REVERSE = ("sglang", "trtllm:fp8:tpb=128")
+JOIN_TIMEOUT_S = 90
+RECV_TIMEOUT_S = 30.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+
+
+def _plan(pair: tuple[str, str]):
+    return plan_migration(pair[0], pair[1], MODEL, TOKENS)
+
+
+def _save_pools(path: str, pools: EnginePools, tables: dict[str, list[int]] | None, info: dict[str, str]) -> None:
+    tensors = {f"{layer}.{role.value}": t for (layer, role), t in pools.pools.items()}
+    meta = {"tables": json.dumps(tables), "free": json.dumps(pools.num_free()), **info}
+    tmp = path + ".tmp"
+    save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, path)
+
+
+def _sender_main(port: int) -> None:
+    _init(0, port)
+    fwd = _plan(FORWARD)
+    src, tables = source_request(fwd, spare_pages=2, seed=11)
+    send_request(fwd, src, tables, dst_rank=1, convert_on="receiver", chunk_bytes=1 << 20, timeout=RECV_TIMEOUT_S)
+    rev = _plan(REVERSE)
+    src, tables = source_request(rev, spare_pages=2, seed=12)
+    send_request(rev, src, tables, dst_rank=1, convert_on="sender", timeout=RECV_TIMEOUT_S)
+    src, tables = source_request(fwd, spare_pages=2, seed=13)
+    payload = pack(fwd, src, tables, convert=False)
+    payload.records[5][3, 17] ^= 0x40  # one flipped bit after the checksums were taken
+    send_payload(payload, dst_rank=1, timeout=RECV_TIMEOUT_S)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _receiver_main(port: int, out_dir: str) -> None:
+    _init(1, port)
+    for name, pair in (("forward", FORWARD), ("reverse", REVERSE)):
+        plan = _plan(pair)
+        dst = destination_pools(plan, spare_pages=2, seed=5)
+        tables, report = receive_request(plan, dst, src_rank=0, timeout=RECV_TIMEOUT_S)
+        _save_pools(f"{out_dir}/{name}.safetensors", dst, tables, {
+            "kv_lossless": str(report.kv_lossless), "kv_max_abs_error": repr(report.kv_max_abs_error),
+            "loss_reports": str(len(report.loss)), "converted_on": report.converted_on,
+        })
+    plan = _plan(FORWARD)
+    dst = destination_pools(plan, spare_pages=2, seed=5)
+    before = dst.num_free()
+    try:
+        receive_request(plan, dst, src_rank=0, timeout=RECV_TIMEOUT_S)
+        error = "no error"
+    except ChecksumError as exc:
+        error = f"ChecksumError: {exc}"
+    _save_pools(f"{out_dir}/corrupt.safetensors", dst, None, {"error": error, "free_before": json.dumps(before)})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_pair(targets: list[tuple], timeout: float = JOIN_TIMEOUT_S) -> list[int | None]:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=fn, args=args) for fn, args in targets]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    codes = []
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+        codes.append(p.exitcode)
+    return codes
+
+
+@pytest.fixture(scope="module")
+def pair_results(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("migration")
+    port = _free_port()
+    codes = _run_pair([(_sender_main, (port,)), (_receiver_main, (port, str(out)))])
+    assert codes == [0, 0], f"sender/receiver exit codes {codes}"
+    return out
+
+
+def _load(path: Path, plan, seed: int = 5) -> tuple[EnginePools, dict, dict]:
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as handle:
+        meta = handle.metadata()
+    pools = destination_pools(plan, spare_pages=2, seed=seed)
+    for (layer, role) in pools.pools:
+        pools.pools[(layer, role)] = tensors[f"{layer}.{role.value}"]
+    tables = json.loads(meta["tables"])
+    return pools, tables, meta
+
+
+def _expected_records(t, src_records: torch.Tensor) -> torch.Tensor:
+    """What the reference codecs write at the destination for the source entries."""
+    if t.src.kind == "kv":
+        values = t.src.layout.codec.decode(src_records, scale=t.src.scale or 1.0)
+        return t.dst.layout.codec.encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
+    if t.src.kind == "indexer":
+        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer), t.dst.indexer, t.dst.dialect)
+    return src_records
+
+
+def _check_bytes(plan, src_seed: int, dst: EnginePools, tables: dict) -> None:
+    src, src_tables = source_request(plan, spare_pages=2, seed=src_seed)
+    claimed: dict[str, set[int]] = {name: {i for i in ids if i >= 0} for name, ids in tables.items()}
+    for t in plan.transfers:
+        src_rec = gather_records(src.pool(t.spec), t.src, src_tables[t.src.table], t.first, t.count)
+        got = gather_records(dst.pool(t.spec), t.dst, tables[t.dst.table], t.first, t.count)
+        assert torch.equal(got, _expected_records(t, src_rec)), f"layer {t.spec.layer} {t.spec.role.value}"
+        unclaimed = [i for i in range(dst.pool(t.spec).shape[0]) if i not in claimed[t.dst.table]]
+        assert not bool(dst.pool(t.spec)[unclaimed].any()), "bytes written outside the request's pages"
+
+
+def test_forward_trtllm_fp8_to_sglang_bytes_match_reference(pair_results):
+    plan = _plan(FORWARD)
+    dst, tables, meta = _load(pair_results / "forward.safetensors", plan)
+    assert meta["converted_on"] == "receiver"
+    assert len(tables["swa"]) == -(-TOKENS // 256) and tables["swa"][0] == -1  # out-of-window page released
+    _check_bytes(plan, 11, dst, tables)
+
+
+def test_reverse_sglang_to_trtllm_with_loss_report(pair_results):
+    plan = _plan(REVERSE)
+    dst, tables, meta = _load(pair_results / "reverse.safetensors", plan)
+    assert meta["converted_on"] == "sender"
+    kv_transfers = sum(1 for t in plan.transfers if t.src.kind == "kv")
+    assert int(meta["loss_reports"]) == kv_transfers
+    # MODEL1 -> per-tensor E4M3 at scale 1 cannot hold the 2^-12-scaled tokens exactly.
+    assert meta["kv_lossless"] == "False" and float(meta["kv_max_abs_error"]) > 0
+    _check_bytes(plan, 12, dst, tables)
+
+
+def test_corrupted_page_is_detected_and_nothing_is_claimed(pair_results):
+    plan = _plan(FORWARD)
+    dst, _, meta = _load(pair_results / "corrupt.safetensors", plan)
+    assert meta["error"].startswith("ChecksumError: checksum mismatch in layer"), meta["error"]
+    assert meta["free"] == meta["free_before"]
+    assert not any(bool(t.any()) for t in dst.pools.values())
+
+
+def _dying_sender_main(port: int, sent) -> None:
+    _init(0, port)
+    plan = _plan(FORWARD)
+    src, tables = source_request(plan, spare_pages=2, seed=11)
+
+    def stall_after_first_message(done: int, total: int) -> None:
+        sent.set()
+        time.sleep(120)  # the test kills this process here, mid-transfer
+
+    send_request(plan, src, tables, dst_rank=1, chunk_bytes=1 << 16, timeout=120, progress=stall_after_first_message)
+
+
+def _patient_receiver_main(port: int, out_dir: str) -> None:
+    _init(1, port)
+    plan = _plan(FORWARD)
+    dst = destination_pools(plan, spare_pages=2, seed=5)
+    before = dst.num_free()
+    start = time.monotonic()
+    try:
+        receive_request(plan, dst, src_rank=0, timeout=20.0)
+        error = "no error"
+    except TransferError as exc:
+        error = f"TransferError: {exc}"
+    elapsed = time.monotonic() - start
+    _save_pools(f"{out_dir}/killed.safetensors", dst, None,
+                {"error": error, "elapsed": repr(elapsed), "free_before": json.dumps(before)})
+    os._exit(0)  # the group's peer is dead: skip a destroy that would wait for it
+
+
+def test_sender_killed_mid_transfer_fails_receiver_cleanly(tmp_path):
+    ctx = mp.get_context("spawn")
+    sent = ctx.Event()
+    port = _free_port()
+    sender = ctx.Process(target=_dying_sender_main, args=(port, sent))
+    receiver = ctx.Process(target=_patient_receiver_main, args=(port, str(tmp_path)))
+    sender.start()
+    receiver.start()
+    try:
+        assert sent.wait(JOIN_TIMEOUT_S), "sender never sent its first data message"
+        sender.kill()
+        sender.join(10)
+        receiver.join(60)
+    finally:
+        for p in (sender, receiver):
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert receiver.exitcode == 0
+    plan = _plan(FORWARD)
+    dst, _, meta = _load(tmp_path / "killed.safetensors", plan)
+    assert meta["error"].startswith("TransferError: data message"), meta["error"]
+    assert "nothing was published" in meta["error"]
+    assert float(meta["elapsed"]) < 20.0 + 5.0  # within its timeout (plus scheduling slack)
+    assert meta["free"] == meta["free_before"]
+    assert not any(bool(t.any()) for t in dst.pools.values())

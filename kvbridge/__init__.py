@@ -4,6 +4,7 @@ from kvbridge.api import LossReport, auto_scale, decode, encode, transcode
 from kvbridge.attention import sparse_decode
 from kvbridge.errors import DumpFormatError, InputError, KVBridgeError, LayoutError, NonFiniteError
 from kvbridge.layouts import Field, Layout, all_layouts, get_layout, register
+from kvbridge.paged import gather_transcode, transcode_slots
 
 __version__ = "0.1.0"
 
@@ -21,8 +22,10 @@ __all__ = [
     "auto_scale",
     "decode",
     "encode",
+    "gather_transcode",
     "get_layout",
     "register",
     "sparse_decode",
     "transcode",
+    "transcode_slots",
 ]

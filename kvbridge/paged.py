@@ -1,0 +1,286 @@
+"""Block-table paged operations: slot-list transcode and gather-transcode into a MODEL1 scratch cache.
+
+A token's *slot* is ``page * P + row`` (spec section 3): it lives in page ``slot // P`` at row
+``slot % P``. Both functions validate every argument before writing anything, run a readable
+torch reference on CPU tensors and the Triton kernels (``kvbridge.triton_kernels``, imported
+lazily) on CUDA tensors; the two are byte-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbridge.api import _check_dialect, _check_scale, is_byte_move
+from kvbridge.errors import InputError, LayoutError, NonFiniteError
+from kvbridge.layouts import Layout, get_layout
+
+#: Layout of the scratch cache ``gather_transcode`` writes (FlashMLA's sparse decode reads it).
+SCRATCH_LAYOUT = "flashmla-model1"
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def record_byte_index(layout: Layout, page_size: int, slots: torch.Tensor) -> torch.Tensor:
+    """Flat byte offsets ``[N, record_bytes]`` (int64) of each slot's record inside ``pages.view(-1)``.
+
+    Token-major: record byte j of slot s is at ``page*page_bytes + row*record_bytes + j``.
+    Block-split: bytes j < split at ``page*page_bytes + row*split + j``, the footer bytes at
+    ``page*page_bytes + P*split + row*(record_bytes - split) + (j - split)``.
+    """
+    s = slots.to(torch.int64).unsqueeze(1)
+    page, row = s // page_size, s % page_size
+    j = torch.arange(layout.record_bytes, dtype=torch.int64, device=slots.device).unsqueeze(0)
+    base = page * layout.page_bytes(page_size)
+    if layout.split is None:
+        return base + row * layout.record_bytes + j
+    split, footer = layout.split, layout.record_bytes - layout.split
+    return torch.where(j < split, base + row * split + j, base + page_size * split + row * footer + (j - split))
+
+
+def _check_pool(pages: object, layout: Layout, page_size: int, what: str) -> torch.Tensor:
+    if not isinstance(pages, torch.Tensor):
+        raise InputError(f"{what} must be a torch.Tensor, got {type(pages).__name__}")
+    try:
+        layout.check_pages(pages, page_size)
+    except LayoutError as exc:
+        raise LayoutError(f"{what}: {exc}") from None
+    if not pages.is_contiguous():
+        raise InputError(f"{what} must be contiguous")
+    return pages
+
+
+def _check_slots(slots: object, what: str, device: torch.device) -> torch.Tensor:
+    if not isinstance(slots, torch.Tensor):
+        raise InputError(f"{what} must be a torch.Tensor, got {type(slots).__name__}")
+    if slots.dtype not in _INDEX_DTYPES:
+        raise InputError(f"{what} must be int32 or int64, got {slots.dtype}")
+    if slots.device != device:
+        raise InputError(f"{what} is on {slots.device}, the pools on {device}")
+    return slots
+
+
+def _first_out_of_range(slots: torch.Tensor, capacity: int, allow_invalid: bool) -> int | None:
+    """Flat position of the first slot outside ``[0, capacity)`` (``-1`` allowed if ``allow_invalid``)."""
+    low = -1 if allow_invalid else 0
+    bad = (slots < low) | (slots >= capacity)
+    if not bool(bad.any()):
+        return None
+    return int(bad.reshape(-1).nonzero()[0, 0])
+
+
+def _check_distinct(dst_slots: torch.Tensor) -> None:
+    ordered, order = torch.sort(dst_slots.to(torch.int64), stable=True)
+    same = ordered[1:] == ordered[:-1]
+    if bool(same.any()):
+        k = int(same.nonzero()[0, 0])
+        first, second = sorted((int(order[k]), int(order[k + 1])))
+        raise InputError(
+            f"dst_slots holds slot {int(ordered[k])} twice (at indices {first} and {second}); "
+            "destination slots must be distinct"
+        )
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.data_ptr() == sb.data_ptr() and sa.device == sb.device
+
+
+def _use_triton(tensor: torch.Tensor, *layouts: Layout) -> bool:
+    """CUDA tensors go to the Triton kernels when Triton is installed and has kernels for the layouts."""
+    if not tensor.is_cuda:
+        return False
+    try:
+        from kvbridge import triton_kernels
+    except ImportError:
+        return False
+    return triton_kernels.supports(*layouts)
+
+
+def transcode_slots(
+    src_pages: torch.Tensor,
+    src_layout: str | Layout,
+    dst_pages: torch.Tensor,
+    dst_layout: str | Layout,
+    *,
+    src_page_size: int,
+    dst_page_size: int,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    src_scale: float | None = None,
+    dst_scale: float | None = None,
+    dialect: str | None = None,
+) -> torch.Tensor:
+    """Write the token at ``src_slots[i]`` of the source pool into ``dst_slots[i]`` of ``dst_pages``, in place.
+
+    Pools are uint8 ``[num_pages, page_bytes]`` of their layout and page size; slots are 1-D
+    int32/int64 of equal length, ``page * P + row``. Only the addressed destination records
+    change (a record includes a 584-byte layout's scale and pad bytes in the page footer).
+    Same token record in both layouts (re-paging, ``flashmla-model1`` <-> ``trtllm-fp8-ds-mla``,
+    per-tensor at equal scale): the bytes are copied and ``dialect`` is refused. Otherwise each
+    token is decoded (``src_scale``) and re-encoded (``dialect``, ``dst_scale``); a non-finite
+    decoded source raises ``NonFiniteError`` before anything is written.
+    Returns ``dst_pages``.
+    """
+    src = get_layout(src_layout)
+    dst = get_layout(dst_layout)
+    src.check_page_size(src_page_size)
+    dst.check_page_size(dst_page_size)
+    _check_pool(src_pages, src, src_page_size, "src_pages")
+    _check_pool(dst_pages, dst, dst_page_size, "dst_pages")
+    device = src_pages.device
+    if dst_pages.device != device:
+        raise InputError(f"dst_pages is on {dst_pages.device}, src_pages on {device}")
+    if _shares_memory(src_pages, dst_pages):
+        raise InputError("src_pages and dst_pages share memory; transcode into a separate pool")
+    _check_slots(src_slots, "src_slots", device)
+    _check_slots(dst_slots, "dst_slots", device)
+    if src_slots.dim() != 1 or dst_slots.dim() != 1 or src_slots.shape != dst_slots.shape:
+        raise InputError(
+            "src_slots and dst_slots must be 1-D of equal length, "
+            f"got {list(src_slots.shape)} and {list(dst_slots.shape)}"
+        )
+    s_in = _check_scale(src_scale, src, "src_scale")
+    s_out = _check_scale(dst_scale, dst, "dst_scale")
+    byte_move = is_byte_move(src, dst, s_in, s_out)
+    if byte_move and dialect is not None:
+        raise InputError(
+            f"{src.name} -> {dst.name} is a byte move that keeps the source's scales; "
+            f"dialect={dialect!r} would not be applied"
+        )
+    d = None if byte_move else _check_dialect(dialect, dst)
+    for slots, pages, page_size, what in (
+        (src_slots, src_pages, src_page_size, "src_slots"),
+        (dst_slots, dst_pages, dst_page_size, "dst_slots"),
+    ):
+        capacity = pages.shape[0] * page_size
+        bad = _first_out_of_range(slots, capacity, allow_invalid=False)
+        if bad is not None:
+            raise InputError(
+                f"{what}[{bad}] = {int(slots[bad])} is outside the pool of {capacity} slots "
+                f"({pages.shape[0]} pages of {page_size})"
+            )
+    _check_distinct(dst_slots)
+    if src_slots.numel() == 0:
+        return dst_pages
+    if _use_triton(src_pages, src, dst):
+        from kvbridge import triton_kernels
+
+        if not byte_move:
+            flags = triton_kernels.nonfinite_flags(src_pages, src, src_page_size, src_slots, s_in)
+            _raise_nonfinite(flags != 0, src_slots, "src_slots")
+        triton_kernels.transcode_slots(
+            src_pages, src, src_page_size, dst_pages, dst, dst_page_size,
+            src_slots, dst_slots, s_in, s_out, d, byte_move,
+        )
+        return dst_pages
+    records = src_pages.view(-1)[record_byte_index(src, src_page_size, src_slots)]
+    if not byte_move:
+        values = src.codec.decode(records, scale=s_in)
+        _raise_nonfinite(~torch.isfinite(values).all(dim=1), src_slots, "src_slots")
+        records = dst.codec.encode(values, dialect=d, scale=s_out)
+    dst_pages.view(-1)[record_byte_index(dst, dst_page_size, dst_slots)] = records
+    return dst_pages
+
+
+def _raise_nonfinite(bad: torch.Tensor, slots: torch.Tensor, what: str) -> None:
+    """``NonFiniteError`` naming the first position of ``slots`` whose decoded token is not finite (``bad``)."""
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        raise NonFiniteError(
+            f"{what}[{k}] = slot {int(slots[k])} decodes to non-finite values "
+            f"({int(bad.sum())} such tokens); nothing was written"
+        )
+
+
+def gather_transcode(
+    pool: torch.Tensor,
+    layout: str | Layout,
+    *,
+    page_size: int,
+    indices: torch.Tensor,
+    scale: float | None = None,
+    dialect: str | None = None,
+    out_page_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy just the tokens ``indices`` touches into a fresh ``flashmla-model1`` scratch cache.
+
+    ``indices`` ``(..., topk)`` int32/int64 holds pool slots (``page * page_size + row``), -1 for
+    none. Entry at flat position ``k`` of ``indices`` is written to scratch slot ``k`` (no
+    deduplication: a token named twice is converted twice, which avoids a sort on the GPU and
+    keeps this one launch). Returns ``(scratch_pages, remapped)``: scratch uint8
+    ``[ceil(indices.numel() / out_page_size), page_bytes]`` of ``flashmla-model1`` with page size
+    ``out_page_size`` (rows of -1 entries, unused rows and the page tail are zero), and int32
+    ``remapped`` of the shape of ``indices`` (``k`` where valid, -1 kept). ``scale`` is the
+    source's per-tensor scale; ``dialect`` the MODEL1 encoder rule (refused for a MODEL1 source,
+    whose records are copied). A non-finite source token raises ``NonFiniteError``.
+    """
+    src = get_layout(layout)
+    dst = get_layout(SCRATCH_LAYOUT)
+    src.check_page_size(page_size)
+    dst.check_page_size(out_page_size)
+    _check_pool(pool, src, page_size, "pool")
+    _check_slots(indices, "indices", pool.device)
+    if indices.dim() < 1:
+        raise InputError("indices must have at least one dimension (..., topk)")
+    s_in = _check_scale(scale, src, "scale")
+    byte_move = is_byte_move(src, dst, s_in, 1.0)
+    if byte_move and dialect is not None:
+        raise InputError(
+            f"a {src.name} pool is copied as is into the scratch cache; dialect={dialect!r} would not be applied"
+        )
+    d = None if byte_move else _check_dialect(dialect, dst)
+    capacity = pool.shape[0] * page_size
+    flat = indices.reshape(-1)
+    if _use_triton(pool, src, dst):
+        from kvbridge import triton_kernels
+
+        scratch, flags = triton_kernels.gather_transcode(
+            pool, src, page_size, flat, s_in, d, byte_move, out_page_size, dst
+        )
+        _raise_flags(flags, indices, capacity)
+    else:
+        bad = _first_out_of_range(flat, capacity, allow_invalid=True)
+        if bad is not None:
+            _raise_out_of_range(indices, bad, capacity)
+        valid = flat >= 0
+        records = torch.zeros(flat.numel(), dst.record_bytes, dtype=torch.uint8, device=pool.device)
+        picked = pool.view(-1)[record_byte_index(src, page_size, flat[valid])]
+        if not byte_move:
+            values = src.codec.decode(picked, scale=s_in)
+            bad_tok = ~torch.isfinite(values).all(dim=1)
+            if bool(bad_tok.any()):
+                k = int(valid.nonzero()[int(bad_tok.nonzero()[0, 0]), 0])
+                _raise_nonfinite_index(indices, k, int(bad_tok.sum()))
+            picked = dst.codec.encode(values, dialect=d, scale=1.0)
+        records[valid] = picked
+        scratch = dst.records_to_pages(records, out_page_size)
+    positions = torch.arange(flat.numel(), dtype=torch.int32, device=pool.device)
+    remapped = torch.where(flat >= 0, positions, torch.full_like(positions, -1)).view(indices.shape)
+    return scratch, remapped
+
+
+def _index_text(indices: torch.Tensor, k: int) -> str:
+    pos = ", ".join(str(int(v)) for v in torch.unravel_index(torch.tensor(k), tuple(indices.shape)))
+    return f"indices[{pos}] = {int(indices.reshape(-1)[k])}"
+
+
+def _raise_out_of_range(indices: torch.Tensor, k: int, capacity: int) -> None:
+    raise InputError(
+        f"{_index_text(indices, k)} is outside the pool of {capacity} slots (valid: 0..{capacity - 1} or -1)"
+    )
+
+
+def _raise_nonfinite_index(indices: torch.Tensor, k: int, count: int) -> None:
+    raise NonFiniteError(f"{_index_text(indices, k)} decodes to non-finite values ({count} such tokens)")
+
+
+def _raise_flags(flags: torch.Tensor, indices: torch.Tensor, capacity: int) -> None:
+    """Turn the kernel's per-index flags (1 non-finite, 2 out of range) into the reference's errors."""
+    from kvbridge.triton_kernels import FLAG_NONFINITE, FLAG_OUT_OF_RANGE
+
+    if not bool(flags.any()):
+        return
+    oob = flags == FLAG_OUT_OF_RANGE
+    if bool(oob.any()):
+        _raise_out_of_range(indices, int(oob.nonzero()[0, 0]), capacity)
+    nonfinite = flags == FLAG_NONFINITE
+    _raise_nonfinite_index(indices, int(nonfinite.nonzero()[0, 0]), int(nonfinite.sum()))

@@ -161,6 +161,8 @@ class MigrationPlan:
                 row["dst_bytes"] += t.dst_bytes
                 row["src_page_bytes"] += t.src_page_bytes
                 row["dst_page_bytes"] += t.dst_page_bytes
+        if "all" in out:
+            out["all"] = out.pop("all")
         return out
 
     def table_lengths(self, side: str) -> dict[str, int]:

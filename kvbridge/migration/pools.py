@@ -42,6 +42,12 @@ def _locations(storage: Storage, table: Sequence[int], first: int, count: int) -
     return pages, rows
 
 
+def entry_slots(storage: Storage, table: Sequence[int], first: int, count: int) -> torch.Tensor:
+    """Physical slots ``page * P + row`` (int64) of entries ``[first, first + count)``."""
+    pages, rows = _locations(storage, table, first, count)
+    return pages * storage.page_size + rows
+
+
 def _page_views(pool: torch.Tensor, storage: Storage) -> list[tuple[torch.Tensor, int, int]]:
     """Views ``[num_pages, P, width]`` of a pool, with the record byte range each holds."""
     p, rec = storage.page_size, storage.record_bytes

@@ -1,0 +1,185 @@
+"""``kvbridge migrate``: plan a request's migration between engines, or run one in-process."""
+
+from __future__ import annotations
+
+import time
+
+import click
+from rich.table import Table
+
+from cli.common import console, json_option, print_json
+from kvbridge.migration import MigrationPlan, destination_pools, migrate_local, plan_migration, source_request
+from kvbridge.topology import get_model
+
+DEFAULT_LINK_GBPS = 40.0
+
+
+def _plan_options(fn):
+    fn = click.option("--from", "src", required=True, help="Source engine spec, e.g. trtllm:fp8:tpb=128.")(fn)
+    fn = click.option("--to", "dst", required=True, help="Destination engine spec, e.g. sglang or vllm.")(fn)
+    fn = click.option(
+        "--model",
+        default="deepseek-v4-flash",
+        show_default=True,
+        help="Preset name or a Hugging Face config.json path.",
+    )(fn)
+    fn = click.option("--tokens", type=click.IntRange(min=1), required=True, help="Request length in tokens.")(fn)
+    fn = click.option(
+        "--draft-tokens",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help="MTP draft slots kept beyond the SWA window.",
+    )(fn)
+    fn = click.option("--mtp/--no-mtp", default=True, show_default=True, help="Move the MTP layers' caches too.")(fn)
+    return fn
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def _wire_seconds(nbytes: int, gbps: float) -> float:
+    return nbytes / (gbps * 1e9)
+
+
+def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> None:
+    console.print(
+        f"[bold]{plan.model.name}[/bold], {plan.num_tokens:,} tokens "
+        f"(+{plan.draft_tokens} draft): {plan.src.spec} -> {plan.dst.spec}"
+    )
+    table = Table(title="bytes per cache role (MiB = 2^20 B)")
+    for col in ("role", "layers", "entries", "src payload", "dst payload", "src pages", "dst pages"):
+        table.add_column(col, justify="left" if col == "role" else "right", no_wrap=True)
+    totals = plan.totals()
+    conversions: dict[str, set[str]] = {}
+    for t in plan.transfers:
+        conversions.setdefault(t.spec.role.value, set()).add(t.conversion)
+    for role, row in totals.items():
+        label = "[bold]total[/bold]" if role == "all" else role
+        table.add_row(
+            label,
+            str(row["layers"]),
+            f"{row['entries']:,}",
+            _mib(row["src_bytes"]),
+            _mib(row["dst_bytes"]),
+            _mib(row["src_page_bytes"]),
+            _mib(row["dst_page_bytes"]),
+        )
+    console.print(table)
+    for role, names in conversions.items():
+        console.print(f"  {role}: {'; '.join(sorted(names))}")
+    row = totals["all"]
+    console.print(
+        f"wire time at {link_gbps:g} GB/s: {_wire_seconds(row['src_bytes'], link_gbps) * 1e3:.2f} ms "
+        f"(source-format payload, receiver transcodes) / "
+        f"{_wire_seconds(row['dst_bytes'], link_gbps) * 1e3:.2f} ms (destination format, sender transcodes)"
+    )
+    if show_transfers:
+        detail = Table(title="transfers (page ranges are block-table indices, [first, stop))")
+        for col in ("layer", "role", "entries", "src pages", "dst pages", "conversion"):
+            detail.add_column(col)
+        for t in plan.transfers:
+            d = t.to_dict()
+            detail.add_row(
+                str(t.spec.layer),
+                t.spec.role.value,
+                f"[{t.first}, {t.first + t.count})",
+                f"{t.src.table}{d['src']['pages']}",
+                f"{t.dst.table}{d['dst']['pages']}",
+                t.conversion,
+            )
+        console.print(detail)
+
+
+@click.group("migrate")
+def command() -> None:
+    """Move a DeepSeek-V4 request's KV state from one engine's pools to another's."""
+
+
+@command.command("plan")
+@_plan_options
+@click.option(
+    "--link-gbps",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_LINK_GBPS,
+    show_default=True,
+    help="Link bandwidth for the wire-time estimate (GB/s, 1e9 B/s).",
+)
+@click.option("--transfers", "show_transfers", is_flag=True, help="List every per-layer transfer.")
+@json_option
+def plan_command(
+    src: str,
+    dst: str,
+    model: str,
+    tokens: int,
+    draft_tokens: int,
+    mtp: bool,
+    link_gbps: float,
+    show_transfers: bool,
+    as_json: bool,
+) -> None:
+    """Which entries move, from which pages to which, with which conversion, and the byte totals."""
+    plan = plan_migration(src, dst, get_model(model), tokens, draft_tokens=draft_tokens, include_mtp=mtp)
+    if as_json:
+        data = plan.to_dict(transfers=show_transfers)
+        total = data["totals"]["all"]
+        data["wire_seconds"] = {
+            "link_gbps": link_gbps,
+            "src_payload": _wire_seconds(total["src_bytes"], link_gbps),
+            "dst_payload": _wire_seconds(total["dst_bytes"], link_gbps),
+        }
+        print_json(data)
+        return
+    _print_plan(plan, link_gbps, show_transfers)
+
+
+@command.command("run")
+@_plan_options
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Keep only the first N main layers (smaller, faster demo).",
+)
+@click.option("--convert-on", type=click.Choice(["sender", "receiver"]), default="receiver", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic request.")
+@json_option
+def run_command(
+    src: str,
+    dst: str,
+    model: str,
+    tokens: int,
+    draft_tokens: int,
+    mtp: bool,
+    layers: int | None,
+    convert_on: str,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """Migrate a synthetic request in-process (source and destination pools in this process)."""
+    topo = get_model(model)
+    if layers is not None:
+        topo = topo.with_layers(layers)
+    plan = plan_migration(src, dst, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp)
+    src_pools, src_tables = source_request(plan, seed=seed)
+    dst_pools = destination_pools(plan)
+    start = time.perf_counter()
+    tables, report = migrate_local(plan, src_pools, src_tables, dst_pools, convert_on=convert_on)  # type: ignore[arg-type]
+    elapsed = time.perf_counter() - start
+    if as_json:
+        data = report.to_dict()
+        data["elapsed_s"] = elapsed
+        data["tables"] = tables
+        print_json(data)
+        return
+    console.print(
+        f"migrated {plan.model.name}, {tokens:,} tokens, {plan.src.spec} -> {plan.dst.spec} in "
+        f"{elapsed:.3f} s (pack {report.pack_s:.3f}, convert {report.convert_s:.3f}, "
+        f"publish {report.publish_s:.3f}; converted on the {report.converted_on})"
+    )
+    console.print(
+        f"payload {_mib(report.payload_bytes)} MiB in {report.transfers} transfers; KV "
+        f"{'lossless' if report.kv_lossless else f'max abs error {report.kv_max_abs_error:g}'}; "
+        f"indexer max abs error {report.indexer_max_abs_error:g}"
+    )

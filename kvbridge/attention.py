@@ -3,7 +3,8 @@
 ``sparse_decode`` validates every argument, then runs one of two backends:
 
 - ``reference``: torch on the inputs' device. Only the token records the indices touch are
-  gathered and decoded with the layout's own record codec (exact), then fp32 attention.
+  gathered (``kvbridge.paged.record_byte_index``) and decoded with the layout's own record
+  codec (exact), then fp32 attention.
 - ``flashmla``: ``flash_mla.flash_mla_with_kvcache`` on CUDA (see ``kvbridge.flashmla_backend``).
 
 Token slot ``s`` of a pool with page size ``P`` is page ``s // P``, row ``s % P``.
@@ -20,6 +21,7 @@ from kvbridge.api import _check_scale
 from kvbridge.codecs import HEAD_DIM
 from kvbridge.errors import InputError, LayoutError
 from kvbridge.layouts import Layout, get_layout
+from kvbridge.paged import record_byte_index
 
 BACKENDS = ("auto", "reference", "flashmla")
 DEFAULT_SOFTMAX_SCALE = HEAD_DIM**-0.5
@@ -94,30 +96,6 @@ def pages_2d(k_cache: torch.Tensor, layout: Layout, page_size: int, what: str) -
             raise InputError(f"{what}: its storage ends before the last page's padding ({end} bytes needed)")
         return torch.as_strided(cache, (n, pb), (pb, 1))
     raise InputError(f"{what} must be 2-D pages or a 4-D (num_pages, P, 1, record_bytes) view, got {cache.dim()}-D")
-
-
-def gather_records(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor) -> torch.Tensor:
-    """Token records ``[n, record_bytes]`` uint8 of the in-range int64 ``slots`` ``[n]``.
-
-    Reads only those tokens' bytes, at the offsets ``Layout.field_offset`` describes:
-    token-major record bytes at ``row * record_bytes``; block-split data bytes at
-    ``row * split``, footer bytes at ``P * split + row * (record_bytes - split)``.
-    """
-    page = slots // page_size
-    row = slots % page_size
-    rb = layout.record_bytes
-    ar = torch.arange(rb, device=pages.device)
-    if layout.split is None:
-        cols = row[:, None] * rb + ar
-    else:
-        s = layout.split
-        footer = rb - s
-        cols = torch.where(
-            ar < s,
-            row[:, None] * s + ar,
-            page_size * s + row[:, None] * footer + (ar - s),
-        )
-    return pages[page[:, None], cols]
 
 
 def _check_indices(indices: torch.Tensor, what: str, batch_shape: tuple[int, int], device: torch.device) -> int:
@@ -263,7 +241,8 @@ def _dequantize_touched(arg: CacheArg) -> tuple[torch.Tensor, torch.Tensor]:
     slots, inverse = torch.unique(arg.indices, return_inverse=True)
     has_invalid = bool(slots.numel()) and int(slots[0]) < 0
     touched = slots[1:] if has_invalid else slots
-    records = gather_records(arg.pages, arg.layout, arg.page_size, touched)
+    pages = arg.pages if arg.pages.is_contiguous() else arg.pages.contiguous()
+    records = pages.view(-1)[record_byte_index(arg.layout, arg.page_size, touched)]
     values = arg.layout.codec.decode(records, scale=arg.scale)
     pos = inverse - 1 if has_invalid else inverse
     pos = torch.where(arg.valid, pos, torch.full_like(pos, touched.numel()))
@@ -305,6 +284,65 @@ def reference_decode(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.where(torch.isinf(lse)[..., None], torch.zeros_like(out), out)
     out = out.reshape(b, s_q, h_q, HEAD_DIM).to(torch.bfloat16)
     return out, lse.reshape(b, s_q, h_q).permute(0, 2, 1).contiguous()
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """FlashMLA's test tolerances: an element passes when its abs error < ``abs_tol`` or its error
+    relative to |ref| + 1e-6 is < ``rel_tol``; the whole tensor's cosine difference must be
+    <= ``cos_diff_tol``."""
+
+    abs_tol: float
+    rel_tol: float
+    cos_diff_tol: float
+
+
+#: FlashMLA's tolerances for its sparse decode against its fp32 reference (spec section 6).
+OUT_TOLERANCE = Tolerance(1e-3, 2.01 / 128, 5e-6)
+LSE_TOLERANCE = Tolerance(1e-6, 8.01 / 65536, 5e-6)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Result of ``compare``: ``failing`` elements, their max abs error, and the cosine difference."""
+
+    passed: bool
+    failing: int
+    max_abs_error: float
+    cos_diff: float
+    detail: str
+
+
+def compare(ans: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Comparison:
+    """Compare a decode output with a reference the way FlashMLA's tests do.
+
+    +inf, -inf and NaN must sit at the same positions in both (they then count as 0); cosine
+    difference = 1 - 2<a, r> / (|a|^2 + |r|^2) in float64, 0 when |r|^2 < 1e-12.
+    """
+    if ans.shape != ref.shape:
+        raise InputError(f"compare: shapes differ, {tuple(ans.shape)} vs {tuple(ref.shape)}")
+    a, r = ans.float().clone(), ref.float().clone()
+    anomalies = []
+    for name, am, rm in (
+        ("+inf", a == math.inf, r == math.inf),
+        ("-inf", a == -math.inf, r == -math.inf),
+        ("NaN", torch.isnan(a), torch.isnan(r)),
+    ):
+        if not torch.equal(am, rm):
+            anomalies.append(f"{name} at {int(am.sum())} places vs {int(rm.sum())}")
+        a[am], r[rm] = 0.0, 0.0
+    abs_err = (a - r).abs()
+    rel_err = abs_err / (r.abs() + 1e-6)
+    ok = (abs_err < tol.abs_tol) | (rel_err < tol.rel_tol)
+    failing = int((~ok).sum())
+    max_abs = float(abs_err.max()) if abs_err.numel() else 0.0
+    a64, r64 = a.double(), r.double()
+    rr = float((r64 * r64).sum())
+    cos_diff = 0.0 if rr < 1e-12 else 1.0 - 2.0 * float((a64 * r64).sum()) / float((a64 * a64 + r64 * r64).sum())
+    passed = not anomalies and failing == 0 and abs(cos_diff) <= tol.cos_diff_tol
+    detail = "; ".join([*anomalies, f"{failing} of {ok.numel()} elements out of tolerance",
+                        f"max abs error {max_abs:.3g}", f"cosine difference {cos_diff:.3g}"])
+    return Comparison(passed, failing, max_abs, cos_diff, detail)
 
 
 def sparse_decode(

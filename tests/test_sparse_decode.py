@@ -9,7 +9,6 @@ import torch
 
 import kvbridge
 from kvbridge import InputError, LayoutError, sparse_decode
-from kvbridge.attention import gather_records
 
 # FlashMLA's own tolerances for its sparse decode against its fp32 reference (spec section 6).
 OUT_TOL = {"abs_tol": 1e-3, "rel_tol": 2.01 / 128, "cos_diff_tol": 5e-6}
@@ -92,17 +91,6 @@ def test_kernel_view_of_model1_pages_gives_same_result(decode_vectors):
     out2, lse2 = sparse_decode(tensors[f"{name}.q"], pages, tensors[f"{name}.indices"], **args)
     out4, lse4 = sparse_decode(tensors[f"{name}.q"], view, tensors[f"{name}.indices"], **args)
     assert torch.equal(out2, out4) and torch.equal(lse2, lse4)
-
-
-def test_gather_records_matches_full_decode_for_every_layout():
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(150, 512, generator=gen)
-    slots = torch.tensor([0, 149, 7, 64, 63, 100, 7])
-    for lay in kvbridge.all_layouts():
-        for p in (2, 64, 61):
-            pages = kvbridge.encode(x, lay.name, page_size=p)
-            full = lay.pages_to_records(pages, p)
-            assert torch.equal(gather_records(pages, lay, p, slots), full[slots]), (lay.name, p)
 
 
 def random_problem(seed: int, *, b: int = 2, s_q: int = 2, h_q: int = 8, tokens: int = 300, topk: int = 64):
@@ -259,3 +247,28 @@ def test_bad_kernel_view_stride_is_refused(small):
     packed = pages[:, : 64 * 584].contiguous().view(2, 64, 1, 584)  # dim-0 stride 37376, not 37440
     with pytest.raises(InputError, match="dim-0 stride"):
         sparse_decode(q, packed, idx, layout="model1", page_size=64)
+
+
+def test_library_compare_agrees_with_flashmla_rules():
+    from kvbridge.attention import LSE_TOLERANCE, OUT_TOLERANCE, compare
+
+    ones = torch.ones(1000)
+    assert compare(ones, ones, OUT_TOLERANCE).passed
+    near = ones.clone()
+    near[3] = 1.01  # rel error 0.01 < 2.01/128 passes although abs error 0.01 > 1e-3
+    assert compare(near, ones, OUT_TOLERANCE).passed
+    far = ones.clone()
+    far[3] = 1.02  # abs 0.02 > 1e-3 and rel 0.02 > 2.01/128
+    result = compare(far, ones, OUT_TOLERANCE)
+    assert not result.passed and result.failing == 1 and abs(result.max_abs_error - 0.02) < 1e-6
+    assert not compare(-ones, ones, OUT_TOLERANCE).passed  # every element fails, cosine difference 2
+    inf = torch.tensor([1.0, math.inf])
+    assert compare(inf, inf, LSE_TOLERANCE).passed
+    assert not compare(torch.tensor([1.0, 5.0]), inf, LSE_TOLERANCE).passed
+    for a, r in ((near, ones), (far, ones), (-ones, ones)):
+        try:
+            assert_close_flashmla("x", a, r, **OUT_TOL)
+            oracle = True
+        except AssertionError:
+            oracle = False
+        assert compare(a, r, OUT_TOLERANCE).passed == oracle

@@ -1,0 +1,218 @@
+"""Every Triton kernel byte-identical to the reference, run on CPU under ``TRITON_INTERPRET=1``.
+
+The interpreter's fp32 -> fp8 cast is wrong (spec section 2), so these runs use the kernels'
+integer E4M3 path; ``scripts/gpu_check.py`` checks the hardware-cast path on a GPU.
+Decoded values are compared bit for bit (``view(torch.int32)``, so -0.0 and 0.0 differ), except
+that NaN payloads and signs are not part of any layout's contract: NaN positions must match.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvbridge import paged, reference  # noqa: E402
+from kvbridge import triton_kernels as tk  # noqa: E402
+from kvbridge.api import is_byte_move  # noqa: E402
+from kvbridge.errors import NonFiniteError  # noqa: E402
+from kvbridge.layouts import get_layout  # noqa: E402
+from kvbridge.numerics import DIALECTS  # noqa: E402
+
+# The interpreter runs fp32 math in numpy, which warns where a huge decoded scale overflows to inf (as on a GPU).
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+if not tk.INTERPRETED:  # imported earlier in this process without the interpreter: decorate again
+    tk = importlib.reload(tk)
+
+MODEL1 = get_layout("flashmla-model1")
+FOOTER = get_layout("trtllm-fp8-ds-mla")
+TRT = get_layout("trtllm-fp8")
+BF16 = get_layout("bf16")
+LAYOUTS = (MODEL1, FOOTER, TRT, BF16)
+#: (layout, dialect, per-tensor scale) of every encoder variant.
+WRITERS = [(lay, d, 1.0) for lay in (MODEL1, FOOTER) for d in DIALECTS] + [
+    (TRT, "swa", 1.0), (TRT, "swa", 0.037), (TRT, "swa", 2.0), (TRT, "compress", 0.5), (BF16, None, 1.0),
+]
+
+
+def edge_case_latents() -> torch.Tensor:
+    """fp32 ``[40, 512]``: zero / -0 tiles, tiny amax, amax = 448*2^k and fp32/bf16 neighbours,
+    E4M3 ties (normal and subnormal), saturating values, fp32 subnormals, bf16 rounding ties."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 512, generator=g)
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2, :64] = 0.0
+    x[2, 64:128] = -0.0
+    row = 3
+    for k in (-20, -14, -13, -8, -1, 0, 1, 4, 8):  # amax = 448 * 2^k exactly, and one fp32 ulp above / below
+        amax = torch.tensor(448.0 * 2.0**k)
+        up, down = torch.nextafter(amax, torch.tensor(1e30)), torch.nextafter(amax, torch.tensor(0.0))
+        bf_up = amax.to(torch.bfloat16).float() * (1 + 2**-7)
+        for t, a in enumerate((amax, up, down, bf_up, -amax, amax, up)):
+            x[row, 64 * t : 64 * t + 64] = torch.rand(64, generator=g) * a
+            x[row, 64 * t + (t * 9) % 64] = a
+        row += 1
+    for t, a in enumerate((0.02734375, 0.0273437, 0.0448, 0.04480001, 1e-4, 1e-8, 3e-39)):  # tiny amax near the floors
+        x[row, 64 * t : 64 * t + 64] = torch.linspace(-a, a, 64)
+    row += 1
+    ties = torch.tensor([8.5, 9.5, 124.0, 120.0, 232.0, 1.0625, 2**-10, 3 * 2**-10, 5 * 2**-10, 2**-9 + 2**-11,
+                         -2**-10, -8.5, 448.0, 17.0, 0.0, -0.0])
+    x[row, :448] = ties.repeat(28)
+    x[row + 1, :448] = ties.repeat(28) * 2.0**-5
+    x[row + 2, :448] = torch.tensor([464.0, 465.0, 480.0, 500.0, 1e30, -1e30, 449.0, 447.0]).repeat(56)  # saturation
+    x[row + 3, :448] = torch.tensor([1e-40, -1e-45, 2.0**-126, 2.0**-127]).repeat(112)  # fp32 subnormals
+    row += 4
+    x[row, 448:] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3e38]).repeat(16)  # bf16 ties / big
+    bits = torch.randint(-(2**31), 2**31 - 1, (8, 512), generator=g, dtype=torch.int64).to(torch.int32)
+    x[row + 1 : row + 9] = torch.where(torch.isfinite(bits.view(torch.float32)), bits.view(torch.float32), 1.0)
+    return x
+
+
+def random_pool(layout, num_pages: int, page_size: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (num_pages, layout.page_bytes(page_size)), dtype=torch.uint8, generator=g)
+
+
+def assert_same_floats(got: torch.Tensor, want: torch.Tensor) -> None:
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+@pytest.fixture(scope="module")
+def latents() -> torch.Tensor:
+    return edge_case_latents()
+
+
+@pytest.mark.parametrize(("layout", "dialect", "scale"), WRITERS, ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("page_size", [61, 2])
+def test_encode_kernel_matches_reference(latents, layout, dialect, scale, page_size):
+    got = tk.encode_pages(latents, layout, page_size, dialect, scale)
+    assert torch.equal(got, reference.encode_pages(latents, layout, page_size, dialect, scale))
+
+
+def test_encode_kernel_matches_flashmla_vectors(model1_vectors):
+    tensors, _ = model1_vectors
+    x = tensors["p64.input"].reshape(-1, 512)[:192].float()
+    assert torch.equal(tk.encode_pages(x, MODEL1, 64, "flashmla", 1.0), tensors["p64.model1"][:3])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.name)
+def test_decode_kernel_matches_reference_on_random_bytes(layout):
+    pages = random_pool(layout, 3, 61, seed=12)  # every code: NaN E4M3 / UE8M0, subnormals, huge scales
+    scale = 0.037 if layout.per_tensor_scale else 1.0
+    for n in (None, 100):
+        want = reference.decode_pages(pages, layout, 61, n, scale)
+        assert_same_floats(tk.decode_pages(pages, layout, 61, n, scale), want)
+
+
+@pytest.mark.parametrize("src", LAYOUTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("dst", LAYOUTS, ids=lambda v: v.name)
+def test_transcode_kernel_matches_reference(latents, src, dst):
+    src_scale = 0.5 if src.per_tensor_scale else 1.0
+    dst_scale = 0.037 if dst.per_tensor_scale else 1.0
+    pages = reference.encode_pages(latents, src, 64, src.default_dialect, src_scale)
+    for dialect in dst.dialects or (None,):
+        want = reference.transcode_pages(pages, src, 64, dst, 61, 30, src_scale, dst_scale, dialect)
+        assert torch.equal(tk.transcode_pages(pages, src, 64, dst, 61, 30, src_scale, dst_scale, dialect), want)
+
+
+def test_transcode_kernel_nonfinite_source_raises_like_reference():
+    pages = random_pool(TRT, 1, 64, seed=13)
+    pages[0, 3 * 512 + 7] = 0x7F
+    with pytest.raises(NonFiniteError) as want:
+        reference.transcode_pages(pages, TRT, 64, MODEL1, 64, None, 1.0, 1.0, "flashmla")
+    with pytest.raises(NonFiniteError) as got:
+        tk.transcode_pages(pages, TRT, 64, MODEL1, 64, None, 1.0, 1.0, "flashmla")
+    assert str(got.value) == str(want.value)
+
+
+BYTE_MOVES = [(MODEL1, FOOTER), (FOOTER, MODEL1), (TRT, TRT), (BF16, BF16), (MODEL1, MODEL1)]
+
+
+@pytest.mark.parametrize(("src", "dst"), BYTE_MOVES, ids=lambda v: v.name)
+def test_repage_kernel_matches_reference(src, dst):
+    pages = random_pool(src, 3, 61, seed=14)
+    for n, dst_p in ((None, 64), (150, 2), (1, 61)):
+        assert torch.equal(tk.repage(pages, src, 61, dst, dst_p, n), reference.repage(pages, src, 61, dst, dst_p, n))
+    assert tk.repage(pages, src, 61, dst, 64, 0).shape == (0, dst.page_bytes(64))
+
+
+def slot_lists(src_cap: int, dst_cap: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(src_cap, generator=g)[:n].to(torch.int32), torch.randperm(dst_cap, generator=g)[:n]
+
+
+@pytest.mark.parametrize(
+    ("src", "src_scale", "dst", "dst_scale", "dialect"),
+    [(TRT, 0.5, MODEL1, None, "amax-1e-4"), (MODEL1, None, TRT, 2.0, None), (BF16, None, FOOTER, None, "amax-1e-8"),
+     (FOOTER, None, BF16, None, None), (MODEL1, None, FOOTER, None, None), (TRT, 0.5, TRT, 0.5, None)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_transcode_slots_kernel_matches_reference(latents, src, src_scale, dst, dst_scale, dialect):
+    pages = reference.encode_pages(latents, src, 7, src.default_dialect, src_scale or 1.0)
+    src_slots, dst_slots = slot_lists(pages.shape[0] * 7, 3 * 61, 33, seed=15)
+    want = random_pool(dst, 3, 61, seed=16)
+    got = want.clone()
+    paged.transcode_slots(pages, src, want, dst, src_page_size=7, dst_page_size=61, src_slots=src_slots,
+                          dst_slots=dst_slots, src_scale=src_scale, dst_scale=dst_scale, dialect=dialect)
+    byte_move = is_byte_move(src, dst, src_scale or 1.0, dst_scale or 1.0)
+    d = None if byte_move else (dialect or dst.default_dialect)
+    tk.transcode_slots(pages, src, 7, got, dst, 61, src_slots, dst_slots, src_scale or 1.0, dst_scale or 1.0, d,
+                       byte_move)
+    assert torch.equal(got, want)
+
+
+def test_nonfinite_flags_kernel_names_the_bad_slots():
+    pages = reference.encode_pages(edge_case_latents()[:8], MODEL1, 4, "flashmla", 1.0)
+    pages[1, 4 * 576 + 2 * 8 + 2] = 0xFF  # slot 6 (page 1, row 2): UE8M0 NaN scale of tile 2
+    pages[0, 2 * 576 + 449] = 0x7F  # slot 2: rope dim 448 becomes bf16 0x7F80 = +Inf (little-endian)
+    pages[0, 2 * 576 + 448] = 0x80
+    flags = tk.nonfinite_flags(pages, MODEL1, 4, torch.tensor([0, 6, 1, 2, 7]), 1.0)
+    assert flags.tolist() == [0, tk.FLAG_NONFINITE, 0, tk.FLAG_NONFINITE, 0]
+
+
+@pytest.mark.parametrize(("src", "scale", "dialect"), [(TRT, 0.037, "flashmla"), (BF16, 1.0, "amax-1e-8"),
+                                                       (FOOTER, 1.0, None), (MODEL1, 1.0, None)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_gather_transcode_kernel_matches_reference(latents, src, scale, dialect):
+    pages = reference.encode_pages(latents, src, 61, src.default_dialect, scale)
+    g = torch.Generator().manual_seed(17)
+    indices = torch.randint(0, 40, (2, 2, 9), generator=g, dtype=torch.int32)
+    indices[0, 1, :4] = -1
+    s = scale if src.per_tensor_scale else None
+    want, want_remap = paged.gather_transcode(pages, src, page_size=61, indices=indices, scale=s, dialect=dialect,
+                                              out_page_size=5)
+    byte_move = src.record_bytes == 584
+    got, flags = tk.gather_transcode(pages, src, 61, indices.reshape(-1), scale, dialect, byte_move, 5, MODEL1)
+    assert not bool(flags.any())
+    assert torch.equal(got, want)
+    assert want_remap.shape == indices.shape
+
+
+def test_gather_kernel_flags_become_the_reference_errors():
+    pages = reference.encode_pages(edge_case_latents()[:16], TRT, 4, "swa", 1.0)
+    pages[1, 2 * 512 + 5] = 0x7F  # slot 6 decodes to NaN
+    for indices in (torch.tensor([[0, 16], [3, -1]]), torch.tensor([[0, -3]]), torch.tensor([[6, 1], [-1, 6]])):
+        with pytest.raises(Exception) as want:
+            paged.gather_transcode(pages, TRT, page_size=4, indices=indices)
+        _, flags = tk.gather_transcode(pages, TRT, 4, indices.reshape(-1), 1.0, "flashmla", False, 64, MODEL1)
+        with pytest.raises(type(want.value)) as got:
+            paged._raise_flags(flags, indices, 16)
+        assert str(got.value) == str(want.value)
+    copy_flags = tk.gather_transcode(reference.encode_pages(edge_case_latents()[:8], MODEL1, 4, "flashmla", 1.0),
+                                     MODEL1, 4, torch.tensor([7, 8, -1, -9]), 1.0, None, True, 64, MODEL1)[1]
+    assert copy_flags.tolist() == [0, tk.FLAG_OUT_OF_RANGE, 0, tk.FLAG_OUT_OF_RANGE]
+
+
+def test_interpreter_runs_the_integer_e4m3_path():
+    """The interpreter's fp8 cast is wrong, so every check above must have used the bit-operation encoder."""
+    assert tk.INTERPRETED and not tk.fp8_hardware

@@ -1,0 +1,167 @@
+"""Migration plan: entries per role, page ranges, byte totals, and the ``kvbridge migrate plan`` command.
+
+The 128K-token Flash numbers are computed here by hand from the spec's formulas (sections 3
+and 5), independently of kvbridge's profiles: 44 layers with SWA (43 + MTP), 21 ratio-4 and 20
+ratio-128 layers; TensorRT-LLM FP8 at tokens_per_block 128 with its fp4 indexer -> SGLang MODEL1.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+from kvbridge.errors import InputError
+from kvbridge.migration import live_entries, plan_migration
+from kvbridge.topology import FLASH, Role
+
+L = 131072
+SWA_LAYERS, C4_LAYERS, C128_LAYERS = 44, 21, 20
+MODEL1_PAGE = {2: 1728, 64: 37440, 256: 149760}  # ceil(P * 584 / 576) * 576, spec 3.3
+
+
+def _hand_totals_128k() -> dict[str, dict[str, int]]:
+    swa = 128  # the last window, no draft tokens
+    c4, c128 = L // 4, L // 128  # 32768, 1024 compressed tokens per layer
+    state4 = 4  # L % 4 == 0: only the previous window (overlap), tokens L-4 .. L-1
+    row, idx_row = 2 * (2 * 512) * 4, 2 * (2 * 128) * 4  # fp32 [kv | score], overlap doubles the width
+    return {
+        "swa": {
+            "layers": SWA_LAYERS, "entries": SWA_LAYERS * swa,
+            "src_bytes": SWA_LAYERS * swa * 512, "dst_bytes": SWA_LAYERS * swa * 584,
+            # the window is TensorRT-LLM block 1023 (128 tokens) and SGLang SWA page 511 (256 tokens)
+            "src_page_bytes": SWA_LAYERS * 128 * 512, "dst_page_bytes": SWA_LAYERS * MODEL1_PAGE[256],
+        },
+        "compress": {
+            "layers": C4_LAYERS + C128_LAYERS, "entries": C4_LAYERS * c4 + C128_LAYERS * c128,
+            "src_bytes": (C4_LAYERS * c4 + C128_LAYERS * c128) * 512,
+            "dst_bytes": (C4_LAYERS * c4 + C128_LAYERS * c128) * 584,
+            # TensorRT-LLM compressed blocks: 32 (r=4) and 1 (r=128) entries of 512 B
+            "src_page_bytes": C4_LAYERS * (c4 // 32) * 32 * 512 + C128_LAYERS * c128 * 512,
+            # SGLang: C4 pages of 64 entries, C128 pages of 2
+            "dst_page_bytes": C4_LAYERS * (c4 // 64) * MODEL1_PAGE[64] + C128_LAYERS * (c128 // 2) * MODEL1_PAGE[2],
+        },
+        "compressor_state": {
+            "layers": C4_LAYERS, "entries": C4_LAYERS * state4,
+            "src_bytes": C4_LAYERS * state4 * row, "dst_bytes": C4_LAYERS * state4 * row,
+            "src_page_bytes": C4_LAYERS * 128 * row, "dst_page_bytes": C4_LAYERS * 8 * row,
+        },
+        "indexer_compress": {
+            "layers": C4_LAYERS, "entries": C4_LAYERS * c4,
+            "src_bytes": C4_LAYERS * c4 * 68, "dst_bytes": C4_LAYERS * c4 * 132,
+            "src_page_bytes": C4_LAYERS * (c4 // 32) * 32 * 68, "dst_page_bytes": C4_LAYERS * (c4 // 64) * 64 * 132,
+        },
+        "indexer_compressor_state": {
+            "layers": C4_LAYERS, "entries": C4_LAYERS * state4,
+            "src_bytes": C4_LAYERS * state4 * idx_row, "dst_bytes": C4_LAYERS * state4 * idx_row,
+            "src_page_bytes": C4_LAYERS * 128 * idx_row, "dst_page_bytes": C4_LAYERS * 8 * idx_row,
+        },
+    }
+
+
+HAND_128K = _hand_totals_128k()
+HAND_128K_ALL = {k: sum(role[k] for role in HAND_128K.values()) for k in HAND_128K["swa"]}
+
+
+def test_hand_computed_numbers_are_what_the_docs_state():
+    # docs/migration.md quotes these; a change here must change the docs too.
+    assert HAND_128K_ALL["src_bytes"] == 413_343_744
+    assert HAND_128K_ALL["dst_bytes"] == 508_809_216
+    assert HAND_128K["compress"]["dst_page_bytes"] == 420_249_600
+
+
+def test_flash_128k_trtllm_fp8_to_sglang_matches_hand_computed_sizes():
+    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", "deepseek-v4-flash", L)
+    totals = plan.totals()
+    assert totals.pop("all") == HAND_128K_ALL
+    assert totals == HAND_128K  # compressor state of ratio 128 is empty at L % 128 == 0
+
+
+def test_cli_plan_json_matches_hand_computed_sizes():
+    result = CliRunner().invoke(cli, ["migrate", "plan", "--from", "trtllm:fp8:tpb=128", "--to", "sglang",
+                                      "--model", "deepseek-v4-flash", "--tokens", str(L), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["totals"]["all"] == HAND_128K_ALL
+    assert data["src"]["spec"] == "trtllm:fp8:tpb=128:idx=fp4" and data["dst"]["kv_layout"] == "flashmla-model1"
+    assert data["wire_seconds"]["src_payload"] == pytest.approx(413_343_744 / 40e9)
+
+
+def test_cli_plan_table_and_transfers():
+    result = CliRunner().invoke(cli, ["migrate", "plan", "--from", "trtllm:fp8:tpb=128", "--to", "sglang",
+                                      "--tokens", "3000", "--transfers"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "indexer_compress: requantize fp4 -> fp8 (amax-1e-4)" in result.output
+    assert "[2872, 3000)" in result.output  # the SWA tail of every layer
+    assert "wire time at 40 GB/s" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--from", "trtllm:fp9", "--to", "sglang", "--tokens", "8"], 1, "KV dtype must be one of"),
+        (["--from", "trtllm:tpb=64", "--to", "sglang", "--tokens", "8"], 1, "tpb must be one of 128, 256"),
+        (["--from", "sglang", "--to", "tgi", "--tokens", "8"], 1, "unknown engine 'tgi'"),
+        (["--from", "sglang", "--to", "vllm", "--tokens", "8", "--model", "v5"], 1, "unknown model 'v5'"),
+        (["--from", "sglang", "--to", "vllm", "--tokens", "0"], 2, "0 is not in the range"),
+    ],
+)
+def test_cli_plan_errors(args, code, message):
+    result = CliRunner().invoke(cli, ["migrate", "plan", *args])
+    assert result.exit_code == code
+    assert message in result.output
+
+
+def test_live_entries_windows():
+    csa, hca = {c.role: c for c in FLASH.caches(2)}, {c.role: c for c in FLASH.caches(3)}
+    n = L + 3
+    assert live_entries(csa[Role.SWA], n, 0) == (n - 128, 128)
+    assert live_entries(csa[Role.SWA], n, 2) == (n - 130, 130)  # MTP draft slots widen the tail
+    assert live_entries(csa[Role.SWA], 50, 0) == (0, 50)
+    assert live_entries(csa[Role.COMPRESS], n, 0) == (0, L // 4)
+    # Ratio 4 keeps the previous window too (overlapping compression): tokens L-4 .. L+2.
+    assert live_entries(csa[Role.STATE], n, 0) == (L - 4, 7)
+    assert live_entries(csa[Role.INDEXER_STATE], n, 0) == (L - 4, 7)
+    assert live_entries(hca[Role.STATE], n, 0) == (L, 3)
+    assert live_entries(hca[Role.COMPRESS], 127, 0) == (0, 0)
+    assert live_entries(csa[Role.STATE], 3, 0) == (0, 3)
+
+
+def test_page_ranges_follow_each_engines_geometry():
+    plan = plan_migration("trtllm:fp8:tpb=256", "vllm", FLASH.with_layers(4), 3000, draft_tokens=3)
+    by_key = {(t.spec.layer, t.spec.role): t for t in plan.transfers}
+    swa = by_key[(0, Role.SWA)]
+    assert (swa.first, swa.count) == (3000 - 131, 131)
+    assert swa.table_slots(swa.src) == [11]  # tokens 2869..2999 in TensorRT-LLM block 11 of 256
+    assert swa.table_slots(swa.dst) == [44, 45, 46]  # vLLM SWA blocks of 64
+    c128 = by_key[(3, Role.COMPRESS)]
+    assert c128.count == 23 and c128.src.page_size == 2 and c128.dst.page_size == 2
+    assert c128.table_slots(c128.dst) == list(range(12))
+    state = by_key[(2, Role.STATE)]
+    assert state.dst.addressing == "ring" and state.table_slots(state.dst) == [0]
+    assert state.src.table == "state4" and state.table_slots(state.src) == [11]
+    assert plan.table_lengths("src") == {"swa": 12, "compress4": 12, "state4": 12, "indexer4": 12,
+                                         "indexer_state4": 12, "compress128": 12, "state128": 12}
+    assert plan.table_lengths("dst") == {"swa": 47, "compress4": 12, "state4": 1, "indexer_state4": 1,
+                                         "compress128": 12, "state128": 1}
+
+
+def test_byte_move_and_requantize_names():
+    plan = plan_migration("vllm", "trtllm:fp8-ds-mla:tpb=256:idx=fp8", FLASH.with_layers(3), 1000)
+    names = {t.spec.role: t.conversion for t in plan.transfers}
+    assert names[Role.SWA] == "byte move" and names[Role.COMPRESS] == "byte move"
+    assert names[Role.INDEXER] == "requantize fp8 -> fp8 (amax)"
+    same = plan_migration("sglang", "vllm", FLASH.with_layers(3), 1000)
+    assert {t.conversion for t in same.transfers if t.spec.role == Role.INDEXER} == {"byte copy"}
+
+
+def test_plan_argument_errors_and_fingerprint():
+    with pytest.raises(InputError, match="num_tokens must be a positive integer"):
+        plan_migration("sglang", "vllm", FLASH, 0)
+    with pytest.raises(InputError, match="draft_tokens must be a non-negative integer"):
+        plan_migration("sglang", "vllm", FLASH, 10, draft_tokens=-1)
+    a = plan_migration("sglang", "vllm", FLASH, 1000)
+    assert a.fingerprint() == plan_migration("sglang", "vllm", "deepseek-v4-flash", 1000).fingerprint()
+    assert a.fingerprint() != plan_migration("sglang", "vllm", FLASH, 1001).fingerprint()

@@ -84,15 +84,15 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return sa.data_ptr() == sb.data_ptr() and sa.device == sb.device
 
 
-def _use_triton(tensor: torch.Tensor, *layouts: Layout) -> bool:
-    """CUDA tensors go to the Triton kernels when Triton is installed and has kernels for the layouts."""
-    if not tensor.is_cuda:
+def _use_triton(pools: tuple[torch.Tensor, ...], *layouts: Layout) -> bool:
+    """CUDA pools go to the Triton kernels when Triton is installed, serves the layouts and the pools are aligned."""
+    if not pools[0].is_cuda:
         return False
     try:
         from kvbridge import triton_kernels
     except ImportError:
         return False
-    return triton_kernels.supports(*layouts)
+    return triton_kernels.supports(*layouts) and triton_kernels.aligned(*pools)
 
 
 def transcode_slots(
@@ -161,7 +161,7 @@ def transcode_slots(
     _check_distinct(dst_slots)
     if src_slots.numel() == 0:
         return dst_pages
-    if _use_triton(src_pages, src, dst):
+    if _use_triton((src_pages, dst_pages), src, dst):
         from kvbridge import triton_kernels
 
         if not byte_move:
@@ -230,7 +230,7 @@ def gather_transcode(
     d = None if byte_move else _check_dialect(dialect, dst)
     capacity = pool.shape[0] * page_size
     flat = indices.reshape(-1)
-    if _use_triton(pool, src, dst):
+    if _use_triton((pool,), src, dst):
         from kvbridge import triton_kernels
 
         scratch, flags = triton_kernels.gather_transcode(

@@ -302,6 +302,11 @@ def supports(*layouts: Layout) -> bool:
     return all(layout_kind(lay) is not None for lay in layouts)
 
 
+def aligned(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is contiguous and starts on a 16-byte boundary (the kernels' word views)."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
 class _Pool:
     """Kernel arguments describing one side: a paged pool of a layout, or dense fp32 ``[rows, 512]``."""
 

@@ -1,8 +1,9 @@
-"""``kvbridge layouts``: the layout registry as a table or JSON."""
+"""``kvbridge layouts``: the layout registry as a table (fits 80-120 columns) or JSON."""
 
 from __future__ import annotations
 
 import click
+from rich import box
 from rich.table import Table
 
 from cli.common import console, json_option, print_json
@@ -30,6 +31,14 @@ def layout_record(lay: Layout) -> dict:
     }
 
 
+def fields_text(record: dict) -> str:
+    """``name format @offset+bytes`` for each field of a token record."""
+    return ", ".join(
+        f"{f['name']} {f['format'] if f['format'] != f['name'] else ''} @{f['offset']}+{f['bytes']}".replace("  ", " ")
+        for f in record["fields"]
+    )
+
+
 @click.command("layouts")
 @json_option
 def command(as_json: bool) -> None:
@@ -38,17 +47,27 @@ def command(as_json: bool) -> None:
     if as_json:
         print_json(records)
         return
-    table = Table(title="kvbridge layouts")
-    for col in ("layout", "aliases", "B/token", "placement", "page bytes P=2/64/256", "fields", "dialects"):
-        table.add_column(col)
+    sizes = "/".join(map(str, EXAMPLE_PAGE_SIZES))
+    table = Table(title="kvbridge layouts", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("layout (aliases)", overflow="fold", min_width=18)
+    table.add_column("B/tok", justify="right")
+    table.add_column(f"page bytes P={sizes}", min_width=17)
+    table.add_column("placement", overflow="fold")
+    table.add_column("dialects", overflow="fold")
     for r in records:
+        aliases = "\n".join(f"[dim]{a}[/dim]" for a in r["aliases"])
         table.add_row(
-            r["name"],
-            ", ".join(r["aliases"]) or "-",
+            r["name"] + (f"\n{aliases}" if aliases else ""),
             str(r["bytes_per_token"]),
-            r["placement"] + (f", pad to {r['page_align']}" if r["page_align"] > 1 else ""),
-            " / ".join(str(v) for v in r["page_bytes"].values()),
-            " ".join(f"{f['name']}@{f['offset']}:{f['format']}x{f['bytes']}" for f in r["fields"]),
-            ", ".join(r["dialects"]) or "-",
+            "/".join(str(v) for v in r["page_bytes"].values()),
+            r["placement"] + (f",\npad to {r['page_align']} B" if r["page_align"] > 1 else ""),
+            ("\n".join(r["dialects"]) or "-") + ("\n[dim](per-tensor scale)[/dim]" if r["per_tensor_scale"] else ""),
+            end_section=True,
         )
     console.print(table)
+    fields = Table(title="token record fields (format @byte offset+bytes)", box=box.SIMPLE_HEAD, pad_edge=False)
+    fields.add_column("layout", no_wrap=True)
+    fields.add_column("fields", overflow="fold")
+    for r in records:
+        fields.add_row(r["name"], fields_text(r))
+    console.print(fields)

@@ -127,15 +127,13 @@ def model1_checks(path: Path) -> list[CheckResult]:
         p = int(info["page_size"])
         x = tensors[f"{case}.input"].reshape(-1, HEAD_DIM)
         want = tensors[f"{case}.model1"]
-        label = f"{case} (P={p})"
+        label = f"P={p}"
         got = encode(x, "flashmla-model1", page_size=p, dialect="flashmla")
-        results.append(
-            _check("flashmla-model1", "flashmla", label, "encode == FlashMLA quant.py", byte_diff(got, want))
-        )
+        results.append(_check("flashmla-model1", "flashmla", label, "encode = FlashMLA quant.py", byte_diff(got, want)))
         decoded = decode(want, "flashmla-model1", page_size=p)
         dequant = tensors[f"{case}.dequant"].reshape(-1, HEAD_DIM).float()
         results.append(
-            _check("flashmla-model1", None, label, "decode == FlashMLA dequantize", value_diff(decoded, dequant))
+            _check("flashmla-model1", None, label, "decode = FlashMLA dequantize", value_diff(decoded, dequant))
         )
         ds = get_layout("trtllm-fp8-ds-mla")
         footer = encode(x, ds, page_size=p, dialect="flashmla")
@@ -144,7 +142,7 @@ def model1_checks(path: Path) -> list[CheckResult]:
                 ds.name,
                 "flashmla",
                 label,
-                "token records == MODEL1 records",
+                "records = MODEL1 records",
                 byte_diff(ds.pages_to_records(footer, p), get_layout("flashmla-model1").pages_to_records(want, p)),
             )
         )
@@ -158,9 +156,7 @@ def model1_checks(path: Path) -> list[CheckResult]:
             num_tokens=x.shape[0],
         )
         results.append(
-            _check(
-                "flashmla-model1", None, label, f"re-page P={p}->{ODD_PAGE_SIZE}->{p} byte move", byte_diff(back, want)
-            )
+            _check("flashmla-model1", None, label, f"byte-move re-page via P={ODD_PAGE_SIZE}", byte_diff(back, want))
         )
     return results
 
@@ -172,12 +168,20 @@ def trtllm_checks(path: Path) -> list[CheckResult]:
     for case, info in cases.items():
         s = float(info["scale"])
         x = tensors[f"{case}.input"]
-        label = f"{case} (s={s:g})"
+        label = f"s={s:g}"
         got = encode(x, "trtllm-fp8", page_size=1, dialect="swa", scale=s)
-        results.append(_check("trtllm-fp8", "swa", label, "encode == writer", byte_diff(got, tensors[f"{case}.fp8"])))
+        results.append(
+            _check("trtllm-fp8", "swa", label, "encode = TensorRT-LLM writer", byte_diff(got, tensors[f"{case}.fp8"]))
+        )
         decoded = decode(tensors[f"{case}.fp8"], "trtllm-fp8", page_size=1, scale=s)
         results.append(
-            _check("trtllm-fp8", None, label, "decode == reader", value_diff(decoded, tensors[f"{case}.decoded"]))
+            _check(
+                "trtllm-fp8",
+                None,
+                label,
+                "decode = TensorRT-LLM reader",
+                value_diff(decoded, tensors[f"{case}.decoded"]),
+            )
         )
     return results
 
@@ -192,7 +196,7 @@ def dialect_checks() -> list[CheckResult]:
             rec = lay.pages_to_records(encode(zeros, lay, page_size=1, dialect=dialect), 1, 1)[0]
             want = torch.cat([torch.zeros(576, dtype=torch.uint8), torch.full((NUM_TILES,), byte, dtype=torch.uint8)])
             results.append(
-                _check(name, dialect, "zero tile", f"scale bytes == {byte}, values 0x00", byte_diff(rec[:583], want))
+                _check(name, dialect, f"byte {byte}", "zero tile scale bytes", byte_diff(rec[:583], want))
             )
     return results
 

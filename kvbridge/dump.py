@@ -524,12 +524,12 @@ def convert_dump(
     dialect: str | None = None,
     scale: float | str | None = None,
     overwrite: bool = False,
-    on_entry: Callable[[DumpEntry], None] | None = None,
+    on_entry: Callable[[int, int, DumpEntry], None] | None = None,
 ) -> list[ConvertedEntry]:
     """Convert every entry of dump ``src`` to ``to_layout`` and write dump ``dst`` atomically.
 
     ``scale`` is the destination per-tensor scale (``"auto"``: per entry, no saturation).
-    ``on_entry`` is called after each entry is converted (for progress display).
+    ``on_entry(done, total, entry)`` is called after each entry is converted (for progress display).
     Nothing is written unless every entry converts.
     """
     dst_path = Path(dst)
@@ -537,12 +537,12 @@ def convert_dump(
         raise InputError(f"output {dst_path} exists; pass overwrite=True (CLI: --force) to replace it")
     dump = read_dump(src)
     converted, reports = [], []
-    for entry in dump:
+    for done, entry in enumerate(dump, start=1):
         out, rep = convert_entry(entry, to_layout, page_size=page_size, dialect=dialect, scale=scale)
         converted.append(out)
         reports.append(ConvertedEntry(entry.name, rep))
         if on_entry is not None:
-            on_entry(entry)
+            on_entry(done, len(dump), entry)
     write_dump(dst_path, Dump(converted, attrs=dump.attrs), overwrite=overwrite)
     return reports
 

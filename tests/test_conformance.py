@@ -29,12 +29,18 @@ def test_every_fixture_check_passes(report):
     assert report.fixtures_dir == str(FIXTURES)
     cases = {(r.layout, r.case, r.check) for r in report.results}
     for p in (2, 64, 256):
-        assert ("flashmla-model1", f"p{p} (P={p})", "encode == FlashMLA quant.py") in cases
-        assert ("flashmla-model1", f"p{p} (P={p})", "decode == FlashMLA dequantize") in cases
-    scales = {r.case for r in report.results if r.layout == "trtllm-fp8" and r.check == "encode == writer"}
-    assert scales == {"s0 (s=1)", "s1 (s=0.5)", "s2 (s=2)", "s3 (s=0.037)"}
-    zero = {(r.layout, r.dialect) for r in report.results if r.case == "zero tile"}
-    assert len(zero) == 6
+        assert ("flashmla-model1", f"P={p}", "encode = FlashMLA quant.py") in cases
+        assert ("flashmla-model1", f"P={p}", "decode = FlashMLA dequantize") in cases
+        assert ("trtllm-fp8-ds-mla", f"P={p}", "records = MODEL1 records") in cases
+    for check in ("encode = TensorRT-LLM writer", "decode = TensorRT-LLM reader"):
+        scales = {r.case for r in report.results if r.layout == "trtllm-fp8" and r.check == check}
+        assert scales == {"s=1", "s=0.5", "s=2", "s=0.037"}
+    zero = {(r.layout, r.dialect, r.case) for r in report.results if r.check.startswith("zero tile")}
+    assert zero == {
+        (layout, dialect, f"byte {byte}")
+        for layout in ("flashmla-model1", "trtllm-fp8-ds-mla")
+        for dialect, byte in (("flashmla", 114), ("amax-1e-4", 105), ("amax-1e-8", 92))
+    }
     assert report.to_dict()["num_failed"] == 0
 
 
@@ -59,11 +65,11 @@ def test_a_corrupted_fixture_fails_with_the_first_differing_byte(tmp_path: Path)
     encode_failure, decode_failure = bad.failures
     assert (encode_failure.layout, encode_failure.case, encode_failure.check) == (
         "trtllm-fp8",
-        "s2 (s=2)",
-        "encode == writer",
+        "s=2",
+        "encode = TensorRT-LLM writer",
     )
     assert encode_failure.detail.startswith("1 of 153600 bytes differ; first at flat byte 1541")
-    assert (decode_failure.case, decode_failure.check) == ("s2 (s=2)", "decode == reader")
+    assert (decode_failure.case, decode_failure.check) == ("s=2", "decode = TensorRT-LLM reader")
 
 
 def test_missing_fixtures_are_a_clear_error(tmp_path: Path):

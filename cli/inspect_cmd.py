@@ -1,0 +1,58 @@
+"""``kvbridge inspect FILE``: what a dump holds, per entry, with NaN/saturation counts and scale histograms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from cli.common import console, fmt, json_option, print_json
+from kvbridge.dump import entry_stats, read_dump
+
+
+def histogram_text(hist: dict[int, int]) -> str:
+    """``2^k:count`` pairs, smallest exponent first."""
+    return "  ".join(f"2^{k}:{c}" for k, c in sorted(hist.items()))
+
+
+@click.command("inspect")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@json_option
+def command(file: Path, as_json: bool) -> None:
+    """Show each entry of dump FILE: layout, pages, tokens, scale, dialect, NaN and saturation counts.
+
+    NaN counts E4M3 codes 0x7F/0xFF, UE8M0 0xFF and bf16 NaNs; "sat" counts E4M3 codes at +-448.
+    Per-tile layouts also get a histogram of their tile scale exponents.
+    """
+    dump = read_dump(file)
+    stats = [entry_stats(e) for e in dump]
+    if as_json:
+        print_json({"file": str(file), "version": dump.version, "attrs": dump.attrs, "entries": stats})
+        return
+    table = Table(title=f"{file} (kvbridge dump v{dump.version})", box=None, pad_edge=False, header_style="bold")
+    table.add_column("entry", no_wrap=True)
+    table.add_column("layout / dialect", no_wrap=True)
+    for col in ("pages×P", "tokens", "scale", "amax", "NaN", "sat"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for s in stats:
+        nan = sum(s["nan"].values())
+        layout = s["layout"] or f"latents {s['dtype']}"
+        table.add_row(
+            s["name"],
+            layout + (f"\n[dim]{s['dialect']}[/dim]" if s["dialect"] else ""),
+            "-" if s["num_pages"] is None else f"{s['num_pages']}×{s['page_size']}",
+            str(s["num_tokens"]),
+            fmt(s["scale"]),
+            fmt(s["abs_max"]),
+            f"[red]{nan}[/red]" if nan else "0",
+            str(s["saturated"]) + (f" +{s['inf']} inf" if s["inf"] else ""),
+        )
+    console.print(table)
+    for key, value in sorted(dump.attrs.items()):
+        console.print(f"  [dim]{key}[/dim]: {value}")
+    hists = [(s["name"], s["scale_exponents"]) for s in stats if s["scale_exponents"] is not None]
+    if hists:
+        console.print("[bold]tile scale exponents[/bold] (scale 2^k : tiles)")
+        for name, hist in hists:
+            console.print(f"  {name}: {histogram_text(hist) or 'no tokens'}")

@@ -1,0 +1,56 @@
+"""``kvbridge verify [PATH]``: run the conformance fixtures and print pass/fail per layout and dialect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from cli.common import console, json_option, print_json
+from kvbridge.conformance import run_conformance
+
+
+@click.command("verify")
+@click.argument("path", required=False, type=click.Path(file_okay=False, path_type=Path))
+@json_option
+@click.pass_context
+def command(ctx: click.Context, path: Path | None, as_json: bool) -> None:
+    """Check kvbridge's codecs byte-for-byte against the reference vectors in PATH.
+
+    PATH defaults to the source checkout's fixtures/ directory. Runs FlashMLA's MODEL1
+    encoder/dequantizer vectors (P = 2, 64, 256), TensorRT-LLM's per-tensor FP8 writer/reader at
+    each scale, and the dialect zero-tile scale bytes (114 / 105 / 92). Exit 1 on any failure.
+    """
+    report = run_conformance(path)
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        groups: dict[tuple[str, str, str], list] = {}
+        for r in report.results:
+            groups.setdefault((r.layout, r.dialect or "-", r.check), []).append(r)
+        table = Table(title=f"conformance: {report.fixtures_dir}", box=None, pad_edge=False, header_style="bold")
+        table.add_column("layout", no_wrap=True)
+        table.add_column("dialect", no_wrap=True)
+        table.add_column("check", overflow="fold")
+        table.add_column("cases", overflow="fold")
+        table.add_column("result", no_wrap=True)
+        for (layout, dialect, check), rows in sorted(groups.items(), key=lambda kv: kv[0][0]):
+            ok = sum(r.passed for r in rows)
+            colour = "green" if ok == len(rows) else "red"
+            cases = ", ".join(r.case for r in rows)
+            table.add_row(
+                layout,
+                dialect,
+                check,
+                cases,
+                f"[{colour}]{ok}/{len(rows)} {'PASS' if ok == len(rows) else 'FAIL'}[/{colour}]",
+            )
+        console.print(table)
+        for r in report.failures:
+            console.print(f"[red]FAIL[/red] {r.layout} {r.dialect or ''} {r.case} {r.check}: {r.detail}")
+        total, failed = len(report.results), len(report.failures)
+        colour = "green" if not failed else "red"
+        console.print(f"[{colour}]{total - failed}/{total} checks passed[/{colour}]")
+    if not report.passed:
+        ctx.exit(1)

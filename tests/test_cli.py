@@ -1,0 +1,195 @@
+"""The ``kvbridge`` command through click's runner: every command, JSON output, exit codes, error paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+import kvbridge
+from cli.main import cli
+from kvbridge.dump import DumpEntry, read_dump, write_dump
+
+
+def run(*args: str) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def one_line_error(result: Result, code: int, fragment: str) -> None:
+    """The command failed with ``code`` and a single readable line containing ``fragment``."""
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("Error: ") and fragment in lines[-1], result.stderr
+    if code == 1:
+        assert len(lines) == 1, result.stderr
+
+
+@pytest.fixture
+def trtllm_dump(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(11)
+    entries = []
+    for layer, (role, n, p) in enumerate([("swa", 150, 128), ("compress", 40, 32)]):
+        x = (torch.randn(n, 512, generator=g) * 2).bfloat16()
+        pages = kvbridge.encode(x, "trtllm-fp8", page_size=p, dialect="swa")
+        entries.append(DumpEntry(layer, role, pages, "trtllm-fp8", p, n, 1.0, "swa"))
+    return write_dump(tmp_path / "trt.safetensors", entries)
+
+
+def test_layouts_table_and_json():
+    result = run("layouts")
+    assert result.exit_code == 0
+    for name in ("bf16", "trtllm-fp8", "flashmla-model1", "trtllm-fp8-ds-mla", "vllm-fp8-ds-mla", "149760"):
+        assert name in result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80  # the runner's console is 80 wide
+    records = json.loads(run("layouts", "--json").output)
+    model1 = next(r for r in records if r["name"] == "flashmla-model1")
+    assert model1["page_bytes"] == {"2": 1728, "64": 37440, "256": 149760}
+    assert model1["aliases"] == ["model1", "sglang-v4", "vllm-fp8-ds-mla"]
+
+
+def test_inspect_table_and_json(trtllm_dump: Path, tmp_path: Path):
+    result = run("inspect", trtllm_dump)
+    assert result.exit_code == 0, result.output
+    assert "layer.0.swa" in result.output and "2×128" in result.output
+    info = json.loads(run("inspect", trtllm_dump, "--json").output)
+    assert [e["name"] for e in info["entries"]] == ["layer.0.swa", "layer.1.compress"]
+    assert info["entries"][0]["num_tokens"] == 150 and info["entries"][0]["scale"] == 1.0
+    x = torch.zeros(3, 512)
+    x[0, :64] = 1.75
+    m1 = kvbridge.encode(x, "model1", page_size=2)
+    m1[1, 0] = 0x7F  # token 2's first nope byte: an E4M3 NaN
+    path = write_dump(tmp_path / "m1.safetensors", [DumpEntry(0, "swa", m1, "model1", 2, 3, dialect="flashmla")])
+    stats = json.loads(run("inspect", path, "--json").output)["entries"][0]
+    assert stats["nan"]["e4m3"] == 1 and stats["saturated"] == 64
+    assert stats["scale_exponents"] == {"-8": 1, "-13": 20}
+    table = run("inspect", path).output
+    assert "tile scale exponents" in table and "2^-13:20" in table
+
+
+def test_inspect_rejects_truncated_foreign_and_missing_files(trtllm_dump: Path, tmp_path: Path):
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(trtllm_dump.read_bytes()[:-10])
+    one_line_error(run("inspect", cut), 1, "truncated")
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("hello, this is not a dump\n" * 3)
+    one_line_error(run("inspect", foreign), 1, "not a safetensors file")
+    one_line_error(run("inspect", tmp_path / "missing.safetensors"), 1, "no such file")
+
+
+def test_convert_to_model1_and_back_with_loss_report(trtllm_dump: Path, tmp_path: Path):
+    m1 = tmp_path / "m1.safetensors"
+    result = run("convert", trtllm_dump, m1, "--to", "model1", "--json")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output)
+    assert info["lossless"] and info["to"] == "flashmla-model1"
+    assert {e["name"] for e in info["entries"]} == {"layer.0.swa", "layer.1.compress"}
+    back = tmp_path / "back.safetensors"
+    result = run("convert", m1, back, "--to", "trtllm-fp8", "--scale", "1")
+    assert result.exit_code == 0 and "lossless" in result.output
+    for a, b in zip(read_dump(trtllm_dump), read_dump(back), strict=True):
+        assert torch.equal(a.data, b.data)
+    lossy = run("convert", m1, tmp_path / "small.safetensors", "--to", "trtllm-fp8", "--scale", "0.001")
+    assert lossy.exit_code == 0 and "loss report" in lossy.output and "saturated" in lossy.output
+    auto = json.loads(
+        run("convert", m1, tmp_path / "auto.safetensors", "--to", "trtllm-fp8", "--scale", "auto", "--json").output
+    )
+    assert all(e["saturated"] == 0 and e["dst_scale"] > 0 for e in auto["entries"])
+
+
+def test_convert_repages_with_page_size_and_dialect(trtllm_dump: Path, tmp_path: Path):
+    out = tmp_path / "p61.safetensors"
+    assert (
+        run("convert", trtllm_dump, out, "--to", "sglang-v4", "--page-size", "61", "--dialect", "amax-1e-8").exit_code
+        == 0
+    )
+    entry = read_dump(out)["layer.0.swa"]
+    assert (entry.page_size, entry.dialect, entry.num_pages) == (61, "amax-1e-8", 3)
+
+
+def test_convert_refuses_overwrite_without_force(trtllm_dump: Path, tmp_path: Path):
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"precious")
+    one_line_error(run("convert", trtllm_dump, out, "--to", "model1"), 1, "exists; pass --force")
+    assert out.read_bytes() == b"precious"
+    assert run("convert", trtllm_dump, out, "--to", "model1", "--force").exit_code == 0
+    assert read_dump(out).names == ["layer.0.swa", "layer.1.compress"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--to", "model9"], "unknown layout 'model9'"),
+        (["--to", "trtllm-fp8", "--scale", "-2"], "positive finite"),
+        (["--to", "trtllm-fp8", "--scale", "lots"], "positive number or 'auto'"),
+        (["--to", "model1", "--scale", "2"], "per-tile scales"),
+        (["--to", "model1", "--dialect", "swa"], "'swa' does not apply"),
+        (["--to", "model1", "--page-size", "0"], "--page-size"),
+        ([], "--to"),
+    ],
+)
+def test_convert_usage_errors_exit_2_and_write_nothing(trtllm_dump: Path, tmp_path: Path, args: list, fragment: str):
+    out = tmp_path / "out.safetensors"
+    one_line_error(run("convert", trtllm_dump, out, *args), 2, fragment)
+    assert not out.exists()
+
+
+def test_failed_convert_leaves_no_output(trtllm_dump: Path, tmp_path: Path):
+    raw = trtllm_dump.read_bytes()
+    cases = {
+        "truncated": (raw[: len(raw) // 2], "truncated"),
+        "foreign": (b"GIF89a" + bytes(200), "not a safetensors file"),
+        "flipped header": (raw[:8] + raw[8:40].replace(b"{", b"[") + raw[40:], "not a safetensors file"),
+    }
+    for name, (data, fragment) in cases.items():
+        src = tmp_path / f"{name}.safetensors"
+        src.write_bytes(data)
+        out = tmp_path / f"{name}.out.safetensors"
+        one_line_error(run("convert", src, out, "--to", "model1"), 1, fragment)
+        assert not out.exists()
+    nan = read_dump(trtllm_dump)["layer.0.swa"]
+    pages = nan.data.clone()
+    pages[0, 3] = 0xFF  # an E4M3 NaN
+    src = write_dump(tmp_path / "nan.safetensors", [DumpEntry(0, "swa", pages, "trtllm-fp8", 128, 150)])
+    one_line_error(run("convert", src, tmp_path / "nan.out", "--to", "model1"), 1, "non-finite")
+    assert sorted(p.name for p in tmp_path.iterdir() if "out" in p.name) == []
+
+
+def test_debug_shows_the_exception(tmp_path: Path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"nope")
+    result = CliRunner().invoke(cli, ["--debug", "inspect", str(bad)])
+    assert result.exit_code != 0 and isinstance(result.exception, kvbridge.DumpFormatError)
+
+
+def test_verify_passes_on_the_repository_fixtures():
+    result = run("verify")
+    assert result.exit_code == 0, result.output
+    assert "26/26 checks passed" in result.output and "FAIL" not in result.output
+    report = json.loads(run("verify", "--json").output)
+    assert report["passed"] and report["num_checks"] == 26
+    assert {r["layout"] for r in report["results"]} == {"flashmla-model1", "trtllm-fp8-ds-mla", "trtllm-fp8"}
+
+
+def test_verify_fails_with_exit_1_on_a_bad_fixture_dir(tmp_path: Path):
+    one_line_error(run("verify", tmp_path), 1, "not found")
+    one_line_error(run("verify", tmp_path / "absent"), 1, "does not exist")
+
+
+def test_demo_runs_and_keeps_files_in_workdir(tmp_path: Path):
+    result = run("demo", "--tokens", "512", "--workdir", tmp_path / "work", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["ok"] and summary["convert"]["lossless"] and len(summary["checks"]) == 18
+    kept = sorted(p.name for p in (tmp_path / "work").iterdir())
+    assert kept == [
+        "request.model1.safetensors",
+        "request.roundtrip.trtllm-fp8.safetensors",
+        "request.trtllm-fp8.safetensors",
+    ]
+    table = run("demo", "--tokens", "256")
+    assert table.exit_code == 0 and "18/18 checks passed" in table.output
+    one_line_error(run("demo", "--tokens", "12"), 2, "--tokens")

@@ -26,7 +26,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from kvbridge import __version__
 from kvbridge.api import LossReport, auto_scale, count_saturated, decode, encode, measure_loss, transcode
 from kvbridge.codecs import HEAD_DIM
 from kvbridge.errors import DumpFormatError, InputError, KVBridgeError
@@ -372,6 +371,8 @@ def write_dump(
         raise InputError(f"attrs must map str to str and not use {', '.join(sorted(reserved)) or 'reserved keys'}")
     if path.exists() and not overwrite:
         raise InputError(f"output {path} exists; pass overwrite=True (CLI: --force) to replace it")
+    from kvbridge import __version__
+
     metadata = {
         "format": FORMAT_NAME,
         "version": str(FORMAT_VERSION),

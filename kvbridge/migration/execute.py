@@ -148,7 +148,7 @@ def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, conver
     Checksums always cover the bytes that travel: with ``convert`` they are computed on the
     converted records, chunked by the source pages the entries came from.
     """
-    _check_pools(plan, src, "src")
+    check_pools(plan, src, "src")
     records, chunks = [], []
     for t in plan.transfers:
         records.append(gather_records(src.pool(t.spec), t.src, tables[t.src.table], t.first, t.count))
@@ -181,7 +181,7 @@ def verify(plan: MigrationPlan, payload: Payload) -> None:
 
 def publish(plan: MigrationPlan, payload: Payload, dst: EnginePools) -> RequestTables:
     """Claim the request's destination pages and write every converted record into them."""
-    _check_pools(plan, dst, "dst")
+    check_pools(plan, dst, "dst")
     if not payload.converted:
         raise MigrationError("publish needs converted records; call convert_payload first")
     lengths = plan.table_lengths("dst")
@@ -210,7 +210,8 @@ def _place(pool: torch.Tensor, t: Transfer, table: list[int], records: torch.Ten
     )
 
 
-def _check_pools(plan: MigrationPlan, pools: EnginePools, side: str) -> None:
+def check_pools(plan: MigrationPlan, pools: EnginePools, side: str) -> None:
+    """Refuse pools of another engine profile or model than ``plan``'s ``side`` (``src``/``dst``)."""
     profile = plan.src if side == "src" else plan.dst
     if pools.profile.spec != profile.spec or pools.model.compress_ratios != plan.model.compress_ratios:
         raise InputError(f"{side} pools are {pools.profile.spec} / {pools.model.name}; the plan wants "
@@ -252,6 +253,7 @@ def migrate_local(plan: MigrationPlan, src: EnginePools, src_tables: RequestTabl
     """
     if convert_on not in ("sender", "receiver"):
         raise InputError(f"convert_on must be 'sender' or 'receiver', got {convert_on!r}")
+    check_pools(plan, dst, "dst")
     t0 = time.perf_counter()
     payload = pack(plan, src, src_tables, convert=convert_on == "sender")
     pack_s = time.perf_counter() - t0

@@ -35,6 +35,7 @@ from kvbridge.migration.execute import (
     MigrationReport,
     Payload,
     TransferError,
+    check_pools,
     finish,
     pack,
 )
@@ -156,6 +157,7 @@ def receive_request(plan: MigrationPlan, dst: EnginePools, *, src_rank: int, gro
                     timeout: float = 60.0, device: torch.device | str = "cpu") -> tuple[RequestTables, MigrationReport]:
     """Decode side: receive, verify every checksum, convert if the sender did not, then claim and
     fill destination pages. Returns the request's block tables and a report."""
+    check_pools(plan, dst, "dst")
     t0 = time.perf_counter()
     payload = receive_payload(plan, src_rank=src_rank, group=group, timeout=timeout, device=device)
     wire_s = time.perf_counter() - t0

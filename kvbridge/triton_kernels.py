@@ -123,16 +123,16 @@ def _bf16_to_f32(half):
 
 
 @triton.jit
-def _scale_exponent(amax, MIN_EXP: tl.constexpr):
-    """max(ceil(log2(amax / 448)), MIN_EXP) for fp32 amax >= 0 (``numerics.scale_exponent``).
+def _scale_exponent(amax, min_exp):
+    """max(ceil(log2(amax / 448)), min_exp) for fp32 amax >= 0 (``numerics.scale_exponent``).
 
     amax = M * 2^E, 448 = 1.75 * 2^8: E - 8, plus one when M > 1.75. Zero and fp32-subnormal
-    amax fall below every dialect's floor (>= 2^-35), so they take ``MIN_EXP`` directly.
+    amax fall below every dialect's floor (>= 2^-35), so they take ``min_exp`` directly.
     """
     bits = amax.to(tl.int32, bitcast=True)
     exp = bits >> 23
     k = exp - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    return tl.where(exp == 0, MIN_EXP, tl.maximum(k, MIN_EXP))
+    return tl.where(exp == 0, min_exp, tl.maximum(k, min_exp))
 
 
 # ----------------------------------------------------------------------------- addressing
@@ -171,16 +171,20 @@ def _row_slots(slots_ptr, i, n, HAS_SLOTS: tl.constexpr):
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+#: Sizes and counts change with every pool: not specialised, so one compiled kernel serves every size.
+_RUNTIME_INTS = ["src_cap", "src_p", "src_pb", "dst_p", "dst_pb", "min_exp", "n_tokens", "n_rows"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _convert_kernel(
     src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
-    dst, dst16, dst_slots, dst_p, dst_pb, dst_mult,
+    dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp,
     flags, n_tokens, n_rows,
     SRC_KIND: tl.constexpr, SRC_S: tl.constexpr, SRC_R: tl.constexpr, SRC_ALIGN: tl.constexpr,
     SRC_HAS_SLOTS: tl.constexpr,
     DST_KIND: tl.constexpr, DST_S: tl.constexpr, DST_R: tl.constexpr, DST_ALIGN: tl.constexpr,
     DST_HAS_SLOTS: tl.constexpr,
-    MIN_EXP: tl.constexpr, CHECK: tl.constexpr, WRITE: tl.constexpr, HW_FP8: tl.constexpr,
+    CHECK: tl.constexpr, WRITE: tl.constexpr, HW_FP8: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """Rows ``[pid*BLOCK_T, +BLOCK_T)``: decode the source token of row i, encode it into the destination.
@@ -217,7 +221,7 @@ def _convert_kernel(
         x = tl.where(nope, _e4m3_decode(codes, HW_FP8) * _ue8m0_decode(scale_byte), _bf16_to_f32(rope))
 
     if CHECK:
-        bad = ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+        bad = ((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)  # exponent all ones
         bad_token = tl.max(tl.max(bad, axis=2, keep_dims=True), axis=1, keep_dims=True)
         oob = (i < n_tokens) & (slot != -1) & ~in_range
         flag = tl.where(oob, FLAG_OUT_OF_RANGE, tl.where(valid & (bad_token > 0), FLAG_NONFINITE, 0))
@@ -238,7 +242,7 @@ def _convert_kernel(
             tl.store(dst + base + d, _e4m3_encode(x * dst_mult, HW_FP8).to(tl.uint8), mask=row)
         else:
             amax = tl.max(tl.where(nope, tl.abs(x), 0.0), axis=2, keep_dims=True)  # [T, 8, 1]
-            k = _scale_exponent(amax, MIN_EXP)
+            k = _scale_exponent(amax, min_exp)
             inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # exact 2^-k
             base = _data_base(out, dst_p, dst_pb, DST_S, DST_ALIGN)
             tl.store(dst + base + d, _e4m3_encode(x * inv, HW_FP8).to(tl.uint8), mask=row & nope)
@@ -249,7 +253,7 @@ def _convert_kernel(
             tl.store(dst + foot + tile, footer.to(tl.uint8), mask=row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src_cap", "src_p", "src_pw", "dst_p", "dst_pw", "n_tokens", "n_rows"])
 def _copy_kernel(
     src, src_slots, src_cap, src_p, src_pw,
     dst, dst_slots, dst_p, dst_pw,
@@ -359,12 +363,13 @@ def _launch_convert(
             src.tensor, src.half, dummy if src_slots is None else src_slots, src.capacity, src.page_size,
             src.page_bytes, src_scale,
             dst.tensor, dst.half, dummy if dst_slots is None else dst_slots, dst.page_size, dst.page_bytes, dst_mult,
+            min_exp,
             dummy if flags is None else flags, n_tokens, n_rows,
             SRC_KIND=src.kind, SRC_S=src.split, SRC_R=src.record, SRC_ALIGN=src.align,
             SRC_HAS_SLOTS=src_slots is not None,
             DST_KIND=dst.kind, DST_S=dst.split, DST_R=dst.record, DST_ALIGN=dst.align,
             DST_HAS_SLOTS=dst_slots is not None,
-            MIN_EXP=min_exp, CHECK=flags is not None, WRITE=write, HW_FP8=fp8_hardware,
+            CHECK=flags is not None, WRITE=write, HW_FP8=fp8_hardware,
             BLOCK_T=_CONVERT_BLOCK_T, num_warps=_CONVERT_WARPS,
         )
 
@@ -412,7 +417,10 @@ def _dst_mult(layout: Layout, dialect: str | None, scale: float) -> float:
 def _encode_args(layout: Layout, dialect: str | None, scale: float) -> dict:
     kind = layout_kind(layout)
     if kind == _KIND_MODEL1:
-        return {"min_exp": DIALECT_MIN_EXPONENT[dialect or "flashmla"]}
+        floor = DIALECT_MIN_EXPONENT[dialect or "flashmla"]
+        if floor <= -135:  # _scale_exponent sends zero / fp32-subnormal amax (k <= -135) straight to the floor
+            raise LayoutError(f"dialect {dialect!r}: scale floor 2^{floor} is below what the kernel handles")
+        return {"min_exp": floor}
     if kind == _KIND_E4M3:
         return {"dst_mult": _dst_mult(layout, dialect, scale)}
     return {}

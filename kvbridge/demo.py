@@ -21,6 +21,7 @@ import torch
 
 import kvbridge
 from kvbridge import reference, synthetic
+from kvbridge.demo_decode import decode_section
 from kvbridge.dump import DumpEntry, convert_dump, read_dump, write_dump
 from kvbridge.errors import InputError
 from kvbridge.layouts import get_layout
@@ -132,6 +133,7 @@ SECTIONS: list[tuple[str, Callable[[DemoContext], dict]]] = [
     ("convert", convert_to_model1),
     ("verify", verify_against_reference),
     ("round_trip", round_trip),
+    ("decode", decode_section),
 ]
 
 

@@ -22,17 +22,30 @@ from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 
 
-@click.command("convert")
+@click.command("convert", short_help="Convert a dump to another layout (atomic, with a loss report).")
 @click.argument("src", metavar="IN", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("dst", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
-    "--to", "to_layout", required=True, callback=parse_layout, help="Destination layout (see `kvbridge layouts`)."
+    "--to",
+    "to_layout",
+    metavar="LAYOUT",
+    required=True,
+    callback=parse_layout,
+    help="Destination layout (see `kvbridge layouts`).",
 )
 @click.option(
-    "--page-size", type=click.IntRange(min=1), help="Destination tokens per page (default: each entry's own)."
+    "--page-size",
+    metavar="P",
+    type=click.IntRange(min=1),
+    help="Destination tokens per page (default: each entry's own).",
 )
-@click.option("--dialect", help="Encoder dialect of the destination (default: the layout's first).")
-@click.option("--scale", callback=parse_scale, help="Destination per-tensor scale (trtllm-fp8): a number or 'auto'.")
+@click.option("--dialect", metavar="D", help="Encoder dialect of the destination (default: the layout's first).")
+@click.option(
+    "--scale",
+    metavar="S|auto",
+    callback=parse_scale,
+    help="Destination per-tensor scale (trtllm-fp8): a number or 'auto'.",
+)
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @json_option
 def command(

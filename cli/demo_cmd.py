@@ -11,7 +11,7 @@ from cli.common import console, json_option, print_json
 from kvbridge.demo import run_demo
 
 
-@click.command("demo")
+@click.command("demo", short_help="Synthetic DeepSeek-V4 request: TensorRT-LLM FP8 -> MODEL1 -> back, verified.")
 @click.option(
     "--tokens", default=4096, show_default=True, type=click.IntRange(min=128), help="Request length in tokens."
 )

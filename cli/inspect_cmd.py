@@ -16,7 +16,7 @@ def histogram_text(hist: dict[int, int]) -> str:
     return "  ".join(f"2^{k}:{c}" for k, c in sorted(hist.items()))
 
 
-@click.command("inspect")
+@click.command("inspect", short_help="Show what a dump holds: layouts, tokens, NaN/saturation, scales.")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @json_option
 def command(file: Path, as_json: bool) -> None:

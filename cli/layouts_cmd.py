@@ -39,7 +39,7 @@ def fields_text(record: dict) -> str:
     )
 
 
-@click.command("layouts")
+@click.command("layouts", short_help="List the KV layouts: bytes per token, pages, fields, dialects.")
 @json_option
 def command(as_json: bool) -> None:
     """List every registered KV layout: bytes per token, page rule, fields, dialects."""

@@ -11,7 +11,7 @@ from cli.common import console, json_option, print_json
 from kvbridge.conformance import run_conformance
 
 
-@click.command("verify")
+@click.command("verify", short_help="Run the conformance fixtures; pass/fail per layout and dialect.")
 @click.argument("path", required=False, type=click.Path(file_okay=False, path_type=Path))
 @json_option
 @click.pass_context

@@ -45,13 +45,7 @@ class CacheArg:
     scale: float
     indices: torch.Tensor
     valid: torch.Tensor
-    raw_indices: torch.Tensor
     topk_length: torch.Tensor | None
-
-    @property
-    def capacity(self) -> int:
-        """Token slots in the pool: num_pages * page_size."""
-        return self.pages.shape[0] * self.page_size
 
 
 def pages_2d(k_cache: torch.Tensor, layout: Layout, page_size: int, what: str) -> torch.Tensor:
@@ -161,7 +155,7 @@ def _cache_arg(
     if topk_length is not None:
         valid &= torch.arange(topk, device=q.device) < topk_length.to(torch.int64)[:, None, None]
     idx = torch.where(valid, idx, torch.full_like(idx, -1))
-    return CacheArg(pages, lay, page_size, s, idx, valid, indices, topk_length)
+    return CacheArg(pages, lay, page_size, s, idx, valid, topk_length)
 
 
 @dataclass(frozen=True)

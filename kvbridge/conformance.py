@@ -3,7 +3,9 @@
 ``run_conformance`` replays the fixture files of ``fixtures/`` (FlashMLA's MODEL1 encoder and
 dequantizer at P = 2, 64, 256; TensorRT-LLM's per-tensor FP8 writer and reader at each scale)
 plus the dialect zero-tile scale bytes of spec section 4 (114 / 105 / 92), comparing bytes with
-``torch.equal``. ``identify_writer`` says which encoder (dialect, input precision, scale)
+``torch.equal``, and FlashMLA's sparse-decode reference outputs through ``sparse_decode``
+(reference backend) within FlashMLA's own test tolerances (spec section 6; fp32 accumulation
+order differs, so these are not bitwise). ``identify_writer`` says which encoder (dialect, input precision, scale)
 reproduces a given byte stream from its source values.
 """
 
@@ -24,6 +26,7 @@ from kvbridge.layouts import Layout, get_layout
 
 MODEL1_FIXTURE = "model1_reference.safetensors"
 TRTLLM_FIXTURE = "trtllm_fp8_reference.safetensors"
+DECODE_FIXTURE = "model1_decode_reference.safetensors"
 #: Scale byte of an all-zero tile per dialect, as stated in spec section 4 (not derived from the encoder).
 ZERO_TILE_SCALE_BYTE = {"flashmla": 114, "amax-1e-4": 105, "amax-1e-8": 92}
 #: Odd page size (FlashMLA's tests use 61) for the re-paging round trip check.
@@ -186,6 +189,43 @@ def trtllm_checks(path: Path) -> list[CheckResult]:
     return results
 
 
+def decode_checks(path: Path) -> list[CheckResult]:
+    """FlashMLA sparse decode vectors: ``sparse_decode`` out and lse within FlashMLA's tolerances."""
+    from kvbridge.attention import LSE_TOLERANCE, OUT_TOLERANCE, compare, sparse_decode
+
+    tensors, cases = _load(path)
+    results = []
+    for case, info in cases.items():
+
+        def get(key: str, case: str = case) -> torch.Tensor | None:
+            return tensors.get(f"{case}.{key}")
+
+        out, lse = sparse_decode(
+            get("q"),
+            get("k_cache"),
+            get("indices"),
+            layout="flashmla-model1",
+            page_size=int(info["page_size"]),
+            extra_k_cache=get("extra_k_cache"),
+            extra_indices=get("extra_indices"),
+            extra_page_size=info["extra_page_size"],
+            topk_length=get("topk_length"),
+            extra_topk_length=get("extra_topk_length"),
+            attn_sink=get("attn_sink"),
+            softmax_scale=float(info["sm_scale"]),
+            backend="reference",
+        )
+        label = f"{case} (P={info['page_size']}" + (f"+{info['extra_page_size']})" if info["extra_page_size"] else ")")
+        for what, got, tol in (("out", out, OUT_TOLERANCE), ("lse", lse, LSE_TOLERANCE)):
+            cmp = compare(got, get(what), tol)
+            results.append(
+                CheckResult(
+                    "flashmla-model1", None, label, f"sparse decode {what} ~ FlashMLA ref", cmp.passed, cmp.detail
+                )
+            )
+    return results
+
+
 def dialect_checks() -> list[CheckResult]:
     """Spec section 4: an all-zero tile gets scale byte 114 / 105 / 92 and value bytes 0x00."""
     results = []
@@ -195,9 +235,7 @@ def dialect_checks() -> list[CheckResult]:
         for dialect, byte in ZERO_TILE_SCALE_BYTE.items():
             rec = lay.pages_to_records(encode(zeros, lay, page_size=1, dialect=dialect), 1, 1)[0]
             want = torch.cat([torch.zeros(576, dtype=torch.uint8), torch.full((NUM_TILES,), byte, dtype=torch.uint8)])
-            results.append(
-                _check(name, dialect, f"byte {byte}", "zero tile scale bytes", byte_diff(rec[:583], want))
-            )
+            results.append(_check(name, dialect, f"byte {byte}", "zero tile scale bytes", byte_diff(rec[:583], want)))
     return results
 
 
@@ -206,7 +244,12 @@ def run_conformance(fixtures_dir: str | os.PathLike | None = None) -> Conformanc
     root = default_fixtures_dir() if fixtures_dir is None else Path(fixtures_dir)
     if not root.is_dir():
         raise InputError(f"fixtures directory {root} does not exist")
-    results = [*model1_checks(root / MODEL1_FIXTURE), *trtllm_checks(root / TRTLLM_FIXTURE), *dialect_checks()]
+    results = [
+        *model1_checks(root / MODEL1_FIXTURE),
+        *trtllm_checks(root / TRTLLM_FIXTURE),
+        *dialect_checks(),
+        *decode_checks(root / DECODE_FIXTURE),
+    ]
     return ConformanceReport(str(root), results)
 
 

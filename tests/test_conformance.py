@@ -41,6 +41,10 @@ def test_every_fixture_check_passes(report):
         for layout in ("flashmla-model1", "trtllm-fp8-ds-mla")
         for dialect, byte in (("flashmla", 114), ("amax-1e-4", 105), ("amax-1e-8", 92))
     }
+    decode = {(r.case, r.check) for r in report.results if r.check.startswith("sparse decode")}
+    assert decode == {
+        (c, f"sparse decode {w} ~ FlashMLA ref") for c in ("c0 (P=64)", "c1 (P=64+2)") for w in ("out", "lse")
+    }
     assert report.to_dict()["num_failed"] == 0
 
 
@@ -49,7 +53,11 @@ def test_zero_tile_bytes_are_the_spec_constants():
 
 
 def test_a_corrupted_fixture_fails_with_the_first_differing_byte(tmp_path: Path):
-    for name in ("model1_reference.safetensors", "trtllm_fp8_reference.safetensors"):
+    for name in (
+        "model1_reference.safetensors",
+        "trtllm_fp8_reference.safetensors",
+        "model1_decode_reference.safetensors",
+    ):
         shutil.copy(FIXTURES / name, tmp_path / name)
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file

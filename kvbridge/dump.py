@@ -380,7 +380,15 @@ def write_dump(
         "created_by": f"kvbridge {__version__}",
         **extra,
     }
-    tensors = {e.name: e.data.detach().to("cpu").contiguous() for e in items}
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for e in items:
+        t = e.data.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in storages:  # safetensors refuses tensors sharing memory (e.g. slices of one pool)
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[e.name] = t
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
     os.close(fd)
     try:

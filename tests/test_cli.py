@@ -198,3 +198,22 @@ def test_demo_runs_and_keeps_files_in_workdir(tmp_path: Path):
     n = len(summary["checks"])
     assert table.exit_code == 0 and f"{n}/{n} checks passed" in table.output
     one_line_error(run("demo", "--tokens", "12"), 2, "--tokens")
+
+
+def test_inspect_source_names_the_writer(tmp_path: Path):
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(4))
+    x[:, 64:128] *= 1e-6  # tile 1 amax < 1e-4 / 2: the three dialects write different scale bytes
+    src = write_dump(tmp_path / "src.safetensors", [DumpEntry(0, "swa", x), DumpEntry(1, "swa", x)])
+    m1 = kvbridge.encode(x.bfloat16(), "model1", page_size=64, dialect="amax-1e-4")
+    fp8 = kvbridge.encode(x, "trtllm-fp8", page_size=64, dialect="compress")
+    enc = write_dump(
+        tmp_path / "enc.safetensors",
+        [DumpEntry(0, "swa", m1, "model1", 64, 70), DumpEntry(1, "swa", fp8, "trtllm-fp8", 64, 70, scale=0.5)],
+    )
+    info = json.loads(run("inspect", enc, "--source", src, "--json").output)
+    assert info["entries"][0]["writer"]["matches"] == ["amax-1e-4/bf16: vLLM writer / DeepSeek act_quant"]
+    assert info["entries"][1]["writer"]["matches"] == ["compress/fp32@s=1: TensorRT-LLM COMPRESS writer"]
+    table = run("inspect", enc, "--source", src)
+    assert table.exit_code == 0 and "TensorRT-LLM COMPRESS writer" in table.output
+    swapped = write_dump(tmp_path / "other.safetensors", [DumpEntry(0, "swa", x * 2)])
+    assert "none" in run("inspect", enc, "--source", swapped).output

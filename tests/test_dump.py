@@ -54,6 +54,14 @@ def test_round_trip_keeps_every_tensor_and_field(tmp_path: Path):
     assert not list(tmp_path.glob(".*.tmp")), "temp file left behind"
 
 
+def test_entries_sharing_memory_are_written_separately(tmp_path: Path):
+    pool = trtllm_entry(n=256).data  # 4 pages of 64 tokens; entries are views of it
+    entries = [DumpEntry(i, "swa", pool[2 * i : 2 * i + 2], "trtllm-fp8", 64) for i in range(2)]
+    entries.append(DumpEntry(2, "swa", pool, "trtllm-fp8", 64))
+    dump = read_dump(write_dump(tmp_path / "views.safetensors", entries))
+    assert torch.equal(dump["layer.1.swa"].data, pool[2:4]) and torch.equal(dump["layer.2.swa"].data, pool)
+
+
 def test_latents_decode_each_entry_exactly(tmp_path: Path):
     dump = read_dump(write_dump(tmp_path / "d.safetensors", sample_dump()))
     values = dump.latents()

@@ -145,7 +145,8 @@ class DumpEntry:
     Pages are uint8 ``[num_pages, page_bytes(page_size)]`` holding ``num_tokens`` tokens (token t
     at page ``t // page_size``, row ``t % page_size``); latents are bf16/fp16/fp32
     ``[num_tokens, 512]``. ``scale`` is the per-tensor fp32 scale of ``trtllm-fp8`` (None for
-    other layouts); ``dialect`` names the writer when known. Constructing validates everything.
+    other layouts), stored as the fp32 value; ``dialect`` names the writer when known.
+    Constructing validates everything.
     """
 
     layer: int
@@ -172,6 +173,9 @@ class DumpEntry:
             object.__setattr__(self, "num_tokens", self.data.shape[0])
         if self.scale is None and self.layout is not None and get_layout(self.layout).per_tensor_scale:
             object.__setattr__(self, "scale", 1.0)
+        elif isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool):
+            # the scale is an fp32 number (TensorRT-LLM's kv_cache_scaling_factor): store it exactly
+            object.__setattr__(self, "scale", float(torch.tensor(float(self.scale), dtype=torch.float32)))
         problem = entry_problem(self.metadata(), dtype, list(self.data.shape))
         if problem:
             raise InputError(f"dump entry {self.name}: {problem}")

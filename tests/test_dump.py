@@ -72,6 +72,12 @@ def test_latents_decode_each_entry_exactly(tmp_path: Path):
     assert torch.equal(values["layer.2.kv"], latents(7, 2).float())
 
 
+def test_scale_is_kept_as_its_fp32_value(tmp_path: Path):
+    entry = trtllm_entry(scale=0.037)
+    assert entry.scale == float(torch.tensor(0.037, dtype=torch.float32)) != 0.037
+    assert read_dump(write_dump(tmp_path / "s.safetensors", [entry]))["layer.0.swa"].scale == entry.scale
+
+
 def test_write_refuses_existing_file_unless_overwrite(tmp_path: Path):
     path = tmp_path / "d.safetensors"
     write_dump(path, [trtllm_entry()])

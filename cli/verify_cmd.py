@@ -13,9 +13,12 @@ from kvbridge.conformance import run_conformance
 
 @click.command("verify", short_help="Run the conformance fixtures; pass/fail per layout and dialect.")
 @click.argument("path", required=False, type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--device", default="cpu", show_default=True, help="Run the checks on this torch device (cuda: the GPU kernels)."
+)
 @json_option
 @click.pass_context
-def command(ctx: click.Context, path: Path | None, as_json: bool) -> None:
+def command(ctx: click.Context, path: Path | None, device: str, as_json: bool) -> None:
     """Check kvbridge's codecs byte-for-byte against the reference vectors in PATH.
 
     PATH defaults to the source checkout's fixtures/ directory. Runs FlashMLA's MODEL1
@@ -23,14 +26,19 @@ def command(ctx: click.Context, path: Path | None, as_json: bool) -> None:
     each scale, the dialect zero-tile scale bytes (114 / 105 / 92), and FlashMLA's sparse-decode
     outputs (within FlashMLA's own tolerances). Exit 1 on any failure.
     """
-    report = run_conformance(path)
+    report = run_conformance(path, device=device)
     if as_json:
         print_json(report.to_dict())
     else:
         groups: dict[tuple[str, str, str], list] = {}
         for r in report.results:
             groups.setdefault((r.layout, r.dialect or "-", r.check), []).append(r)
-        table = Table(title=f"conformance: {report.fixtures_dir}", box=None, pad_edge=False, header_style="bold")
+        table = Table(
+            title=f"conformance: {report.fixtures_dir} on {report.device}",
+            box=None,
+            pad_edge=False,
+            header_style="bold",
+        )
         table.add_column("layout", no_wrap=True)
         table.add_column("dialect", no_wrap=True)
         table.add_column("check", overflow="fold")

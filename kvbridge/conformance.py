@@ -47,9 +47,10 @@ class CheckResult:
 
 @dataclass
 class ConformanceReport:
-    """All checks of one ``run_conformance`` call and the fixture directory they came from."""
+    """All checks of one ``run_conformance`` call, the fixture directory and the device they ran on."""
 
     fixtures_dir: str
+    device: str
     results: list[CheckResult]
 
     @property
@@ -63,6 +64,7 @@ class ConformanceReport:
     def to_dict(self) -> dict:
         return {
             "fixtures_dir": self.fixtures_dir,
+            "device": self.device,
             "passed": self.passed,
             "num_checks": len(self.results),
             "num_failed": len(self.failures),
@@ -83,6 +85,7 @@ def default_fixtures_dir() -> Path:
 
 def byte_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
     """Exact comparison of two uint8 tensors: (equal?, one-line detail naming the first differing byte)."""
+    got, want = got.cpu(), want.cpu()
     if got.shape != want.shape:
         return False, f"shape {list(got.shape)} != expected {list(want.shape)}"
     if torch.equal(got, want):
@@ -97,6 +100,7 @@ def byte_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
 
 def value_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
     """Exact comparison of two fp32 tensors, NaN equal to NaN: (equal?, one-line detail)."""
+    got, want = got.cpu(), want.cpu()
     if got.shape != want.shape:
         return False, f"shape {list(got.shape)} != expected {list(want.shape)}"
     same = (got == want) | (torch.isnan(got) & torch.isnan(want))
@@ -106,11 +110,11 @@ def value_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:
     return False, f"{bad} of {want.numel()} values differ; max |diff| {float((got - want).abs()[~same].max()):.3g}"
 
 
-def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+def _load(path: Path, device: torch.device) -> tuple[dict[str, torch.Tensor], dict]:
     try:
         with safe_open(str(path), "pt") as fh:
             cases = json.loads(fh.metadata()["cases"])
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            tensors = {k: fh.get_tensor(k).to(device) for k in fh.keys()}
     except FileNotFoundError:
         raise InputError(f"fixture file {path} not found") from None
     except (SafetensorError, KeyError, TypeError, json.JSONDecodeError) as exc:
@@ -122,9 +126,9 @@ def _check(layout: str, dialect: str | None, case: str, check: str, outcome: tup
     return CheckResult(layout, dialect, case, check, *outcome)
 
 
-def model1_checks(path: Path) -> list[CheckResult]:
+def model1_checks(path: Path, device: torch.device) -> list[CheckResult]:
     """FlashMLA MODEL1 vectors: encode (flashmla dialect), decode, footer-scale layout, re-paging."""
-    tensors, cases = _load(path)
+    tensors, cases = _load(path, device)
     results = []
     for case, info in cases.items():
         p = int(info["page_size"])
@@ -164,9 +168,9 @@ def model1_checks(path: Path) -> list[CheckResult]:
     return results
 
 
-def trtllm_checks(path: Path) -> list[CheckResult]:
+def trtllm_checks(path: Path, device: torch.device) -> list[CheckResult]:
     """TensorRT-LLM per-tensor FP8 vectors: SWA writer bytes and reader values at each scale."""
-    tensors, cases = _load(path)
+    tensors, cases = _load(path, device)
     results = []
     for case, info in cases.items():
         s = float(info["scale"])
@@ -189,11 +193,11 @@ def trtllm_checks(path: Path) -> list[CheckResult]:
     return results
 
 
-def decode_checks(path: Path) -> list[CheckResult]:
+def decode_checks(path: Path, device: torch.device) -> list[CheckResult]:
     """FlashMLA sparse decode vectors: ``sparse_decode`` out and lse within FlashMLA's tolerances."""
     from kvbridge.attention import LSE_TOLERANCE, OUT_TOLERANCE, compare, sparse_decode
 
-    tensors, cases = _load(path)
+    tensors, cases = _load(path, device)
     results = []
     for case, info in cases.items():
 
@@ -226,10 +230,10 @@ def decode_checks(path: Path) -> list[CheckResult]:
     return results
 
 
-def dialect_checks() -> list[CheckResult]:
+def dialect_checks(device: torch.device) -> list[CheckResult]:
     """Spec section 4: an all-zero tile gets scale byte 114 / 105 / 92 and value bytes 0x00."""
     results = []
-    zeros = torch.zeros(1, HEAD_DIM)
+    zeros = torch.zeros(1, HEAD_DIM, device=device)
     for name in ("flashmla-model1", "trtllm-fp8-ds-mla"):
         lay = get_layout(name)
         for dialect, byte in ZERO_TILE_SCALE_BYTE.items():
@@ -239,18 +243,29 @@ def dialect_checks() -> list[CheckResult]:
     return results
 
 
-def run_conformance(fixtures_dir: str | os.PathLike | None = None) -> ConformanceReport:
-    """Run every conformance check against ``fixtures_dir`` (default: the repository's ``fixtures/``)."""
+def run_conformance(
+    fixtures_dir: str | os.PathLike | None = None, device: str | torch.device = "cpu"
+) -> ConformanceReport:
+    """Run every conformance check against ``fixtures_dir`` (default: the repository's ``fixtures/``).
+
+    ``device``: where the inputs go, so ``cuda`` checks the GPU paths (Triton kernels) byte for byte.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("device 'cuda' requested but CUDA is not available on this machine")
     root = default_fixtures_dir() if fixtures_dir is None else Path(fixtures_dir)
     if not root.is_dir():
         raise InputError(f"fixtures directory {root} does not exist")
     results = [
-        *model1_checks(root / MODEL1_FIXTURE),
-        *trtllm_checks(root / TRTLLM_FIXTURE),
-        *dialect_checks(),
-        *decode_checks(root / DECODE_FIXTURE),
+        *model1_checks(root / MODEL1_FIXTURE, dev),
+        *trtllm_checks(root / TRTLLM_FIXTURE, dev),
+        *dialect_checks(dev),
+        *decode_checks(root / DECODE_FIXTURE, dev),
     ]
-    return ConformanceReport(str(root), results)
+    return ConformanceReport(str(root), str(dev), results)
 
 
 @dataclass(frozen=True)

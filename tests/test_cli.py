@@ -175,6 +175,9 @@ def test_verify_passes_on_the_repository_fixtures():
 
 
 def test_verify_fails_with_exit_1_on_a_bad_fixture_dir(tmp_path: Path):
+    if not torch.cuda.is_available():
+        one_line_error(run("verify", "--device", "cuda"), 1, "CUDA is not available")
+    one_line_error(run("verify", "--device", "tpu9"), 1, "device must be a torch device")
     one_line_error(run("verify", tmp_path), 1, "not found")
     one_line_error(run("verify", tmp_path / "absent"), 1, "does not exist")
 

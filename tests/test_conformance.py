@@ -26,7 +26,7 @@ def report():
 
 def test_every_fixture_check_passes(report):
     assert report.passed, [r for r in report.failures]
-    assert report.fixtures_dir == str(FIXTURES)
+    assert report.fixtures_dir == str(FIXTURES) and report.device == "cpu"
     cases = {(r.layout, r.case, r.check) for r in report.results}
     for p in (2, 64, 256):
         assert ("flashmla-model1", f"P={p}", "encode = FlashMLA quant.py") in cases
@@ -46,6 +46,12 @@ def test_every_fixture_check_passes(report):
         (c, f"sparse decode {w} ~ FlashMLA ref") for c in ("c0 (P=64)", "c1 (P=64+2)") for w in ("out", "lse")
     }
     assert report.to_dict()["num_failed"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_fixture_check_passes_on_cuda():
+    cuda = run_conformance(device="cuda")
+    assert cuda.passed, cuda.failures
 
 
 def test_zero_tile_bytes_are_the_spec_constants():

@@ -72,7 +72,9 @@ def test_local_migration_bytes_match_reference(src_spec, dst_spec):
     _check(plan, src, src_tables, dst, tables)
     assert report.transfers == len(plan.transfers)
     assert report.payload_bytes == plan.totals()["all"]["src_bytes"]
-    assert len(report.loss) == sum(1 for t in plan.transfers if t.src.kind == "kv" and t.conversion != "byte move")
+    converted_kv = [t for t in plan.transfers if t.src.kind == "kv" and t.conversion != "byte move"]
+    # one loss report per conversion batch, covering every converted KV entry once
+    assert sum(r.num_tokens for r in report.loss) == sum(t.count for t in converted_kv)
 
 
 def test_sender_side_conversion_gives_the_same_bytes():
@@ -161,3 +163,16 @@ def test_cli_run_json():
     data = json.loads(result.output)
     assert data["kv_lossless"] is True and data["transfers"] == 4 + 4  # 4 SWA caches, layer 2's four caches
     assert len(data["tables"]["swa"]) == 2 and min(data["tables"]["swa"]) >= 0  # window 172..299
+
+
+def test_skipping_the_loss_report_writes_the_same_bytes():
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
+    src, src_tables = source_request(plan, seed=10)
+    pools = []
+    for measure in (True, False):
+        dst = destination_pools(plan, seed=2)
+        _, report = migrate_local(plan, src, src_tables, dst, loss_report=measure)
+        pools.append(dst.pools)
+        if not measure:
+            assert report.loss == [] and report.kv_lossless is None and report.indexer_max_abs_error is None
+    assert all(torch.equal(pools[0][k], pools[1][k]) for k in pools[0])

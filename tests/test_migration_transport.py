@@ -92,7 +92,7 @@ def _receiver_main(port: int, out_dir: str) -> None:
         tables, report = receive_request(plan, dst, src_rank=0, timeout=RECV_TIMEOUT_S)
         _save_pools(f"{out_dir}/{name}.safetensors", dst, tables, {
             "kv_lossless": str(report.kv_lossless), "kv_max_abs_error": repr(report.kv_max_abs_error),
-            "loss_reports": str(len(report.loss)), "converted_on": report.converted_on,
+            "loss_entries": str(sum(r.num_tokens for r in report.loss)), "converted_on": report.converted_on,
         })
     plan = _plan(FORWARD)
     dst = destination_pools(plan, spare_pages=2, seed=5)
@@ -177,8 +177,7 @@ def test_reverse_sglang_to_trtllm_with_loss_report(pair_results):
     plan = _plan(REVERSE)
     dst, tables, meta = _load(pair_results / "reverse.safetensors", plan)
     assert meta["converted_on"] == "sender"
-    kv_transfers = sum(1 for t in plan.transfers if t.src.kind == "kv")
-    assert int(meta["loss_reports"]) == kv_transfers
+    assert int(meta["loss_entries"]) == sum(t.count for t in plan.transfers if t.src.kind == "kv")
     # MODEL1 -> per-tensor E4M3 at scale 1 cannot hold the 2^-12-scaled tokens exactly.
     assert meta["kv_lossless"] == "False" and float(meta["kv_max_abs_error"]) > 0
     _check_bytes(plan, 12, dst, tables)

@@ -2,6 +2,7 @@
 
 from kvbridge.migration.execute import (
     ChecksumError,
+    ConvertSide,
     MigrationError,
     MigrationReport,
     Payload,
@@ -20,6 +21,7 @@ from kvbridge.migration.pools import EnginePools, RequestTables, gather_records,
 
 __all__ = [
     "ChecksumError",
+    "ConvertSide",
     "EnginePools",
     "MigrationError",
     "MigrationPlan",

@@ -20,7 +20,7 @@ import torch
 
 import kvbridge
 from kvbridge import indexer as ix
-from kvbridge.api import LossReport, is_byte_move
+from kvbridge.api import LossReport
 from kvbridge.engines import Storage
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.plan import MigrationPlan, Transfer
@@ -54,6 +54,8 @@ class Payload:
 
     ``converted``: records are already in the destination format. ``chunks[i]`` lists the
     row counts of transfer i's page chunks and ``checksums[i]`` their CRC-32 values.
+    ``loss`` (one report per KV conversion batch) and ``indexer_max_abs_error`` are set by a
+    conversion that measured its loss; ``indexer_max_abs_error`` is None when none did.
     """
 
     fingerprint: str
@@ -62,20 +64,25 @@ class Payload:
     chunks: list[list[int]]
     checksums: list[list[int]]
     loss: list[LossReport] = field(default_factory=list)
-    indexer_max_abs_error: float = 0.0
+    indexer_max_abs_error: float | None = None
 
 
 @dataclass
 class MigrationReport:
-    """Outcome of one migration: bytes moved, where conversion ran, loss and timings (seconds)."""
+    """Outcome of one migration: bytes moved, where conversion ran, loss and timings (seconds).
+
+    ``kv_lossless``, ``kv_max_abs_error`` (latent units) and ``indexer_max_abs_error`` are None
+    when the loss was not measured (``loss_report=False``); ``loss`` holds one ``LossReport``
+    per KV conversion batch (byte moves have none).
+    """
 
     num_tokens: int
     transfers: int
     payload_bytes: int
     converted_on: str
-    kv_lossless: bool
-    kv_max_abs_error: float
-    indexer_max_abs_error: float
+    kv_lossless: bool | None
+    kv_max_abs_error: float | None
+    indexer_max_abs_error: float | None
     pack_s: float
     convert_s: float
     wire_s: float
@@ -107,42 +114,76 @@ def crc32_chunks(records: torch.Tensor, rows: list[int]) -> list[int]:
     return out
 
 
-def _kv_convert(records: torch.Tensor, t: Transfer) -> tuple[torch.Tensor, LossReport | None]:
-    src, dst = t.src.layout, t.dst.layout
-    if is_byte_move(src, dst, t.src.scale or 1.0, t.dst.scale or 1.0):
-        return records, None
-    n = records.shape[0]
-    pages = src.records_to_pages(records, n)
-    out, report = kvbridge.transcode(
-        pages, src, dst, src_page_size=n, dst_page_size=n, src_scale=t.src.scale, dst_scale=t.dst.scale,
-        dialect=t.dst.dialect, report=True,
+#: Entries converted per call. Batching the transfers of many layers amortises per-call work;
+#: the cap bounds the codecs' temporaries (a few int64 copies of 512 values per entry).
+BATCH_ENTRIES = 1 << 16
+
+
+def _needs_conversion(t: Transfer) -> bool:
+    return t.src.kind != "state" and t.conversion not in ("byte move", "byte copy")
+
+
+def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool) -> tuple[torch.Tensor, LossReport | None,
+                                                                                    float | None]:
+    """Convert records of ``t``'s kind; returns (records, KV loss report, indexer max abs error)."""
+    if t.src.kind == "indexer":
+        if loss_report:
+            out, err = ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "")
+            return out, None, err
+        return ix.encode_keys(ix.decode_keys(records, t.src.indexer), t.dst.indexer, t.dst.dialect or ""), None, None
+    src, dst, n = t.src.layout, t.dst.layout, records.shape[0]
+    result = kvbridge.transcode(
+        src.records_to_pages(records, n), src, dst, src_page_size=n, dst_page_size=n, src_scale=t.src.scale,
+        dst_scale=t.dst.scale, dialect=t.dst.dialect, report=loss_report,
     )
-    return dst.pages_to_records(out, n), report
+    pages, report = result if isinstance(result, tuple) else (result, None)
+    return dst.pages_to_records(pages, n), report, None
 
 
-def convert_payload(plan: MigrationPlan, payload: Payload) -> Payload:
-    """Source-format records -> destination-format records (chunks follow the source pages)."""
+def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool = True) -> Payload:
+    """Source-format records -> destination-format records (chunks follow the source pages).
+
+    Transfers with the same conversion are converted together, ``BATCH_ENTRIES`` entries per
+    call (every entry is converted on its own, so batching does not change a byte). With
+    ``loss_report`` each KV batch gets a ``LossReport`` and indexer errors are measured.
+    """
     if payload.converted:
         return payload
-    records, loss, idx_err = [], [], 0.0
-    for t, rec in zip(plan.transfers, payload.records, strict=True):
-        if t.src.kind == "kv":
-            out, report = _kv_convert(rec, t)
+    out = [torch.empty(t.count, t.dst.record_bytes, dtype=torch.uint8) if _needs_conversion(t) else rec
+           for t, rec in zip(plan.transfers, payload.records, strict=True)]
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}
+    for i, t in enumerate(plan.transfers):
+        if _needs_conversion(t):
+            key = (t.src.kind, t.src.fmt, t.src.scale, t.conversion)
+            groups.setdefault(key, []).extend(
+                (i, lo, min(lo + BATCH_ENTRIES, t.count)) for lo in range(0, t.count, BATCH_ENTRIES))
+    loss: list[LossReport] = []
+    idx_err: float | None = 0.0 if loss_report else None
+    for pieces in groups.values():
+        batches: list[list[tuple[int, int, int]]] = [[]]
+        size = 0
+        for piece in pieces:
+            if size + piece[2] - piece[1] > BATCH_ENTRIES and batches[-1]:
+                batches.append([])
+                size = 0
+            batches[-1].append(piece)
+            size += piece[2] - piece[1]
+        for batch in batches:
+            records = torch.cat([payload.records[i][lo:hi] for i, lo, hi in batch])
+            converted, report, err = _convert_batch(plan.transfers[batch[0][0]], records, loss_report)
             if report is not None:
                 loss.append(report)
-        elif t.src.kind == "indexer":
-            if t.conversion == "byte copy":
-                out = rec
-            else:
-                out, err = ix.transcode_keys(rec, t.src.indexer, t.dst.indexer, t.dst.dialect or "")
+            if err is not None and idx_err is not None:
                 idx_err = max(idx_err, err)
-        else:
-            out = rec
-        records.append(out)
-    return Payload(payload.fingerprint, True, records, payload.chunks, payload.checksums, loss, idx_err)
+            offset = 0
+            for i, lo, hi in batch:
+                out[i][lo:hi] = converted[offset : offset + hi - lo]
+                offset += hi - lo
+    return Payload(payload.fingerprint, True, out, payload.chunks, payload.checksums, loss, idx_err)
 
 
-def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, convert: bool) -> Payload:
+def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, convert: bool,
+         loss_report: bool = True) -> Payload:
     """Gather every transfer's source records, checksum them per source page, optionally convert.
 
     Checksums always cover the bytes that travel: with ``convert`` they are computed on the
@@ -155,7 +196,7 @@ def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, conver
         chunks.append(_chunk_rows(t, t.src))
     payload = Payload(plan.fingerprint(), False, records, chunks, [])
     if convert:
-        payload = convert_payload(plan, payload)
+        payload = convert_payload(plan, payload, loss_report=loss_report)
     payload.checksums = [crc32_chunks(r, c) for r, c in zip(payload.records, payload.chunks, strict=True)]
     return payload
 
@@ -219,22 +260,23 @@ def check_pools(plan: MigrationPlan, pools: EnginePools, side: str) -> None:
 
 
 def finish(plan: MigrationPlan, payload: Payload, dst: EnginePools, *, converted_on: str, pack_s: float,
-           wire_s: float) -> tuple[RequestTables, MigrationReport]:
+           wire_s: float, loss_report: bool = True) -> tuple[RequestTables, MigrationReport]:
     """Verify, convert (if not yet), publish; the common tail of local and remote migration."""
     verify(plan, payload)
     t0 = time.perf_counter()
-    converted = convert_payload(plan, payload)
+    converted = convert_payload(plan, payload, loss_report=loss_report)
     t1 = time.perf_counter()
     tables = publish(plan, converted, dst)
     t2 = time.perf_counter()
     loss = converted.loss
+    measured = converted.indexer_max_abs_error is not None
     report = MigrationReport(
         num_tokens=plan.num_tokens,
         transfers=len(plan.transfers),
         payload_bytes=sum(r.numel() for r in payload.records),
         converted_on=converted_on,
-        kv_lossless=all(r.lossless for r in loss),
-        kv_max_abs_error=max((r.max_abs_error for r in loss), default=0.0),
+        kv_lossless=all(r.lossless for r in loss) if measured else None,
+        kv_max_abs_error=max((r.max_abs_error for r in loss), default=0.0) if measured else None,
         indexer_max_abs_error=converted.indexer_max_abs_error,
         pack_s=pack_s,
         convert_s=t1 - t0,
@@ -246,18 +288,20 @@ def finish(plan: MigrationPlan, payload: Payload, dst: EnginePools, *, converted
 
 
 def migrate_local(plan: MigrationPlan, src: EnginePools, src_tables: RequestTables, dst: EnginePools, *,
-                  convert_on: ConvertSide = "receiver") -> tuple[RequestTables, MigrationReport]:
+                  convert_on: ConvertSide = "receiver", loss_report: bool = True
+                  ) -> tuple[RequestTables, MigrationReport]:
     """Run ``plan`` in one process: returns the request's destination block tables and a report.
 
     ``convert_on="sender"`` converts while packing (its time is then part of ``pack_s``).
+    ``loss_report=False`` skips measuring the conversion loss (faster; the bytes are the same).
     """
     if convert_on not in ("sender", "receiver"):
         raise InputError(f"convert_on must be 'sender' or 'receiver', got {convert_on!r}")
     check_pools(plan, dst, "dst")
     t0 = time.perf_counter()
-    payload = pack(plan, src, src_tables, convert=convert_on == "sender")
+    payload = pack(plan, src, src_tables, convert=convert_on == "sender", loss_report=loss_report)
     pack_s = time.perf_counter() - t0
-    return finish(plan, payload, dst, converted_on=convert_on, pack_s=pack_s, wire_s=0.0)
+    return finish(plan, payload, dst, converted_on=convert_on, pack_s=pack_s, wire_s=0.0, loss_report=loss_report)
 
 
 def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, seed: int = 0) -> None:

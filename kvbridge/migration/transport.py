@@ -138,23 +138,28 @@ def receive_payload(plan: MigrationPlan, *, src_rank: int, group: dist.ProcessGr
         offset += n
     loss = [LossReport(**r) for r in header["loss"]]
     return Payload(header["fingerprint"], header["converted"], records, [i["chunks"] for i in items],
-                   [i["crc32"] for i in items], loss, float(header["indexer_max_abs_error"]))
+                   [i["crc32"] for i in items], loss, header["indexer_max_abs_error"])
 
 
 def send_request(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, dst_rank: int,
                  group: dist.ProcessGroup | None = None, convert_on: ConvertSide = "receiver",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float = 60.0, device: torch.device | str = "cpu",
-                 progress: Progress | None = None) -> int:
-    """Prefill side: pack the request held in ``tables`` of ``src`` and send it; returns data bytes sent."""
+                 progress: Progress | None = None, loss_report: bool = True) -> int:
+    """Prefill side: pack the request held in ``tables`` of ``src`` and send it; returns data bytes sent.
+
+    With ``convert_on="sender"`` the records travel in the destination format (and the loss
+    report, when ``loss_report``, travels in the header).
+    """
     if convert_on not in ("sender", "receiver"):
         raise InputError(f"convert_on must be 'sender' or 'receiver', got {convert_on!r}")
-    payload = pack(plan, src, tables, convert=convert_on == "sender")
+    payload = pack(plan, src, tables, convert=convert_on == "sender", loss_report=loss_report)
     return send_payload(payload, dst_rank=dst_rank, group=group, chunk_bytes=chunk_bytes, timeout=timeout,
                         device=device, progress=progress)
 
 
 def receive_request(plan: MigrationPlan, dst: EnginePools, *, src_rank: int, group: dist.ProcessGroup | None = None,
-                    timeout: float = 60.0, device: torch.device | str = "cpu") -> tuple[RequestTables, MigrationReport]:
+                    timeout: float = 60.0, device: torch.device | str = "cpu", loss_report: bool = True
+                    ) -> tuple[RequestTables, MigrationReport]:
     """Decode side: receive, verify every checksum, convert if the sender did not, then claim and
     fill destination pages. Returns the request's block tables and a report."""
     check_pools(plan, dst, "dst")
@@ -162,4 +167,4 @@ def receive_request(plan: MigrationPlan, dst: EnginePools, *, src_rank: int, gro
     payload = receive_payload(plan, src_rank=src_rank, group=group, timeout=timeout, device=device)
     wire_s = time.perf_counter() - t0
     side = "sender" if payload.converted else "receiver"
-    return finish(plan, payload, dst, converted_on=side, pack_s=0.0, wire_s=wire_s)
+    return finish(plan, payload, dst, converted_on=side, pack_s=0.0, wire_s=wire_s, loss_report=loss_report)

@@ -336,6 +336,11 @@ class _Pool:
         return self.tensor.shape[0] * self.page_size
 
 
+def hardware_fp8_available(device: torch.device) -> bool:
+    """True on a CUDA device with native E4M3 conversions (compute capability 8.9 or newer)."""
+    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else _NullGuard()
 
@@ -369,7 +374,7 @@ def _launch_convert(
             SRC_HAS_SLOTS=src_slots is not None,
             DST_KIND=dst.kind, DST_S=dst.split, DST_R=dst.record, DST_ALIGN=dst.align,
             DST_HAS_SLOTS=dst_slots is not None,
-            CHECK=flags is not None, WRITE=write, HW_FP8=fp8_hardware,
+            CHECK=flags is not None, WRITE=write, HW_FP8=fp8_hardware and hardware_fp8_available(src.tensor.device),
             BLOCK_T=_CONVERT_BLOCK_T, num_warps=_CONVERT_WARPS,
         )
 

@@ -11,7 +11,8 @@ from kvbridge import __version__
 from kvbridge.errors import KVBridgeError
 
 #: Modules under ``cli`` that each define ``command`` (a click command or group).
-COMMAND_MODULES = ("layouts_cmd", "inspect_cmd", "convert_cmd", "verify_cmd", "demo_cmd", "migrate_cmd")
+COMMAND_MODULES = ("layouts_cmd", "inspect_cmd", "convert_cmd", "verify_cmd", "demo_cmd", "migrate_cmd",
+                   "accuracy_cmd")
 
 
 class Failure(click.ClickException):

@@ -197,7 +197,7 @@ def test_demo_runs_and_keeps_files_in_workdir(tmp_path: Path):
         "request.roundtrip.trtllm-fp8.safetensors",
         "request.trtllm-fp8.safetensors",
     ]
-    table = run("demo", "--tokens", "256")
+    table = run("demo", "--tokens", "128")
     n = len(summary["checks"])
     assert table.exit_code == 0 and f"{n}/{n} checks passed" in table.output
     one_line_error(run("demo", "--tokens", "12"), 2, "--tokens")

@@ -27,7 +27,6 @@ from kvbridge.migration.plan import MigrationPlan, Transfer
 from kvbridge.migration.pools import (
     EnginePools,
     RequestTables,
-    entry_slots,
     gather_records,
     scatter_records,
     window_released,
@@ -230,25 +229,11 @@ def publish(plan: MigrationPlan, payload: Payload, dst: EnginePools) -> RequestT
     tables = dst.claim(lengths, released)
     try:
         for t, rec in zip(plan.transfers, payload.records, strict=True):
-            _place(dst.pool(t.spec), t, tables[t.dst.table], rec)
+            scatter_records(dst.pool(t.spec), t.dst, tables[t.dst.table], t.first, rec)
     except Exception:
         dst.release(tables)
         raise
     return tables
-
-
-def _place(pool: torch.Tensor, t: Transfer, table: list[int], records: torch.Tensor) -> None:
-    """Write destination-format records into their pool slots (KV through ``transcode_slots``)."""
-    if t.dst.kind != "kv":
-        scatter_records(pool, t.dst, table, t.first, records)
-        return
-    lay, n = t.dst.layout, t.count
-    staging = lay.records_to_pages(records, n)
-    kvbridge.transcode_slots(
-        staging, lay, pool, lay, src_page_size=n, dst_page_size=t.dst.page_size,
-        src_slots=torch.arange(n), dst_slots=entry_slots(t.dst, table, t.first, n),
-        src_scale=t.dst.scale, dst_scale=t.dst.scale,
-    )
 
 
 def check_pools(plan: MigrationPlan, pools: EnginePools, side: str) -> None:

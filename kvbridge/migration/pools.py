@@ -21,31 +21,29 @@ from kvbridge.topology import CacheSpec, ModelTopology, Role, get_model
 RequestTables = dict[str, list[int]]
 
 
-def _locations(storage: Storage, table: Sequence[int], first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Physical page and row of entries ``[first, first + count)``; refuses released pages."""
-    entries = torch.arange(first, first + count, dtype=torch.int64)
-    if storage.addressing == "ring":
-        slots = torch.zeros_like(entries)
-    else:
-        slots = entries // storage.page_size
-    rows = entries % storage.page_size
-    if count and int(slots.max()) >= len(table):
-        raise InputError(
-            f"block table {storage.table!r} has {len(table)} pages; entry {first + count - 1} needs "
-            f"page index {int(slots.max())}"
-        )
-    table_t = torch.tensor(list(table), dtype=torch.int64)
-    pages = table_t[slots]
-    if count and bool((pages < 0).any()):
-        bad = int(slots[pages < 0][0])
-        raise InputError(f"block table {storage.table!r} index {bad} is released (-1) but holds live entries")
-    return pages, rows
-
-
-def entry_slots(storage: Storage, table: Sequence[int], first: int, count: int) -> torch.Tensor:
-    """Physical slots ``page * P + row`` (int64) of entries ``[first, first + count)``."""
-    pages, rows = _locations(storage, table, first, count)
-    return pages * storage.page_size + rows
+def _runs(storage: Storage, table: Sequence[int], first: int, count: int, num_pages: int
+          ) -> list[tuple[int, int, int, int]]:
+    """Entries ``[first, first + count)`` as runs within one page: (physical page, first row, rows,
+    offset into the records). Refuses released (-1) or out-of-pool pages."""
+    p = storage.page_size
+    if storage.addressing == "ring" and count > p:
+        raise InputError(f"{count} entries do not fit the {p}-row ring of block table {storage.table!r}")
+    runs = []
+    entry, end = first, first + count
+    while entry < end:
+        stop = min(end, (entry // p + 1) * p)
+        slot = 0 if storage.addressing == "ring" else entry // p
+        if slot >= len(table):
+            raise InputError(f"block table {storage.table!r} has {len(table)} pages; entry {stop - 1} needs "
+                             f"page index {slot}")
+        page = table[slot]
+        if page < 0:
+            raise InputError(f"block table {storage.table!r} index {slot} is released (-1) but holds live entries")
+        if page >= num_pages:
+            raise InputError(f"block table {storage.table!r} index {slot} names page {page}; the pool has {num_pages}")
+        runs.append((page, entry % p, stop - entry, entry - first))
+        entry = stop
+    return runs
 
 
 def _page_views(pool: torch.Tensor, storage: Storage) -> list[tuple[torch.Tensor, int, int]]:
@@ -59,20 +57,25 @@ def _page_views(pool: torch.Tensor, storage: Storage) -> list[tuple[torch.Tensor
 
 
 def gather_records(pool: torch.Tensor, storage: Storage, table: Sequence[int], first: int, count: int) -> torch.Tensor:
-    """Records ``[count, record_bytes]`` (uint8) of entries ``[first, first + count)``."""
-    pages, rows = _locations(storage, table, first, count)
-    out = torch.empty(count, storage.record_bytes, dtype=torch.uint8)
-    for view, lo, hi in _page_views(pool, storage):
-        out[:, lo:hi] = view[pages, rows]
+    """Records ``[count, record_bytes]`` (uint8) of entries ``[first, first + count)``.
+
+    Entries in one page are consecutive rows, so each run is one slice copy per record part.
+    """
+    out = torch.empty(count, storage.record_bytes, dtype=torch.uint8, device=pool.device)
+    views = _page_views(pool, storage)
+    for page, row, n, off in _runs(storage, table, first, count, pool.shape[0]):
+        for view, lo, hi in views:
+            out[off : off + n, lo:hi] = view[page, row : row + n]
     return out
 
 
 def scatter_records(pool: torch.Tensor, storage: Storage, table: Sequence[int], first: int,
                     records: torch.Tensor) -> None:
     """Write records ``[count, record_bytes]`` into the pool slots of entries ``[first, first + count)``."""
-    pages, rows = _locations(storage, table, first, records.shape[0])
-    for view, lo, hi in _page_views(pool, storage):
-        view[pages, rows] = records[:, lo:hi]
+    views = _page_views(pool, storage)
+    for page, row, n, off in _runs(storage, table, first, records.shape[0], pool.shape[0]):
+        for view, lo, hi in views:
+            view[page, row : row + n] = records[off : off + n, lo:hi]
 
 
 @dataclass

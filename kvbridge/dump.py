@@ -16,7 +16,7 @@ import math
 import os
 import re
 import struct
-import tempfile
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -350,6 +350,13 @@ def read_dump(path: str | os.PathLike) -> Dump:
     return Dump(entries, attrs=attrs, version=version, path=path)
 
 
+def _new_file_mode() -> int:
+    """Permission bits a newly created file gets under the process umask (0o666 & ~umask)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_dump(
     path: str | os.PathLike,
     entries: Dump | Iterable[DumpEntry],
@@ -393,15 +400,16 @@ def write_dump(
             t = t.clone()
         storages.add(t.untyped_storage().data_ptr())
         tensors[e.name] = t
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
-    os.close(fd)
+    # A fresh hidden name in the same directory: same filesystem, so os.replace is atomic.
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, _new_file_mode())  # save_file creates 0600; give the dump the usual umask mode
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -52,6 +53,9 @@ def test_round_trip_keeps_every_tensor_and_field(tmp_path: Path):
         assert torch.equal(got.data, want.data)
     assert dump["layer.1.compress"].layout == "flashmla-model1"  # alias resolved to the canonical name
     assert not list(tmp_path.glob(".*.tmp")), "temp file left behind"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
 
 
 def test_entries_sharing_memory_are_written_separately(tmp_path: Path):

@@ -34,7 +34,8 @@ def _check_latents(x: torch.Tensor) -> None:
 
 
 def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
-    """Return fp32 ``x`` with NaN/Inf handled per ``policy`` (see ``encode``)."""
+    """Return ``x`` (fp32, or bf16 passed through unchanged) with NaN/Inf handled per ``policy``
+    (see ``encode``); any replacement is done, and returned, in fp32."""
     if policy not in NONFINITE_POLICIES:
         raise InputError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {policy!r}")
     bad = ~torch.isfinite(x)
@@ -47,6 +48,7 @@ def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
             f"non-finite value {value} at token {token}, dim {dim} "
             f"({int(bad.sum())} non-finite values in all); pass nonfinite='zero' or 'saturate' to encode anyway"
         )
+    x = x.float()
     x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
     if policy == "zero":
         return torch.where(torch.isinf(x), torch.zeros_like(x), x)
@@ -117,7 +119,7 @@ def encode(
     _check_latents(x)
     lay.check_page_size(page_size)
     d = _check_dialect(dialect, lay)
-    xf = _apply_nonfinite(x.float(), nonfinite)
+    xf = _apply_nonfinite(x if x.dtype == torch.bfloat16 else x.float(), nonfinite)  # bf16: no fp32 copy
     if scale == "auto":
         if not lay.per_tensor_scale:
             raise InputError(f"scale='auto' applies only to per-tensor layouts, not {lay.name}")

@@ -1,0 +1,658 @@
+"""Native CPU paged operations: multi-threaded numba kernels, byte-identical to ``kvbridge.reference``.
+
+The kernels are driven by each layout's record description, not by a list of layout pairs:
+
+- the *codec kind* (which record codec fills a token record: ``bf16``, per-tensor E4M3 or
+  MODEL1; a layout whose codec the native path does not know runs on the reference);
+- the geometry: ``record_bytes``, the block-split point ``split`` (token-major layouts use
+  ``split = record_bytes``) and the padded ``page_bytes``. Record byte ``i < split`` of the
+  token at row ``r`` of page ``p`` sits at ``p * page_bytes + r * split + i``, byte ``i >= split``
+  at ``p * page_bytes + P * split + r * (record_bytes - split) + (i - split)``.
+
+Each token is gathered into a small per-thread record buffer, decoded into a 512-value fp32
+buffer (2 KiB, L1-resident), re-encoded and scattered, so no fp32 copy of a pool is ever built.
+Work is split into chunks of about ``CHUNK_TOKENS`` destination tokens, spread over numba's
+threads; every byte of every destination page (padding tail and unused rows: zero) is written
+by the kernels, so outputs start from ``torch.empty``.
+
+TensorRT-LLM per-tensor FP8 -> MODEL1 has a code-domain kernel: with a per-tensor source every
+decoded value is ``fp32(e4m3(c) * s)``, a function of the byte ``c`` alone and monotone in
+``c & 0x7F``, so a tile's amax is the value of its largest code magnitude ``m`` and each output
+byte is ``table[m][c]`` (128 x 256 bytes, built once per scale and dialect with
+``kvbridge.numerics``, exactly as the reference computes it).
+
+Numba compiles the kernels on first use and caches them on disk (``cache=True``); see
+``docs/performance.md`` for the one-time cost.
+"""
+
+from __future__ import annotations
+
+import mmap
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+import numpy as np
+import torch
+from numba import njit
+
+from kvbridge import numerics as nx
+from kvbridge import reference
+from kvbridge.codecs import BF16Codec, Model1Codec, PerTensorE4M3Codec, reciprocal_f32
+from kvbridge.errors import LayoutError, NonFiniteError
+from kvbridge.layouts import Layout
+
+HEAD_DIM = 512
+#: Outputs at least this large (bytes) go on transparent huge pages (see ``_empty_output``).
+HUGE_PAGE_OUTPUT = 4 << 20
+_HUGE_PAGE = 2 << 20
+#: Destination tokens per unit of parallel work (~150 KiB of MODEL1 pages: L2-sized).
+CHUNK_TOKENS = 256
+
+KIND_BF16 = 0
+KIND_E4M3_TENSOR = 1
+KIND_MODEL1 = 2
+_CODEC_KINDS: dict[type, int] = {BF16Codec: KIND_BF16, PerTensorE4M3Codec: KIND_E4M3_TENSOR, Model1Codec: KIND_MODEL1}
+
+#: fp32 value of each E4M3 code (0x7F/0xFF NaN), from ``kvbridge.numerics``.
+_E4M3_F32 = nx.E4M3_TABLE.numpy().copy()
+#: fp32 2^(b - 127) of each UE8M0 byte b (0xFF is NaN), as the reference MODEL1 decoder builds it.
+_UE8M0_F32 = torch.where(
+    torch.arange(256) == 255, torch.tensor(float("nan")), nx.pow2(torch.arange(256) - 127)
+).numpy().copy()
+#: fp32 2^e for e in [-149, 127], index e + 149.
+_POW2_F32 = nx.pow2(torch.arange(-149, 128)).numpy().copy()
+
+
+def codec_kind(layout: Layout) -> int | None:
+    """The native kernel family for ``layout``'s record codec, or None when only the reference knows it."""
+    kind = _CODEC_KINDS.get(type(layout.codec))
+    if kind is None or layout.codec.record_bytes != layout.record_bytes:
+        return None
+    return kind
+
+
+def supports(layout: Layout) -> bool:
+    """True when the native kernels can read and write ``layout``."""
+    return codec_kind(layout) is not None
+
+
+def _geometry(layout: Layout, page_size: int) -> tuple[int, int, int, int]:
+    """(tokens per page, page bytes, split point, record bytes) as the kernels take them."""
+    split = layout.record_bytes if layout.split is None else layout.split
+    return page_size, layout.page_bytes(page_size), split, layout.record_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Scalar helpers (inlined into the kernels by LLVM)
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, inline="always")
+def _e4m3_byte(b: int) -> int:
+    """E4M3 code of the fp32 with bit pattern ``b`` (0 <= b < 2^32): RNE, saturating to +-448."""
+    mag = b & 0x7FFFFFFF
+    exp = mag >> 23
+    if mag >= 0x43E00000:  # |x| >= 448 (and NaN): saturate
+        code = 0x7E
+    elif exp >= 121:  # normal E4M3: drop 20 mantissa bits, ties to even
+        code = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
+    elif exp >= 117:  # subnormal E4M3: RNE(|x| * 2^9), shift 21..24
+        mant = (mag & 0x7FFFFF) | 0x800000
+        shift = 141 - exp
+        q = mant >> shift
+        rem = mant - (q << shift)
+        half = 1 << (shift - 1)
+        if rem > half or (rem == half and (q & 1) == 1):
+            q += 1
+        code = q
+    else:  # |x| <= 2^-10 rounds to zero
+        code = 0
+    return code | ((b >> 24) & 0x80)
+
+
+@njit(cache=True, inline="always")
+def _bf16_bits(b: int) -> int:
+    """bf16 bit pattern of the fp32 with bit pattern ``b``: RNE, NaN kept quiet."""
+    if (b & 0x7FFFFFFF) > 0x7F800000:
+        return ((b >> 16) | 0x40) & 0xFFFF
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@njit(cache=True, inline="always")
+def _locate(token: int, tokens_per_page: int, page_bytes: int, split: int, record_bytes: int) -> tuple[int, int]:
+    """Flat byte offsets of a token's data part (record bytes < split) and footer part."""
+    page = token // tokens_per_page
+    row = token - page * tokens_per_page
+    base = page * page_bytes
+    return base + row * split, base + tokens_per_page * split + row * (record_bytes - split)
+
+
+@njit(cache=True, inline="always")
+def _copy(src, dst) -> None:
+    """Element copy between equal-length views (view indices are provably non-negative, so LLVM vectorizes)."""
+    for i in range(src.shape[0]):
+        dst[i] = src[i]
+
+
+@njit(cache=True, inline="always")
+def _gather(pool, data_at: int, foot_at: int, split: int, record_bytes: int, rec) -> None:
+    _copy(pool[data_at : data_at + split], rec[:split])
+    _copy(pool[foot_at : foot_at + record_bytes - split], rec[split:])
+
+
+@njit(cache=True, inline="always")
+def _scatter(rec, pool, data_at: int, foot_at: int, split: int, record_bytes: int) -> None:
+    _copy(rec[:split], pool[data_at : data_at + split])
+    _copy(rec[split:], pool[foot_at : foot_at + record_bytes - split])
+
+
+@njit(cache=True, inline="always")
+def _zero(pool, start: int, stop: int) -> None:
+    span = pool[start:stop]
+    for i in range(span.shape[0]):
+        span[i] = 0
+
+
+@njit(cache=True)
+def _decode_record(kind: int, rec, scale, e4m3, ue8m0, vals, bits) -> None:
+    """Record bytes -> 512 fp32 values (``bits`` is the uint32 view of ``vals``)."""
+    if kind == KIND_BF16:
+        for i in range(HEAD_DIM):
+            bits[i] = (np.uint32(rec[2 * i]) | (np.uint32(rec[2 * i + 1]) << 8)) << 16
+    elif kind == KIND_E4M3_TENSOR:
+        for i in range(HEAD_DIM):
+            vals[i] = e4m3[rec[i]] * scale
+    else:  # MODEL1: 7 tiles of 64 E4M3 with UE8M0 scales at 576.., then 64 bf16 rope at 448..
+        for t in range(7):
+            s = ue8m0[rec[576 + t]]
+            for i in range(64):
+                vals[64 * t + i] = e4m3[rec[64 * t + i]] * s
+        for i in range(64):
+            bits[448 + i] = (np.uint32(rec[448 + 2 * i]) | (np.uint32(rec[449 + 2 * i]) << 8)) << 16
+
+
+@njit(cache=True)
+def _encode_record(kind: int, vals, bits, mult, min_exp: int, pow2, tmp, tmp_bits, rec) -> None:
+    """512 fp32 values -> record bytes. ``mult``: per-tensor E4M3 multiplier; ``min_exp``: MODEL1 floor."""
+    if kind == KIND_BF16:
+        for i in range(HEAD_DIM):
+            h = _bf16_bits(np.int64(bits[i]))
+            rec[2 * i] = h & 0xFF
+            rec[2 * i + 1] = h >> 8
+    elif kind == KIND_E4M3_TENSOR:
+        for j in range(8):
+            for i in range(64):
+                tmp[i] = vals[64 * j + i] * mult
+            for i in range(64):
+                rec[64 * j + i] = _e4m3_byte(np.int64(tmp_bits[i]))
+    else:  # MODEL1
+        for t in range(7):
+            amax_bits = 0  # finite non-negative floats order like their bit patterns
+            for i in range(64):
+                amax_bits = max(amax_bits, np.int64(bits[64 * t + i]) & 0x7FFFFFFF)
+            exp = amax_bits >> 23
+            k = min_exp
+            if exp > 0:  # amax normal: ceil(log2(amax / 448)) = E - 8 (+1 above mantissa 1.75)
+                k = max(min_exp, exp - 135 + (1 if (amax_bits & 0x7FFFFF) > 0x600000 else 0))
+            m = pow2[149 - k]
+            for i in range(64):
+                tmp[i] = vals[64 * t + i] * m
+            for i in range(64):
+                rec[64 * t + i] = _e4m3_byte(np.int64(tmp_bits[i]))
+            rec[576 + t] = k + 127
+        for i in range(64):
+            h = _bf16_bits(np.int64(bits[448 + i]))
+            rec[448 + 2 * i] = h & 0xFF
+            rec[449 + 2 * i] = h >> 8
+        rec[583] = 0
+
+
+@njit(cache=True, inline="always")
+def _count_nonfinite(bits, token: int, count: int, first: int) -> tuple[int, int]:
+    """Add the non-finite values among 512 fp32 bit patterns to (count, first flat index)."""
+    for i in range(HEAD_DIM):
+        if (bits[i] & 0x7FFFFFFF) >= 0x7F800000:
+            if count == 0 or token * HEAD_DIM + i < first:
+                first = token * HEAD_DIM + i
+            count += 1
+    return count, first
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, kind, dp, dpb, dsplit, drb, mult, min_exp, pow2):
+    """Latents (fp32 ``x32`` or bf16 bits ``x16``, flat) -> ``dst`` pages (flat uint8)."""
+    npages = dst.shape[0] // dpb
+    per = max(1, CHUNK_TOKENS // dp)
+    for c in range(c0, c1):
+        rec = np.empty(drb, np.uint8)
+        vals = np.empty(HEAD_DIM, np.float32)
+        bits = vals.view(np.uint32)
+        tmp = np.empty(64, np.float32)
+        tmp_bits = tmp.view(np.uint32)
+        for p in range(c * per, min(npages, (c + 1) * per)):
+            for r in range(dp):
+                t = p * dp + r
+                d_at, f_at = _locate(t, dp, dpb, dsplit, drb)
+                if t < n:
+                    lo = t * HEAD_DIM
+                    if from_bf16:
+                        row16 = x16[lo : lo + HEAD_DIM]
+                        for i in range(HEAD_DIM):
+                            bits[i] = np.uint32(row16[i]) << 16
+                    else:
+                        _copy(x32[lo : lo + HEAD_DIM], vals)
+                    _encode_record(kind, vals, bits, mult, min_exp, pow2, tmp, tmp_bits, rec)
+                    _scatter(rec, dst, d_at, f_at, dsplit, drb)
+                else:
+                    _zero(dst, d_at, d_at + dsplit)
+                    _zero(dst, f_at, f_at + drb - dsplit)
+            _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
+
+
+@njit(cache=True, nogil=True)
+def _decode_kernel(c0, c1, src, kind, sp, spb, ssplit, srb, scale, n, out, e4m3, ue8m0):
+    """``src`` pages (flat uint8) -> fp32 latents ``out`` (flat, ``n * 512``)."""
+    out_bits = out.view(np.uint32)
+    for c in range(c0, c1):
+        rec = np.empty(srb, np.uint8)
+        for t in range(c * CHUNK_TOKENS, min(n, (c + 1) * CHUNK_TOKENS)):
+            d_at, f_at = _locate(t, sp, spb, ssplit, srb)
+            _gather(src, d_at, f_at, ssplit, srb, rec)
+            lo = t * HEAD_DIM
+            _decode_record(kind, rec, scale, e4m3, ue8m0, out[lo : lo + HEAD_DIM], out_bits[lo : lo + HEAD_DIM])
+
+
+@njit(cache=True, nogil=True)
+def _transcode_kernel(
+    c0, c1, src, skind, sp, spb, ssplit, srb, scale, n,
+    dst, dkind, dp, dpb, dsplit, drb, mult, min_exp,
+    e4m3, ue8m0, pow2, bad_count, bad_first,
+):
+    """Decode each source token into an fp32 buffer and re-encode it (any pair of codec kinds).
+
+    Per chunk, ``bad_count``/``bad_first`` receive the number of non-finite decoded values and
+    the flat index (token * 512 + dim) of the first one.
+    """
+    npages = dst.shape[0] // dpb
+    per = max(1, CHUNK_TOKENS // dp)
+    for c in range(c0, c1):
+        rec_in = np.empty(srb, np.uint8)
+        rec_out = np.empty(drb, np.uint8)
+        vals = np.empty(HEAD_DIM, np.float32)
+        bits = vals.view(np.uint32)
+        tmp = np.empty(64, np.float32)
+        tmp_bits = tmp.view(np.uint32)
+        count = 0
+        first = -1
+        for p in range(c * per, min(npages, (c + 1) * per)):
+            for r in range(dp):
+                t = p * dp + r
+                d_at, f_at = _locate(t, dp, dpb, dsplit, drb)
+                if t < n:
+                    s_at, sf_at = _locate(t, sp, spb, ssplit, srb)
+                    _gather(src, s_at, sf_at, ssplit, srb, rec_in)
+                    _decode_record(skind, rec_in, scale, e4m3, ue8m0, vals, bits)
+                    count, first = _count_nonfinite(bits, t, count, first)
+                    _encode_record(dkind, vals, bits, mult, min_exp, pow2, tmp, tmp_bits, rec_out)
+                    _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
+                else:
+                    _zero(dst, d_at, d_at + dsplit)
+                    _zero(dst, f_at, f_at + drb - dsplit)
+            _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
+        bad_count[c] = count
+        bad_first[c] = first
+
+
+@njit(cache=True, inline="always")
+def _tile_max_magnitude(tile) -> int:
+    """Largest ``code & 0x7F`` of a tile of E4M3 codes (the code of its amax)."""
+    m = np.uint8(0)
+    for i in range(tile.shape[0]):
+        a = tile[i] & np.uint8(0x7F)
+        m = a if a > m else m
+    return m
+
+
+@njit(cache=True, inline="always")
+def _tile_shift(tile, out, j: int, sub) -> None:
+    """E4M3 codes times 2^j (exact, no overflow): normal codes add 8j to the code, subnormal
+    magnitudes 1..7 take ``sub[8j + m]``; written as selects so that LLVM vectorizes it."""
+    shift = np.uint8(8 * j)
+    s1, s2, s3, s4 = sub[8 * j + 1], sub[8 * j + 2], sub[8 * j + 3], sub[8 * j + 4]
+    s5, s6, s7 = sub[8 * j + 5], sub[8 * j + 6], sub[8 * j + 7]
+    for i in range(tile.shape[0]):
+        c = tile[i]
+        a = c & np.uint8(0x7F)
+        low = np.uint8(0)
+        low = s1 if a == 1 else low
+        low = s2 if a == 2 else low
+        low = s3 if a == 3 else low
+        low = s4 if a == 4 else low
+        low = s5 if a == 5 else low
+        low = s6 if a == 6 else low
+        low = s7 if a == 7 else low
+        high = np.uint8(a + shift)
+        out[i] = (high if a >= 8 else low) | (c & np.uint8(0x80))
+
+
+@njit(cache=True, nogil=True)
+def _fp8_to_model1_kernel(
+    c0, c1, src, sp, spb, ssplit, srb, n, dst, dp, dpb, dsplit, drb, unit_scale,
+    scale_lut, bad_mag, shift_sub, rope_sub, code_lut, rope_lut, bad_count, bad_first,
+):
+    """Per-tensor E4M3 records -> MODEL1 records in the code domain (see the module docstring).
+
+    A tile whose largest code magnitude is ``m`` gets UE8M0 byte ``scale_lut[m]``; ``bad_mag[m]``
+    is 1 when a code of magnitude ``m`` decodes to NaN/Inf. At ``unit_scale`` (s = 1, every
+    decoded value an E4M3 value) value bytes are the codes shifted by 2^(127 - scale byte)
+    (``_tile_shift`` with ``shift_sub``) and rope bf16 bits are ``(a << 4) + 0x3C00`` for normal
+    magnitudes ``a``, ``rope_sub[a]`` for subnormal ones. Otherwise ``code_lut[m * 256 + c]`` is
+    the value byte and ``rope_lut[c]`` the bf16 bits of code ``c``.
+    """
+    npages = dst.shape[0] // dpb
+    per = max(1, CHUNK_TOKENS // dp)
+    r1, r2, r3, r4 = rope_sub[1], rope_sub[2], rope_sub[3], rope_sub[4]
+    r5, r6, r7 = rope_sub[5], rope_sub[6], rope_sub[7]
+    for c in range(c0, c1):
+        rec_in = np.empty(srb, np.uint8)
+        rec_out = np.empty(drb, np.uint8)
+        rope_bits = np.empty(64, np.uint16)
+        count = 0
+        first = -1
+        for p in range(c * per, min(npages, (c + 1) * per)):
+            for r in range(dp):
+                t = p * dp + r
+                d_at, f_at = _locate(t, dp, dpb, dsplit, drb)
+                if t >= n:
+                    _zero(dst, d_at, d_at + dsplit)
+                    _zero(dst, f_at, f_at + drb - dsplit)
+                    continue
+                s_at, sf_at = _locate(t, sp, spb, ssplit, srb)
+                _gather(src, s_at, sf_at, ssplit, srb, rec_in)
+                for j in range(8):  # 7 nope tiles, then the rope (scanned for NaN/Inf the same way)
+                    tile = rec_in[64 * j : 64 * j + 64]
+                    m = _tile_max_magnitude(tile)
+                    if bad_mag[m]:
+                        for i in range(64):
+                            if bad_mag[tile[i] & 0x7F]:
+                                if count == 0 or t * HEAD_DIM + 64 * j + i < first:
+                                    first = t * HEAD_DIM + 64 * j + i
+                                count += 1
+                    if j == 7:
+                        break
+                    out = rec_out[64 * j : 64 * j + 64]
+                    if unit_scale:
+                        _tile_shift(tile, out, 127 - scale_lut[m], shift_sub)
+                    else:
+                        lut = code_lut[m * 256 : m * 256 + 256]
+                        for i in range(64):
+                            out[i] = lut[tile[i]]
+                    rec_out[576 + j] = scale_lut[m]
+                rope = rec_in[448:512]
+                if unit_scale:
+                    for i in range(64):
+                        a = np.uint16(rope[i] & 0x7F)
+                        low = np.uint16(0)
+                        low = r1 if a == 1 else low
+                        low = r2 if a == 2 else low
+                        low = r3 if a == 3 else low
+                        low = r4 if a == 4 else low
+                        low = r5 if a == 5 else low
+                        low = r6 if a == 6 else low
+                        low = r7 if a == 7 else low
+                        high = np.uint16((a << 4) + 0x3C00)
+                        rope_bits[i] = (high if a >= 8 else low) | (np.uint16(rope[i] & 0x80) << 8)
+                else:
+                    for i in range(64):
+                        rope_bits[i] = rope_lut[rope[i]]
+                for i in range(64):
+                    rec_out[448 + 2 * i] = rope_bits[i] & 0xFF
+                    rec_out[449 + 2 * i] = rope_bits[i] >> 8
+                rec_out[583] = 0
+                _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
+            _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
+        bad_count[c] = count
+        bad_first[c] = first
+
+
+@njit(cache=True, nogil=True)
+def _repage_kernel(c0, c1, src, sp, spb, ssplit, dst, dp, dpb, dsplit, rb, n):
+    """Byte move of ``rb``-byte records between two page geometries (splits may differ)."""
+    npages = dst.shape[0] // dpb
+    per = max(1, CHUNK_TOKENS // dp)
+    for c in range(c0, c1):
+        rec = np.empty(rb, np.uint8)
+        for p in range(c * per, min(npages, (c + 1) * per)):
+            for r in range(dp):
+                t = p * dp + r
+                d_at, f_at = _locate(t, dp, dpb, dsplit, rb)
+                if t < n:
+                    s_at, sf_at = _locate(t, sp, spb, ssplit, rb)
+                    _gather(src, s_at, sf_at, ssplit, rb, rec)
+                    _scatter(rec, dst, d_at, f_at, dsplit, rb)
+                else:
+                    _zero(dst, d_at, d_at + dsplit)
+                    _zero(dst, f_at, f_at + rb - dsplit)
+            _zero(dst, p * dpb + dp * rb, (p + 1) * dpb)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python entry points (same signatures and semantics as kvbridge.reference)
+# ---------------------------------------------------------------------------------------------
+
+
+def _flat(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(-1).numpy()
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def num_threads() -> int:
+    """Threads the native kernels use: ``torch.get_num_threads()`` (``OMP_NUM_THREADS`` or
+    ``torch.set_num_threads`` change it)."""
+    return max(1, torch.get_num_threads())
+
+
+def _run_chunks(kernel, nchunks: int, *args) -> None:
+    """Run ``kernel(c0, c1, *args)`` over chunks ``[0, nchunks)`` on ``num_threads()`` threads.
+
+    The kernels release the GIL; the range is cut into up to 4 pieces per thread, taken from a
+    shared queue, so a thread slowed by other load on the machine holds back little work.
+    """
+    threads = min(num_threads(), nchunks)
+    if threads <= 1:
+        kernel(0, nchunks, *args)
+        return
+    pool = _POOLS.get(threads)
+    if pool is None:
+        pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="kvbridge-native")
+    pieces = min(nchunks, 4 * threads)
+    bounds = [nchunks * i // pieces for i in range(pieces + 1)]
+    for future in [pool.submit(kernel, bounds[i], bounds[i + 1], *args) for i in range(pieces)]:
+        future.result()
+
+
+def _page_chunks(num_pages: int, page_size: int) -> int:
+    """Number of work chunks over ``num_pages`` destination pages (whole pages, ~CHUNK_TOKENS tokens)."""
+    per = max(1, CHUNK_TOKENS // page_size)
+    return -(-num_pages // per)
+
+
+def _token_count(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None) -> int:
+    """Validated number of source tokens, as ``Layout.pages_to_records`` resolves it."""
+    layout.check_pages(pages, page_size)
+    cap = pages.shape[0] * page_size
+    n = cap if num_tokens is None else num_tokens
+    if not 0 <= n <= cap:
+        raise LayoutError(f"num_tokens={n} does not fit in {pages.shape[0]} pages of {page_size} tokens")
+    return n
+
+
+def _empty_output(rows: int, row_bytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Uninitialised ``[rows, row_bytes / itemsize]`` CPU tensor for a kernel to fill completely.
+
+    Outputs of ``HUGE_PAGE_OUTPUT`` bytes or more are placed on 2 MiB-aligned anonymous memory
+    advised for transparent huge pages: first-touch page faults of a fresh 4 KiB-paged output
+    otherwise cost more than the transcode itself (measured in docs/performance.md). The tensor
+    views into a mapping up to 2 MiB larger than itself, unmapped when the tensor is freed.
+    """
+    nbytes = rows * row_bytes
+    if nbytes < HUGE_PAGE_OUTPUT or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8).view(dtype).view(rows, row_bytes // dtype.itemsize)
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -whole.data_ptr() % _HUGE_PAGE
+    return whole[start : start + nbytes].view(dtype).view(rows, row_bytes // dtype.itemsize)
+
+
+def _new_pages(layout: Layout, num_tokens: int, page_size: int) -> torch.Tensor:
+    return _empty_output(layout.num_pages(num_tokens, page_size), layout.page_bytes(page_size))
+
+
+def _encode_params(layout: Layout, dialect: str | None, scale: float) -> tuple[np.float32, int]:
+    """(per-tensor multiplier, MODEL1 exponent floor) as the reference codec applies them."""
+    if codec_kind(layout) == KIND_E4M3_TENSOR and dialect != "compress":
+        mult = np.float32(float(reciprocal_f32(scale)))
+    else:
+        mult = np.float32(1.0)
+    min_exp = nx.DIALECT_MIN_EXPONENT[dialect or "flashmla"] if codec_kind(layout) == KIND_MODEL1 else 0
+    return mult, min_exp
+
+
+def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float) -> torch.Tensor:
+    """fp32 or bf16 ``[N, 512]`` (CPU) -> pages ``[ceil(N/P), page_bytes]`` uint8."""
+    kind = codec_kind(layout)
+    if kind is None:
+        return reference.encode_pages(x.float(), layout, page_size, dialect, scale)
+    n = x.shape[0]
+    out = _new_pages(layout, n, page_size)
+    if n == 0:
+        return out
+    from_bf16 = x.dtype == torch.bfloat16
+    x32 = _flat(x) if not from_bf16 else np.empty(0, np.float32)
+    x16 = _flat(x.view(torch.int16)).view(np.uint16) if from_bf16 else np.empty(0, np.uint16)
+    mult, min_exp = _encode_params(layout, dialect, scale)
+    dp, dpb, dsplit, drb = _geometry(layout, page_size)
+    _run_chunks(
+        _encode_kernel, _page_chunks(out.shape[0], dp),
+        x32, x16, from_bf16, n, _flat(out), kind, dp, dpb, dsplit, drb, mult, min_exp, _POW2_F32,
+    )
+    return out
+
+
+def decode_pages(
+    pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None, scale: float
+) -> torch.Tensor:
+    """Pages -> fp32 ``[num_tokens, 512]`` (all rows when ``num_tokens`` is None)."""
+    kind = codec_kind(layout)
+    if kind is None:
+        return reference.decode_pages(pages, layout, page_size, num_tokens, scale)
+    n = _token_count(pages, layout, page_size, num_tokens)
+    out = _empty_output(n, HEAD_DIM * 4, torch.float32)
+    if n:
+        sp, spb, ssplit, srb = _geometry(layout, page_size)
+        _run_chunks(
+            _decode_kernel, -(-n // CHUNK_TOKENS),
+            _flat(pages), kind, sp, spb, ssplit, srb, np.float32(scale), n, _flat(out), _E4M3_F32, _UE8M0_F32,
+        )
+    return out
+
+
+def repage(
+    pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int, num_tokens: int | None
+) -> torch.Tensor:
+    """Byte move of identical token records between two page geometries."""
+    if src.record_bytes != dst.record_bytes:
+        return reference.repage(pages, src, src_page_size, dst, dst_page_size, num_tokens)
+    n = _token_count(pages, src, src_page_size, num_tokens)
+    out = _new_pages(dst, n, dst_page_size)
+    if n:
+        sp, spb, ssplit, rb = _geometry(src, src_page_size)
+        dp, dpb, dsplit, _ = _geometry(dst, dst_page_size)
+        _run_chunks(
+            _repage_kernel, _page_chunks(out.shape[0], dp),
+            _flat(pages), sp, spb, ssplit, _flat(out), dp, dpb, dsplit, rb, n,
+        )
+    return out
+
+
+#: Largest 2^j a tile of E4M3 values is scaled by when s = 1 (the lowest dialect exponent floor).
+_MAX_SHIFT = -min(nx.DIALECT_MIN_EXPONENT.values())
+
+
+#: Table arguments of ``_fp8_to_model1_kernel``, in order.
+_FP8_TO_MODEL1_TABLES = ("scale_lut", "bad_mag", "shift_sub", "rope_sub", "code_lut", "rope_lut")
+
+
+@lru_cache(maxsize=64)
+def _fp8_to_model1_tables(scale: float, dialect: str) -> dict[str, np.ndarray]:
+    """Code-domain tables for per-tensor E4M3 at ``scale`` -> MODEL1 in ``dialect`` (arguments of
+    ``_fp8_to_model1_kernel``), built with ``kvbridge.numerics`` exactly as the reference decodes
+    and re-encodes."""
+    values = nx.E4M3_TABLE * torch.tensor(scale, dtype=torch.float32)  # decoded value of each code
+    mags = values[:128].abs()  # amax of a tile whose largest code magnitude is m
+    finite_mags = torch.where(torch.isfinite(mags), mags, torch.zeros_like(mags))
+    exp = nx.scale_exponent(finite_mags, dialect)
+    scaled = values.unsqueeze(0) * nx.pow2(-exp).unsqueeze(1)  # [128, 256]
+    shifts = torch.arange(_MAX_SHIFT + 1)
+    subnormal = nx.E4M3_TABLE[:8].unsqueeze(0) * nx.pow2(shifts).unsqueeze(1)  # [36, 8]
+    return {
+        "scale_lut": nx.ue8m0_byte(exp).numpy().copy(),
+        "bad_mag": (~torch.isfinite(mags)).to(torch.uint8).numpy().copy(),
+        "shift_sub": nx.e4m3_encode(subnormal).reshape(-1).numpy().copy(),
+        "rope_sub": nx.bf16_round(nx.E4M3_TABLE[:8]).numpy().astype(np.uint16),
+        "code_lut": nx.e4m3_encode(torch.nan_to_num(scaled, nan=0.0)).reshape(-1).numpy().copy(),
+        "rope_lut": nx.bf16_round(values).numpy().astype(np.uint16),
+    }
+
+
+def _raise_nonfinite(bad_count: np.ndarray, bad_first: np.ndarray) -> None:
+    """Raise the reference's ``NonFiniteError`` when any chunk saw a non-finite decoded value."""
+    total = int(bad_count.sum())
+    if total:
+        first = int(bad_first[bad_count > 0].min())
+        token, dim = divmod(first, HEAD_DIM)
+        raise NonFiniteError(f"source holds non-finite values ({total}; first at token {token}, dim {dim})")
+
+
+def transcode_pages(
+    pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,
+    num_tokens: int | None, src_scale: float, dst_scale: float, dialect: str | None,
+) -> torch.Tensor:
+    """Decode ``src`` pages and re-encode them as ``dst``, token by token (NaN/Inf in the source is an error)."""
+    skind, dkind = codec_kind(src), codec_kind(dst)
+    if skind is None or dkind is None:
+        return reference.transcode_pages(
+            pages, src, src_page_size, dst, dst_page_size, num_tokens, src_scale, dst_scale, dialect
+        )
+    n = _token_count(pages, src, src_page_size, num_tokens)
+    out = _new_pages(dst, n, dst_page_size)
+    if n == 0:
+        return out
+    sp, spb, ssplit, srb = _geometry(src, src_page_size)
+    dp, dpb, dsplit, drb = _geometry(dst, dst_page_size)
+    nchunks = _page_chunks(out.shape[0], dp)
+    bad_count = np.zeros(nchunks, np.int64)
+    bad_first = np.full(nchunks, -1, np.int64)
+    if skind == KIND_E4M3_TENSOR and dkind == KIND_MODEL1:
+        tables = _fp8_to_model1_tables(float(src_scale), dialect or "flashmla")
+        _run_chunks(
+            _fp8_to_model1_kernel, nchunks, _flat(pages), sp, spb, ssplit, srb, n, _flat(out), dp, dpb, dsplit, drb,
+            src_scale == 1.0, *(tables[name] for name in _FP8_TO_MODEL1_TABLES), bad_count, bad_first,
+        )
+    else:
+        mult, min_exp = _encode_params(dst, dialect, dst_scale)
+        _run_chunks(
+            _transcode_kernel, nchunks, _flat(pages), skind, sp, spb, ssplit, srb, np.float32(src_scale), n,
+            _flat(out), dkind, dp, dpb, dsplit, drb, mult, min_exp,
+            _E4M3_F32, _UE8M0_F32, _POW2_F32, bad_count, bad_first,
+        )
+    _raise_nonfinite(bad_count, bad_first)
+    return out

@@ -1,0 +1,334 @@
+"""The native CPU kernels (kvbridge.native) against the reference, byte for byte, and the dispatch.
+
+Every comparison is exact: pages with ``torch.equal``, decoded values through their int32 bit
+patterns (so -0.0 and NaN payloads count too).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvbridge as kb
+from kvbridge import fastpath, native, reference
+from kvbridge import numerics as nx
+from kvbridge.codecs import Model1Codec
+from kvbridge.errors import InputError, NonFiniteError
+from kvbridge.layouts import Field, Layout, all_layouts, get_layout
+
+NATIVE_LAYOUTS = [lay for lay in all_layouts() if native.supports(lay)]
+PER_TENSOR_SCALES = (1.0, 0.5, 2.0, 0.037)
+PAGE_SIZES = (1, 2, 61, 64)
+
+
+def encode_settings(layout: Layout) -> list[tuple[str | None, float]]:
+    """(dialect, scale) pairs worth checking for a layout."""
+    dialects = layout.dialects or (None,)
+    scales = PER_TENSOR_SCALES if layout.per_tensor_scale else (1.0,)
+    return list(itertools.product(dialects, scales))
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def edge_latents(seed: int = 0) -> torch.Tensor:
+    """fp32 [N, 512] whose 64-value tiles hit every corner of the scale and E4M3 rules."""
+    g = torch.Generator().manual_seed(seed)
+    f32 = torch.float32
+    tiles: list[torch.Tensor] = [torch.zeros(64), torch.full((64,), -0.0)]
+    up = lambda v: torch.nextafter(torch.tensor(v, dtype=f32), torch.tensor(math.inf)).item()  # noqa: E731
+    down = lambda v: torch.nextafter(torch.tensor(v, dtype=f32), torch.tensor(0.0)).item()  # noqa: E731
+    amaxes = [0.02734375, up(0.02734375), down(0.02734375), 0.0448, 0.04479, 1e-4, 1e-8, 3e-9, 2.0**-140]
+    for k in range(-40, 12, 3):
+        a = 448.0 * 2.0**k
+        amaxes += [a, up(a), down(a), float(torch.tensor(a).bfloat16().float()) * 1.0078125]
+    for i, a in enumerate(amaxes):
+        tile = (torch.randn(64, generator=g) * a / 4).clamp(-a, a)
+        tile[int(torch.randint(64, (1,), generator=g))] = a if i % 2 else -a
+        tiles.append(tile)
+    # E4M3 ties (halfway between two codes, before and after the power-of-two scale).
+    ties = torch.tensor([8.5, 9.5, 0.5 * 2.0**-9, 1.5 * 2.0**-9, 2.5 * 2.0**-9, 17.0, 19.0, 208.0, 240.0, 464.0])
+    for k in (0, -6, 3):
+        tiles.append(torch.cat([ties * 2.0**k, -ties * 2.0**k, torch.zeros(44)]))
+    # Subnormals: fp32 subnormals and the E4M3 subnormal range.
+    tiles.append(torch.tensor([2.0**-149, -(2.0**-140), 2.0**-127] * 21 + [0.0]))
+    tiles.append(torch.arange(64, dtype=f32) * 2.0**-12 * torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0))
+    # Saturating per-tensor values, random magnitudes.
+    tiles.append(torch.tensor([1e30, -1e30, 500.0, -464.0, 449.0, 3.4e38] * 10 + [0.0] * 4))
+    for mag in (1e-3, 0.1, 1.0, 30.0, 300.0, 1e5):
+        tiles.append(torch.randn(64, generator=g) * mag)
+    flat = torch.cat([t.to(f32) for t in tiles])
+    reps = -(-flat.numel() // 512) * 512
+    flat = torch.cat([flat, torch.randn(reps - flat.numel(), generator=g)])
+    rows = flat.reshape(-1, 512)
+    # Put every tile in every tile slot (nope tiles and rope) by rotating rows.
+    return torch.cat([rows.roll(64 * i, dims=1) for i in range(8)])
+
+
+@pytest.fixture(scope="module")
+def latents() -> torch.Tensor:
+    return edge_latents()
+
+
+@pytest.mark.parametrize("layout", NATIVE_LAYOUTS, ids=lambda lay: lay.name)
+def test_encode_matches_reference(latents, layout):
+    """Every dialect and per-tensor scale, fp32 and bf16 input, several page sizes, partly filled pages."""
+    n = latents.shape[0]
+    for dialect, scale in encode_settings(layout):
+        for x in (latents, latents.bfloat16()):
+            want = reference.encode_pages(x.float(), layout, 61, dialect, scale)
+            for p in PAGE_SIZES:  # other page sizes: the same records, re-paged by the reference
+                got = native.encode_pages(x, layout, p, dialect, scale)
+                assert torch.equal(got, reference.repage(want, layout, 61, layout, p, n)), (dialect, scale, p, x.dtype)
+
+
+@pytest.mark.parametrize("layout", NATIVE_LAYOUTS, ids=lambda lay: lay.name)
+def test_decode_matches_reference_on_arbitrary_bytes(layout):
+    """Any byte pattern, NaN codes and UE8M0 0xFF included, decodes to the reference's bits."""
+    g = torch.Generator().manual_seed(1)
+    for p, scale in itertools.product((2, 61), PER_TENSOR_SCALES if layout.per_tensor_scale else (1.0,)):
+        pages = torch.randint(0, 256, (5, layout.page_bytes(p)), dtype=torch.uint8, generator=g)
+        for n in (None, 5 * p - 3):
+            want = reference.decode_pages(pages, layout, p, n, scale)
+            got = native.decode_pages(pages, layout, p, n, scale)
+            assert torch.equal(bits(got), bits(want)), (layout.name, p, scale, n)
+        assert native.decode_pages(pages, layout, p, 0, scale).shape == (0, 512)
+
+
+def assert_same_transcode(*args) -> None:
+    """Native and reference transcode give equal pages, or the same NonFiniteError message."""
+    try:
+        want = reference.transcode_pages(*args)
+    except NonFiniteError as exc:
+        with pytest.raises(NonFiniteError) as got:
+            native.transcode_pages(*args)
+        assert str(got.value) == str(exc)
+        return
+    assert torch.equal(native.transcode_pages(*args), want), [getattr(a, "name", a) for a in args[1:]]
+
+
+TRANSCODE_PAIRS = [(a, b) for a in NATIVE_LAYOUTS for b in NATIVE_LAYOUTS]
+
+
+def source_settings(layout: Layout) -> list[tuple[str | None, float]]:
+    """How transcode sources are written: every per-tensor scale, or every dialect's scale bytes."""
+    if layout.per_tensor_scale:
+        return [(layout.default_dialect, s) for s in PER_TENSOR_SCALES]
+    return [(d, 1.0) for d in layout.dialects or (None,)]
+
+
+def destination_settings(layout: Layout) -> list[tuple[str | None, float]]:
+    """Every destination dialect (at scale 0.037 for per-tensor layouts), plus the default at scale 1."""
+    if not layout.per_tensor_scale:
+        return [(d, 1.0) for d in layout.dialects or (None,)]
+    return [(d, 0.037) for d in layout.dialects] + [(layout.default_dialect, 1.0)]
+
+
+@pytest.mark.parametrize("src,dst", TRANSCODE_PAIRS, ids=lambda lay: lay.name)
+def test_transcode_every_pair_matches_reference(latents, src, dst):
+    """Every layout pair, source scale and destination dialect; page size changes, partly filled pages."""
+    x = latents.clamp(-1e30, 1e30)  # finite in bf16 too
+    n = x.shape[0]
+    for (enc_dialect, s_in), (dialect, s_out) in itertools.product(source_settings(src), destination_settings(dst)):
+        pages = reference.encode_pages(x, src, 64, enc_dialect, s_in)
+        for p_out, num_tokens in ((61, n), (2, n - 1)):
+            assert_same_transcode(pages, src, 64, dst, p_out, num_tokens, s_in, s_out, dialect)
+
+
+def test_transcode_many_chunks_on_every_thread(latents):
+    """Enough tokens for several chunks per thread; the fp8 -> MODEL1 kernel at unit and other scales."""
+    x = latents.repeat(32, 1)[:3000]
+    src, dst = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
+    for s_in in (1.0, 0.037):
+        pages = reference.encode_pages(x, src, 64, "swa", s_in)
+        args = (pages, src, 64, dst, 2, 2999, s_in, 1.0, "amax-1e-8")  # 1500 pages: 12 chunks
+        assert torch.equal(native.transcode_pages(*args), reference.transcode_pages(*args))
+
+
+NONFINITE_CASES = [  # (layout, field, {byte index in the field: byte}, source scale)
+    ("trtllm-fp8", "nope", {5: 0x7F}, 1.0),  # E4M3 NaN
+    ("trtllm-fp8", "rope", {3: 0xFF}, 1.0),
+    ("trtllm-fp8", "nope", {100: 0xFF}, 0.037),
+    ("flashmla-model1", "nope", {7: 0x7F}, 1.0),
+    ("flashmla-model1", "scale", {2: 0xFF}, 1.0),  # UE8M0 NaN
+    ("trtllm-fp8-ds-mla", "rope", {8: 0xC0, 9: 0xFF}, 1.0),  # bf16 0xFFC0: NaN
+    ("bf16", "nope", {100: 0x80, 101: 0x7F}, 1.0),  # bf16 0x7F80: +Inf
+]
+
+
+@pytest.mark.parametrize("name,field,patch,scale", NONFINITE_CASES)
+def test_nonfinite_source_raises_like_reference(latents, name, field, patch, scale):
+    src = get_layout(name)
+    pages = reference.encode_pages(latents.repeat(2, 1)[:130], src, 61, src.default_dialect, scale)
+    for token, (index, byte) in itertools.product((129, 70), patch.items()):
+        pages[token // 61, src.field_offset(field, token % 61, 61) + index] = byte
+    for dst in NATIVE_LAYOUTS:
+        args = (pages, src, 61, dst, 64, None, scale, 1.0, dst.default_dialect)
+        with pytest.raises(NonFiniteError) as want:
+            reference.transcode_pages(*args)
+        with pytest.raises(NonFiniteError) as got:
+            native.transcode_pages(*args)
+        assert str(got.value) == str(want.value)
+
+
+def test_overflowing_source_scale_raises_like_reference(latents):
+    """448 * s beyond fp32: decoded Inf is an error, as in the reference."""
+    src, dst = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
+    pages = reference.encode_pages(latents[:64], src, 64, "swa", 1.0)
+    args = (pages, src, 64, dst, 64, None, 1e36, 1.0, "flashmla")
+    with pytest.raises(NonFiniteError) as want:
+        reference.transcode_pages(*args)
+    with pytest.raises(NonFiniteError) as got:
+        native.transcode_pages(*args)
+    assert str(got.value) == str(want.value)
+
+
+REPAGE_GROUPS = {}
+for _lay in all_layouts():
+    REPAGE_GROUPS.setdefault(_lay.record_bytes, []).append(_lay)
+REPAGE_PAIRS = [(a, b) for group in REPAGE_GROUPS.values() for a in group for b in group]
+
+
+@pytest.mark.parametrize("src,dst", REPAGE_PAIRS, ids=lambda lay: lay.name)
+def test_repage_matches_reference(src, dst):
+    g = torch.Generator().manual_seed(2)
+    for p_in, p_out, n in ((64, 61, 300), (2, 256, 301), (61, 2, None)):
+        pages = torch.randint(0, 256, (-(-301 // p_in), src.page_bytes(p_in)), dtype=torch.uint8, generator=g)
+        args = (pages, src, p_in, dst, p_out, n)
+        assert torch.equal(native.repage(*args), reference.repage(*args)), args[1:]
+
+
+TOKEN_MAJOR_MODEL1 = Layout(
+    name="test-model1-token-major",
+    description="unregistered: MODEL1 records token-major, pages padded to 64 B",
+    record_bytes=584,
+    fields=(Field("nope", 0, 448, "e4m3"), Field("rope", 448, 128, "bf16"), Field("scale", 576, 7, "ue8m0")),
+    codec=Model1Codec(),
+    page_align=64,
+    dialects=nx.DIALECTS,
+)
+
+
+class NegatingBF16Codec:
+    """A record codec the native kernels do not know (stores -x as bf16)."""
+
+    record_bytes = 1024
+
+    def encode(self, x: torch.Tensor, *, dialect: str | None, scale: float) -> torch.Tensor:
+        return nx.bf16_bytes(-x)
+
+    def decode(self, records: torch.Tensor, *, scale: float) -> torch.Tensor:
+        return -nx.bf16_from_bytes(records)
+
+
+FOREIGN = Layout(
+    name="test-negated-bf16", description="unregistered, unknown codec", record_bytes=1024,
+    fields=(Field("all", 0, 1024, "bf16"),), codec=NegatingBF16Codec(),
+)
+
+
+def test_new_layout_with_known_codec_runs_native(latents):
+    """Geometry comes from the layout: a token-major MODEL1 layout needs no native code of its own."""
+    assert native.supports(TOKEN_MAJOR_MODEL1)
+    assert fastpath.backend_name(latents, TOKEN_MAJOR_MODEL1) == "native"
+    x = latents.repeat(3, 1)[:200]
+    pages = native.encode_pages(x, TOKEN_MAJOR_MODEL1, 61, "amax-1e-4", 1.0)
+    assert torch.equal(pages, reference.encode_pages(x, TOKEN_MAJOR_MODEL1, 61, "amax-1e-4", 1.0))
+    model1 = get_layout("flashmla-model1")
+    args = (pages, TOKEN_MAJOR_MODEL1, 61, model1, 64, 199)
+    assert torch.equal(native.repage(*args), reference.repage(*args))
+    fp8 = reference.encode_pages(x, get_layout("trtllm-fp8"), 64, "swa", 0.5)
+    args = (fp8, get_layout("trtllm-fp8"), 64, TOKEN_MAJOR_MODEL1, 3, None, 0.5, 1.0, "amax-1e-8")
+    assert torch.equal(native.transcode_pages(*args), reference.transcode_pages(*args))
+
+
+def test_unknown_codec_falls_back_to_reference(latents):
+    assert not native.supports(FOREIGN)
+    assert fastpath.backend_name(latents, FOREIGN) == "reference"
+    x = latents[:70].clamp(-1e30, 1e30)
+    pages = fastpath.encode_pages(x.bfloat16(), FOREIGN, 64, None, 1.0)
+    assert torch.equal(pages, reference.encode_pages(x.bfloat16().float(), FOREIGN, 64, None, 1.0))
+    model1 = get_layout("flashmla-model1")
+    args = (pages, FOREIGN, 64, model1, 2, None, 1.0, 1.0, "flashmla")
+    assert torch.equal(native.transcode_pages(*args), reference.transcode_pages(*args))
+
+
+def test_backend_env_var(monkeypatch, latents):
+    model1 = get_layout("flashmla-model1")
+    assert fastpath.backend_name(latents, model1) == "native"
+    monkeypatch.setenv(fastpath.BACKEND_ENV, "reference")
+    assert fastpath.backend_name(latents, model1) == "reference"
+    want = reference.encode_pages(latents[:10], model1, 2, "flashmla", 1.0)
+    assert torch.equal(kb.encode(latents[:10], model1, page_size=2), want)
+    monkeypatch.setenv(fastpath.BACKEND_ENV, "fastest")
+    with pytest.raises(InputError, match="KVBRIDGE_BACKEND must be one of auto, reference, got 'fastest'"):
+        kb.encode(latents[:10], model1, page_size=2)
+
+
+@pytest.mark.parametrize("p", [2, 64, 256])
+def test_public_api_on_cpu_matches_flashmla_vectors(model1_vectors, p):
+    tensors, _ = model1_vectors
+    x = tensors[f"p{p}.input"].reshape(-1, 512)
+    assert fastpath.backend_name(x, get_layout("flashmla-model1")) == "native"
+    pages = kb.encode(x, "flashmla-model1", page_size=p)
+    assert torch.equal(pages, tensors[f"p{p}.model1"])
+    assert torch.equal(kb.encode(x.float(), "model1", page_size=p), tensors[f"p{p}.model1"])
+    # Decoded values are bf16-exact (E4M3 times a power of two), so the bf16 comparison is exact.
+    assert torch.equal(kb.decode(pages, "model1", page_size=p).bfloat16(), tensors[f"p{p}.dequant"].reshape(-1, 512))
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_public_api_on_cpu_matches_trtllm_vectors(trtllm_vectors, i):
+    tensors, cases = trtllm_vectors
+    s = cases[f"s{i}"]["scale"]
+    x = tensors[f"s{i}.input"]
+    pages = kb.encode(x, "trtllm-fp8", page_size=300, scale=s)
+    assert torch.equal(pages.reshape(300, 512), tensors[f"s{i}.fp8"])
+    assert torch.equal(bits(kb.decode(pages, "trtllm-fp8", page_size=300, scale=s)), bits(tensors[f"s{i}.decoded"]))
+    model1 = kb.transcode(pages, "trtllm-fp8", "model1", src_page_size=300, dst_page_size=64, src_scale=s)
+    want = reference.transcode_pages(pages, get_layout("trtllm-fp8"), 300, get_layout("model1"), 64, None, s, 1.0,
+                                     "flashmla")
+    assert torch.equal(model1, want)
+
+
+finite_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    values=st.lists(finite_f32, min_size=1, max_size=1024),
+    layout=st.sampled_from(NATIVE_LAYOUTS),
+    page_size=st.integers(1, 7),
+    scale=st.sampled_from(PER_TENSOR_SCALES),
+    data=st.data(),
+)
+def test_encode_any_finite_values(values, layout, page_size, scale, data):
+    x = torch.tensor(values, dtype=torch.float32).repeat(-(-512 // len(values)) * 2)[: 512 * 2].reshape(2, 512)
+    x = x[:, torch.randperm(512, generator=torch.Generator().manual_seed(len(values)))]
+    dialect = data.draw(st.sampled_from(layout.dialects or (None,)))
+    s = scale if layout.per_tensor_scale else 1.0
+    assert torch.equal(native.encode_pages(x, layout, page_size, dialect, s),
+                       reference.encode_pages(x, layout, page_size, dialect, s))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    raw=st.binary(min_size=512, max_size=512),
+    src=st.sampled_from(NATIVE_LAYOUTS),
+    dst=st.sampled_from(NATIVE_LAYOUTS),
+    scale=st.sampled_from(PER_TENSOR_SCALES),
+)
+def test_transcode_any_bytes(raw, src, dst, scale):
+    """Arbitrary source bytes: equal output, or the same NonFiniteError."""
+    p = 3
+    pages = torch.frombuffer(bytearray(raw * -(-src.page_bytes(p) * 2 // 512)), dtype=torch.uint8)
+    pages = pages[: src.page_bytes(p) * 2].reshape(2, -1).clone()
+    s_in = scale if src.per_tensor_scale else 1.0
+    s_out = 0.037 if dst.per_tensor_scale else 1.0
+    assert_same_transcode(pages, src, p, dst, 2, 5, s_in, s_out, dst.default_dialect)

@@ -165,11 +165,11 @@ def transcode_slots(
         from kvbridge import triton_kernels
 
         if not byte_move:
-            flags = triton_kernels.nonfinite_flags(src_pages, src, src_page_size, src_slots, s_in)
+            flags = triton_kernels.nonfinite_flags(src_pages, src, src_page_size, src_slots.contiguous(), s_in)
             _raise_nonfinite(flags != 0, src_slots, "src_slots")
         triton_kernels.transcode_slots(
             src_pages, src, src_page_size, dst_pages, dst, dst_page_size,
-            src_slots, dst_slots, s_in, s_out, d, byte_move,
+            src_slots.contiguous(), dst_slots.contiguous(), s_in, s_out, d, byte_move,
         )
         return dst_pages
     records = src_pages.view(-1)[record_byte_index(src, src_page_size, src_slots)]
@@ -234,7 +234,7 @@ def gather_transcode(
         from kvbridge import triton_kernels
 
         scratch, flags = triton_kernels.gather_transcode(
-            pool, src, page_size, flat, s_in, d, byte_move, out_page_size, dst
+            pool, src, page_size, flat.contiguous(), s_in, d, byte_move, out_page_size, dst
         )
         _raise_flags(flags, indices, capacity)
     else:

@@ -47,10 +47,11 @@ FLAG_NONFINITE = 1
 FLAG_OUT_OF_RANGE = 2
 
 _KIND_F32, _KIND_BF16, _KIND_E4M3, _KIND_MODEL1 = 0, 1, 2, 3
-_CONVERT_BLOCK_T = 16 if INTERPRETED else 8
-_CONVERT_WARPS = 8
-_COPY_BLOCK_T = 16
-_COPY_WARPS = 4
+#: Launch shape (tuning knobs; ``scripts/gpu_check.py`` times alternatives): tokens per program and warps.
+convert_block_tokens = 16
+convert_warps = 8
+copy_block_tokens = 16
+copy_warps = 4
 
 
 # ----------------------------------------------------------------------------- number formats
@@ -362,7 +363,7 @@ def _launch_convert(
     if rows == 0:
         return
     dummy = src.tensor
-    grid = (triton.cdiv(rows, _CONVERT_BLOCK_T),)
+    grid = (triton.cdiv(rows, convert_block_tokens),)
     with _device_guard(src.tensor):
         _convert_kernel[grid](
             src.tensor, src.half, dummy if src_slots is None else src_slots, src.capacity, src.page_size,
@@ -375,7 +376,7 @@ def _launch_convert(
             DST_KIND=dst.kind, DST_S=dst.split, DST_R=dst.record, DST_ALIGN=dst.align,
             DST_HAS_SLOTS=dst_slots is not None,
             CHECK=flags is not None, WRITE=write, HW_FP8=fp8_hardware and hardware_fp8_available(src.tensor.device),
-            BLOCK_T=_CONVERT_BLOCK_T, num_warps=_CONVERT_WARPS,
+            BLOCK_T=convert_block_tokens, num_warps=convert_warps,
         )
 
 
@@ -389,7 +390,7 @@ def _launch_copy(
         raise LayoutError("a byte move needs the same record and data-row size on both sides")
     words = src.tensor.view(torch.int64)
     sw, fw = src.split // 8, (src.record - src.split) // 8
-    grid = (triton.cdiv(n_rows, _COPY_BLOCK_T),)
+    grid = (triton.cdiv(n_rows, copy_block_tokens),)
     with _device_guard(src.tensor):
         _copy_kernel[grid](
             words, words if src_slots is None else src_slots, src.capacity, src.page_size, src.page_bytes // 8,
@@ -397,7 +398,7 @@ def _launch_copy(
             words if flags is None else flags, n_tokens, n_rows,
             SW=sw, FW=fw, SW_BLOCK=triton.next_power_of_2(sw), FW_BLOCK=triton.next_power_of_2(max(fw, 1)),
             SRC_HAS_SLOTS=src_slots is not None, DST_HAS_SLOTS=dst_slots is not None, CHECK=flags is not None,
-            BLOCK_T=_COPY_BLOCK_T, num_warps=_COPY_WARPS,
+            BLOCK_T=copy_block_tokens, num_warps=copy_warps,
         )
 
 

@@ -399,12 +399,24 @@ class Bench:
         m1_pool = tk.encode_pages(x, model1, 64, "flashmla", 1.0)
         out.append(self.time("transcode trtllm-fp8 -> model1 (kernel)", n, n * (512 + 584),
                              tk.transcode_pages, trt_pool, trt, 64, model1, 64, None, 1.0, 1.0, "flashmla"))
+        default_shape = tk.convert_block_tokens, tk.convert_warps
+        for tokens, warps in ((8, 4), (32, 8), (64, 16)):  # launch shapes other than the default, for tuning
+            tk.convert_block_tokens, tk.convert_warps = tokens, warps
+            out.append(self.time(f"  same, {tokens} tokens/program, {warps} warps", n, n * (512 + 584),
+                                 tk.transcode_pages, trt_pool, trt, 64, model1, 64, None, 1.0, 1.0, "flashmla"))
+        tk.convert_block_tokens, tk.convert_warps = default_shape
         out.append(self.time("transcode trtllm-fp8 -> model1 (kb.transcode)", n, n * (512 + 584),
                              kb.transcode, trt_pool, trt, model1, src_page_size=64))
         out.append(self.time("transcode model1 -> trtllm-fp8 (kernel)", n, n * (584 + 512),
                              tk.transcode_pages, m1_pool, model1, 64, trt, 64, None, 1.0, 1.0, "swa"))
         out.append(self.time("repage model1 P64 -> ds-mla P256 (byte move)", n, 2 * n * 584,
                              tk.repage, m1_pool, model1, 64, footer, 256, None))
+        default_shape = tk.copy_block_tokens, tk.copy_warps
+        for tokens, warps in ((8, 4), (32, 8)):
+            tk.copy_block_tokens, tk.copy_warps = tokens, warps
+            out.append(self.time(f"  same, {tokens} tokens/program, {warps} warps", n, 2 * n * 584,
+                                 tk.repage, m1_pool, model1, 64, footer, 256, None))
+        tk.copy_block_tokens, tk.copy_warps = default_shape
         out.append(self.time("encode fp32 -> model1 (kernel)", n, n * (2048 + 584),
                              tk.encode_pages, x, model1, 64, "flashmla", 1.0))
         out.append(self.time("decode model1 -> fp32 (kernel)", n, n * (584 + 2048),

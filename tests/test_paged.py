@@ -6,6 +6,10 @@ the layouts' ``pages_to_records`` and the reference record codecs.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -267,3 +271,18 @@ def test_gather_transcode_refuses_dialect_for_model1_pool_and_names_nonfinite_in
     trt[1, 2 * 512 + 100] = 0xFF  # slot 6, dim 100: E4M3 NaN
     with pytest.raises(NonFiniteError, match=r"indices\[1, 0\] = 6 decodes to non-finite values \(1 such tokens\)"):
         kb.gather_transcode(trt, TRT, page_size=4, indices=torch.tensor([[0, 1], [6, -1]]))
+
+
+def test_importing_kvbridge_and_running_on_cpu_never_imports_triton():
+    code = (
+        "import sys, torch, kvbridge as kb\n"
+        "pool = kb.encode(torch.randn(8, 512), 'trtllm-fp8', page_size=4)\n"
+        "kb.gather_transcode(pool, 'trtllm-fp8', page_size=4, indices=torch.tensor([[0, 5, -1]]))\n"
+        "out = torch.zeros(1, 2880, dtype=torch.uint8)\n"
+        "kb.transcode_slots(pool, 'trtllm-fp8', out, 'flashmla-model1', src_page_size=4, dst_page_size=4,\n"
+        "                   src_slots=torch.tensor([1]), dst_slots=torch.tensor([2]))\n"
+        "assert 'triton' not in sys.modules, 'triton was imported'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr

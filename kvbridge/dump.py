@@ -415,7 +415,7 @@ def write_dump(
 
 
 def _bf16_bits(raw: torch.Tensor) -> torch.Tensor:
-    pairs = raw.reshape(*raw.shape[:-1], -1, 2).to(torch.int32)
+    pairs = raw.reshape(*raw.shape[:-1], raw.shape[-1] // 2, 2).to(torch.int32)
     return pairs[..., 0] | (pairs[..., 1] << 8)
 
 

@@ -286,3 +286,15 @@ def test_stats_count_nan_saturation_and_scale_exponents():
     big = torch.full((2, 512), 1000.0)
     fp8 = entry_stats(DumpEntry(0, "swa", kvbridge.encode(big, "trtllm-fp8", page_size=2), "trtllm-fp8", 2))
     assert fp8["saturated"] == 1024 and fp8["scale_exponents"] is None and fp8["abs_max"] == 448.0
+
+
+def test_empty_dump_and_zero_token_entries(tmp_path: Path):
+    assert read_dump(write_dump(tmp_path / "empty.safetensors", [])).names == []
+    empty_pool = DumpEntry(0, "swa", torch.zeros(0, 37440, dtype=torch.uint8), "model1", 64, 0)
+    unused_page = DumpEntry(1, "swa", torch.zeros(1, 37440, dtype=torch.uint8), "model1", 64, 0)
+    src = write_dump(tmp_path / "zero.safetensors", [empty_pool, unused_page])
+    stats = entry_stats(read_dump(src)["layer.0.swa"])
+    assert (stats["num_pages"], stats["num_tokens"], stats["scale_exponents"]) == (0, 0, {})
+    reports = convert_dump(src, tmp_path / "out.safetensors", "trtllm-fp8")
+    assert all(r.report.num_tokens == 0 and r.report.lossless for r in reports)
+    assert read_dump(tmp_path / "out.safetensors")["layer.1.swa"].latents().shape == (0, 512)

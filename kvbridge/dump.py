@@ -382,6 +382,8 @@ def write_dump(
         raise InputError(f"attrs must map str to str and not use {', '.join(sorted(reserved)) or 'reserved keys'}")
     if path.exists() and not overwrite:
         raise InputError(f"output {path} exists; pass overwrite=True (CLI: --force) to replace it")
+    if not path.parent.is_dir():
+        raise InputError(f"output directory {path.parent} does not exist")
     from kvbridge import __version__
 
     metadata = {
@@ -408,6 +410,9 @@ def write_dump(
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except SafetensorError as exc:  # safetensors reports I/O failures (disk full, no permission) this way
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"could not write {path}: {exc}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -110,6 +110,12 @@ def test_convert_repages_with_page_size_and_dialect(trtllm_dump: Path, tmp_path:
     assert (entry.page_size, entry.dialect, entry.num_pages) == (61, "amax-1e-8", 3)
 
 
+def test_convert_into_a_missing_directory_is_one_line(trtllm_dump: Path, tmp_path: Path):
+    one_line_error(
+        run("convert", trtllm_dump, tmp_path / "no" / "out.safetensors", "--to", "model1"), 1, "does not exist"
+    )
+
+
 def test_convert_refuses_overwrite_without_force(trtllm_dump: Path, tmp_path: Path):
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"precious")

@@ -153,6 +153,18 @@ def model1_checks(path: Path, device: torch.device) -> list[CheckResult]:
                 byte_diff(ds.pages_to_records(footer, p), get_layout("flashmla-model1").pages_to_records(want, p)),
             )
         )
+        model1 = get_layout("flashmla-model1")
+        n = x.shape[0]
+        at_odd = encode(x, model1, page_size=ODD_PAGE_SIZE, dialect="flashmla")
+        results.append(
+            _check(
+                model1.name,
+                "flashmla",
+                label,
+                f"encode at P={ODD_PAGE_SIZE}: records = FlashMLA's",
+                byte_diff(model1.pages_to_records(at_odd, ODD_PAGE_SIZE, n), model1.pages_to_records(want, p)),
+            )
+        )
         odd = transcode(want, "flashmla-model1", "flashmla-model1", src_page_size=p, dst_page_size=ODD_PAGE_SIZE)
         back = transcode(
             odd,

@@ -174,9 +174,9 @@ def test_debug_shows_the_exception(tmp_path: Path):
 def test_verify_passes_on_the_repository_fixtures():
     result = run("verify")
     assert result.exit_code == 0, result.output
-    assert "30/30 checks passed" in result.output and "FAIL" not in result.output
+    assert "33/33 checks passed" in result.output and "FAIL" not in result.output
     report = json.loads(run("verify", "--json").output)
-    assert report["passed"] and report["num_checks"] == 30
+    assert report["passed"] and report["num_checks"] == 33
     assert {r["layout"] for r in report["results"]} == {"flashmla-model1", "trtllm-fp8-ds-mla", "trtllm-fp8"}
 
 

@@ -32,6 +32,7 @@ def test_every_fixture_check_passes(report):
         assert ("flashmla-model1", f"P={p}", "encode = FlashMLA quant.py") in cases
         assert ("flashmla-model1", f"P={p}", "decode = FlashMLA dequantize") in cases
         assert ("trtllm-fp8-ds-mla", f"P={p}", "records = MODEL1 records") in cases
+        assert ("flashmla-model1", f"P={p}", "encode at P=61: records = FlashMLA's") in cases
     for check in ("encode = TensorRT-LLM writer", "decode = TensorRT-LLM reader"):
         scales = {r.case for r in report.results if r.layout == "trtllm-fp8" and r.check == check}
         assert scales == {"s=1", "s=0.5", "s=2", "s=0.037"}

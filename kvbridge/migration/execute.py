@@ -29,7 +29,6 @@ from kvbridge.migration.pools import (
     RequestTables,
     gather_records,
     scatter_records,
-    window_released,
 )
 
 ConvertSide = Literal["sender", "receiver"]
@@ -224,9 +223,7 @@ def publish(plan: MigrationPlan, payload: Payload, dst: EnginePools) -> RequestT
     check_pools(plan, dst, "dst")
     if not payload.converted:
         raise MigrationError("publish needs converted records; call convert_payload first")
-    lengths = plan.table_lengths("dst")
-    released = window_released(plan.dst, plan.model, plan.num_tokens, plan.draft_tokens, plan.include_mtp)
-    tables = dst.claim(lengths, released)
+    tables = dst.claim(plan.table_lengths("dst"), plan.released("dst"))
     try:
         for t, rec in zip(plan.transfers, payload.records, strict=True):
             scatter_records(dst.pool(t.spec), t.dst, tables[t.dst.table], t.first, rec)
@@ -312,19 +309,21 @@ def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables,
 
 
 def source_request(plan: MigrationPlan, *, spare_pages: int = 0, seed: int = 0) -> tuple[EnginePools, RequestTables]:
-    """Source pools holding one synthetic request of ``plan`` (scattered page ids, released SWA blocks)."""
-    lengths = plan.table_lengths("src")
-    pools = EnginePools.create(plan.src, plan.model, {k: v + spare_pages for k, v in lengths.items()},
+    """Source pools holding one synthetic request of ``plan`` (scattered page ids, released SWA blocks).
+
+    Each table has room for the pages the request holds plus ``spare_pages``.
+    """
+    held = plan.held_pages("src")
+    pools = EnginePools.create(plan.src, plan.model, {k: v + spare_pages for k, v in held.items()},
                                include_mtp=plan.include_mtp, seed=seed)
-    released = window_released(plan.src, plan.model, plan.num_tokens, plan.draft_tokens, plan.include_mtp)
-    tables = pools.claim(lengths, released)
+    tables = pools.claim(plan.table_lengths("src"), plan.released("src"))
     fill_synthetic(plan, pools, tables, seed=seed)
     return pools, tables
 
 
 def destination_pools(plan: MigrationPlan, *, spare_pages: int = 0, seed: int | None = 1) -> EnginePools:
-    """Empty destination pools with room for ``plan``'s request plus ``spare_pages`` per table."""
-    lengths = plan.table_lengths("dst")
-    return EnginePools.create(plan.dst, plan.model, {k: v + spare_pages for k, v in lengths.items()},
+    """Empty destination pools with room for the pages ``plan``'s request holds plus ``spare_pages`` per table."""
+    held = plan.held_pages("dst")
+    return EnginePools.create(plan.dst, plan.model, {k: v + spare_pages for k, v in held.items()},
                               include_mtp=plan.include_mtp, seed=seed)
 

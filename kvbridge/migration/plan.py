@@ -136,6 +136,24 @@ def request_table_lengths(profile: EngineProfile, model: ModelTopology, num_toke
     return lengths
 
 
+def window_released(profile: EngineProfile, model: ModelTopology, num_tokens: int, draft_tokens: int,
+                    include_mtp: bool = True) -> dict[str, int]:
+    """Leading table entries of ``profile``'s paged windowed tables that are out of the window.
+
+    Engines free SWA (and TensorRT-LLM's windowed state) blocks once no token in them is in
+    the window; their table entries read -1.
+    """
+    released: dict[str, int] = {}
+    for spec in model.all_caches(include_mtp):
+        st = profile.storage(spec)
+        if spec.window is None or st.addressing == "ring":
+            continue
+        first, _ = live_entries(spec, num_tokens, draft_tokens)
+        n = first // st.page_size
+        released[st.table] = n if st.table not in released else min(released[st.table], n)
+    return released
+
+
 @dataclass(frozen=True)
 class MigrationPlan:
     """Every transfer of one request from ``src`` to ``dst`` pools (see module docstring)."""
@@ -169,6 +187,16 @@ class MigrationPlan:
         """Block-table lengths the request needs on the ``src`` or ``dst`` side."""
         profile = self.src if side == "src" else self.dst
         return request_table_lengths(profile, self.model, self.num_tokens, self.include_mtp)
+
+    def released(self, side: str) -> dict[str, int]:
+        """Leading out-of-window (-1) entries of the ``src`` or ``dst`` side's windowed tables."""
+        profile = self.src if side == "src" else self.dst
+        return window_released(profile, self.model, self.num_tokens, self.draft_tokens, self.include_mtp)
+
+    def held_pages(self, side: str) -> dict[str, int]:
+        """Pages the request holds per block table on the ``src`` or ``dst`` side."""
+        released = self.released(side)
+        return {name: n - min(released.get(name, 0), n) for name, n in self.table_lengths(side).items()}
 
     def to_dict(self, transfers: bool = True) -> dict[str, Any]:
         data: dict[str, Any] = {

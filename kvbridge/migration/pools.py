@@ -143,22 +143,3 @@ class EnginePools:
         for name, ids in tables.items():
             self.free[name].extend(i for i in ids if i >= 0)
 
-
-def window_released(profile: EngineProfile, model: ModelTopology, num_tokens: int, draft_tokens: int,
-                    include_mtp: bool = True) -> dict[str, int]:
-    """Leading table entries of ``profile``'s paged windowed tables that are out of the window.
-
-    Engines free SWA (and TensorRT-LLM's windowed state) blocks once no token in them is in
-    the window; their table entries read -1.
-    """
-    from kvbridge.migration.plan import live_entries
-
-    released: dict[str, int] = {}
-    for spec in model.all_caches(include_mtp):
-        st = profile.storage(spec)
-        if spec.window is None or st.addressing == "ring":
-            continue
-        first, _ = live_entries(spec, num_tokens, draft_tokens)
-        n = first // st.page_size
-        released[st.table] = n if st.table not in released else min(released[st.table], n)
-    return released

@@ -148,8 +148,8 @@ def _series(study: dict, sweep: str, variant: acc.Variant, key: str) -> tuple[li
     return xs, ys
 
 
-def write_plots(study: dict, directory: Path) -> list[Path]:
-    """PNG figures of a synthetic study's sweeps into ``directory`` (created); returns the paths."""
+def load_pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend, or a one-line error if missing."""
     try:
         import matplotlib
 
@@ -157,6 +157,12 @@ def write_plots(study: dict, directory: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         raise click.ClickException("--plot needs matplotlib: pip install 'kvbridge[plot]'") from None
+    return plt
+
+
+def write_plots(study: dict, directory: Path, plt: Any) -> list[Path]:
+    """PNG figures of a synthetic study's sweeps into ``directory`` (created) with ``plt``
+    (``load_pyplot()``); returns the paths."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     styles = {v.label: {"marker": "o^sDvx"[i % 6], "linestyle": "-" if i < 3 else "--"}
@@ -241,6 +247,7 @@ def command(seed: int, sweep: dict | None, no_sweeps: bool, pow2_scales: tuple[f
     if plot_dir is not None and (no_sweeps or from_dump is not None):
         raise click.UsageError("--plot draws the synthetic sweeps; it cannot go with --no-sweeps or --from-dump")
     params = acc.SyntheticParams(**param_values)
+    plt = None if plot_dir is None else load_pyplot()
     show = err_console.is_terminal and not as_json
 
     def progress(label: str) -> None:
@@ -254,7 +261,7 @@ def command(seed: int, sweep: dict | None, no_sweeps: bool, pow2_scales: tuple[f
     else:
         study = acc.run_study(sweeps={} if no_sweeps else sweep, **common)
     if plot_dir is not None:
-        study["figures"] = [str(p) for p in write_plots(study, Path(plot_dir))]
+        study["figures"] = [str(p) for p in write_plots(study, Path(plot_dir), plt)]
     if as_json:
         print_json(study)
         return

@@ -229,3 +229,120 @@ def test_run_study_rejects_unknown_sweeps_and_bad_cases():
         acc.evaluate(acc.Case(case.latents.float(), case.q, case.indices), [acc.FP8_UNIT])
     with pytest.raises(InputError, match="overlap_k"):
         acc.evaluate(case, [acc.FP8_UNIT], overlap_k=0)
+
+
+# ---------------------------------------------------------------- real latents from a dump
+
+
+def _write_dump(path, tokens: int = 96):
+    from kvbridge.dump import DumpEntry, write_dump
+    from kvbridge.synthetic import latents
+
+    x = latents(tokens, seed=5).to(torch.bfloat16)
+    entries = [
+        DumpEntry(0, "swa", x),  # raw latents
+        DumpEntry(1, "compress", kb.encode(x, "bf16", page_size=32), layout="bf16", page_size=32, num_tokens=tokens),
+        DumpEntry(2, "swa", kb.encode(x, "trtllm-fp8", page_size=32), layout="trtllm-fp8", page_size=32,
+                  num_tokens=tokens),
+    ]
+    write_dump(path, entries)
+    return x
+
+
+def test_dump_study_uses_unquantized_entries(tmp_path):
+    path = tmp_path / "req.safetensors"
+    x = _write_dump(path)
+    params = replace(TINY, heads=2)
+    study = acc.run_dump_study(str(path), params=params, seed=3, pow2_scales=())
+    assert [r["value"] for r in study["runs"]] == ["layer.0.swa", "layer.1.compress"]
+    assert study["skipped"] == [{"entry": "layer.2.swa", "reason": "quantized (trtllm-fp8)"}]
+    # The same keys stored two ways give the same case, hence the same numbers.
+    assert study["runs"][0]["rows"] == study["runs"][1]["rows"]
+    assert study["runs"][0]["rounded_to_bf16"] is False
+    assert study["runs"][0]["case"]["tokens"] == x.shape[0]
+    assert study["runs"][0]["case"]["topk"] == params.topk  # fewer keys than topk: -1 padded
+    with pytest.raises(InputError, match="holds trtllm-fp8 pages"):
+        acc.run_dump_study(str(path), entries=("layer.2.swa",), params=params)
+    with pytest.raises(InputError, match="'layer.9.swa' is not in"):
+        acc.run_dump_study(str(path), entries=("layer.9.swa",), params=params)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _cli(args):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    return CliRunner().invoke(cli, args)
+
+
+CLI_TINY = ["--context", "128", "--topk", "64", "--batch", "1", "--heads", "2", "--page-size", "32",
+            "--pow2-scales", "2^-3"]
+
+
+def test_cli_records_every_parameter_and_is_reproducible():
+    import json
+
+    args = ["accuracy", *CLI_TINY, "--no-sweeps", "--seed", "4", "--peakedness", "2.5", "--json"]
+    first, second = _cli(args), _cli(args)
+    assert first.exit_code == 0, first.output
+    assert first.output == second.output
+    study = json.loads(first.output)
+    assert study["seed"] == 4 and study["sweeps"] == {}
+    assert study["params"] == {**acc.asdict(replace(TINY, context=128, heads=2, peakedness=2.5))}
+    assert study["pow2_scales"] == [0.125]
+    assert "trtllm-fp8/swa s=2^-3" in study["variants"]
+    table = _cli(["accuracy", *CLI_TINY, "--no-sweeps"])
+    assert table.exit_code == 0, table.output
+    assert "per-tensor FP8 s=1" in table.output and "peakedness=8.0" in table.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--entry", "layer.0.swa"], "--entry needs --from-dump"),
+    (["--sweep", "colour"], "unknown parameter 'colour'"),
+    (["--sweep", "batch"], "batch has no default sweep"),
+    (["--sweep", "context=1k"], "values of context must be ints"),
+    (["--pow2-scales", "0.3"], "positive power of two"),
+    (["--no-sweeps", "--sweep", "topk"], "exclude each other"),
+    (["--no-sweeps", "--plot", "figs"], "--plot draws the synthetic sweeps"),
+    (["--layer", "dense"], "'dense' is not one of"),
+])
+def test_cli_usage_errors(args, message):
+    result = _cli(["accuracy", *args])
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_cli_from_dump(tmp_path):
+    import json
+
+    path = tmp_path / "req.safetensors"
+    _write_dump(path)
+    result = _cli(["accuracy", *CLI_TINY, "--from-dump", str(path), "--entry", "layer.1.compress", "--json"])
+    assert result.exit_code == 0, result.output
+    study = json.loads(result.output)
+    assert study["source"] == str(path) and [r["value"] for r in study["runs"]] == ["layer.1.compress"]
+    bad = _cli(["accuracy", *CLI_TINY, "--from-dump", str(path), "--entry", "layer.2.swa"])
+    assert bad.exit_code == 1 and "holds trtllm-fp8 pages" in bad.output
+
+
+def test_cli_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    result = _cli(["accuracy", *CLI_TINY, "--sweep", "magnitude=1.0", "--plot", str(tmp_path / "figs")])
+    assert result.exit_code == 1
+    assert "--plot needs matplotlib" in result.output
+
+
+def test_cli_plot_writes_pngs(tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs the optional 'plot' extra")
+    out = tmp_path / "figs"
+    result = _cli(["accuracy", *CLI_TINY, "--sweep", "magnitude=0.01,1.0", "--plot", str(out)])
+    assert result.exit_code == 0, result.output
+    written = sorted(p.name for p in out.iterdir())
+    assert written == ["accuracy_magnitude.png", "accuracy_magnitude_range.png"]
+    for name in written:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

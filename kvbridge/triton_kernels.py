@@ -45,6 +45,8 @@ fp8_hardware = not INTERPRETED and os.environ.get("KVBRIDGE_TRITON_INT_E4M3") !=
 #: Flag values of the per-token flag array: the decoded source is not finite / the slot is out of range.
 FLAG_NONFINITE = 1
 FLAG_OUT_OF_RANGE = 2
+_FLAG_NONFINITE = tl.constexpr(FLAG_NONFINITE)  # the same values as kernel-visible globals
+_FLAG_OUT_OF_RANGE = tl.constexpr(FLAG_OUT_OF_RANGE)
 
 _KIND_F32, _KIND_BF16, _KIND_E4M3, _KIND_MODEL1 = 0, 1, 2, 3
 #: Launch shape (tuning knobs; ``scripts/gpu_check.py`` times alternatives): tokens per program and warps.
@@ -225,7 +227,7 @@ def _convert_kernel(
         bad = ((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)  # exponent all ones
         bad_token = tl.max(tl.max(bad, axis=2, keep_dims=True), axis=1, keep_dims=True)
         oob = (i < n_tokens) & (slot != -1) & ~in_range
-        flag = tl.where(oob, FLAG_OUT_OF_RANGE, tl.where(valid & (bad_token > 0), FLAG_NONFINITE, 0))
+        flag = tl.where(oob, _FLAG_OUT_OF_RANGE, tl.where(valid & (bad_token > 0), _FLAG_NONFINITE, 0))
         tl.store(flags + i, flag.to(tl.uint8), mask=i < n_tokens)
 
     if WRITE:
@@ -260,11 +262,14 @@ def _copy_kernel(
     dst, dst_slots, dst_p, dst_pw,
     flags, n_tokens, n_rows,
     SW: tl.constexpr, FW: tl.constexpr, SW_BLOCK: tl.constexpr, FW_BLOCK: tl.constexpr,
+    SRC_WA: tl.constexpr, DST_WA: tl.constexpr,
     SRC_HAS_SLOTS: tl.constexpr, DST_HAS_SLOTS: tl.constexpr, CHECK: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Byte move of identical records in 8-byte words: ``SW`` data words, then ``FW`` footer words.
 
-    ``src_pw``/``dst_pw`` are page sizes in words. Rows without a source become zero records.
+    ``src_pw``/``dst_pw`` are page sizes in words; every data row starts at a multiple of
+    ``SRC_WA``/``DST_WA`` words (2 lets a thread move 16 bytes at once). Rows without a source
+    become zero records.
     """
     i = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # [T, 1]
     slot = _row_slots(src_slots, i, n_tokens, SRC_HAS_SLOTS)
@@ -274,12 +279,14 @@ def _copy_kernel(
     out = tl.where(row, _row_slots(dst_slots, i, n_rows, DST_HAS_SLOTS), 0)
     if CHECK:
         oob = (i < n_tokens) & (slot != -1) & ~valid
-        tl.store(flags + i, tl.where(oob, FLAG_OUT_OF_RANGE, 0).to(tl.uint8), mask=i < n_tokens)
+        tl.store(flags + i, tl.where(oob, _FLAG_OUT_OF_RANGE, 0).to(tl.uint8), mask=i < n_tokens)
     src_page = s // src_p
     dst_page = out // dst_p
     w = tl.arange(0, SW_BLOCK)[None, :]
-    data = tl.load(src + src_page * src_pw + (s - src_page * src_p) * SW + w, mask=valid & (w < SW), other=0)
-    tl.store(dst + dst_page * dst_pw + (out - dst_page * dst_p) * SW + w, data, mask=row & (w < SW))
+    src_row = tl.multiple_of(src_page * src_pw + (s - src_page * src_p) * SW, [SRC_WA, SRC_WA])
+    dst_row = tl.multiple_of(dst_page * dst_pw + (out - dst_page * dst_p) * SW, [DST_WA, DST_WA])
+    data = tl.load(src + src_row + w, mask=valid & (w < SW), other=0)
+    tl.store(dst + dst_row + w, data, mask=row & (w < SW))
     if FW > 0:
         f = tl.arange(0, FW_BLOCK)[None, :]
         src_foot = src_page * src_pw + src_p * SW + (s - src_page * src_p) * FW
@@ -397,6 +404,7 @@ def _launch_copy(
             dst.tensor.view(torch.int64), words if dst_slots is None else dst_slots, dst.page_size, dst.page_bytes // 8,
             words if flags is None else flags, n_tokens, n_rows,
             SW=sw, FW=fw, SW_BLOCK=triton.next_power_of_2(sw), FW_BLOCK=triton.next_power_of_2(max(fw, 1)),
+            SRC_WA=math.gcd(src.align // 8, 2), DST_WA=math.gcd(dst.align // 8, 2),
             SRC_HAS_SLOTS=src_slots is not None, DST_HAS_SLOTS=dst_slots is not None, CHECK=flags is not None,
             BLOCK_T=copy_block_tokens, num_warps=copy_warps,
         )

@@ -12,7 +12,7 @@ from kvbridge.errors import KVBridgeError
 
 #: Modules under ``cli`` that each define ``command`` (a click command or group).
 COMMAND_MODULES = ("layouts_cmd", "inspect_cmd", "convert_cmd", "verify_cmd", "demo_cmd", "migrate_cmd",
-                   "accuracy_cmd")
+                   "accuracy_cmd", "bench_cmd")
 
 
 class Failure(click.ClickException):

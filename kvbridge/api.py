@@ -38,9 +38,11 @@ def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
     (see ``encode``); any replacement is done, and returned, in fp32."""
     if policy not in NONFINITE_POLICIES:
         raise InputError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {policy!r}")
-    bad = ~torch.isfinite(x)
-    if not bool(bad.any()):
+    from kvbridge import fastpath
+
+    if fastpath.all_finite(x):
         return x
+    bad = ~torch.isfinite(x)
     if policy == "error":
         token, dim = (int(v) for v in bad.nonzero()[0])
         value = float(x[token, dim])

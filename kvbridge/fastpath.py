@@ -21,7 +21,7 @@ from kvbridge import reference
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 
-__all__ = ["BACKEND_ENV", "backend_name", "decode_pages", "encode_pages", "repage", "transcode_pages"]
+__all__ = ["BACKEND_ENV", "all_finite", "backend_name", "decode_pages", "encode_pages", "repage", "transcode_pages"]
 
 #: Environment variable selecting the implementation: ``auto`` (default) or ``reference``.
 BACKEND_ENV = "KVBRIDGE_BACKEND"
@@ -66,6 +66,13 @@ def _cuda_backend(tensor: torch.Tensor, *layouts: Layout) -> ModuleType | None:
         return None
     usable = triton_kernels.supports(*layouts) and triton_kernels.aligned(tensor)
     return triton_kernels if usable else None
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """True when latents ``x`` hold no NaN or Inf (native bit test for fp32/bf16 CPU tensors)."""
+    if x.dtype in (torch.float32, torch.bfloat16) and _backend(x).__name__ == "kvbridge.native":
+        return _backend(x).all_finite(x)
+    return not bool((~torch.isfinite(x)).any())
 
 
 def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float) -> torch.Tensor:

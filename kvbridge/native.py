@@ -88,26 +88,26 @@ def _geometry(layout: Layout, page_size: int) -> tuple[int, int, int, int]:
 
 
 @njit(cache=True, inline="always")
-def _e4m3_byte(b: int) -> int:
-    """E4M3 code of the fp32 with bit pattern ``b`` (0 <= b < 2^32): RNE, saturating to +-448."""
-    mag = b & 0x7FFFFFFF
-    exp = mag >> 23
-    if mag >= 0x43E00000:  # |x| >= 448 (and NaN): saturate
-        code = 0x7E
-    elif exp >= 121:  # normal E4M3: drop 20 mantissa bits, ties to even
-        code = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
-    elif exp >= 117:  # subnormal E4M3: RNE(|x| * 2^9), shift 21..24
-        mant = (mag & 0x7FFFFF) | 0x800000
-        shift = 141 - exp
-        q = mant >> shift
-        rem = mant - (q << shift)
-        half = 1 << (shift - 1)
-        if rem > half or (rem == half and (q & 1) == 1):
-            q += 1
-        code = q
-    else:  # |x| <= 2^-10 rounds to zero
-        code = 0
-    return code | ((b >> 24) & 0x80)
+def _e4m3_tile(values, value_bits, work, work_bits, out) -> None:
+    """E4M3 codes of 64 fp32 ``values`` (``value_bits``: their bit patterns): RNE, saturating to
+    +-448, NaN saturating too (as ``numerics.e4m3_encode``). Branch-free so that LLVM vectorizes:
+
+    - |x| >= 448: 0x7E;
+    - normal E4M3 (|x| >= 2^-6): drop 20 fp32 mantissa bits with ties to even, rebias the exponent;
+    - subnormal E4M3: fp32 addition ``|x| + 2^14`` rounds |x| to a multiple of 2^-9 (the fp32 ulp
+      at 2^14) with ties to even, so the sum's low mantissa bits are the code (0..8).
+    ``work``/``work_bits`` is scratch of the same length.
+    """
+    for i in range(values.shape[0]):
+        work[i] = abs(values[i]) + np.float32(16384.0)
+    for i in range(values.shape[0]):
+        b = np.int64(value_bits[i])
+        mag = b & 0x7FFFFFFF
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
+        subnormal = np.int64(work_bits[i]) - 0x46800000
+        code = normal if mag >= 0x3C800000 else subnormal
+        code = 0x7E if mag >= 0x43E00000 else code
+        out[i] = code | ((b >> 24) & 0x80)
 
 
 @njit(cache=True, inline="always")
@@ -183,8 +183,7 @@ def _encode_record(kind: int, vals, bits, mult, min_exp: int, pow2, tmp, tmp_bit
         for j in range(8):
             for i in range(64):
                 tmp[i] = vals[64 * j + i] * mult
-            for i in range(64):
-                rec[64 * j + i] = _e4m3_byte(np.int64(tmp_bits[i]))
+            _e4m3_tile(tmp[:64], tmp_bits[:64], tmp[64:], tmp_bits[64:], rec[64 * j : 64 * j + 64])
     else:  # MODEL1
         for t in range(7):
             amax_bits = 0  # finite non-negative floats order like their bit patterns
@@ -197,8 +196,7 @@ def _encode_record(kind: int, vals, bits, mult, min_exp: int, pow2, tmp, tmp_bit
             m = pow2[149 - k]
             for i in range(64):
                 tmp[i] = vals[64 * t + i] * m
-            for i in range(64):
-                rec[64 * t + i] = _e4m3_byte(np.int64(tmp_bits[i]))
+            _e4m3_tile(tmp[:64], tmp_bits[:64], tmp[64:], tmp_bits[64:], rec[64 * t : 64 * t + 64])
             rec[576 + t] = k + 127
         for i in range(64):
             h = _bf16_bits(np.int64(bits[448 + i]))
@@ -232,7 +230,7 @@ def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, kind, dp, dpb, dsplit, d
         rec = np.empty(drb, np.uint8)
         vals = np.empty(HEAD_DIM, np.float32)
         bits = vals.view(np.uint32)
-        tmp = np.empty(64, np.float32)
+        tmp = np.empty(128, np.float32)  # a scaled tile, then E4M3 scratch
         tmp_bits = tmp.view(np.uint32)
         for p in range(c * per, min(npages, (c + 1) * per)):
             for r in range(dp):
@@ -285,7 +283,7 @@ def _transcode_kernel(
         rec_out = np.empty(drb, np.uint8)
         vals = np.empty(HEAD_DIM, np.float32)
         bits = vals.view(np.uint32)
-        tmp = np.empty(64, np.float32)
+        tmp = np.empty(128, np.float32)  # a scaled tile, then E4M3 scratch
         tmp_bits = tmp.view(np.uint32)
         count = 0
         first = -1
@@ -441,6 +439,19 @@ def _repage_kernel(c0, c1, src, sp, spb, ssplit, dst, dp, dpb, dsplit, rb, n):
             _zero(dst, p * dpb + dp * rb, (p + 1) * dpb)
 
 
+@njit(cache=True, nogil=True)
+def _nonfinite_kernel(c0, c1, words, exp_mask, counts):
+    """Per chunk of ``CHUNK_TOKENS * 512`` floats (given as their bit patterns ``words``), how many
+    have every exponent bit set (``exp_mask``): NaN or Inf."""
+    span = CHUNK_TOKENS * HEAD_DIM
+    for c in range(c0, c1):
+        chunk = words[c * span : min(words.shape[0], (c + 1) * span)]
+        count = 0
+        for i in range(chunk.shape[0]):
+            count += (chunk[i] & exp_mask) == exp_mask
+        counts[c] = count
+
+
 # ---------------------------------------------------------------------------------------------
 # Python entry points (same signatures and semantics as kvbridge.reference)
 # ---------------------------------------------------------------------------------------------
@@ -482,6 +493,18 @@ def _page_chunks(num_pages: int, page_size: int) -> int:
     """Number of work chunks over ``num_pages`` destination pages (whole pages, ~CHUNK_TOKENS tokens)."""
     per = max(1, CHUNK_TOKENS // page_size)
     return -(-num_pages // per)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """True when the fp32 or bf16 CPU tensor ``x`` holds no NaN or Inf (a bit test, multi-threaded)."""
+    if x.dtype == torch.bfloat16:
+        words, mask = _flat(x.view(torch.int16)).view(np.uint16), np.uint16(0x7F80)
+    else:
+        words, mask = _flat(x.view(torch.int32)).view(np.uint32), np.uint32(0x7F800000)
+    nchunks = -(-words.shape[0] // (CHUNK_TOKENS * HEAD_DIM))
+    counts = np.zeros(nchunks, np.int64)
+    _run_chunks(_nonfinite_kernel, nchunks, words, mask, counts)
+    return not counts.any()
 
 
 def _token_count(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None) -> int:

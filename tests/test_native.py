@@ -7,15 +7,18 @@ patterns (so -0.0 and NaN payloads count too).
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
 import torch
+from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvbridge as kb
-from kvbridge import fastpath, native, reference
+from cli.main import cli
+from kvbridge import bench, fastpath, native, reference
 from kvbridge import numerics as nx
 from kvbridge.codecs import Model1Codec
 from kvbridge.errors import InputError, NonFiniteError
@@ -24,6 +27,7 @@ from kvbridge.layouts import Field, Layout, all_layouts, get_layout
 NATIVE_LAYOUTS = [lay for lay in all_layouts() if native.supports(lay)]
 PER_TENSOR_SCALES = (1.0, 0.5, 2.0, 0.037)
 PAGE_SIZES = (1, 2, 61, 64)
+CHUNKED_TOKENS = 3 * native.CHUNK_TOKENS + 5  # several work chunks, the last one partial
 
 
 def encode_settings(layout: Layout) -> list[tuple[str | None, float]]:
@@ -332,3 +336,35 @@ def test_transcode_any_bytes(raw, src, dst, scale):
     s_in = scale if src.per_tensor_scale else 1.0
     s_out = 0.037 if dst.per_tensor_scale else 1.0
     assert_same_transcode(pages, src, p, dst, 2, 5, s_in, s_out, dst.default_dialect)
+
+
+def test_all_finite_bit_test():
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(CHUNKED_TOKENS, 512).to(dtype)
+        assert native.all_finite(x)
+        for value, index in itertools.product((math.nan, math.inf, -math.inf), (0, x.numel() - 1, 300 * 512 + 7)):
+            y = x.clone()
+            y.view(-1)[index] = value
+            assert not native.all_finite(y)
+            assert not fastpath.all_finite(y)
+        big = torch.full((3, 512), 3.0e38).to(dtype)  # finite in fp32; bf16 rounds it to Inf
+        assert native.all_finite(big) == bool(torch.isfinite(big).all())
+
+
+def test_bench_library_and_cli():
+    results = bench.run_bench(tokens=200, devices=["cpu"], repeat=1, reference_tokens=70)
+    assert {r.case for r in results} >= {bench.TARGET_CASE}
+    for r in results:
+        assert r.exact and r.backend == "native" and r.device == "cpu"
+        assert r.kvbridge.tokens == 200 and r.reference.tokens == 70
+        assert r.vs_copy == pytest.approx(r.kvbridge.tokens_per_s / r.copy.tokens_per_s)
+        assert r.copy.bytes_moved == r.kvbridge.bytes_moved
+    target = bench.cpu_target(results)
+    assert target is not None and target["met"] is False  # 200 tokens is below the target's 65536
+    run = CliRunner().invoke(cli, ["bench", "--tokens", "130", "--repeat", "1", "--reference-tokens", "64", "--json"])
+    assert run.exit_code == 0, run.output
+    report = json.loads(run.output)
+    assert report["machine"]["cpu_threads"] >= 1
+    assert all(r["exact"] and r["kvbridge"]["tokens_per_s"] > 0 for r in report["results"])
+    table = CliRunner().invoke(cli, ["bench", "--tokens", "64", "--repeat", "1", "--reference-tokens", "64"])
+    assert table.exit_code == 0 and "CPU target" in table.output

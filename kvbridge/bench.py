@@ -1,0 +1,231 @@
+"""Throughput benchmark of the paged operations (library side of ``kvbridge bench``).
+
+Each case times, on one device and in one run:
+
+- the public API (``kvbridge.encode/decode/transcode``), which dispatches to the native CPU
+  kernels or the Triton kernels;
+- the naive reference path (``kvbridge.reference``), on at most ``reference_tokens`` tokens
+  (its rate per token does not depend on the size, and 64K tokens take minutes);
+- a memory copy (``Tensor.copy_`` into a preallocated tensor) of as many bytes as the operation
+  reads plus writes, so ``vs_copy`` = kvbridge tokens/s / copy tokens/s is the fraction of the
+  device's copy bandwidth the operation reaches.
+
+Rates are from the best of ``repeat`` timed calls after one untimed warm-up call (whose time,
+JIT compilation or cache load included, is reported as ``first_call_s``). GB/s counts bytes read
+plus bytes written, 10^9 bytes. Every case also checks that the public API's output equals the
+reference's on the reference's tokens (``exact``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvbridge import api, fastpath, reference
+from kvbridge.layouts import get_layout
+
+#: Source and destination page size of every case (FlashMLA / vLLM SWA pools use 64).
+PAGE_SIZE = 64
+#: Page size of the re-paging case's destination (a TensorRT-LLM 256-token block).
+REPAGE_PAGE_SIZE = 256
+#: The case issue 3's CPU target is stated for, and the target itself.
+TARGET_CASE = "transcode trtllm-fp8 -> flashmla-model1"
+TARGET_MIN_TOKENS = 65536
+TARGET_VS_COPY = 0.25
+TARGET_VS_REFERENCE = 20.0
+
+
+@dataclass
+class Timing:
+    """One timed path: best of ``repeat`` calls, in seconds, over ``tokens`` tokens."""
+
+    tokens: int
+    seconds: float
+    bytes_moved: int  # read + written
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_moved / self.seconds / 1e9
+
+
+@dataclass
+class CaseResult:
+    """One operation on one device: kvbridge, the reference and a memory copy of the same bytes."""
+
+    case: str
+    device: str
+    backend: str  # implementation the public API dispatched to
+    kvbridge: Timing
+    reference: Timing
+    copy: Timing
+    first_call_s: float
+    exact: bool
+
+    @property
+    def vs_copy(self) -> float:
+        """kvbridge tokens/s divided by the memory copy's tokens/s (same bytes per token)."""
+        return self.kvbridge.tokens_per_s / self.copy.tokens_per_s
+
+    @property
+    def vs_reference(self) -> float:
+        return self.kvbridge.tokens_per_s / self.reference.tokens_per_s
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for name in ("kvbridge", "reference", "copy"):
+            timing: Timing = getattr(self, name)
+            out[name].update(tokens_per_s=timing.tokens_per_s, gb_per_s=timing.gb_per_s)
+        out.update(vs_copy=self.vs_copy, vs_reference=self.vs_reference)
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_time(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _copy_timing(tokens: int, bytes_moved: int, repeat: int, device: torch.device) -> Timing:
+    """A ``copy_`` that reads and writes ``bytes_moved / 2`` bytes each, i.e. ``bytes_moved`` in all."""
+    half = bytes_moved // 2
+    src = torch.randint(0, 256, (half,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return Timing(tokens, _best_time(lambda: dst.copy_(src), repeat, device), 2 * half)
+
+
+@dataclass
+class _Case:
+    name: str
+    run: Callable[[int], torch.Tensor]  # public API on the first n tokens
+    run_reference: Callable[[int], torch.Tensor]  # the reference on the first n tokens
+    bytes_per_token: int  # read + written
+    probe: torch.Tensor  # a tensor on the device with the case's layouts, to name the backend
+    layouts: tuple
+
+
+def _cases(latents: torch.Tensor) -> list[_Case]:
+    """The benchmarked operations over ``latents`` (bf16 ``[N, 512]`` on the benchmark's device)."""
+    p, rp = PAGE_SIZE, REPAGE_PAGE_SIZE
+    fp8, model1, ds_mla, bf16 = (get_layout(n) for n in ("trtllm-fp8", "flashmla-model1", "trtllm-fp8-ds-mla", "bf16"))
+    x32 = latents.float()
+    pools = {lay.name: api.encode(latents, lay, page_size=p) for lay in (fp8, model1, bf16)}
+
+    def head(name: str, n: int) -> torch.Tensor:
+        return pools[name][: -(-n // p)]
+
+    def transcode(src, dst) -> _Case:
+        pb, db = src.page_bytes(p), dst.page_bytes(p)
+        return _Case(
+            f"transcode {src.name} -> {dst.name}",
+            lambda n: api.transcode(head(src.name, n), src, dst, src_page_size=p, num_tokens=n),
+            lambda n: reference.transcode_pages(head(src.name, n), src, p, dst, p, n, 1.0, 1.0, dst.default_dialect),
+            (pb + db) // p, pools[src.name], (src, dst),
+        )
+
+    def encode(dst) -> _Case:
+        return _Case(
+            f"encode bf16 latents -> {dst.name}",
+            lambda n: api.encode(latents[:n], dst, page_size=p),
+            lambda n: reference.encode_pages(x32[:n], dst, p, dst.default_dialect, 1.0),
+            2 * 512 + dst.page_bytes(p) // p, latents, (dst,),
+        )
+
+    def decode(src) -> _Case:
+        return _Case(
+            f"decode {src.name} -> fp32 latents",
+            lambda n: api.decode(head(src.name, n), src, page_size=p, num_tokens=n),
+            lambda n: reference.decode_pages(head(src.name, n), src, p, n, 1.0),
+            src.page_bytes(p) // p + 4 * 512, pools[src.name], (src,),
+        )
+
+    repage = _Case(
+        f"repage {model1.name} P={p} -> {ds_mla.name} P={rp}",
+        lambda n: api.transcode(head(model1.name, n), model1, ds_mla, src_page_size=p, dst_page_size=rp, num_tokens=n),
+        lambda n: reference.repage(head(model1.name, n), model1, p, ds_mla, rp, n),
+        (model1.page_bytes(p) // p) + ds_mla.record_bytes, pools[model1.name], (model1, ds_mla),
+    )
+    return [
+        transcode(fp8, model1), transcode(model1, fp8), transcode(bf16, model1), repage,
+        encode(model1), encode(fp8), decode(model1), decode(fp8),
+    ]
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float32:  # decoded values: compare bit patterns (NaN, -0.0 included)
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return torch.equal(a, b)
+
+
+def run_case(case: _Case, tokens: int, reference_tokens: int, repeat: int, device: torch.device) -> CaseResult:
+    """Time one case: kvbridge on ``tokens`` tokens, the reference on ``reference_tokens``, a copy."""
+    start = time.perf_counter()
+    case.run(tokens)
+    _sync(device)
+    first = time.perf_counter() - start
+    fast = Timing(tokens, _best_time(lambda: case.run(tokens), repeat, device), case.bytes_per_token * tokens)
+    n_ref = min(tokens, reference_tokens)
+    want = case.run_reference(n_ref)
+    exact = _equal(case.run(n_ref), want)
+    ref = Timing(n_ref, _best_time(lambda: case.run_reference(n_ref), min(repeat, 2), device),
+                 case.bytes_per_token * n_ref)
+    return CaseResult(
+        case=case.name, device=str(device), backend=fastpath.backend_name(case.probe, *case.layouts),
+        kvbridge=fast, reference=ref, copy=_copy_timing(tokens, fast.bytes_moved, repeat, device),
+        first_call_s=first, exact=exact,
+    )
+
+
+def available_devices() -> list[str]:
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def run_bench(
+    tokens: int = 65536,
+    devices: list[str] | None = None,
+    repeat: int = 5,
+    reference_tokens: int = 4096,
+    seed: int = 0,
+) -> list[CaseResult]:
+    """Run every case on each device (default: CPU, plus CUDA when present)."""
+    results = []
+    for name in devices or available_devices():
+        device = torch.device(name)
+        gen = torch.Generator().manual_seed(seed)
+        latents = (torch.randn(tokens, 512, generator=gen) * 2).to(torch.bfloat16).to(device)
+        for case in _cases(latents):
+            results.append(run_case(case, tokens, reference_tokens, repeat, device))
+    return results
+
+
+def cpu_target(results: list[CaseResult]) -> dict | None:
+    """Issue 3's CPU target for the TensorRT-LLM FP8 -> MODEL1 transcode, or None if not measured."""
+    for r in results:
+        if r.case == TARGET_CASE and r.device == "cpu":
+            met = r.kvbridge.tokens >= TARGET_MIN_TOKENS and r.vs_copy >= TARGET_VS_COPY and \
+                r.vs_reference >= TARGET_VS_REFERENCE
+            return {
+                "case": r.case, "tokens": r.kvbridge.tokens, "vs_copy": r.vs_copy, "vs_reference": r.vs_reference,
+                "required": {
+                    "tokens": TARGET_MIN_TOKENS, "vs_copy": TARGET_VS_COPY, "vs_reference": TARGET_VS_REFERENCE,
+                },
+                "met": met,
+            }
+    return None

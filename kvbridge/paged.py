@@ -17,6 +17,8 @@ from kvbridge.layouts import Layout, get_layout
 #: Layout of the scratch cache ``gather_transcode`` writes (FlashMLA's sparse decode reads it).
 SCRATCH_LAYOUT = "flashmla-model1"
 _INDEX_DTYPES = (torch.int32, torch.int64)
+#: Tokens per step of the torch reference: bounds its int64 byte-index tensors (32K x 1024 x 8 B = 256 MiB).
+_CHUNK_TOKENS = 1 << 15
 
 
 def record_byte_index(layout: Layout, page_size: int, slots: torch.Tensor) -> torch.Tensor:
@@ -48,14 +50,31 @@ def _check_pool(pages: object, layout: Layout, page_size: int, what: str) -> tor
     return pages
 
 
-def _check_slots(slots: object, what: str, device: torch.device) -> torch.Tensor:
+def _check_slots(slots: object, what: str, pool: torch.Tensor, pool_name: str) -> torch.Tensor:
     if not isinstance(slots, torch.Tensor):
         raise InputError(f"{what} must be a torch.Tensor, got {type(slots).__name__}")
     if slots.dtype not in _INDEX_DTYPES:
         raise InputError(f"{what} must be int32 or int64, got {slots.dtype}")
-    if slots.device != device:
-        raise InputError(f"{what} is on {slots.device}, the pools on {device}")
+    if slots.device != pool.device:
+        raise InputError(f"{what} is on {slots.device}, {pool_name} on {pool.device}")
     return slots
+
+
+def _records_at(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor) -> torch.Tensor:
+    """Token records ``[N, record_bytes]`` of ``slots`` (a copy)."""
+    return pages.view(-1)[record_byte_index(layout, page_size, slots)]
+
+
+def _first_nonfinite(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,
+                     scale: float) -> int | None:
+    """Position in ``slots`` of the first token that decodes to NaN/Inf (None if all are finite)."""
+    for start in range(0, slots.numel(), _CHUNK_TOKENS):
+        part = slots[start : start + _CHUNK_TOKENS]
+        values = layout.codec.decode(_records_at(pages, layout, page_size, part), scale=scale)
+        bad = ~torch.isfinite(values).all(dim=1)
+        if bool(bad.any()):
+            return start + int(bad.nonzero()[0, 0])
+    return None
 
 
 def _first_out_of_range(slots: torch.Tensor, capacity: int, allow_invalid: bool) -> int | None:
@@ -131,8 +150,8 @@ def transcode_slots(
         raise InputError(f"dst_pages is on {dst_pages.device}, src_pages on {device}")
     if _shares_memory(src_pages, dst_pages):
         raise InputError("src_pages and dst_pages share memory; transcode into a separate pool")
-    _check_slots(src_slots, "src_slots", device)
-    _check_slots(dst_slots, "dst_slots", device)
+    _check_slots(src_slots, "src_slots", src_pages, "src_pages")
+    _check_slots(dst_slots, "dst_slots", src_pages, "src_pages")
     if src_slots.dim() != 1 or dst_slots.dim() != 1 or src_slots.shape != dst_slots.shape:
         raise InputError(
             "src_slots and dst_slots must be 1-D of equal length, "
@@ -166,29 +185,27 @@ def transcode_slots(
 
         if not byte_move:
             flags = triton_kernels.nonfinite_flags(src_pages, src, src_page_size, src_slots.contiguous(), s_in)
-            _raise_nonfinite(flags != 0, src_slots, "src_slots")
+            if bool(flags.any()):
+                _raise_nonfinite_slot(src_slots, int(flags.nonzero()[0, 0]))
         triton_kernels.transcode_slots(
             src_pages, src, src_page_size, dst_pages, dst, dst_page_size,
             src_slots.contiguous(), dst_slots.contiguous(), s_in, s_out, d, byte_move,
         )
         return dst_pages
-    records = src_pages.view(-1)[record_byte_index(src, src_page_size, src_slots)]
-    if not byte_move:
-        values = src.codec.decode(records, scale=s_in)
-        _raise_nonfinite(~torch.isfinite(values).all(dim=1), src_slots, "src_slots")
-        records = dst.codec.encode(values, dialect=d, scale=s_out)
-    dst_pages.view(-1)[record_byte_index(dst, dst_page_size, dst_slots)] = records
+    if not byte_move:  # a first pass, so that nothing is written when any source token is bad
+        bad = _first_nonfinite(src_pages, src, src_page_size, src_slots, s_in)
+        if bad is not None:
+            _raise_nonfinite_slot(src_slots, bad)
+    for start in range(0, src_slots.numel(), _CHUNK_TOKENS):
+        records = _records_at(src_pages, src, src_page_size, src_slots[start : start + _CHUNK_TOKENS])
+        if not byte_move:
+            records = dst.codec.encode(src.codec.decode(records, scale=s_in), dialect=d, scale=s_out)
+        dst_pages.view(-1)[record_byte_index(dst, dst_page_size, dst_slots[start : start + _CHUNK_TOKENS])] = records
     return dst_pages
 
 
-def _raise_nonfinite(bad: torch.Tensor, slots: torch.Tensor, what: str) -> None:
-    """``NonFiniteError`` naming the first position of ``slots`` whose decoded token is not finite (``bad``)."""
-    if bool(bad.any()):
-        k = int(bad.nonzero()[0, 0])
-        raise NonFiniteError(
-            f"{what}[{k}] = slot {int(slots[k])} decodes to non-finite values "
-            f"({int(bad.sum())} such tokens); nothing was written"
-        )
+def _raise_nonfinite_slot(slots: torch.Tensor, k: int) -> None:
+    raise NonFiniteError(f"src_slots[{k}] = slot {int(slots[k])} decodes to non-finite values; nothing was written")
 
 
 def gather_transcode(
@@ -218,7 +235,7 @@ def gather_transcode(
     src.check_page_size(page_size)
     dst.check_page_size(out_page_size)
     _check_pool(pool, src, page_size, "pool")
-    _check_slots(indices, "indices", pool.device)
+    _check_slots(indices, "indices", pool, "pool")
     if indices.dim() < 1:
         raise InputError("indices must have at least one dimension (..., topk)")
     s_in = _check_scale(scale, src, "scale")
@@ -241,18 +258,19 @@ def gather_transcode(
         bad = _first_out_of_range(flat, capacity, allow_invalid=True)
         if bad is not None:
             _raise_out_of_range(indices, bad, capacity)
-        valid = flat >= 0
-        records = torch.zeros(flat.numel(), dst.record_bytes, dtype=torch.uint8, device=pool.device)
-        picked = pool.view(-1)[record_byte_index(src, page_size, flat[valid])]
-        if not byte_move:
-            values = src.codec.decode(picked, scale=s_in)
-            bad_tok = ~torch.isfinite(values).all(dim=1)
-            if bool(bad_tok.any()):
-                k = int(valid.nonzero()[int(bad_tok.nonzero()[0, 0]), 0])
-                _raise_nonfinite_index(indices, k, int(bad_tok.sum()))
-            picked = dst.codec.encode(values, dialect=d, scale=1.0)
-        records[valid] = picked
-        scratch = dst.records_to_pages(records, out_page_size)
+        num_pages = dst.num_pages(flat.numel(), out_page_size)
+        scratch = torch.zeros(num_pages, dst.page_bytes(out_page_size), dtype=torch.uint8, device=pool.device)
+        positions = (flat >= 0).nonzero()[:, 0]  # scratch slot k holds entry k
+        for start in range(0, positions.numel(), _CHUNK_TOKENS):
+            part = positions[start : start + _CHUNK_TOKENS]
+            records = _records_at(pool, src, page_size, flat[part])
+            if not byte_move:
+                values = src.codec.decode(records, scale=s_in)
+                bad = ~torch.isfinite(values).all(dim=1)
+                if bool(bad.any()):
+                    _raise_nonfinite_index(indices, int(part[bad.nonzero()[0, 0]]))
+                records = dst.codec.encode(values, dialect=d, scale=1.0)
+            scratch.view(-1)[record_byte_index(dst, out_page_size, part)] = records
     positions = torch.arange(flat.numel(), dtype=torch.int32, device=pool.device)
     remapped = torch.where(flat >= 0, positions, torch.full_like(positions, -1)).view(indices.shape)
     return scratch, remapped
@@ -269,8 +287,8 @@ def _raise_out_of_range(indices: torch.Tensor, k: int, capacity: int) -> None:
     )
 
 
-def _raise_nonfinite_index(indices: torch.Tensor, k: int, count: int) -> None:
-    raise NonFiniteError(f"{_index_text(indices, k)} decodes to non-finite values ({count} such tokens)")
+def _raise_nonfinite_index(indices: torch.Tensor, k: int) -> None:
+    raise NonFiniteError(f"{_index_text(indices, k)} decodes to non-finite values")
 
 
 def _raise_flags(flags: torch.Tensor, indices: torch.Tensor, capacity: int) -> None:
@@ -282,5 +300,4 @@ def _raise_flags(flags: torch.Tensor, indices: torch.Tensor, capacity: int) -> N
     oob = flags == FLAG_OUT_OF_RANGE
     if bool(oob.any()):
         _raise_out_of_range(indices, int(oob.nonzero()[0, 0]), capacity)
-    nonfinite = flags == FLAG_NONFINITE
-    _raise_nonfinite_index(indices, int(nonfinite.nonzero()[0, 0]), int(nonfinite.sum()))
+    _raise_nonfinite_index(indices, int((flags == FLAG_NONFINITE).nonzero()[0, 0]))

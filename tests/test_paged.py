@@ -149,7 +149,7 @@ def slots_call(**overrides):
         ({"src_slots": torch.tensor([[0, 1, 2]])}, InputError, "1-D of equal length"),
         ({"src_slots": torch.tensor([0.0, 1.0, 2.0])}, InputError, "src_slots must be int32 or int64"),
         ({"dst_slots": [5, 6, 7]}, InputError, "dst_slots must be a torch.Tensor"),
-        ({"dst_slots": torch.tensor([5, 6, 7], device="meta")}, InputError, "dst_slots is on meta"),
+        ({"dst_slots": torch.tensor([5, 6, 7], device="meta")}, InputError, "dst_slots is on meta, src_pages on cpu"),
         ({"dst_pages": torch.zeros(2, 2336, dtype=torch.uint8)}, LayoutError, r"dst_pages: .*\[num_pages, 2880\]"),
         ({"src_pages": torch.zeros(2, 2048, dtype=torch.int8)}, LayoutError, "src_pages: pages must be uint8"),
         ({"src_page_size": 0}, LayoutError, "page_size must be a positive integer"),
@@ -249,7 +249,7 @@ def test_gather_transcode_scratch_feeds_decode_at_remapped_indices():
         ({"indices": torch.tensor([[0, 1], [-2, 3]])}, InputError, r"indices\[1, 0\] = -2 is outside"),
         ({"indices": torch.tensor([0.0])}, InputError, "indices must be int32 or int64"),
         ({"indices": torch.tensor(3)}, InputError, "at least one dimension"),
-        ({"indices": torch.tensor([1], device="meta")}, InputError, "indices is on meta"),
+        ({"indices": torch.tensor([1], device="meta")}, InputError, "indices is on meta, pool on cpu"),
         ({"dialect": "compress"}, InputError, "dialect 'compress' does not apply to flashmla-model1"),
         ({"out_page_size": 0}, LayoutError, "page_size must be a positive integer"),
         ({"page_size": 8}, LayoutError, r"pool: .*\[num_pages, 4096\]"),
@@ -269,7 +269,7 @@ def test_gather_transcode_refuses_dialect_for_model1_pool_and_names_nonfinite_in
         kb.gather_transcode(pool, MODEL1, page_size=4, indices=torch.tensor([0]), dialect="flashmla")
     trt = kb.encode(latents(8), TRT, page_size=4)
     trt[1, 2 * 512 + 100] = 0xFF  # slot 6, dim 100: E4M3 NaN
-    with pytest.raises(NonFiniteError, match=r"indices\[1, 0\] = 6 decodes to non-finite values \(1 such tokens\)"):
+    with pytest.raises(NonFiniteError, match=r"indices\[1, 0\] = 6 decodes to non-finite values$"):
         kb.gather_transcode(trt, TRT, page_size=4, indices=torch.tensor([[0, 1], [6, -1]]))
 
 
@@ -286,3 +286,33 @@ def test_importing_kvbridge_and_running_on_cpu_never_imports_triton():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_reference_chunking_gives_the_same_bytes_and_checks_every_chunk_before_writing(monkeypatch):
+    pool = kb.encode(latents(64, seed=10), TRT, page_size=8, scale=0.5)
+    src_slots = torch.randperm(64, generator=torch.Generator().manual_seed(11))[:50]
+    dst_slots = torch.arange(50) + 3
+    want = kb.transcode_slots(pool, TRT, random_pool(MODEL1, 5, 13, seed=12), MODEL1, src_page_size=8,
+                              dst_page_size=13, src_slots=src_slots, dst_slots=dst_slots, src_scale=0.5)
+    indices = torch.cat([src_slots, torch.tensor([-1, 7])]).view(2, 26)
+    want_scratch, _ = kb.gather_transcode(pool, TRT, page_size=8, indices=indices, scale=0.5, out_page_size=5)
+    monkeypatch.setattr("kvbridge.paged._CHUNK_TOKENS", 3)
+    got = kb.transcode_slots(pool, TRT, random_pool(MODEL1, 5, 13, seed=12), MODEL1, src_page_size=8,
+                             dst_page_size=13, src_slots=src_slots, dst_slots=dst_slots, src_scale=0.5)
+    assert torch.equal(got, want)
+    got_scratch, _ = kb.gather_transcode(pool, TRT, page_size=8, indices=indices, scale=0.5, out_page_size=5)
+    assert torch.equal(got_scratch, want_scratch)
+    last = int(src_slots[49])
+    pool[last // 8, (last % 8) * 512] = 0xFF  # the last token of the last chunk decodes to NaN
+    before = random_pool(MODEL1, 5, 13, seed=12)
+    out = before.clone()
+    with pytest.raises(NonFiniteError, match=rf"src_slots\[49\] = slot {last} decodes to non-finite values"):
+        kb.transcode_slots(pool, TRT, out, MODEL1, src_page_size=8, dst_page_size=13, src_slots=src_slots,
+                           dst_slots=dst_slots, src_scale=0.5)
+    assert torch.equal(out, before)
+
+
+def test_gather_transcode_of_no_indices_gives_an_empty_scratch():
+    pool = kb.encode(latents(8), TRT, page_size=4)
+    scratch, remapped = kb.gather_transcode(pool, TRT, page_size=4, indices=torch.zeros(3, 0, dtype=torch.int32))
+    assert scratch.shape == (0, get_layout(MODEL1).page_bytes(64)) and remapped.shape == (3, 0)

@@ -93,26 +93,28 @@ def _e4m3_bytes(y: torch.Tensor) -> torch.Tensor:
 
 
 def _f32_le_bytes(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[N]`` -> little-endian bytes ``[N, 4]``."""
-    bits = nx.f32_bits(x.contiguous())
-    return torch.stack([((bits >> (8 * i)) & 0xFF).to(torch.uint8) for i in range(4)], dim=-1)
+    """fp32 ``[N]`` -> little-endian bytes ``[N, 4]`` (torch stores fp32 little-endian)."""
+    return x.contiguous().view(torch.uint8).view(-1, 4)
 
 
 def _f32_from_le_bytes(b: torch.Tensor) -> torch.Tensor:
     """Little-endian bytes ``[N, 4]`` -> fp32 ``[N]``."""
-    w = b.to(torch.int64)
-    bits = w[:, 0] | (w[:, 1] << 8) | (w[:, 2] << 16) | (w[:, 3] << 24)
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
-    return bits.to(torch.int32).view(torch.float32)
+    return b.contiguous().view(torch.float32).view(-1)
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> E2M1 codes (int64 0..15, sign in bit 3), RNE, saturating at 6, signed zero kept."""
+    """fp32 -> E2M1 codes (uint8 0..15, sign in bit 3), RNE, saturating at 6, signed zero kept.
+
+    The code of |x| is the number of rounding thresholds below it; at a threshold the tie
+    goes to the even code (up at 0.75, 1.75 and 3.5, down at the others). fp32 compares are exact.
+    """
     mag = x.abs()
-    code = torch.zeros_like(mag, dtype=torch.int64)
-    for threshold, inclusive in _E2M1_STEPS:
-        code += (mag >= threshold if inclusive else mag > threshold).to(torch.int64)
-    sign = (nx.f32_bits(x) >> 31) << 3
+    thresholds = torch.tensor([t for t, _ in _E2M1_STEPS], dtype=torch.float32, device=x.device)
+    code = torch.bucketize(mag, thresholds, out_int32=True).to(torch.uint8)  # thresholds strictly below |x|
+    for t, inclusive in _E2M1_STEPS:
+        if inclusive:
+            code += (mag == t).to(torch.uint8)
+    sign = (x.contiguous().view(torch.int32) < 0).to(torch.uint8) << 3
     return code | sign
 
 
@@ -159,7 +161,7 @@ def encode_keys(x: torch.Tensor, fmt: IndexerFormat, rule: str) -> torch.Tensor:
     blocks = xf.reshape(n, fmt.dim // FP4_BLOCK, FP4_BLOCK)
     exp = fp4_scale_exponent(blocks.abs().amax(dim=-1))
     codes = e2m1_encode(blocks * nx.pow2(-exp).unsqueeze(-1)).reshape(n, fmt.dim)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return torch.cat([packed, nx.ue8m0_byte(exp)], dim=1)
 
 
@@ -172,7 +174,7 @@ def decode_keys(records: torch.Tensor, fmt: IndexerFormat) -> torch.Tensor:
     if fmt.name == "fp8":
         scale = _f32_from_le_bytes(records[:, fmt.dim :])
         return nx.e4m3_decode(records[:, : fmt.dim]) * scale.unsqueeze(1)
-    packed = records[:, : fmt.split].to(torch.int64)
+    packed = records[:, : fmt.split]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, fmt.dim)
     exp = records[:, fmt.split :].to(torch.int64) - 127
     values = e2m1_decode(codes).reshape(n, fmt.dim // FP4_BLOCK, FP4_BLOCK)

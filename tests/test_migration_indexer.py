@@ -122,3 +122,15 @@ def test_bad_inputs():
         ix.encode_keys(torch.zeros(1, 128), FP4, "amax")
     with pytest.raises(InputError, match=r"fp8 indexer records must be uint8 \[num_keys, 132\]"):
         ix.decode_keys(torch.zeros(1, 68, dtype=torch.uint8), FP8)
+
+
+def test_e2m1_encode_is_round_to_nearest_even_on_a_dense_grid():
+    x = torch.arange(-8 * 64, 8 * 64 + 1, dtype=torch.float32) / 64  # steps of 1/64 cover every tie
+    grid = torch.tensor(ix.E2M1_VALUES, dtype=torch.float64)
+    dist = (x.abs().double().clamp(max=6.0).unsqueeze(1) - grid).abs()
+    best = dist.min(dim=1, keepdim=True).values
+    candidates = dist == best  # one or two nearest codes; on a tie take the even one
+    even = candidates & (torch.arange(8) % 2 == 0)
+    want = torch.where(even.any(dim=1), even.int().argmax(dim=1), candidates.int().argmax(dim=1))
+    want = want | ((x < 0) | ((x == 0) & (1 / x < 0))).int() << 3
+    assert torch.equal(ix.e2m1_encode(x).int(), want.int())

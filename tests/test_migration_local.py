@@ -17,6 +17,7 @@ from kvbridge import indexer as ix
 from kvbridge.errors import InputError
 from kvbridge.migration import (
     ChecksumError,
+    EnginePools,
     MigrationError,
     convert_payload,
     destination_pools,
@@ -176,3 +177,21 @@ def test_skipping_the_loss_report_writes_the_same_bytes():
         if not measure:
             assert report.loss == [] and report.kv_lossless is None and report.indexer_max_abs_error is None
     assert all(torch.equal(pools[0][k], pools[1][k]) for k in pools[0])
+
+
+def test_wrapping_engine_owned_pool_tensors():
+    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
+    src, src_tables = source_request(plan, seed=12)
+    owned = destination_pools(plan, spare_pages=1)
+    wrapped = EnginePools.wrap("sglang", MODEL, owned.pools)
+    assert wrapped.num_free() == {k: n for k, n in owned.pages_per_table.items()}
+    tables, _ = migrate_local(plan, src, src_tables, wrapped)
+    _check(plan, src, src_tables, wrapped, tables)
+    assert wrapped.pools[(0, Role.SWA)].data_ptr() == owned.pools[(0, Role.SWA)].data_ptr()  # written in place
+    bad = dict(owned.pools)
+    bad[(2, Role.INDEXER)] = bad[(2, Role.INDEXER)][:, :-1]
+    with pytest.raises(InputError, match=r"pool of layer 2 indexer_compress must be uint8 \[num_pages, 8448\]"):
+        EnginePools.wrap("sglang", MODEL, bad)
+    del bad[(2, Role.INDEXER)]
+    with pytest.raises(InputError, match="pool of layer 2 indexer_compress is missing"):
+        EnginePools.wrap("sglang", MODEL, bad)

@@ -110,6 +110,36 @@ class EnginePools:
                 rng.shuffle(ids)
         return cls(prof, topo, include_mtp, dict(pages_per_table), pools, free)
 
+    @classmethod
+    def wrap(cls, profile: str | EngineProfile, model: str | ModelTopology,
+             pools: dict[tuple[int, Role], torch.Tensor], *, include_mtp: bool = True,
+             free: dict[str, list[int]] | None = None) -> EnginePools:
+        """Pools an engine already owns: uint8 ``[num_pages, page_bytes]`` tensors (e.g. views of its
+        KV buffers), one per (layer, role) of the model. ``free`` lists the page ids a receiver may
+        claim per block table (default: every page)."""
+        prof, topo = parse_engine(profile), get_model(model)
+        pages_per_table: dict[str, int] = {}
+        for spec in topo.all_caches(include_mtp):
+            key = (spec.layer, spec.role)
+            st = prof.storage(spec)
+            t = pools.get(key)
+            what = f"pool of layer {spec.layer} {spec.role.value}"
+            if t is None:
+                raise InputError(f"{what} is missing")
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != st.page_bytes:
+                shape = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InputError(f"{what} must be uint8 [num_pages, {st.page_bytes}] for {prof.spec}, got {shape}")
+            if pages_per_table.setdefault(st.table, t.shape[0]) != t.shape[0]:
+                raise InputError(f"{what} has {t.shape[0]} pages; other pools of block table {st.table!r} have "
+                                 f"{pages_per_table[st.table]}")
+        extra = set(pools) - {(c.layer, c.role) for c in topo.all_caches(include_mtp)}
+        if extra:
+            layer, role = sorted(extra)[0]
+            raise InputError(f"pools holds layer {layer} {role.value}, which {topo.name} does not have")
+        free_lists = {name: list(range(n)) for name, n in pages_per_table.items()} if free is None else \
+            {name: list(free.get(name, [])) for name in pages_per_table}
+        return cls(prof, topo, include_mtp, pages_per_table, dict(pools), free_lists)
+
     def storage(self, spec: CacheSpec) -> Storage:
         return self.profile.storage(spec)
 

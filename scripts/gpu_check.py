@@ -400,7 +400,7 @@ class Bench:
         out.append(self.time("transcode trtllm-fp8 -> model1 (kernel)", n, n * (512 + 584),
                              tk.transcode_pages, trt_pool, trt, 64, model1, 64, None, 1.0, 1.0, "flashmla"))
         default_shape = tk.convert_block_tokens, tk.convert_warps
-        for tokens, warps in ((8, 4), (32, 8), (64, 16)):  # launch shapes other than the default, for tuning
+        for tokens, warps in ((4, 4), (16, 8), (16, 16), (32, 16)):  # other launch shapes, for tuning
             tk.convert_block_tokens, tk.convert_warps = tokens, warps
             out.append(self.time(f"  same, {tokens} tokens/program, {warps} warps", n, n * (512 + 584),
                                  tk.transcode_pages, trt_pool, trt, 64, model1, 64, None, 1.0, 1.0, "flashmla"))

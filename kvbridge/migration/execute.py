@@ -71,7 +71,8 @@ class MigrationReport:
 
     ``kv_lossless``, ``kv_max_abs_error`` (latent units) and ``indexer_max_abs_error`` are None
     when the loss was not measured (``loss_report=False``); ``loss`` holds one ``LossReport``
-    per KV conversion batch (byte moves have none).
+    per KV conversion batch (byte moves have none). ``wire_s`` is the receiver's time from
+    starting to wait until the last data message arrived (it includes the sender's packing).
     """
 
     num_tokens: int

@@ -129,6 +129,9 @@ def summary_lines(summary: dict) -> list[str]:
 def _atomic_savefig(fig: Any, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a figure gets the usual file mode
     try:
         fig.savefig(tmp, dpi=90, format="png")
         os.replace(tmp, path)
@@ -160,6 +163,12 @@ def load_pyplot() -> Any:
     return plt
 
 
+def _value_ticks(ax: Any, values: list) -> None:
+    """Label the x axis at the sweep's own values (no minor ticks)."""
+    ax.set_xticks(values, [f"{v:g}" for v in values], fontsize=7)
+    ax.minorticks_off()
+
+
 def write_plots(study: dict, directory: Path, plt: Any) -> list[Path]:
     """PNG figures of a synthetic study's sweeps into ``directory`` (created) with ``plt``
     (``load_pyplot()``); returns the paths."""
@@ -177,6 +186,7 @@ def write_plots(study: dict, directory: Path, plt: Any) -> list[Path]:
             xs, ys = _series(study, sweep, acc.FP8_UNIT, "out_rel_l2_rope_only")
             ax.plot(xs, ys, label=f"{acc.FP8_UNIT.label}, rope part only", color="grey", linestyle=":")
         ax.set_xscale("log" if sweep in ("magnitude", "rope_ratio", "context", "topk") else "linear")
+        _value_ticks(ax, study["sweeps"][sweep])
         ax.set_yscale("log")
         ax.set_xlabel(sweep)
         ax.set_ylabel("attention output rel. L2 error vs bf16")
@@ -199,8 +209,11 @@ def write_plots(study: dict, directory: Path, plt: Any) -> list[Path]:
             xs, ys = _series(study, "magnitude", v, key)
             ax.plot(xs, [100 * y for y in ys], marker="o", label=label)
         ax.set_xscale("log")
+        _value_ticks(ax, study["sweeps"]["magnitude"])
+        ax.set_yscale("symlog", linthresh=0.01)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("magnitude")
-        ax.set_ylabel("% of E4M3-stored values")
+        ax.set_ylabel("% of E4M3-stored values (symlog)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()

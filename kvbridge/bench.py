@@ -8,10 +8,11 @@ Each case times, on one device and in one run:
   (its rate per token does not depend on the size, and 64K tokens take minutes);
 - a memory copy (``Tensor.copy_`` into a preallocated tensor) of as many bytes as the operation
   reads plus writes, so ``vs_copy`` = kvbridge tokens/s / copy tokens/s is the fraction of the
-  device's copy bandwidth the operation reaches.
+  device's copy bandwidth the operation reaches. kvbridge's own calls allocate their output.
 
 Rates are from the best of ``repeat`` timed calls after one untimed warm-up call (whose time,
-JIT compilation or cache load included, is reported as ``first_call_s``). GB/s counts bytes read
+JIT compilation or cache load included, is reported as ``first_call_s``); kvbridge and the copy
+alternate call by call. GB/s counts bytes read
 plus bytes written, 10^9 bytes. Every case also checks that the public API's output equals the
 reference's on the reference's tokens (``exact``).
 """
@@ -91,24 +92,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_time(fn: Callable[[], object], repeat: int, device: torch.device) -> float:
-    best = float("inf")
+def _best_times(fns: list[Callable[[], object]], repeat: int, device: torch.device) -> list[float]:
+    """Best wall time of each function over ``repeat`` rounds; the functions alternate within a
+    round, so that load from other processes on a shared machine hits each of them alike."""
+    best = [float("inf")] * len(fns)
     for _ in range(repeat):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
+        for i, fn in enumerate(fns):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
-def _copy_timing(tokens: int, bytes_moved: int, repeat: int, device: torch.device) -> Timing:
-    """A ``copy_`` that reads and writes ``bytes_moved / 2`` bytes each, i.e. ``bytes_moved`` in all."""
-    half = bytes_moved // 2
-    src = torch.randint(0, 256, (half,), dtype=torch.uint8, device=device)
+def _copy_buffers(bytes_moved: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source and preallocated destination of a copy that reads ``bytes_moved / 2`` bytes and writes as many."""
+    src = torch.randint(0, 256, (bytes_moved // 2,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    return Timing(tokens, _best_time(lambda: dst.copy_(src), repeat, device), 2 * half)
+    return src, dst
 
 
 @dataclass
@@ -180,15 +183,17 @@ def run_case(case: _Case, tokens: int, reference_tokens: int, repeat: int, devic
     case.run(tokens)
     _sync(device)
     first = time.perf_counter() - start
-    fast = Timing(tokens, _best_time(lambda: case.run(tokens), repeat, device), case.bytes_per_token * tokens)
+    copy_src, copy_dst = _copy_buffers(case.bytes_per_token * tokens, device)
+    t_fast, t_copy = _best_times([lambda: case.run(tokens), lambda: copy_dst.copy_(copy_src)], repeat, device)
+    fast = Timing(tokens, t_fast, case.bytes_per_token * tokens)
+    copy = Timing(tokens, t_copy, 2 * copy_src.numel())
     n_ref = min(tokens, reference_tokens)
     want = case.run_reference(n_ref)
     exact = _equal(case.run(n_ref), want)
-    ref = Timing(n_ref, _best_time(lambda: case.run_reference(n_ref), min(repeat, 2), device),
-                 case.bytes_per_token * n_ref)
+    (t_ref,) = _best_times([lambda: case.run_reference(n_ref)], min(repeat, 2), device)
     return CaseResult(
         case=case.name, device=str(device), backend=fastpath.backend_name(case.probe, *case.layouts),
-        kvbridge=fast, reference=ref, copy=_copy_timing(tokens, fast.bytes_moved, repeat, device),
+        kvbridge=fast, reference=Timing(n_ref, t_ref, case.bytes_per_token * n_ref), copy=copy,
         first_call_s=first, exact=exact,
     )
 

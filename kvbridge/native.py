@@ -48,6 +48,8 @@ _HUGE_PAGE = 2 << 20
 #: Destination tokens per unit of parallel work (~150 KiB of MODEL1 pages: L2-sized).
 CHUNK_TOKENS = 256
 
+#: MODEL1 record: bytes [0, 576) nope E4M3 + rope bf16, [576, 584) 7 UE8M0 scales + pad.
+MODEL1_DATA_BYTES = 576
 KIND_BF16 = 0
 KIND_E4M3_TENSOR = 1
 KIND_MODEL1 = 2
@@ -371,9 +373,19 @@ def _fp8_to_model1_kernel(
                     _zero(dst, f_at, f_at + drb - dsplit)
                     continue
                 s_at, sf_at = _locate(t, sp, spb, ssplit, srb)
-                _gather(src, s_at, sf_at, ssplit, srb, rec_in)
+                if ssplit == srb:  # token-major source: read the record in place
+                    codes = src[s_at : s_at + srb]
+                else:
+                    _gather(src, s_at, sf_at, ssplit, srb, rec_in)
+                    codes = rec_in
+                if dsplit == MODEL1_DATA_BYTES:  # footer = scales + pad: write both parts in place
+                    data = dst[d_at : d_at + MODEL1_DATA_BYTES]
+                    foot = dst[f_at : f_at + drb - MODEL1_DATA_BYTES]
+                else:
+                    data = rec_out[:MODEL1_DATA_BYTES]
+                    foot = rec_out[MODEL1_DATA_BYTES:]
                 for j in range(8):  # 7 nope tiles, then the rope (scanned for NaN/Inf the same way)
-                    tile = rec_in[64 * j : 64 * j + 64]
+                    tile = codes[64 * j : 64 * j + 64]
                     m = _tile_max_magnitude(tile)
                     if bad_mag[m]:
                         for i in range(64):
@@ -383,15 +395,15 @@ def _fp8_to_model1_kernel(
                                 count += 1
                     if j == 7:
                         break
-                    out = rec_out[64 * j : 64 * j + 64]
+                    out = data[64 * j : 64 * j + 64]
                     if unit_scale:
                         _tile_shift(tile, out, 127 - scale_lut[m], shift_sub)
                     else:
                         lut = code_lut[m * 256 : m * 256 + 256]
                         for i in range(64):
                             out[i] = lut[tile[i]]
-                    rec_out[576 + j] = scale_lut[m]
-                rope = rec_in[448:512]
+                    foot[j] = scale_lut[m]
+                rope = codes[448:512]
                 if unit_scale:
                     for i in range(64):
                         a = np.uint16(rope[i] & 0x7F)
@@ -408,11 +420,13 @@ def _fp8_to_model1_kernel(
                 else:
                     for i in range(64):
                         rope_bits[i] = rope_lut[rope[i]]
+                rope_out = data[448:MODEL1_DATA_BYTES]
                 for i in range(64):
-                    rec_out[448 + 2 * i] = rope_bits[i] & 0xFF
-                    rec_out[449 + 2 * i] = rope_bits[i] >> 8
-                rec_out[583] = 0
-                _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
+                    rope_out[2 * i] = rope_bits[i] & 0xFF
+                    rope_out[2 * i + 1] = rope_bits[i] >> 8
+                foot[7] = 0
+                if dsplit != MODEL1_DATA_BYTES:
+                    _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
             _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
         bad_count[c] = count
         bad_first[c] = first

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kvbridge import fastpath
 from kvbridge.api import _check_dialect, _check_scale, is_byte_move
 from kvbridge.errors import InputError, LayoutError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout
@@ -104,14 +105,13 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _use_triton(pools: tuple[torch.Tensor, ...], *layouts: Layout) -> bool:
-    """CUDA pools go to the Triton kernels when Triton is installed, serves the layouts and the pools are aligned."""
-    if not pools[0].is_cuda:
+    """True when ``kvbridge.fastpath`` sends these pools to the Triton kernels (CUDA, Triton installed,
+    layouts served, ``KVBRIDGE_BACKEND`` not ``reference``) and every pool is aligned for them."""
+    if fastpath.backend_name(pools[0], *layouts) != "triton_kernels":
         return False
-    try:
-        from kvbridge import triton_kernels
-    except ImportError:
-        return False
-    return triton_kernels.supports(*layouts) and triton_kernels.aligned(*pools)
+    from kvbridge import triton_kernels
+
+    return triton_kernels.aligned(*pools)
 
 
 def transcode_slots(

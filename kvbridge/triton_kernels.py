@@ -22,6 +22,7 @@ wrong (spec section 2), so ``fp8_hardware`` is false under ``TRITON_INTERPRET=1`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -350,16 +351,9 @@ def hardware_fp8_available(device: torch.device) -> bool:
     return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else _NullGuard()
-
-
-class _NullGuard:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Launch on ``t``'s GPU (a no-op for CPU tensors under the interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _launch_convert(

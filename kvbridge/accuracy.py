@@ -127,7 +127,6 @@ class QuantizedKV:
     """Latents stored by one variant: ``pages`` (uint8), the resolved ``scale`` and the decoded fp32
     ``values`` ``[N, 512]``."""
 
-    variant: Variant
     layout: Layout
     page_size: int
     pages: torch.Tensor
@@ -141,7 +140,7 @@ def quantize(latents: torch.Tensor, variant: Variant, page_size: int) -> Quantiz
     s = resolve_scale(variant.scale, latents)
     pages = encode(latents, lay, page_size=page_size, dialect=variant.dialect, scale=s)
     values = decode(pages, lay, page_size=page_size, num_tokens=latents.shape[0], scale=s)
-    return QuantizedKV(variant, lay, page_size, pages, s, values)
+    return QuantizedKV(lay, page_size, pages, s, values)
 
 
 # ---------------------------------------------------------------- metrics
@@ -224,19 +223,15 @@ def output_error(
 
 
 def attention_log_weights(
-    q: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
-    topk_length: torch.Tensor | None = None,
+    q: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor, softmax_scale: float
 ) -> torch.Tensor:
     """Natural-log attention weights ``(b, s_q, h_q, topk)`` (fp32; -inf where an index is invalid).
 
     ``log w = softmax_scale * q . K[idx] - lse`` with q ``(b, s_q, h_q, 512)``, decoded K ``values``
-    ``[N, 512]`` fp32, slot ``indices`` ``(b, s_q, topk)`` (-1 invalid, and positions at or past
-    ``topk_length[b]`` ignored) and ``lse`` ``(b, h_q, s_q)`` as returned by ``sparse_decode``.
+    ``[N, 512]`` fp32, slot ``indices`` ``(b, s_q, topk)`` (negative = invalid) and ``lse``
+    ``(b, h_q, s_q)`` as returned by ``sparse_decode``.
     """
     valid = indices >= 0
-    if topk_length is not None:
-        pos = torch.arange(indices.shape[-1], device=indices.device)
-        valid &= pos < topk_length.to(indices.device).view(-1, 1, 1)
     k = values[indices.clamp(min=0).long()]  # (b, s_q, topk, 512)
     logits = torch.einsum("bshd,bstd->bsht", q.float(), k) * softmax_scale
     logw = logits - lse.permute(0, 2, 1).unsqueeze(-1)

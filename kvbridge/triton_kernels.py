@@ -54,6 +54,8 @@ _KIND_F32, _KIND_BF16, _KIND_E4M3, _KIND_MODEL1 = 0, 1, 2, 3
 #: 8 tokens on 8 warps keeps each thread at 16 values (sm_90: 70 registers, no spills, 3 programs per SM).
 convert_block_tokens = 8
 convert_warps = 8
+#: None: one program per block of tokens; k: a persistent grid of k programs per SM looping over the blocks.
+convert_programs_per_sm: int | None = None
 copy_block_tokens = 16
 copy_warps = 4
 
@@ -177,11 +179,12 @@ def _row_slots(slots_ptr, i, n, HAS_SLOTS: tl.constexpr):
 
 
 #: Sizes and counts change with every pool: not specialised, so one compiled kernel serves every size.
-_RUNTIME_INTS = ["src_cap", "src_p", "src_pb", "dst_p", "dst_pb", "min_exp", "n_tokens", "n_rows"]
+_RUNTIME_INTS = ["src_cap", "src_p", "src_pb", "dst_p", "dst_pb", "min_exp", "n_tokens", "n_rows", "n_blocks"]
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
-def _convert_kernel(
+@triton.jit
+def _convert_rows(
+    i,
     src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
     dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp,
     flags, n_tokens, n_rows,
@@ -192,14 +195,13 @@ def _convert_kernel(
     CHECK: tl.constexpr, WRITE: tl.constexpr, HW_FP8: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Rows ``[pid*BLOCK_T, +BLOCK_T)``: decode the source token of row i, encode it into the destination.
+    """Rows ``i`` (int64 ``[BLOCK_T, 1, 1]``): decode the source token of each row, encode it into the destination.
 
     Rows ``i < n_tokens`` read source slot ``src_slots[i]`` (or i); -1 or a row past ``n_tokens``
     has no source and is written as an all-zero record. ``CHECK`` writes ``flags[i]`` (0, or
     ``FLAG_NONFINITE`` / ``FLAG_OUT_OF_RANGE``) for rows < n_tokens; ``WRITE`` writes rows < n_rows.
     Dense fp32 sources/destinations are ``[rows, 512]`` addressed by slot * 512.
     """
-    i = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]  # [T, 1, 1]
     tile = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
     d = tile * 64 + tl.arange(0, 64)[None, None, :]  # [1, 8, 64] latent dim
     nope = d < 448
@@ -256,6 +258,40 @@ def _convert_kernel(
             foot = _footer_base(out, dst_p, dst_pb, DST_S, DST_R)
             footer = tl.where(valid & (tile < 7), k + 127, 0)  # 7 UE8M0 scales, then the pad byte 0
             tl.store(dst + foot + tile, footer.to(tl.uint8), mask=row)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def _convert_kernel(
+    src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
+    dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp,
+    flags, n_tokens, n_rows, n_blocks,
+    SRC_KIND: tl.constexpr, SRC_S: tl.constexpr, SRC_R: tl.constexpr, SRC_ALIGN: tl.constexpr,
+    SRC_HAS_SLOTS: tl.constexpr,
+    DST_KIND: tl.constexpr, DST_S: tl.constexpr, DST_R: tl.constexpr, DST_ALIGN: tl.constexpr,
+    DST_HAS_SLOTS: tl.constexpr,
+    CHECK: tl.constexpr, WRITE: tl.constexpr, HW_FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    """``_convert_rows`` over ``n_blocks`` blocks of ``BLOCK_T`` rows: block ``program_id`` (one program
+    per block), or with ``PERSISTENT`` every ``num_programs``-th block from ``program_id`` on."""
+    rows = tl.arange(0, BLOCK_T)[:, None, None]
+    if PERSISTENT:
+        for block in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+            _convert_rows(
+                (block * BLOCK_T + rows).to(tl.int64),  # row numbers fit int32 (the launcher's grid does too)
+                src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
+                dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp, flags, n_tokens, n_rows,
+                SRC_KIND, SRC_S, SRC_R, SRC_ALIGN, SRC_HAS_SLOTS, DST_KIND, DST_S, DST_R, DST_ALIGN, DST_HAS_SLOTS,
+                CHECK, WRITE, HW_FP8, BLOCK_T,
+            )
+    else:
+        _convert_rows(
+            tl.program_id(0).to(tl.int64) * BLOCK_T + rows,
+            src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
+            dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp, flags, n_tokens, n_rows,
+            SRC_KIND, SRC_S, SRC_R, SRC_ALIGN, SRC_HAS_SLOTS, DST_KIND, DST_S, DST_R, DST_ALIGN, DST_HAS_SLOTS,
+            CHECK, WRITE, HW_FP8, BLOCK_T,
+        )
 
 
 @triton.jit(do_not_specialize=["src_cap", "src_p", "src_pw", "dst_p", "dst_pw", "n_tokens", "n_rows"])
@@ -351,6 +387,13 @@ def hardware_fp8_available(device: torch.device) -> bool:
     return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def _sm_count(pool: _Pool) -> int:
+    """Streaming multiprocessors of the pool's GPU (2 under the interpreter, to exercise the loop)."""
+    if not pool.tensor.is_cuda:
+        return 2
+    return torch.cuda.get_device_properties(pool.tensor.device).multi_processor_count
+
+
 def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Launch on ``t``'s GPU (a no-op for CPU tensors under the interpreter)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -365,20 +408,21 @@ def _launch_convert(
     if rows == 0:
         return
     dummy = src.tensor
-    grid = (triton.cdiv(rows, convert_block_tokens),)
+    n_blocks = triton.cdiv(rows, convert_block_tokens)
+    grid = (n_blocks if convert_programs_per_sm is None else min(n_blocks, convert_programs_per_sm * _sm_count(src)),)
     with _device_guard(src.tensor):
         _convert_kernel[grid](
             src.tensor, src.half, dummy if src_slots is None else src_slots, src.capacity, src.page_size,
             src.page_bytes, src_scale,
             dst.tensor, dst.half, dummy if dst_slots is None else dst_slots, dst.page_size, dst.page_bytes, dst_mult,
             min_exp,
-            dummy if flags is None else flags, n_tokens, n_rows,
+            dummy if flags is None else flags, n_tokens, n_rows, n_blocks,
             SRC_KIND=src.kind, SRC_S=src.split, SRC_R=src.record, SRC_ALIGN=src.align,
             SRC_HAS_SLOTS=src_slots is not None,
             DST_KIND=dst.kind, DST_S=dst.split, DST_R=dst.record, DST_ALIGN=dst.align,
             DST_HAS_SLOTS=dst_slots is not None,
             CHECK=flags is not None, WRITE=write, HW_FP8=fp8_hardware and hardware_fp8_available(src.tensor.device),
-            BLOCK_T=convert_block_tokens, num_warps=convert_warps,
+            BLOCK_T=convert_block_tokens, PERSISTENT=convert_programs_per_sm is not None, num_warps=convert_warps,
         )
 
 

@@ -411,6 +411,11 @@ class Bench:
             out.append(self.time(f"  same, {tokens} tokens/program, {warps} warps", n, n * (512 + 584),
                                  tk.transcode_pages, trt_pool, trt, 64, model1, 64, None, 1.0, 1.0, "flashmla"))
         tk.convert_block_tokens, tk.convert_warps = default_shape
+        for per_sm in (2, 4, 8):  # a persistent grid looping over the token blocks
+            tk.convert_programs_per_sm = per_sm
+            out.append(self.time(f"  same, persistent, {per_sm} programs/SM", n, n * (512 + 584),
+                                 tk.transcode_pages, trt_pool, trt, 64, model1, 64, None, 1.0, 1.0, "flashmla"))
+        tk.convert_programs_per_sm = None
         out.append(self.time("transcode trtllm-fp8 -> model1 (kb.transcode)", n, n * (512 + 584),
                              kb.transcode, trt_pool, trt, model1, src_page_size=64))
         out.append(self.time("transcode model1 -> trtllm-fp8 (kernel)", n, n * (584 + 512),

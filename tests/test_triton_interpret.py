@@ -173,6 +173,21 @@ def test_transcode_slots_kernel_matches_reference(latents, src, src_scale, dst, 
     assert torch.equal(got, want)
 
 
+def test_persistent_grid_matches_reference(latents, monkeypatch):
+    """A persistent grid (2 programs under the interpreter) looping over the blocks gives the same bytes."""
+    monkeypatch.setattr(tk, "convert_programs_per_sm", 1)
+    pages = reference.encode_pages(latents, TRT, 7, "swa", 0.5)
+    want = reference.transcode_pages(pages, TRT, 7, MODEL1, 5, None, 0.5, 1.0, "amax-1e-8")
+    assert torch.equal(tk.transcode_pages(pages, TRT, 7, MODEL1, 5, None, 0.5, 1.0, "amax-1e-8"), want)
+    src_slots, dst_slots = slot_lists(pages.shape[0] * 7, 3 * 61, 33, seed=18)
+    want = random_pool(MODEL1, 3, 61, seed=19)
+    got = want.clone()
+    paged.transcode_slots(pages, TRT, want, MODEL1, src_page_size=7, dst_page_size=61, src_slots=src_slots,
+                          dst_slots=dst_slots, src_scale=0.5)
+    tk.transcode_slots(pages, TRT, 7, got, MODEL1, 61, src_slots, dst_slots, 0.5, 1.0, "flashmla", False)
+    assert torch.equal(got, want)
+
+
 def test_nonfinite_flags_kernel_names_the_bad_slots():
     pages = reference.encode_pages(edge_case_latents()[:8], MODEL1, 4, "flashmla", 1.0)
     pages[1, 4 * 576 + 2 * 8 + 2] = 0xFF  # slot 6 (page 1, row 2): UE8M0 NaN scale of tile 2
@@ -238,16 +253,16 @@ def compile_ptx(fn, pointers, scalars, constexprs, num_warps):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 
 
-def convert(src_kind, dst_kind, hw, slots, check=True):
+def convert(src_kind, dst_kind, hw, slots, check=True, persistent=False):
     ptr = lambda kind: "*fp32" if kind == 0 else "*u8"
     pointers = {"src": ptr(src_kind), "src16": "*i16", "src_slots": "*i32", "dst": ptr(dst_kind), "dst16": "*i16",
                 "dst_slots": "*i32", "flags": "*u8"}
     scalars = {"src_cap": "i64", "src_p": "i32", "src_pb": "i32", "src_scale": "fp32", "dst_p": "i32", "dst_pb": "i32",
-               "dst_mult": "fp32", "min_exp": "i32", "n_tokens": "i64", "n_rows": "i64"}
+               "dst_mult": "fp32", "min_exp": "i32", "n_tokens": "i64", "n_rows": "i64", "n_blocks": "i32"}
     const = dict(SRC_KIND=src_kind, SRC_S=GEOMETRY[src_kind][0], SRC_R=GEOMETRY[src_kind][1], SRC_ALIGN=16,
                  SRC_HAS_SLOTS=slots, DST_KIND=dst_kind, DST_S=GEOMETRY[dst_kind][0], DST_R=GEOMETRY[dst_kind][1],
                  DST_ALIGN=16, DST_HAS_SLOTS=slots, CHECK=check, WRITE=True, HW_FP8=hw,
-                 BLOCK_T=tk.convert_block_tokens)
+                 BLOCK_T=tk.convert_block_tokens, PERSISTENT=persistent)
     return compile_ptx(tk._convert_kernel, pointers, scalars, const, tk.convert_warps)
 
 
@@ -265,6 +280,7 @@ ptx = convert(0, 3, hw=False, slots=True)
 assert not count(r"e4m3", ptx) and count(r"ld\.global\.v4\.b32", ptx)
 assert count(r"ld\.global\.v4\.b32", convert(3, 0, hw=True, slots=True)), "MODEL1 decode not vectorised"
 convert(1, 2, hw=True, slots=True)
+assert count(r"ld\.global\.v4\.b32", convert(2, 3, hw=True, slots=False, persistent=True)), "persistent loop"
 pointers = {"src": "*i64", "src_slots": "*i32", "dst": "*i64", "dst_slots": "*i32", "flags": "*u8"}
 scalars = {"src_cap": "i64", "src_p": "i32", "src_pw": "i32", "dst_p": "i32", "dst_pw": "i32", "n_tokens": "i64",
            "n_rows": "i64"}

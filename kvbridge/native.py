@@ -11,15 +11,16 @@ The kernels are driven by each layout's record description, not by a list of lay
 
 Each token is gathered into a small per-thread record buffer, decoded into a 512-value fp32
 buffer (2 KiB, L1-resident), re-encoded and scattered, so no fp32 copy of a pool is ever built.
-Work is split into chunks of about ``CHUNK_TOKENS`` destination tokens, spread over numba's
-threads; every byte of every destination page (padding tail and unused rows: zero) is written
-by the kernels, so outputs start from ``torch.empty``.
+Work is split into chunks of about ``CHUNK_TOKENS`` destination tokens (whole pages), run by a
+pool of ``num_threads()`` Python threads (the kernels release the GIL); every byte of every
+destination page (padding tail and unused rows: zero) is written by the kernels, so outputs
+start uninitialised (``_empty_output``).
 
-TensorRT-LLM per-tensor FP8 -> MODEL1 has a code-domain kernel: with a per-tensor source every
-decoded value is ``fp32(e4m3(c) * s)``, a function of the byte ``c`` alone and monotone in
+Per-tensor E4M3 (TensorRT-LLM FP8) -> MODEL1 has a code-domain kernel: with a per-tensor source
+every decoded value is ``fp32(e4m3(c) * s)``, a function of the byte ``c`` alone and monotone in
 ``c & 0x7F``, so a tile's amax is the value of its largest code magnitude ``m`` and each output
-byte is ``table[m][c]`` (128 x 256 bytes, built once per scale and dialect with
-``kvbridge.numerics``, exactly as the reference computes it).
+byte is a function of ``(m, c)``: a 128 x 256 table, or at s = 1 an exact exponent shift (built
+once per scale and dialect with ``kvbridge.numerics``, exactly as the reference computes it).
 
 Numba compiles the kernels on first use and caches them on disk (``cache=True``); see
 ``docs/performance.md`` for the one-time cost.
@@ -312,9 +313,8 @@ def _transcode_kernel(
 def _tile_max_magnitude(tile) -> int:
     """Largest ``code & 0x7F`` of a tile of E4M3 codes (the code of its amax)."""
     m = np.uint8(0)
-    for i in range(tile.shape[0]):
-        a = tile[i] & np.uint8(0x7F)
-        m = a if a > m else m
+    for i in range(tile.shape[0]):  # max() on explicit uint8 operands keeps LLVM's lanes 8-bit wide
+        m = max(m, np.uint8(tile[i] & np.uint8(0x7F)))
     return m
 
 
@@ -365,14 +365,22 @@ def _fp8_to_model1_kernel(
         count = 0
         first = -1
         for p in range(c * per, min(npages, (c + 1) * per)):
+            s_page = (p * dp) // sp  # source page and row of the page's first token, then stepped
+            s_row = p * dp - s_page * sp
             for r in range(dp):
                 t = p * dp + r
-                d_at, f_at = _locate(t, dp, dpb, dsplit, drb)
+                d_at = p * dpb + r * dsplit
+                f_at = p * dpb + dp * dsplit + r * (drb - dsplit)
                 if t >= n:
                     _zero(dst, d_at, d_at + dsplit)
                     _zero(dst, f_at, f_at + drb - dsplit)
                     continue
-                s_at, sf_at = _locate(t, sp, spb, ssplit, srb)
+                s_at = s_page * spb + s_row * ssplit
+                sf_at = s_page * spb + sp * ssplit + s_row * (srb - ssplit)
+                s_row += 1
+                if s_row == sp:
+                    s_row = 0
+                    s_page += 1
                 if ssplit == srb:  # token-major source: read the record in place
                     codes = src[s_at : s_at + srb]
                 else:

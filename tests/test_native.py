@@ -92,6 +92,19 @@ def test_encode_matches_reference(latents, layout):
                 assert torch.equal(got, reference.repage(want, layout, 61, layout, p, n)), (dialect, scale, p, x.dtype)
 
 
+def test_e4m3_encoder_on_every_bf16_value_and_random_fp32_bits():
+    """The kernels' E4M3 encoder (per-tensor ``compress`` dialect: no scaling) equals numerics'."""
+    every_bf16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    g = torch.Generator().manual_seed(3)
+    fp32 = torch.randint(-(2**31), 2**31 - 1, (64 * 512,), generator=g, dtype=torch.int64).to(torch.int32)
+    fp32 = fp32.view(torch.float32)
+    fp8 = get_layout("trtllm-fp8")
+    for values in (every_bf16, fp32):
+        x = values[torch.isfinite(values)]
+        x = torch.cat([x, torch.zeros(-x.numel() % 512)]).reshape(-1, 512)
+        assert torch.equal(native.encode_pages(x, fp8, 1, "compress", 1.0), nx.e4m3_encode(x))
+
+
 @pytest.mark.parametrize("layout", NATIVE_LAYOUTS, ids=lambda lay: lay.name)
 def test_decode_matches_reference_on_arbitrary_bytes(layout):
     """Any byte pattern, NaN codes and UE8M0 0xFF included, decodes to the reference's bits."""

@@ -20,6 +20,7 @@ Works with gloo (CPU tensors) and NCCL (the caller moves ``device`` to CUDA).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -49,6 +50,13 @@ DEFAULT_CHUNK_BYTES = 256 << 20
 Progress = Callable[[int, int], None]
 
 
+def _reason(exc: BaseException) -> str:
+    """The first sentence of a backend error, without gloo's ``[file:line]`` prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", text)
+    return text.split(". ")[0].rstrip(".")
+
+
 def _wait(work: dist.Work, what: str, peer: int, deadline: float) -> None:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
@@ -56,7 +64,7 @@ def _wait(work: dist.Work, what: str, peer: int, deadline: float) -> None:
     try:
         work.wait(timeout=timedelta(seconds=remaining))
     except RuntimeError as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = _reason(exc)
         raise TransferError(
             f"{what} from rank {peer} failed ({reason}); the peer died, the link broke or the timeout passed; "
             "nothing was published"

@@ -104,8 +104,8 @@ def _chunk_rows(t: Transfer, storage: Storage) -> list[int]:
 
 
 def crc32_chunks(records: torch.Tensor, rows: list[int]) -> list[int]:
-    """CRC-32 of each consecutive chunk of ``rows[i]`` records."""
-    data = records.contiguous().numpy()
+    """CRC-32 of each consecutive chunk of ``rows[i]`` records (computed on a host copy)."""
+    data = records.detach().cpu().contiguous().numpy()
     out, start = [], 0
     for n in rows:
         out.append(zlib.crc32(data[start : start + n]))

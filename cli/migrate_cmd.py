@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import click
+from rich import box
 from rich.table import Table
 
 from cli.common import console, json_option, print_json
@@ -55,9 +56,10 @@ def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> 
         f"[bold]{plan.model.name}[/bold], {plan.num_tokens:,} tokens "
         f"(+{plan.draft_tokens} draft): {plan.src.spec} -> {plan.dst.spec}"
     )
-    table = Table(title="bytes per cache role (MiB = 2^20 B)")
-    for col in ("role", "layers", "entries", "src payload", "dst payload", "src pages", "dst pages"):
-        table.add_column(col, justify="left" if col == "role" else "right", no_wrap=True)
+    table = Table(title="bytes per cache role (MiB = 2^20 B)", box=box.SIMPLE_HEAD)
+    table.add_column("role", overflow="fold")
+    for col in ("layers", "entries", "src\npayload", "dst\npayload", "src\npages", "dst\npages"):
+        table.add_column(col, justify="right", no_wrap=True)
     totals = plan.totals()
     conversions: dict[str, set[str]] = {}
     for t in plan.transfers:

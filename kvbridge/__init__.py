@@ -6,6 +6,7 @@ from kvbridge.conformance import identify_writer, run_conformance
 from kvbridge.dump import Dump, DumpEntry, read_dump, write_dump
 from kvbridge.errors import DumpFormatError, InputError, KVBridgeError, LayoutError, NonFiniteError
 from kvbridge.layouts import Field, Layout, all_layouts, get_layout, register
+from kvbridge.migration import migrate_local, plan_migration
 from kvbridge.paged import gather_transcode, transcode_slots
 
 __version__ = "0.1.0"
@@ -29,6 +30,8 @@ __all__ = [
     "gather_transcode",
     "get_layout",
     "identify_writer",
+    "migrate_local",
+    "plan_migration",
     "read_dump",
     "register",
     "run_conformance",

@@ -10,15 +10,17 @@ Each case times, on one device and in one run:
   reads plus writes, so ``vs_copy`` = kvbridge tokens/s / copy tokens/s is the fraction of the
   device's copy bandwidth the operation reaches. kvbridge's own calls allocate their output.
 
-Rates are from the best of ``repeat`` timed calls after one untimed warm-up call (whose time,
-JIT compilation or cache load included, is reported as ``first_call_s``); kvbridge and the copy
-alternate call by call. GB/s counts bytes read
+Rates are medians of ``repeat`` timed calls (best also kept) after one untimed warm-up call
+(whose time, JIT compilation or cache load included, is reported as ``first_call_s``). kvbridge
+and the copy alternate call by call, and ``vs_copy`` is the median over those rounds of the
+paired ratio, so that load from other processes on a shared machine skews it least. GB/s counts bytes read
 plus bytes written, 10^9 bytes. Every case also checks that the public API's output equals the
 reference's on the reference's tokens (``exact``).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -41,15 +43,24 @@ TARGET_VS_REFERENCE = 20.0
 
 @dataclass
 class Timing:
-    """One timed path: best of ``repeat`` calls, in seconds, over ``tokens`` tokens."""
+    """One timed path over ``tokens`` tokens: median and best of ``repeat`` calls, in seconds."""
 
     tokens: int
-    seconds: float
+    seconds: float  # median
+    best_seconds: float
     bytes_moved: int  # read + written
+
+    @classmethod
+    def of(cls, tokens: int, times: list[float], bytes_moved: int) -> Timing:
+        return cls(tokens, statistics.median(times), min(times), bytes_moved)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def best_tokens_per_s(self) -> float:
+        return self.tokens / self.best_seconds
 
     @property
     def gb_per_s(self) -> float:
@@ -68,14 +79,11 @@ class CaseResult:
     copy: Timing
     first_call_s: float
     exact: bool
-
-    @property
-    def vs_copy(self) -> float:
-        """kvbridge tokens/s divided by the memory copy's tokens/s (same bytes per token)."""
-        return self.kvbridge.tokens_per_s / self.copy.tokens_per_s
+    vs_copy: float  # median over rounds of kvbridge tokens/s / copy tokens/s (same bytes per token)
 
     @property
     def vs_reference(self) -> float:
+        """Median kvbridge tokens/s divided by the reference's."""
         return self.kvbridge.tokens_per_s / self.reference.tokens_per_s
 
     def to_dict(self) -> dict:
@@ -83,7 +91,7 @@ class CaseResult:
         for name in ("kvbridge", "reference", "copy"):
             timing: Timing = getattr(self, name)
             out[name].update(tokens_per_s=timing.tokens_per_s, gb_per_s=timing.gb_per_s)
-        out.update(vs_copy=self.vs_copy, vs_reference=self.vs_reference)
+        out.update(vs_reference=self.vs_reference)
         return out
 
 
@@ -92,18 +100,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_times(fns: list[Callable[[], object]], repeat: int, device: torch.device) -> list[float]:
-    """Best wall time of each function over ``repeat`` rounds; the functions alternate within a
-    round, so that load from other processes on a shared machine hits each of them alike."""
-    best = [float("inf")] * len(fns)
+def _timed_rounds(fns: list[Callable[[], object]], repeat: int, device: torch.device) -> list[list[float]]:
+    """Wall times of each function over ``repeat`` rounds. The functions alternate within a round,
+    so that load from other processes on a shared machine hits each of them alike."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        for i, fn in enumerate(fns):
+        for fn, out in zip(fns, times, strict=True):
             _sync(device)
             start = time.perf_counter()
             fn()
             _sync(device)
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
+            out.append(time.perf_counter() - start)
+    return times
 
 
 def _copy_buffers(bytes_moved: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,17 +192,18 @@ def run_case(case: _Case, tokens: int, reference_tokens: int, repeat: int, devic
     _sync(device)
     first = time.perf_counter() - start
     copy_src, copy_dst = _copy_buffers(case.bytes_per_token * tokens, device)
-    t_fast, t_copy = _best_times([lambda: case.run(tokens), lambda: copy_dst.copy_(copy_src)], repeat, device)
-    fast = Timing(tokens, t_fast, case.bytes_per_token * tokens)
-    copy = Timing(tokens, t_copy, 2 * copy_src.numel())
+    t_fast, t_copy = _timed_rounds([lambda: case.run(tokens), lambda: copy_dst.copy_(copy_src)], repeat, device)
     n_ref = min(tokens, reference_tokens)
     want = case.run_reference(n_ref)
     exact = _equal(case.run(n_ref), want)
-    (t_ref,) = _best_times([lambda: case.run_reference(n_ref)], min(repeat, 2), device)
+    (t_ref,) = _timed_rounds([lambda: case.run_reference(n_ref)], min(repeat, 3), device)
     return CaseResult(
         case=case.name, device=str(device), backend=fastpath.backend_name(case.probe, *case.layouts),
-        kvbridge=fast, reference=Timing(n_ref, t_ref, case.bytes_per_token * n_ref), copy=copy,
+        kvbridge=Timing.of(tokens, t_fast, case.bytes_per_token * tokens),
+        reference=Timing.of(n_ref, t_ref, case.bytes_per_token * n_ref),
+        copy=Timing.of(tokens, t_copy, 2 * copy_src.numel()),
         first_call_s=first, exact=exact,
+        vs_copy=statistics.median(c / f for f, c in zip(t_fast, t_copy, strict=True)),
     )
 
 

@@ -144,7 +144,7 @@ def bf16_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def bf16_from_bytes(b: torch.Tensor) -> torch.Tensor:
     """Little-endian bf16 bytes [..., 2n] (uint8) -> fp32 [..., n] (exact)."""
-    pairs = b.reshape(*b.shape[:-1], -1, 2).to(torch.int64)
+    pairs = b.reshape(*b.shape[:-1], b.shape[-1] // 2, 2).to(torch.int64)
     bits = (pairs[..., 0] | (pairs[..., 1] << 8)) << 16
     bits = torch.where(bits >= 2**31, bits - 2**32, bits)
     return bits.to(torch.int32).view(torch.float32)

@@ -332,3 +332,12 @@ def test_byte_move_report_is_lossless_and_counts_tokens():
     out, rep = kb.transcode(pages, MODEL1, FOOTER, src_page_size=4, dst_page_size=3, report=True)
     assert rep.byte_move and rep.lossless and rep.num_tokens == 8 and rep.max_abs_error == 0.0
     assert out.shape == (3, 3 * 584)
+
+
+@pytest.mark.parametrize("layout", [MODEL1, FOOTER, TRT, "bf16"])
+def test_zero_tokens_give_zero_pages(layout):
+    pages = kb.encode(torch.zeros(0, 512), layout, page_size=4)
+    assert pages.shape == (0, get_layout(layout).page_bytes(4))
+    assert kb.decode(pages, layout, page_size=4).shape == (0, 512)
+    one = kb.encode(torch.ones(3, 512), layout, page_size=4)
+    assert kb.transcode(one, layout, layout, src_page_size=4, dst_page_size=2, num_tokens=0).shape[0] == 0

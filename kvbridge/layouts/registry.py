@@ -105,11 +105,11 @@ class Layout:
             padded[:n] = records
         padded = padded.view(npages, page_size, self.record_bytes)
         if self.split is None:
-            pages[:, : page_size * self.record_bytes] = padded.reshape(npages, -1)
+            pages[:, : page_size * self.record_bytes] = padded.reshape(npages, page_size * self.record_bytes)
         else:
             s, p = self.split, page_size
-            pages[:, : p * s] = padded[:, :, :s].reshape(npages, -1)
-            pages[:, p * s : p * self.record_bytes] = padded[:, :, s:].reshape(npages, -1)
+            pages[:, : p * s] = padded[:, :, :s].reshape(npages, p * s)
+            pages[:, p * s : p * self.record_bytes] = padded[:, :, s:].reshape(npages, p * (self.record_bytes - s))
         return pages
 
     def pages_to_records(self, pages: torch.Tensor, page_size: int, num_tokens: int | None = None) -> torch.Tensor:

@@ -56,12 +56,6 @@ class Storage:
         split = self.split or 0
         return indexer_format(self.fmt, split if self.fmt == "fp8" else 2 * split)
 
-    def locate(self, entry: int) -> tuple[int, int]:
-        """(index into the block table, row in that page) of ``entry``."""
-        if self.addressing == "ring":
-            return 0, entry % self.page_size
-        return entry // self.page_size, entry % self.page_size
-
 
 @dataclass(frozen=True)
 class EngineProfile:

@@ -32,11 +32,6 @@ class Role(str, Enum):
     INDEXER_STATE = "indexer_compressor_state"
 
 
-#: Roles whose entries are compressed tokens (entry c covers tokens [c*r, (c+1)*r)).
-COMPRESSED_ROLES = (Role.COMPRESS, Role.INDEXER)
-#: Roles holding fp32 compressor state rows addressed by token position.
-STATE_ROLES = (Role.STATE, Role.INDEXER_STATE)
-
 
 @dataclass(frozen=True)
 class CacheSpec:

@@ -441,6 +441,81 @@ def _fp8_to_model1_kernel(
 
 
 @njit(cache=True, nogil=True)
+def _model1_to_fp8_kernel(
+    c0, c1, src, sp, spb, ssplit, srb, n, dst, dp, dpb, dsplit, drb,
+    nope_lut, bad_mag, rope_lut, bad_count, bad_first,
+):
+    """MODEL1 records -> per-tensor E4M3 records in the code domain.
+
+    A MODEL1 nope value is ``fp32(e4m3(c) * 2^(b - 127))``, a function of its code ``c`` and its
+    tile's scale byte ``b`` alone, so its per-tensor byte is ``nope_lut[b * 256 + c]``;
+    ``bad_mag[b * 128 + m]`` is 1 when magnitude ``m`` at scale byte ``b`` decodes to NaN/Inf
+    (checked on the tile's largest magnitude, then per value). A rope value is its bf16 bits
+    ``h``, so its byte is ``rope_lut[h]``; NaN/Inf when the exponent bits are all set.
+    """
+    npages = dst.shape[0] // dpb
+    per = max(1, CHUNK_TOKENS // dp)
+    for c in range(c0, c1):
+        rec_in = np.empty(srb, np.uint8)
+        rec_out = np.empty(drb, np.uint8)
+        count = 0
+        first = -1
+        for p in range(c * per, min(npages, (c + 1) * per)):
+            s_page = (p * dp) // sp  # source page and row of the page's first token, then stepped
+            s_row = p * dp - s_page * sp
+            for r in range(dp):
+                t = p * dp + r
+                d_at = p * dpb + r * dsplit
+                f_at = p * dpb + dp * dsplit + r * (drb - dsplit)
+                if t >= n:
+                    _zero(dst, d_at, d_at + dsplit)
+                    _zero(dst, f_at, f_at + drb - dsplit)
+                    continue
+                s_at = s_page * spb + s_row * ssplit
+                sf_at = s_page * spb + sp * ssplit + s_row * (srb - ssplit)
+                s_row += 1
+                if s_row == sp:
+                    s_row = 0
+                    s_page += 1
+                if ssplit == MODEL1_DATA_BYTES:  # footer = scales + pad: read both parts in place
+                    data = src[s_at : s_at + MODEL1_DATA_BYTES]
+                    foot = src[sf_at : sf_at + srb - MODEL1_DATA_BYTES]
+                else:
+                    _gather(src, s_at, sf_at, ssplit, srb, rec_in)
+                    data = rec_in[:MODEL1_DATA_BYTES]
+                    foot = rec_in[MODEL1_DATA_BYTES:]
+                out = dst[d_at : d_at + drb] if dsplit == drb else rec_out  # token-major: write in place
+                for j in range(7):
+                    tile = data[64 * j : 64 * j + 64]
+                    b = np.int64(foot[j])
+                    bad = bad_mag[b * 128 : b * 128 + 128]
+                    if bad[_tile_max_magnitude(tile)]:
+                        for i in range(64):
+                            if bad[tile[i] & 0x7F]:
+                                if count == 0 or t * HEAD_DIM + 64 * j + i < first:
+                                    first = t * HEAD_DIM + 64 * j + i
+                                count += 1
+                    lut = nope_lut[b * 256 : b * 256 + 256]
+                    tile_out = out[64 * j : 64 * j + 64]
+                    for i in range(64):
+                        tile_out[i] = lut[tile[i]]
+                rope = data[448:MODEL1_DATA_BYTES]
+                rope_out = out[448:512]
+                for i in range(64):
+                    h = np.uint16(rope[2 * i]) | (np.uint16(rope[2 * i + 1]) << 8)
+                    if (h & 0x7F80) == 0x7F80:
+                        if count == 0 or t * HEAD_DIM + 448 + i < first:
+                            first = t * HEAD_DIM + 448 + i
+                        count += 1
+                    rope_out[i] = rope_lut[h]
+                if dsplit != drb:
+                    _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
+            _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
+        bad_count[c] = count
+        bad_first[c] = first
+
+
+@njit(cache=True, nogil=True)
 def _repage_kernel(c0, c1, src, sp, spb, ssplit, dst, dp, dpb, dsplit, rb, n):
     """Byte move of ``rb``-byte records between two page geometries (splits may differ)."""
     npages = dst.shape[0] // dpb
@@ -658,6 +733,21 @@ def _fp8_to_model1_tables(scale: float, dialect: str) -> dict[str, np.ndarray]:
     }
 
 
+@lru_cache(maxsize=64)
+def _model1_to_fp8_tables(mult: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(nope_lut, bad_mag, rope_lut) of ``_model1_to_fp8_kernel`` for the per-tensor multiplier
+    ``mult`` (fp32(1/s), or 1 for the ``compress`` dialect), built with ``kvbridge.numerics``
+    exactly as the reference decodes MODEL1 and re-encodes per-tensor E4M3."""
+    m = torch.tensor(mult, dtype=torch.float32)
+    ue8m0 = torch.from_numpy(_UE8M0_F32)
+    values = nx.E4M3_TABLE.unsqueeze(0) * ue8m0.unsqueeze(1)  # [scale byte, code]
+    codes = nx.e4m3_encode(torch.nan_to_num(values * m, nan=0.0)).reshape(-1)
+    bad_mag = (~torch.isfinite(values[:, :128])).to(torch.uint8).reshape(-1)
+    rope = (torch.arange(65536, dtype=torch.int64) << 16).to(torch.int32).view(torch.float32)  # every bf16
+    rope_codes = nx.e4m3_encode(torch.nan_to_num(rope * m, nan=0.0))
+    return codes.numpy().copy(), bad_mag.numpy().copy(), rope_codes.numpy().copy()
+
+
 def _raise_nonfinite(bad_count: np.ndarray, bad_first: np.ndarray) -> None:
     """Raise the reference's ``NonFiniteError`` when any chunk saw a non-finite decoded value."""
     total = int(bad_count.sum())
@@ -691,6 +781,12 @@ def transcode_pages(
         _run_chunks(
             _fp8_to_model1_kernel, nchunks, _flat(pages), sp, spb, ssplit, srb, n, _flat(out), dp, dpb, dsplit, drb,
             src_scale == 1.0, *(tables[name] for name in _FP8_TO_MODEL1_TABLES), bad_count, bad_first,
+        )
+    elif skind == KIND_MODEL1 and dkind == KIND_E4M3_TENSOR:
+        mult, _ = _encode_params(dst, dialect, dst_scale)
+        _run_chunks(
+            _model1_to_fp8_kernel, nchunks, _flat(pages), sp, spb, ssplit, srb, n, _flat(out), dp, dpb, dsplit, drb,
+            *_model1_to_fp8_tables(float(mult)), bad_count, bad_first,
         )
     else:
         mult, min_exp = _encode_params(dst, dialect, dst_scale)

@@ -20,7 +20,7 @@ import kvbridge as kb
 from cli.main import cli
 from kvbridge import bench, fastpath, native, reference
 from kvbridge import numerics as nx
-from kvbridge.codecs import Model1Codec
+from kvbridge.codecs import Model1Codec, PerTensorE4M3Codec
 from kvbridge.errors import InputError, NonFiniteError
 from kvbridge.layouts import Field, Layout, all_layouts, get_layout
 
@@ -232,6 +232,19 @@ TOKEN_MAJOR_MODEL1 = Layout(
 )
 
 
+SPLIT_FP8 = Layout(
+    name="test-fp8-block-split",
+    description="unregistered: per-tensor E4M3 records block-split at 448 (nope rows, then rope rows)",
+    record_bytes=512,
+    fields=(Field("nope", 0, 448, "e4m3"), Field("rope", 448, 64, "e4m3")),
+    codec=PerTensorE4M3Codec(),
+    split=448,
+    page_align=256,
+    dialects=("swa", "compress"),
+    per_tensor_scale=True,
+)
+
+
 class NegatingBF16Codec:
     """A record codec the native kernels do not know (stores -x as bf16)."""
 
@@ -263,6 +276,20 @@ def test_new_layout_with_known_codec_runs_native(latents):
     fp8 = reference.encode_pages(x, get_layout("trtllm-fp8"), 64, "swa", 0.5)
     args = (fp8, get_layout("trtllm-fp8"), 64, TOKEN_MAJOR_MODEL1, 3, None, 0.5, 1.0, "amax-1e-8")
     assert torch.equal(native.transcode_pages(*args), reference.transcode_pages(*args))
+
+
+def test_code_domain_kernels_on_other_geometries(latents):
+    """The code-domain kernels with records gathered from and scattered to unusual splits."""
+    x = latents.repeat(3, 1)[:200].clamp(-1e30, 1e30)
+    model1 = get_layout("flashmla-model1")
+    for s_in in (1.0, 0.037):
+        split_fp8 = reference.encode_pages(x, SPLIT_FP8, 61, "swa", s_in)
+        for dst in (model1, TOKEN_MAJOR_MODEL1):
+            assert_same_transcode(split_fp8, SPLIT_FP8, 61, dst, 64, 199, s_in, 1.0, "amax-1e-4")
+    for src in (model1, TOKEN_MAJOR_MODEL1):
+        pages = reference.encode_pages(x, src, 64, "amax-1e-8", 1.0)
+        for dst, dialect in itertools.product((SPLIT_FP8, get_layout("trtllm-fp8")), ("swa", "compress")):
+            assert_same_transcode(pages, src, 64, dst, 3, None, 1.0, 0.037, dialect)
 
 
 def test_unknown_codec_falls_back_to_reference(latents):

@@ -310,23 +310,24 @@ def _transcode_kernel(
 
 
 @njit(cache=True, inline="always")
-def _tile_max_magnitude(tile) -> int:
-    """Largest ``code & 0x7F`` of a tile of E4M3 codes (the code of its amax)."""
+def _tile_max_magnitude(rec, base: int) -> int:
+    """Largest ``code & 0x7F`` of the 64 E4M3 codes at ``rec[base:base + 64]`` (the code of their amax)."""
     m = np.uint8(0)
-    for i in range(tile.shape[0]):  # max() on explicit uint8 operands keeps LLVM's lanes 8-bit wide
-        m = max(m, np.uint8(tile[i] & np.uint8(0x7F)))
+    for i in range(64):  # max() on explicit uint8 operands keeps LLVM's lanes 8-bit wide
+        m = max(m, np.uint8(rec[base + i] & np.uint8(0x7F)))
     return m
 
 
 @njit(cache=True, inline="always")
-def _tile_shift(tile, out, j: int, sub) -> None:
-    """E4M3 codes times 2^j (exact, no overflow): normal codes add 8j to the code, subnormal
-    magnitudes 1..7 take ``sub[8j + m]``; written as selects so that LLVM vectorizes it."""
+def _tile_shift(rec_in, rec_out, base: int, j: int, sub) -> None:
+    """The 64 E4M3 codes at ``rec_in[base:]`` times 2^j (exact, no overflow) into ``rec_out[base:]``:
+    normal codes add 8j to the code, subnormal magnitudes 1..7 take ``sub[8j + m]``; written as
+    selects so that LLVM vectorizes it."""
     shift = np.uint8(8 * j)
     s1, s2, s3, s4 = sub[8 * j + 1], sub[8 * j + 2], sub[8 * j + 3], sub[8 * j + 4]
     s5, s6, s7 = sub[8 * j + 5], sub[8 * j + 6], sub[8 * j + 7]
-    for i in range(tile.shape[0]):
-        c = tile[i]
+    for i in range(64):
+        c = rec_in[base + i]
         a = c & np.uint8(0x7F)
         low = np.uint8(0)
         low = s1 if a == 1 else low
@@ -337,7 +338,7 @@ def _tile_shift(tile, out, j: int, sub) -> None:
         low = s6 if a == 6 else low
         low = s7 if a == 7 else low
         high = np.uint8(a + shift)
-        out[i] = (high if a >= 8 else low) | (c & np.uint8(0x80))
+        rec_out[base + i] = (high if a >= 8 else low) | (c & np.uint8(0x80))
 
 
 @njit(cache=True, nogil=True)
@@ -381,40 +382,29 @@ def _fp8_to_model1_kernel(
                 if s_row == sp:
                     s_row = 0
                     s_page += 1
-                if ssplit == srb:  # token-major source: read the record in place
-                    codes = src[s_at : s_at + srb]
-                else:
-                    _gather(src, s_at, sf_at, ssplit, srb, rec_in)
-                    codes = rec_in
-                if dsplit == MODEL1_DATA_BYTES:  # footer = scales + pad: write both parts in place
-                    data = dst[d_at : d_at + MODEL1_DATA_BYTES]
-                    foot = dst[f_at : f_at + drb - MODEL1_DATA_BYTES]
-                else:
-                    data = rec_out[:MODEL1_DATA_BYTES]
-                    foot = rec_out[MODEL1_DATA_BYTES:]
+                # Whole-record copies in and out; the work in between indexes the local buffers
+                # with loop-derived (provably non-negative) indices, which LLVM vectorizes.
+                _gather(src, s_at, sf_at, ssplit, srb, rec_in)
                 for j in range(8):  # 7 nope tiles, then the rope (scanned for NaN/Inf the same way)
-                    tile = codes[64 * j : 64 * j + 64]
-                    m = _tile_max_magnitude(tile)
+                    m = _tile_max_magnitude(rec_in, 64 * j)
                     if bad_mag[m]:
                         for i in range(64):
-                            if bad_mag[tile[i] & 0x7F]:
+                            if bad_mag[rec_in[64 * j + i] & 0x7F]:
                                 if count == 0 or t * HEAD_DIM + 64 * j + i < first:
                                     first = t * HEAD_DIM + 64 * j + i
                                 count += 1
                     if j == 7:
                         break
-                    out = data[64 * j : 64 * j + 64]
                     if unit_scale:
-                        _tile_shift(tile, out, 127 - scale_lut[m], shift_sub)
+                        _tile_shift(rec_in, rec_out, 64 * j, 127 - scale_lut[m], shift_sub)
                     else:
-                        lut = code_lut[m * 256 : m * 256 + 256]
                         for i in range(64):
-                            out[i] = lut[tile[i]]
-                    foot[j] = scale_lut[m]
-                rope = codes[448:512]
+                            rec_out[64 * j + i] = code_lut[np.int64(m) * 256 + rec_in[64 * j + i]]
+                    rec_out[MODEL1_DATA_BYTES + j] = scale_lut[m]
                 if unit_scale:
                     for i in range(64):
-                        a = np.uint16(rope[i] & 0x7F)
+                        c = rec_in[448 + i]
+                        a = np.uint16(c & 0x7F)
                         low = np.uint16(0)
                         low = r1 if a == 1 else low
                         low = r2 if a == 2 else low
@@ -424,17 +414,15 @@ def _fp8_to_model1_kernel(
                         low = r6 if a == 6 else low
                         low = r7 if a == 7 else low
                         high = np.uint16((a << 4) + 0x3C00)
-                        rope_bits[i] = (high if a >= 8 else low) | (np.uint16(rope[i] & 0x80) << 8)
+                        rope_bits[i] = (high if a >= 8 else low) | (np.uint16(c & 0x80) << 8)
                 else:
                     for i in range(64):
-                        rope_bits[i] = rope_lut[rope[i]]
-                rope_out = data[448:MODEL1_DATA_BYTES]
+                        rope_bits[i] = rope_lut[rec_in[448 + i]]
                 for i in range(64):
-                    rope_out[2 * i] = rope_bits[i] & 0xFF
-                    rope_out[2 * i + 1] = rope_bits[i] >> 8
-                foot[7] = 0
-                if dsplit != MODEL1_DATA_BYTES:
-                    _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
+                    rec_out[448 + 2 * i] = rope_bits[i] & 0xFF
+                    rec_out[449 + 2 * i] = rope_bits[i] >> 8
+                rec_out[583] = 0
+                _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
             _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
         bad_count[c] = count
         bad_first[c] = first
@@ -489,7 +477,7 @@ def _model1_to_fp8_kernel(
                     tile = data[64 * j : 64 * j + 64]
                     b = np.int64(foot[j])
                     bad = bad_mag[b * 128 : b * 128 + 128]
-                    if bad[_tile_max_magnitude(tile)]:
+                    if bad[_tile_max_magnitude(data, 64 * j)]:
                         for i in range(64):
                             if bad[tile[i] & 0x7F]:
                                 if count == 0 or t * HEAD_DIM + 64 * j + i < first:

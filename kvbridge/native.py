@@ -229,13 +229,13 @@ def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, kind, dp, dpb, dsplit, d
     """Latents (fp32 ``x32`` or bf16 bits ``x16``, flat) -> ``dst`` pages (flat uint8)."""
     npages = dst.shape[0] // dpb
     per = max(1, CHUNK_TOKENS // dp)
-    for c in range(c0, c1):
+    for chunk in range(c0, c1):
         rec = np.empty(drb, np.uint8)
         vals = np.empty(HEAD_DIM, np.float32)
         bits = vals.view(np.uint32)
         tmp = np.empty(128, np.float32)  # a scaled tile, then E4M3 scratch
         tmp_bits = tmp.view(np.uint32)
-        for p in range(c * per, min(npages, (c + 1) * per)):
+        for p in range(chunk * per, min(npages, (chunk + 1) * per)):
             for r in range(dp):
                 t = p * dp + r
                 d_at, f_at = _locate(t, dp, dpb, dsplit, drb)
@@ -259,9 +259,9 @@ def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, kind, dp, dpb, dsplit, d
 def _decode_kernel(c0, c1, src, kind, sp, spb, ssplit, srb, scale, n, out, e4m3, ue8m0):
     """``src`` pages (flat uint8) -> fp32 latents ``out`` (flat, ``n * 512``)."""
     out_bits = out.view(np.uint32)
-    for c in range(c0, c1):
+    for chunk in range(c0, c1):
         rec = np.empty(srb, np.uint8)
-        for t in range(c * CHUNK_TOKENS, min(n, (c + 1) * CHUNK_TOKENS)):
+        for t in range(chunk * CHUNK_TOKENS, min(n, (chunk + 1) * CHUNK_TOKENS)):
             d_at, f_at = _locate(t, sp, spb, ssplit, srb)
             _gather(src, d_at, f_at, ssplit, srb, rec)
             lo = t * HEAD_DIM
@@ -281,7 +281,7 @@ def _transcode_kernel(
     """
     npages = dst.shape[0] // dpb
     per = max(1, CHUNK_TOKENS // dp)
-    for c in range(c0, c1):
+    for chunk in range(c0, c1):
         rec_in = np.empty(srb, np.uint8)
         rec_out = np.empty(drb, np.uint8)
         vals = np.empty(HEAD_DIM, np.float32)
@@ -290,7 +290,7 @@ def _transcode_kernel(
         tmp_bits = tmp.view(np.uint32)
         count = 0
         first = -1
-        for p in range(c * per, min(npages, (c + 1) * per)):
+        for p in range(chunk * per, min(npages, (chunk + 1) * per)):
             for r in range(dp):
                 t = p * dp + r
                 d_at, f_at = _locate(t, dp, dpb, dsplit, drb)
@@ -305,8 +305,8 @@ def _transcode_kernel(
                     _zero(dst, d_at, d_at + dsplit)
                     _zero(dst, f_at, f_at + drb - dsplit)
             _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
-        bad_count[c] = count
-        bad_first[c] = first
+        bad_count[chunk] = count
+        bad_first[chunk] = first
 
 
 @njit(cache=True, inline="always")
@@ -359,13 +359,13 @@ def _fp8_to_model1_kernel(
     per = max(1, CHUNK_TOKENS // dp)
     r1, r2, r3, r4 = rope_sub[1], rope_sub[2], rope_sub[3], rope_sub[4]
     r5, r6, r7 = rope_sub[5], rope_sub[6], rope_sub[7]
-    for c in range(c0, c1):
+    for chunk in range(c0, c1):
         rec_in = np.empty(srb, np.uint8)
         rec_out = np.empty(drb, np.uint8)
         rope_bits = np.empty(64, np.uint16)
         count = 0
         first = -1
-        for p in range(c * per, min(npages, (c + 1) * per)):
+        for p in range(chunk * per, min(npages, (chunk + 1) * per)):
             s_page = (p * dp) // sp  # source page and row of the page's first token, then stepped
             s_row = p * dp - s_page * sp
             for r in range(dp):
@@ -403,8 +403,8 @@ def _fp8_to_model1_kernel(
                     rec_out[MODEL1_DATA_BYTES + j] = scale_lut[m]
                 if unit_scale:
                     for i in range(64):
-                        c = rec_in[448 + i]
-                        a = np.uint16(c & 0x7F)
+                        code = rec_in[448 + i]
+                        a = np.uint16(code & 0x7F)
                         low = np.uint16(0)
                         low = r1 if a == 1 else low
                         low = r2 if a == 2 else low
@@ -414,7 +414,7 @@ def _fp8_to_model1_kernel(
                         low = r6 if a == 6 else low
                         low = r7 if a == 7 else low
                         high = np.uint16((a << 4) + 0x3C00)
-                        rope_bits[i] = (high if a >= 8 else low) | (np.uint16(c & 0x80) << 8)
+                        rope_bits[i] = (high if a >= 8 else low) | (np.uint16(code & 0x80) << 8)
                 else:
                     for i in range(64):
                         rope_bits[i] = rope_lut[rec_in[448 + i]]
@@ -424,8 +424,8 @@ def _fp8_to_model1_kernel(
                 rec_out[583] = 0
                 _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
             _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
-        bad_count[c] = count
-        bad_first[c] = first
+        bad_count[chunk] = count
+        bad_first[chunk] = first
 
 
 @njit(cache=True, nogil=True)
@@ -443,12 +443,12 @@ def _model1_to_fp8_kernel(
     """
     npages = dst.shape[0] // dpb
     per = max(1, CHUNK_TOKENS // dp)
-    for c in range(c0, c1):
+    for chunk in range(c0, c1):
         rec_in = np.empty(srb, np.uint8)
         rec_out = np.empty(drb, np.uint8)
         count = 0
         first = -1
-        for p in range(c * per, min(npages, (c + 1) * per)):
+        for p in range(chunk * per, min(npages, (chunk + 1) * per)):
             s_page = (p * dp) // sp  # source page and row of the page's first token, then stepped
             s_row = p * dp - s_page * sp
             for r in range(dp):
@@ -499,8 +499,8 @@ def _model1_to_fp8_kernel(
                 if dsplit != drb:
                     _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
             _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
-        bad_count[c] = count
-        bad_first[c] = first
+        bad_count[chunk] = count
+        bad_first[chunk] = first
 
 
 @njit(cache=True, nogil=True)
@@ -508,9 +508,9 @@ def _repage_kernel(c0, c1, src, sp, spb, ssplit, dst, dp, dpb, dsplit, rb, n):
     """Byte move of ``rb``-byte records between two page geometries (splits may differ)."""
     npages = dst.shape[0] // dpb
     per = max(1, CHUNK_TOKENS // dp)
-    for c in range(c0, c1):
+    for chunk in range(c0, c1):
         rec = np.empty(rb, np.uint8)
-        for p in range(c * per, min(npages, (c + 1) * per)):
+        for p in range(chunk * per, min(npages, (chunk + 1) * per)):
             for r in range(dp):
                 t = p * dp + r
                 d_at, f_at = _locate(t, dp, dpb, dsplit, rb)
@@ -529,12 +529,12 @@ def _nonfinite_kernel(c0, c1, words, exp_mask, counts):
     """Per chunk of ``CHUNK_TOKENS * 512`` floats (given as their bit patterns ``words``), how many
     have every exponent bit set (``exp_mask``): NaN or Inf."""
     span = CHUNK_TOKENS * HEAD_DIM
-    for c in range(c0, c1):
-        chunk = words[c * span : min(words.shape[0], (c + 1) * span)]
+    for chunk in range(c0, c1):
+        part = words[chunk * span : min(words.shape[0], (chunk + 1) * span)]
         count = 0
-        for i in range(chunk.shape[0]):
-            count += (chunk[i] & exp_mask) == exp_mask
-        counts[c] = count
+        for i in range(part.shape[0]):
+            count += (part[i] & exp_mask) == exp_mask
+        counts[chunk] = count
 
 
 # ---------------------------------------------------------------------------------------------

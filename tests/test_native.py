@@ -408,3 +408,23 @@ def test_bench_library_and_cli():
     assert all(r["exact"] and r["kvbridge"]["tokens_per_s"] > 0 for r in report["results"])
     table = CliRunner().invoke(cli, ["bench", "--tokens", "64", "--repeat", "1", "--reference-tokens", "64"])
     assert table.exit_code == 0 and "CPU target" in table.output
+
+
+def test_large_outputs_on_huge_pages(latents):
+    """Outputs of HUGE_PAGE_OUTPUT bytes or more live on their own mappings: same bytes as outputs
+    built piecewise on ordinary memory, and intact after other large outputs come and go."""
+    fp8, model1 = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
+    n = 8192  # 8192 * 585 B of MODEL1 pages > 4 MiB
+    assert model1.page_bytes(64) * n // 64 >= native.HUGE_PAGE_OUTPUT
+    pages = native.encode_pages(latents.repeat(-(-n // latents.shape[0]), 1)[:n], fp8, 64, "swa", 1.0)
+    big = native.transcode_pages(pages, fp8, 64, model1, 64, None, 1.0, 1.0, "flashmla")
+    values = native.decode_pages(big, model1, 64, None, 1.0)
+    for _ in range(3):  # other outputs of the same sizes are allocated and freed meanwhile
+        native.transcode_pages(pages, fp8, 64, model1, 64, None, 1.0, 1.0, "flashmla").fill_(0xAB)
+        native.decode_pages(big, model1, 64, None, 1.0).fill_(math.nan)
+    step = 16  # 16 pages: 585 KiB, on ordinary memory
+    pieces = [native.transcode_pages(pages[i : i + step], fp8, 64, model1, 64, None, 1.0, 1.0, "flashmla")
+              for i in range(0, pages.shape[0], step)]
+    assert torch.equal(big, torch.cat(pieces))
+    assert torch.equal(big[:2], reference.transcode_pages(pages[:2], fp8, 64, model1, 64, None, 1.0, 1.0, "flashmla"))
+    assert torch.equal(bits(values), bits(torch.cat([native.decode_pages(p, model1, 64, None, 1.0) for p in pieces])))

@@ -226,6 +226,22 @@ def count_saturated(x: torch.Tensor, layout: Layout, dialect: str | None, scale:
     return int(((x * mult.to(x.device)).abs() > nx.E4M3_MAX).sum())
 
 
+def _check_out(out: torch.Tensor, pages: torch.Tensor, dst: Layout, num_pages: int, page_size: int) -> None:
+    """Raise ``InputError`` unless ``out`` can receive ``num_pages`` pages of ``dst`` made from ``pages``."""
+    if not isinstance(out, torch.Tensor):
+        raise InputError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    want = [num_pages, dst.page_bytes(page_size)]
+    if out.dtype != torch.uint8 or list(out.shape) != want:
+        raise InputError(f"out must be uint8 of shape {want} for {dst.name}, got {out.dtype} {list(out.shape)}")
+    if out.device != pages.device:
+        raise InputError(f"out is on {out.device} but pages are on {pages.device}")
+    if not out.is_contiguous():
+        raise InputError("out must be contiguous")
+    lo, hi = pages.data_ptr(), pages.data_ptr() + pages.numel()
+    if out.numel() and pages.numel() and out.data_ptr() < hi and lo < out.data_ptr() + out.numel():
+        raise InputError("out overlaps the source pages; write into separate memory")
+
+
 def transcode(
     pages: torch.Tensor,
     src_layout: str | Layout,
@@ -238,6 +254,7 @@ def transcode(
     dst_scale: float | str | None = None,
     dialect: str | None = None,
     report: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, LossReport]:
     """Convert pages from ``src_layout`` to ``dst_layout`` (and page size).
 
@@ -245,7 +262,11 @@ def transcode(
     ``trtllm-fp8-ds-mla``, per-tensor at an equal scale) this is a pure byte move, bit-exact;
     ``dialect`` is then refused since nothing is re-encoded. Otherwise the source is decoded
     and re-encoded with ``dialect`` and ``dst_scale`` (``"auto"``: no saturation).
-    With ``report=True`` returns ``(pages, LossReport)``.
+    With ``report=True`` returns ``(pages, LossReport)``. ``out``: an existing uint8 tensor of
+    exactly the destination's shape (``[ceil(num_tokens / dst_page_size), page_bytes]``, same
+    device, not overlapping ``pages``) to write into instead of allocating; every byte of it is
+    written, and it is returned. Arguments are checked before ``out`` is touched, but a source
+    found to hold NaN/Inf while converting may leave ``out`` partly written.
     """
     src = get_layout(src_layout)
     dst = get_layout(dst_layout)
@@ -257,6 +278,9 @@ def transcode(
     s_out = 1.0 if auto else _check_scale(dst_scale, dst, "dst_scale")
     if auto and not dst.per_tensor_scale:
         raise InputError(f"dst_scale='auto' applies only to per-tensor layouts, not {dst.name}")
+    if out is not None:
+        n_out = pages.shape[0] * src_page_size if num_tokens is None else num_tokens
+        _check_out(out, pages, dst, dst.num_pages(n_out, dps), dps)
     from kvbridge import fastpath
 
     if not auto and is_byte_move(src, dst, s_in, s_out):
@@ -265,7 +289,7 @@ def transcode(
                 f"{src.name} -> {dst.name} is a byte move that keeps the source's scales; "
                 f"dialect={dialect!r} would not be applied"
             )
-        out = fastpath.repage(pages, src, src_page_size, dst, dps, num_tokens)
+        out = fastpath.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
         if not report:
             return out
         n = pages.shape[0] * src_page_size if num_tokens is None else num_tokens
@@ -287,12 +311,13 @@ def transcode(
         return out, zero
     d = _check_dialect(dialect, dst)
     if not report and not auto:
-        return fastpath.transcode_pages(pages, src, src_page_size, dst, dps, num_tokens, s_in, s_out, d)
+        return fastpath.transcode_pages(pages, src, src_page_size, dst, dps, num_tokens, s_in, s_out, d, out=out)
     values = fastpath.decode_pages(pages, src, src_page_size, num_tokens, s_in)
     check_finite(values)
     if auto:
         s_out = auto_scale(values)
-    out = fastpath.encode_pages(values, dst, dps, d, s_out)
+    encoded = fastpath.encode_pages(values, dst, dps, d, s_out)
+    out = encoded if out is None else out.copy_(encoded)
     if not report:
         return out
     back = fastpath.decode_pages(out, dst, dps, values.shape[0], s_out)

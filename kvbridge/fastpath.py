@@ -90,17 +90,29 @@ def decode_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens
     return _backend(pages, layout).decode_pages(pages, layout, page_size, num_tokens, scale)
 
 
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    return result if out is None else out.copy_(result)
+
+
 def repage(pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,
-           num_tokens: int | None) -> torch.Tensor:
-    """Byte move of identical records between page geometries (see ``reference.repage``)."""
-    return _backend(pages, src, dst).repage(pages, src, src_page_size, dst, dst_page_size, num_tokens)
+           num_tokens: int | None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Byte move of identical records between page geometries (see ``reference.repage``), into
+    ``out`` when given (the native kernels write it directly, others through a copy)."""
+    backend = _backend(pages, src, dst)
+    if backend.__name__ == "kvbridge.native":
+        return backend.repage(pages, src, src_page_size, dst, dst_page_size, num_tokens, out=out)
+    return _into(out, backend.repage(pages, src, src_page_size, dst, dst_page_size, num_tokens))
 
 
 def transcode_pages(
     pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,
     num_tokens: int | None, src_scale: float, dst_scale: float, dialect: str | None,
+    *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode + re-encode pages (see ``reference.transcode_pages``); NaN/Inf in the source raises."""
-    return _backend(pages, src, dst).transcode_pages(
-        pages, src, src_page_size, dst, dst_page_size, num_tokens, src_scale, dst_scale, dialect
-    )
+    """Decode + re-encode pages (see ``reference.transcode_pages``); NaN/Inf in the source raises.
+    Written into ``out`` when given (the native kernels write it directly, others through a copy)."""
+    backend = _backend(pages, src, dst)
+    args = (pages, src, src_page_size, dst, dst_page_size, num_tokens, src_scale, dst_scale, dialect)
+    if backend.__name__ == "kvbridge.native":
+        return backend.transcode_pages(*args, out=out)
+    return _into(out, backend.transcode_pages(*args))

@@ -674,13 +674,16 @@ def decode_pages(
 
 
 def repage(
-    pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int, num_tokens: int | None
+    pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int, num_tokens: int | None,
+    *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Byte move of identical token records between two page geometries."""
+    """Byte move of identical token records between two page geometries, into ``out`` (every byte
+    written) when given."""
     if src.record_bytes != dst.record_bytes:
-        return reference.repage(pages, src, src_page_size, dst, dst_page_size, num_tokens)
+        result = reference.repage(pages, src, src_page_size, dst, dst_page_size, num_tokens)
+        return result if out is None else out.copy_(result)
     n = _token_count(pages, src, src_page_size, num_tokens)
-    out = _new_pages(dst, n, dst_page_size)
+    out = _new_pages(dst, n, dst_page_size) if out is None else out
     if n:
         sp, spb, ssplit, rb = _geometry(src, src_page_size)
         dp, dpb, dsplit, _ = _geometry(dst, dst_page_size)
@@ -748,15 +751,18 @@ def _raise_nonfinite(bad_count: np.ndarray, bad_first: np.ndarray) -> None:
 def transcode_pages(
     pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,
     num_tokens: int | None, src_scale: float, dst_scale: float, dialect: str | None,
+    *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode ``src`` pages and re-encode them as ``dst``, token by token (NaN/Inf in the source is an error)."""
+    """Decode ``src`` pages and re-encode them as ``dst``, token by token (NaN/Inf in the source is an
+    error), into ``out`` (every byte written) when given."""
     skind, dkind = codec_kind(src), codec_kind(dst)
     if skind is None or dkind is None:
-        return reference.transcode_pages(
+        result = reference.transcode_pages(
             pages, src, src_page_size, dst, dst_page_size, num_tokens, src_scale, dst_scale, dialect
         )
+        return result if out is None else out.copy_(result)
     n = _token_count(pages, src, src_page_size, num_tokens)
-    out = _new_pages(dst, n, dst_page_size)
+    out = _new_pages(dst, n, dst_page_size) if out is None else out
     if n == 0:
         return out
     sp, spb, ssplit, srb = _geometry(src, src_page_size)

@@ -341,3 +341,45 @@ def test_zero_tokens_give_zero_pages(layout):
     assert kb.decode(pages, layout, page_size=4).shape == (0, 512)
     one = kb.encode(torch.ones(3, 512), layout, page_size=4)
     assert kb.transcode(one, layout, layout, src_page_size=4, dst_page_size=2, num_tokens=0).shape[0] == 0
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize(
+    ("src", "dst", "kwargs"),
+    [
+        (TRT, MODEL1, {}),
+        (MODEL1, TRT, {"dst_scale": 0.5}),
+        (MODEL1, FOOTER, {}),
+        (TRT, MODEL1, {"report": True}),
+        (MODEL1, TRT, {"dst_scale": "auto"}),
+    ],
+)
+def test_transcode_into_out_writes_every_byte(monkeypatch, backend, src, dst, kwargs):
+    monkeypatch.setenv("KVBRIDGE_BACKEND", backend)
+    pages = kb.encode(random_latents(70, 7, 3.0), src, page_size=16)
+    fresh = kb.transcode(pages, src, dst, src_page_size=16, dst_page_size=32, num_tokens=70, **kwargs)
+    fresh = fresh[0] if isinstance(fresh, tuple) else fresh
+    out = torch.full_like(fresh, 0xAB)
+    got = kb.transcode(pages, src, dst, src_page_size=16, dst_page_size=32, num_tokens=70, out=out, **kwargs)
+    got = got[0] if isinstance(got, tuple) else got
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(out, fresh)
+
+
+def test_transcode_out_is_checked_before_anything_is_written():
+    buffer = torch.zeros(20000, dtype=torch.uint8)
+    pages = buffer[:4096].view(2, 2048)
+    pages.copy_(kb.encode(random_latents(8, 8, 1.0), TRT, page_size=4))
+    good = torch.zeros(2, get_layout(MODEL1).page_bytes(4), dtype=torch.uint8)
+    for bad, match in [
+        (good[:1], r"shape \[2, 2880\]"),
+        (good.to(torch.int8), "must be uint8"),
+        (good.t().contiguous().t(), "contiguous"),
+        (buffer[2000 : 2000 + good.numel()].view(good.shape), "overlaps the source"),
+        ([0] * 10, "must be a torch.Tensor"),
+    ]:
+        before = bad.clone() if isinstance(bad, torch.Tensor) else None
+        with pytest.raises(kb.InputError, match=match):
+            kb.transcode(pages, TRT, MODEL1, src_page_size=4, out=bad)
+        if before is not None and bad.shape == before.shape:
+            assert torch.equal(bad, before)

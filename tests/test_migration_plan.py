@@ -101,14 +101,15 @@ def test_cli_plan_table_and_transfers():
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        (["--from", "trtllm:fp9", "--to", "sglang", "--tokens", "8"], 1, "KV dtype must be one of"),
-        (["--from", "trtllm:tpb=64", "--to", "sglang", "--tokens", "8"], 1, "tpb must be one of 128, 256"),
-        (["--from", "sglang", "--to", "tgi", "--tokens", "8"], 1, "unknown engine 'tgi'"),
-        (["--from", "sglang", "--to", "vllm", "--tokens", "8", "--model", "v5"], 1, "unknown model 'v5'"),
+        (["--from", "trtllm:fp9", "--to", "sglang", "--tokens", "8"], 2, "KV dtype must be one of"),
+        (["--from", "trtllm:tpb=64", "--to", "sglang", "--tokens", "8"], 2, "tpb must be one of 128, 256"),
+        (["--from", "sglang", "--to", "tgi", "--tokens", "8"], 2, "unknown engine 'tgi'"),
+        (["--from", "sglang", "--to", "vllm", "--tokens", "8", "--model", "v5"], 2, "unknown model 'v5'"),
         (["--from", "sglang", "--to", "vllm", "--tokens", "0"], 2, "0 is not in the range"),
     ],
 )
 def test_cli_plan_errors(args, code, message):
+    """A bad engine spec, model or size is a usage error: exit 2, with the reason."""
     result = CliRunner().invoke(cli, ["migrate", "plan", *args])
     assert result.exit_code == code
     assert message in result.output

@@ -272,15 +272,14 @@ def transcode(
     dst = get_layout(dst_layout)
     src.check_page_size(src_page_size)
     dps = src_page_size if dst_page_size is None else dst.check_page_size(dst_page_size)
-    src.check_pages(pages, src_page_size)
+    n = src.token_count(pages, src_page_size, num_tokens)
     s_in = _check_scale(src_scale, src, "src_scale")
     auto = dst_scale == "auto"
     s_out = 1.0 if auto else _check_scale(dst_scale, dst, "dst_scale")
     if auto and not dst.per_tensor_scale:
         raise InputError(f"dst_scale='auto' applies only to per-tensor layouts, not {dst.name}")
     if out is not None:
-        n_out = pages.shape[0] * src_page_size if num_tokens is None else num_tokens
-        _check_out(out, pages, dst, dst.num_pages(n_out, dps), dps)
+        _check_out(out, pages, dst, dst.num_pages(n, dps), dps)
     from kvbridge import fastpath
 
     if not auto and is_byte_move(src, dst, s_in, s_out):
@@ -292,7 +291,6 @@ def transcode(
         out = fastpath.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
         if not report:
             return out
-        n = pages.shape[0] * src_page_size if num_tokens is None else num_tokens
         zero = LossReport(
             src_layout=src.name,
             dst_layout=dst.name,

@@ -39,7 +39,7 @@ from numba import njit
 from kvbridge import numerics as nx
 from kvbridge import reference
 from kvbridge.codecs import BF16Codec, Model1Codec, PerTensorE4M3Codec, reciprocal_f32
-from kvbridge.errors import LayoutError, NonFiniteError
+from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import Layout
 
 HEAD_DIM = 512
@@ -592,16 +592,6 @@ def all_finite(x: torch.Tensor) -> bool:
     return not counts.any()
 
 
-def _token_count(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None) -> int:
-    """Validated number of source tokens, as ``Layout.pages_to_records`` resolves it."""
-    layout.check_pages(pages, page_size)
-    cap = pages.shape[0] * page_size
-    n = cap if num_tokens is None else num_tokens
-    if not 0 <= n <= cap:
-        raise LayoutError(f"num_tokens={n} does not fit in {pages.shape[0]} pages of {page_size} tokens")
-    return n
-
-
 def _empty_output(rows: int, row_bytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """Uninitialised ``[rows, row_bytes / itemsize]`` CPU tensor for a kernel to fill completely.
 
@@ -662,7 +652,7 @@ def decode_pages(
     kind = codec_kind(layout)
     if kind is None:
         return reference.decode_pages(pages, layout, page_size, num_tokens, scale)
-    n = _token_count(pages, layout, page_size, num_tokens)
+    n = layout.token_count(pages, page_size, num_tokens)
     out = _empty_output(n, HEAD_DIM * 4, torch.float32)
     if n:
         sp, spb, ssplit, srb = _geometry(layout, page_size)
@@ -682,7 +672,7 @@ def repage(
     if src.record_bytes != dst.record_bytes:
         result = reference.repage(pages, src, src_page_size, dst, dst_page_size, num_tokens)
         return result if out is None else out.copy_(result)
-    n = _token_count(pages, src, src_page_size, num_tokens)
+    n = src.token_count(pages, src_page_size, num_tokens)
     out = _new_pages(dst, n, dst_page_size) if out is None else out
     if n:
         sp, spb, ssplit, rb = _geometry(src, src_page_size)
@@ -761,7 +751,7 @@ def transcode_pages(
             pages, src, src_page_size, dst, dst_page_size, num_tokens, src_scale, dst_scale, dialect
         )
         return result if out is None else out.copy_(result)
-    n = _token_count(pages, src, src_page_size, num_tokens)
+    n = src.token_count(pages, src_page_size, num_tokens)
     out = _new_pages(dst, n, dst_page_size) if out is None else out
     if n == 0:
         return out

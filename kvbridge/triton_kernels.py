@@ -479,14 +479,6 @@ def _encode_args(layout: Layout, dialect: str | None, scale: float) -> dict:
     return {}
 
 
-def _check_num_tokens(pages: torch.Tensor, page_size: int, num_tokens: int | None) -> int:
-    cap = pages.shape[0] * page_size
-    n = cap if num_tokens is None else num_tokens
-    if not 0 <= n <= cap:
-        raise LayoutError(f"num_tokens={n} does not fit in {pages.shape[0]} pages of {page_size} tokens")
-    return n
-
-
 def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float) -> torch.Tensor:
     """fp32 ``[N, 512]`` (contiguous, finite) -> pages ``[ceil(N/P), page_bytes]`` (``reference.encode_pages``)."""
     n = x.shape[0]
@@ -500,7 +492,7 @@ def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str |
 def decode_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
                  scale: float) -> torch.Tensor:
     """Pages -> fp32 ``[num_tokens, 512]`` (``reference.decode_pages``)."""
-    n = _check_num_tokens(pages, page_size, num_tokens)
+    n = layout.token_count(pages, page_size, num_tokens)
     out = torch.empty(n, HEAD_DIM, dtype=torch.float32, device=pages.device)
     _launch_convert(_Pool(pages, layout, page_size), _Pool(out), n_tokens=n, n_rows=n, src_scale=scale)
     return out
@@ -509,7 +501,7 @@ def decode_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens
 def repage(pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,
            num_tokens: int | None) -> torch.Tensor:
     """Byte move of identical records between page geometries (``reference.repage``)."""
-    n = _check_num_tokens(pages, src_page_size, num_tokens)
+    n = src.token_count(pages, src_page_size, num_tokens)
     out = _empty_pages(dst, n, dst_page_size, pages.device)
     _launch_copy(_Pool(pages, src, src_page_size), _Pool(out, dst, dst_page_size), n_tokens=n,
                  n_rows=out.shape[0] * dst_page_size)
@@ -525,7 +517,7 @@ def transcode_pages(
     The kernel flags tokens that decode to NaN/Inf; if any, ``NonFiniteError`` is raised (the
     output is a fresh tensor, so nothing the caller holds was written).
     """
-    n = _check_num_tokens(pages, src_page_size, num_tokens)
+    n = src.token_count(pages, src_page_size, num_tokens)
     out = _empty_pages(dst, n, dst_page_size, pages.device)
     flags = torch.empty(n, dtype=torch.uint8, device=pages.device)
     _launch_convert(_Pool(pages, src, src_page_size), _Pool(out, dst, dst_page_size), n_tokens=n,

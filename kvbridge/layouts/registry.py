@@ -112,14 +112,20 @@ class Layout:
             pages[:, p * s : p * self.record_bytes] = padded[:, :, s:].reshape(npages, p * (self.record_bytes - s))
         return pages
 
-    def pages_to_records(self, pages: torch.Tensor, page_size: int, num_tokens: int | None = None) -> torch.Tensor:
-        """Pages ``[num_pages, page_bytes]`` uint8 -> token records ``[num_tokens, record_bytes]``."""
+    def token_count(self, pages: torch.Tensor, page_size: int, num_tokens: int | None) -> int:
+        """Validated token count of ``pages``: ``num_tokens``, or every row when it is None."""
         self.check_pages(pages, page_size)
-        npages = pages.shape[0]
-        cap = npages * page_size
+        cap = pages.shape[0] * page_size
         n = cap if num_tokens is None else num_tokens
         if not 0 <= n <= cap:
-            raise LayoutError(f"num_tokens={n} does not fit in {npages} pages of {page_size} tokens")
+            raise LayoutError(f"num_tokens={n} does not fit in {pages.shape[0]} pages of {page_size} tokens")
+        return n
+
+    def pages_to_records(self, pages: torch.Tensor, page_size: int, num_tokens: int | None = None) -> torch.Tensor:
+        """Pages ``[num_pages, page_bytes]`` uint8 -> token records ``[num_tokens, record_bytes]``."""
+        n = self.token_count(pages, page_size, num_tokens)
+        npages = pages.shape[0]
+        cap = npages * page_size
         p = page_size
         if self.split is None:
             rec = pages[:, : p * self.record_bytes].reshape(cap, self.record_bytes)

@@ -154,10 +154,10 @@ def _alternating(num_layers: int) -> tuple[int, ...]:
 # num_attention_heads 64, head_dim 512, qk_rope_head_dim 64, index_head_dim 128,
 # sliding_window 128, compress_ratios [0, 0, 4, 128, ..., 4, 0]); spec section 5.
 FLASH = ModelTopology("deepseek-v4-flash", 43, 1, _alternating(43) + (0,), num_attention_heads=64)
-# DeepSeek-V4-Pro: 61 layers, 128 heads (spec section 5). The spec does not list its ratios;
-# this preset assumes Flash's pattern (0, 0, then 4/128 alternating); load the real
-# config.json with ``from_hf_config`` where it differs.
-PRO = ModelTopology("deepseek-v4-pro", 61, 1, _alternating(61) + (0,), num_attention_heads=128)
+# DeepSeek-V4-Pro: HF config.json (num_hidden_layers 61, num_nextn_predict_layers 1,
+# num_attention_heads 128, index_topk 1024, compress_ratios [128, 128, 4, 128, 4, ..., 128, 4, 0]):
+# no SWA-only layer; ratio 4 on layers 2, 4, ..., 60 (30), ratio 128 on 0, 1, 3, ..., 59 (31).
+PRO = ModelTopology("deepseek-v4-pro", 61, 1, (128, 128) + _alternating(61)[2:] + (0,), num_attention_heads=128)
 
 PRESETS: dict[str, ModelTopology] = {FLASH.name: FLASH, PRO.name: PRO}
 

@@ -29,6 +29,8 @@ from kvbridge.migration import (
     source_request,
     verify,
 )
+from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
+from kvbridge.migration.pools import pool_tensors
 from kvbridge.topology import FLASH, Role
 
 MODEL = FLASH.with_layers(4)
@@ -43,8 +45,15 @@ def _expected(t, src_records: torch.Tensor) -> torch.Tensor:
         values = t.src.layout.codec.decode(src_records, scale=t.src.scale or 1.0)
         return t.dst.layout.codec.encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
     if t.src.kind == "indexer" and t.conversion != "byte copy":
-        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer), t.dst.indexer, t.dst.dialect)
+        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer, t.src.dialect), t.dst.indexer, t.dst.dialect)
+    if t.src.kind == "state" and t.src.fmt != t.dst.fmt:
+        return state_rows_from_f32(state_rows_to_f32(src_records, t.src.fmt), t.dst.fmt)
     return src_records
+
+
+def _flat(pools) -> dict:
+    """Every pool tensor of an ``EnginePools`` (kv and score pools of a state role separately)."""
+    return {(k, i): t for k, v in pools.pools.items() for i, t in enumerate(pool_tensors(v))}
 
 
 def _check(plan, src, src_tables, dst, dst_tables) -> None:
@@ -61,6 +70,12 @@ PAIRS = [
     ("vllm", "trtllm:bf16:tpb=256:idx=fp4"),
     ("trtllm:bf16:tpb=128", "sglang:idx=fp4"),
     ("sglang", "vllm"),
+    # speculative decoding (rings of 16 / 256) and bf16 state into vLLM's fp32 blocks of 4 / 8 positions
+    ("sglang:draft=3:state=bf16", "vllm:gpu=sm100"),
+    ("vllm:gpu=sm100:idx=fp8", "sglang:state=bf16:idx=fp4"),
+    ("trtllm:fp8:tpb=256:state=bf16:draft=1", "sglang:swa=128:draft=2"),
+    ("vllm:kv=flashinfer:gpu=sm100:block=512", "trtllm:fp8-ds-mla:tpb=128:idx=fp8"),
+    ("sglang:online=1", "sglang:online=1:idx=fp4"),
 ]
 
 
@@ -87,7 +102,7 @@ def test_sender_side_conversion_gives_the_same_bytes():
         tables, report = migrate_local(plan, src, src_tables, dst, convert_on=side)
         assert report.converted_on == side and report.payload_bytes == (
             plan.totals()["all"]["dst_bytes" if side == "sender" else "src_bytes"])
-        results.append((tables, {k: v.clone() for k, v in dst.pools.items()}, report))
+        results.append((tables, {k: v.clone() for k, v in _flat(dst).items()}, report))
     assert results[0][0] == results[1][0]
     assert all(torch.equal(results[0][1][k], results[1][1][k]) for k in results[0][1])
     # MODEL1 -> per-tensor FP8 at scale 1: small tiles lose bits, the report says so.
@@ -103,8 +118,8 @@ def test_windowed_blocks_are_released_and_unclaimed_pages_stay_zero():
     assert tables["state4"][:5] == [-1] * 5  # ratio-4 state rows 696..699 live in block 5
     for t in plan.transfers:
         held = {i for i in tables[t.dst.table] if i >= 0}
-        pool = dst.pool(t.spec)
-        assert not any(bool(pool[i].any()) for i in range(pool.shape[0]) if i not in held)
+        for pool in pool_tensors(dst.pool(t.spec)):
+            assert not any(bool(pool[i].any()) for i in range(pool.shape[0]) if i not in held)
 
 
 def test_corrupted_chunk_is_refused_and_nothing_is_claimed():
@@ -117,7 +132,7 @@ def test_corrupted_chunk_is_refused_and_nothing_is_claimed():
     before = dst.num_free()
     with pytest.raises(ChecksumError, match=r"layer 2 indexer_compress, source page chunk 1 \(crc32"):
         verify(plan, payload)
-    assert dst.num_free() == before and not any(bool(p.any()) for p in dst.pools.values())
+    assert dst.num_free() == before and not any(bool(p.any()) for p in _flat(dst).values())
 
 
 def test_payload_for_another_plan_and_unconverted_publish_are_refused():
@@ -148,7 +163,7 @@ def test_full_destination_claims_nothing():
 def test_pools_of_another_profile_and_released_source_pages_are_refused():
     plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=9)
-    with pytest.raises(InputError, match="dst pools are vllm:idx=fp8"):
+    with pytest.raises(InputError, match="dst pools are vllm:block=256:idx=fp8"):
         migrate_local(plan, src, src_tables, destination_pools(plan_migration("sglang", "vllm", MODEL, TOKENS)))
     with pytest.raises(InputError, match="convert_on must be 'sender' or 'receiver'"):
         migrate_local(plan, src, src_tables, destination_pools(plan), convert_on="middle")  # type: ignore[arg-type]
@@ -173,7 +188,7 @@ def test_skipping_the_loss_report_writes_the_same_bytes():
     for measure in (True, False):
         dst = destination_pools(plan, seed=2)
         _, report = migrate_local(plan, src, src_tables, dst, loss_report=measure)
-        pools.append(dst.pools)
+        pools.append(_flat(dst))
         if not measure:
             assert report.loss == [] and report.kv_lossless is None and report.indexer_max_abs_error is None
     assert all(torch.equal(pools[0][k], pools[1][k]) for k in pools[0])

@@ -93,8 +93,9 @@ def test_cli_plan_table_and_transfers():
     result = CliRunner().invoke(cli, ["migrate", "plan", "--from", "trtllm:fp8:tpb=128", "--to", "sglang",
                                       "--tokens", "3000", "--transfers"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "indexer_compress: requantize fp4 -> fp8 (amax-1e-4)" in result.output
-    assert "[2872, 3000)" in result.output  # the SWA tail of every layer
+    assert "indexer_compress: requantize fp4 -> fp8 (sglang)" in result.output
+    # the SWA tail of every layer, from the start of SGLang's 256-token page (its PD sends whole pages)
+    assert "[2816, 3000)" in result.output
     assert "wire time at 40 GB/s" in result.output
 
 
@@ -103,6 +104,8 @@ def test_cli_plan_table_and_transfers():
     [
         (["--from", "trtllm:fp9", "--to", "sglang", "--tokens", "8"], 2, "KV dtype must be one of"),
         (["--from", "trtllm:tpb=64", "--to", "sglang", "--tokens", "8"], 2, "tpb must be one of 128, 256"),
+        (["--from", "sglang:e4m3=fnuz", "--to", "vllm", "--tokens", "8"], 2, "float8_e4m3fnuz"),
+        (["--from", "vllm:kv=v41", "--to", "sglang", "--tokens", "8"], 2, "528-B MXFP8"),
         (["--from", "sglang", "--to", "tgi", "--tokens", "8"], 2, "unknown engine 'tgi'"),
         (["--from", "sglang", "--to", "vllm", "--tokens", "8", "--model", "v5"], 2, "unknown model 'v5'"),
         (["--from", "sglang", "--to", "vllm", "--tokens", "0"], 2, "0 is not in the range"),
@@ -141,21 +144,26 @@ def test_page_ranges_follow_each_engines_geometry():
     assert c128.count == 23 and c128.src.page_size == 2 and c128.dst.page_size == 2
     assert c128.table_slots(c128.dst) == list(range(12))
     state = by_key[(2, Role.STATE)]
-    assert state.dst.addressing == "ring" and state.table_slots(state.dst) == [0]
+    # vLLM: fp32 state in blocks of 4 positions (ratio 4) / 8 (ratio 128) through its own tables
+    assert (state.first, state.count) == (2996, 4)  # L % 4 == 0: the previous window only
+    assert state.dst.addressing == "paged" and state.dst.page_size == 4 and state.table_slots(state.dst) == [749]
     assert state.src.table == "state4" and state.table_slots(state.src) == [11]
     assert plan.table_lengths("src") == {"swa": 12, "compress4": 12, "state4": 12, "indexer4": 12,
                                          "indexer_state4": 12, "compress128": 12, "state128": 12}
-    assert plan.table_lengths("dst") == {"swa": 47, "compress4": 12, "state4": 1, "indexer_state4": 1,
-                                         "compress128": 12, "state128": 1}
+    assert plan.table_lengths("dst") == {"swa": 47, "compress4": 12, "state4": 750, "indexer_state4": 750,
+                                         "compress128": 12, "state128": 375}
 
 
 def test_byte_move_and_requantize_names():
     plan = plan_migration("vllm", "trtllm:fp8-ds-mla:tpb=256:idx=fp8", FLASH.with_layers(3), 1000)
     names = {t.spec.role: t.conversion for t in plan.transfers}
     assert names[Role.SWA] == "byte move" and names[Role.COMPRESS] == "byte move"
-    assert names[Role.INDEXER] == "requantize fp8 -> fp8 (amax)"
-    same = plan_migration("sglang", "vllm", FLASH.with_layers(3), 1000)
+    assert names[Role.INDEXER] == "requantize fp8 -> fp8 (trtllm)"
+    same = plan_migration("sglang", "sglang:swa=128", FLASH.with_layers(3), 1000)
     assert {t.conversion for t in same.transfers if t.spec.role == Role.INDEXER} == {"byte copy"}
+    # vLLM's fp8 writer (power-of-two scale from bf16 keys) is not SGLang's: its keys are re-quantized
+    other = plan_migration("sglang", "vllm", FLASH.with_layers(3), 1000)
+    assert {t.conversion for t in other.transfers if t.spec.role == Role.INDEXER} == {"requantize fp8 -> fp8 (vllm)"}
 
 
 def test_plan_argument_errors_and_fingerprint():

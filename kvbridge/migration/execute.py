@@ -20,6 +20,7 @@ import torch
 
 import kvbridge
 from kvbridge import indexer as ix
+from kvbridge import numerics as nx
 from kvbridge.api import LossReport
 from kvbridge.engines import Storage
 from kvbridge.errors import InputError, KVBridgeError
@@ -52,8 +53,9 @@ class Payload:
 
     ``converted``: records are already in the destination format. ``chunks[i]`` lists the
     row counts of transfer i's page chunks and ``checksums[i]`` their CRC-32 values.
-    ``loss`` (one report per KV conversion batch) and ``indexer_max_abs_error`` are set by a
-    conversion that measured its loss; ``indexer_max_abs_error`` is None when none did.
+    ``loss`` (one report per KV conversion batch), ``indexer_max_abs_error`` and
+    ``state_max_abs_error`` (compressor-state rows rounded to bf16) are set by a conversion that
+    measured its loss; they are None when none did.
     """
 
     fingerprint: str
@@ -63,6 +65,7 @@ class Payload:
     checksums: list[list[int]]
     loss: list[LossReport] = field(default_factory=list)
     indexer_max_abs_error: float | None = None
+    state_max_abs_error: float | None = None
 
 
 @dataclass
@@ -87,6 +90,7 @@ class MigrationReport:
     wire_s: float
     publish_s: float
     loss: list[LossReport]
+    state_max_abs_error: float | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -119,17 +123,47 @@ BATCH_ENTRIES = 1 << 16
 
 
 def _needs_conversion(t: Transfer) -> bool:
-    return t.src.kind != "state" and t.conversion not in ("byte move", "byte copy")
+    if t.src.kind == "state":
+        return t.src.fmt != t.dst.fmt
+    return t.conversion not in ("byte move", "byte copy")
+
+
+def state_rows_to_f32(records: torch.Tensor, fmt: str) -> torch.Tensor:
+    """State rows (uint8 ``[N, row_bytes]``, little-endian fp32 or bf16) -> fp32 values."""
+    if fmt.endswith("bf16"):
+        return nx.bf16_from_bytes(records)
+    return records.contiguous().view(torch.float32)
+
+
+def state_rows_from_f32(values: torch.Tensor, fmt: str) -> torch.Tensor:
+    """fp32 values -> state rows in ``fmt`` (bf16: nearest-even, as the engines' ``.to(bfloat16)``)."""
+    if fmt.endswith("bf16"):
+        return nx.bf16_bytes(values)
+    return values.contiguous().view(torch.uint8)
+
+
+def _state_error(src: torch.Tensor, back: torch.Tensor) -> float:
+    """Max |back - src| over finite values; +-inf scores (cleared rows) must stay the same infinity."""
+    finite = torch.isfinite(src)
+    if not bool((back[~finite] == src[~finite]).all()):
+        raise MigrationError("a compressor-state value changed infinity on conversion")
+    return float((back[finite] - src[finite]).abs().max()) if bool(finite.any()) else 0.0
 
 
 def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool) -> tuple[torch.Tensor, LossReport | None,
                                                                                     float | None]:
-    """Convert records of ``t``'s kind; returns (records, KV loss report, indexer max abs error)."""
+    """Convert records of ``t``'s kind; returns (records, KV loss report, indexer or state max abs error)."""
+    if t.src.kind == "state":
+        values = state_rows_to_f32(records, t.src.fmt)
+        out = state_rows_from_f32(values, t.dst.fmt)
+        return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if loss_report else None
     if t.src.kind == "indexer":
         if loss_report:
-            out, err = ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "")
+            out, err = ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "",
+                                         t.src.dialect)
             return out, None, err
-        return ix.encode_keys(ix.decode_keys(records, t.src.indexer), t.dst.indexer, t.dst.dialect or ""), None, None
+        values = ix.decode_keys(records, t.src.indexer, t.src.dialect)
+        return ix.encode_keys(values, t.dst.indexer, t.dst.dialect or ""), None, None
     src, dst, n = t.src.layout, t.dst.layout, records.shape[0]
     result = kvbridge.transcode(
         src.records_to_pages(records, n), src, dst, src_page_size=n, dst_page_size=n, src_scale=t.src.scale,
@@ -153,11 +187,12 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
     groups: dict[tuple, list[tuple[int, int, int]]] = {}
     for i, t in enumerate(plan.transfers):
         if _needs_conversion(t):
-            key = (t.src.kind, t.src.fmt, t.src.scale, t.conversion)
+            key = (t.src.kind, t.src.fmt, t.src.record_bytes, t.src.scale, t.src.dialect, t.conversion)
             groups.setdefault(key, []).extend(
                 (i, lo, min(lo + BATCH_ENTRIES, t.count)) for lo in range(0, t.count, BATCH_ENTRIES))
     loss: list[LossReport] = []
     idx_err: float | None = 0.0 if loss_report else None
+    state_err: float | None = 0.0 if loss_report else None
     for pieces in groups.values():
         batches: list[list[tuple[int, int, int]]] = [[]]
         size = 0
@@ -172,13 +207,15 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
             converted, report, err = _convert_batch(plan.transfers[batch[0][0]], records, loss_report)
             if report is not None:
                 loss.append(report)
-            if err is not None and idx_err is not None:
+            if err is not None and plan.transfers[batch[0][0]].src.kind == "state":
+                state_err = max(state_err or 0.0, err)
+            elif err is not None and idx_err is not None:
                 idx_err = max(idx_err, err)
             offset = 0
             for i, lo, hi in batch:
                 out[i][lo:hi] = converted[offset : offset + hi - lo]
                 offset += hi - lo
-    return Payload(payload.fingerprint, True, out, payload.chunks, payload.checksums, loss, idx_err)
+    return Payload(payload.fingerprint, True, out, payload.chunks, payload.checksums, loss, idx_err, state_err)
 
 
 def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, convert: bool,
@@ -266,6 +303,7 @@ def finish(plan: MigrationPlan, payload: Payload, dst: EnginePools, *, converted
         wire_s=wire_s,
         publish_s=t2 - t1,
         loss=loss,
+        state_max_abs_error=converted.state_max_abs_error,
     )
     return tables, report
 
@@ -292,7 +330,8 @@ def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables,
 
     KV: latents ~ N(0, 1) per dim (bf16-rounded), a few tokens scaled by 2^-12 to exercise small
     tiles, encoded with ``kvbridge.encode`` in the engine's dialect and scale; indexer keys
-    ~ N(0, 1) encoded by the engine's rule; state rows fp32 ~ N(0, 1).
+    ~ N(0, 1) encoded by the engine's rule; state rows ~ N(0, 1) in the engine's state dtype,
+    every fifth row cleared (kv 0, score -inf) as the engines clear unused rows.
     """
     gen = torch.Generator().manual_seed(seed)
     for t in plan.transfers:
@@ -305,7 +344,12 @@ def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables,
         elif st.kind == "indexer":
             rec = ix.encode_keys(torch.randn(t.count, t.spec.width, generator=gen), st.indexer, st.dialect or "")
         else:
-            rec = torch.randn(t.count, t.spec.width, generator=gen).contiguous().view(torch.uint8)
+            width = st.record_bytes // (2 if st.fmt.endswith("bf16") else 4)
+            rows = torch.randn(t.count, width, generator=gen)
+            if not st.fmt.startswith("online"):
+                rows[::5, : width // 2] = 0.0
+                rows[::5, width // 2 :] = float("-inf")
+            rec = state_rows_from_f32(rows, st.fmt)
         scatter_records(src.pool(t.spec), st, tables[st.table], t.first, rec)
 
 

@@ -19,6 +19,22 @@ from kvbridge.topology import CacheSpec, ModelTopology, Role, get_model
 
 #: A request's block tables: table name -> physical page ids (-1: released / not held).
 RequestTables = dict[str, list[int]]
+#: One cache's pool: a uint8 ``[num_pages, page_bytes]`` tensor, or for storages with
+#: ``separate_pools`` (TensorRT-LLM's compressor kv and score) a pair of them.
+Pool = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def pool_shapes(storage: Storage) -> list[int]:
+    """Bytes per page of each tensor of a pool of ``storage``."""
+    if storage.separate_pools:
+        assert storage.split is not None
+        p = storage.page_size
+        return [p * storage.split, p * (storage.record_bytes - storage.split)]
+    return [storage.page_bytes]
+
+
+def pool_tensors(pool: Pool) -> tuple[torch.Tensor, ...]:
+    return pool if isinstance(pool, tuple) else (pool,)
 
 
 def _runs(storage: Storage, table: Sequence[int], first: int, count: int, num_pages: int
@@ -28,11 +44,15 @@ def _runs(storage: Storage, table: Sequence[int], first: int, count: int, num_pa
     p = storage.page_size
     if storage.addressing == "ring" and count > p:
         raise InputError(f"{count} entries do not fit the {p}-row ring of block table {storage.table!r}")
+    span = storage.span or p
     runs = []
     entry, end = first, first + count
     while entry < end:
-        stop = min(end, (entry // p + 1) * p)
-        slot = 0 if storage.addressing == "ring" else entry // p
+        stop = min(end, (entry // p + 1) * p, (entry // span + 1) * span)
+        if storage.addressing == "page-ring" and min(end, (entry // span + 1) * span) - entry > p:
+            raise InputError(f"entries {entry}..{stop - 1} overflow the {p}-row ring of a {span}-position page of "
+                             f"block table {storage.table!r}")
+        slot = 0 if storage.addressing == "ring" else entry // span
         if slot >= len(table):
             raise InputError(f"block table {storage.table!r} has {len(table)} pages; entry {stop - 1} needs "
                              f"page index {slot}")
@@ -46,9 +66,15 @@ def _runs(storage: Storage, table: Sequence[int], first: int, count: int, num_pa
     return runs
 
 
-def _page_views(pool: torch.Tensor, storage: Storage) -> list[tuple[torch.Tensor, int, int]]:
+def _page_views(pool: Pool, storage: Storage) -> list[tuple[torch.Tensor, int, int]]:
     """Views ``[num_pages, P, width]`` of a pool, with the record byte range each holds."""
     p, rec = storage.page_size, storage.record_bytes
+    if isinstance(pool, tuple):
+        s = storage.split
+        assert s is not None
+        kv, score = pool
+        return [(kv[:, : p * s].view(kv.shape[0], p, s), 0, s),
+                (score[:, : p * (rec - s)].view(score.shape[0], p, rec - s), s, rec)]
     n = pool.shape[0]
     if storage.split is None:
         return [(pool[:, : p * rec].view(n, p, rec), 0, rec)]
@@ -56,24 +82,25 @@ def _page_views(pool: torch.Tensor, storage: Storage) -> list[tuple[torch.Tensor
     return [(pool[:, : p * s].view(n, p, s), 0, s), (pool[:, p * s : p * rec].view(n, p, rec - s), s, rec)]
 
 
-def gather_records(pool: torch.Tensor, storage: Storage, table: Sequence[int], first: int, count: int) -> torch.Tensor:
+def gather_records(pool: Pool, storage: Storage, table: Sequence[int], first: int, count: int) -> torch.Tensor:
     """Records ``[count, record_bytes]`` (uint8) of entries ``[first, first + count)``.
 
     Entries in one page are consecutive rows, so each run is one slice copy per record part.
     """
-    out = torch.empty(count, storage.record_bytes, dtype=torch.uint8, device=pool.device)
+    first_tensor = pool_tensors(pool)[0]
+    out = torch.empty(count, storage.record_bytes, dtype=torch.uint8, device=first_tensor.device)
     views = _page_views(pool, storage)
-    for page, row, n, off in _runs(storage, table, first, count, pool.shape[0]):
+    for page, row, n, off in _runs(storage, table, first, count, first_tensor.shape[0]):
         for view, lo, hi in views:
             out[off : off + n, lo:hi] = view[page, row : row + n]
     return out
 
 
-def scatter_records(pool: torch.Tensor, storage: Storage, table: Sequence[int], first: int,
+def scatter_records(pool: Pool, storage: Storage, table: Sequence[int], first: int,
                     records: torch.Tensor) -> None:
     """Write records ``[count, record_bytes]`` into the pool slots of entries ``[first, first + count)``."""
     views = _page_views(pool, storage)
-    for page, row, n, off in _runs(storage, table, first, records.shape[0], pool.shape[0]):
+    for page, row, n, off in _runs(storage, table, first, records.shape[0], pool_tensors(pool)[0].shape[0]):
         for view, lo, hi in views:
             view[page, row : row + n] = records[off : off + n, lo:hi]
 
@@ -86,7 +113,7 @@ class EnginePools:
     model: ModelTopology
     include_mtp: bool
     pages_per_table: dict[str, int]
-    pools: dict[tuple[int, Role], torch.Tensor] = field(default_factory=dict)
+    pools: dict[tuple[int, Role], Pool] = field(default_factory=dict)
     free: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
@@ -97,12 +124,13 @@ class EnginePools:
         With ``seed`` the free lists are shuffled, so requests get scattered page ids.
         """
         prof, topo = parse_engine(profile), get_model(model)
-        pools: dict[tuple[int, Role], torch.Tensor] = {}
+        pools: dict[tuple[int, Role], Pool] = {}
         for spec in topo.all_caches(include_mtp):
             st = prof.storage(spec)
             if st.table not in pages_per_table:
                 raise InputError(f"pages_per_table lacks block table {st.table!r} of {prof.spec}")
-            pools[(spec.layer, spec.role)] = torch.zeros(pages_per_table[st.table], st.page_bytes, dtype=torch.uint8)
+            parts = tuple(torch.zeros(pages_per_table[st.table], b, dtype=torch.uint8) for b in pool_shapes(st))
+            pools[(spec.layer, spec.role)] = parts if st.separate_pools else parts[0]
         free = {name: list(range(n)) for name, n in pages_per_table.items()}
         if seed is not None:
             rng = random.Random(seed)
@@ -112,11 +140,12 @@ class EnginePools:
 
     @classmethod
     def wrap(cls, profile: str | EngineProfile, model: str | ModelTopology,
-             pools: dict[tuple[int, Role], torch.Tensor], *, include_mtp: bool = True,
+             pools: dict[tuple[int, Role], Pool], *, include_mtp: bool = True,
              free: dict[str, list[int]] | None = None) -> EnginePools:
         """Pools an engine already owns: uint8 ``[num_pages, page_bytes]`` tensors (e.g. views of its
-        KV buffers), one per (layer, role) of the model. ``free`` lists the page ids a receiver may
-        claim per block table (default: every page)."""
+        KV buffers), one per (layer, role) of the model; a ``(kv, score)`` pair of tensors for the
+        compressor-state roles of a profile that keeps them apart (TensorRT-LLM). ``free`` lists
+        the page ids a receiver may claim per block table (default: every page)."""
         prof, topo = parse_engine(profile), get_model(model)
         pages_per_table: dict[str, int] = {}
         for spec in topo.all_caches(include_mtp):
@@ -126,11 +155,20 @@ class EnginePools:
             what = f"pool of layer {spec.layer} {spec.role.value}"
             if t is None:
                 raise InputError(f"{what} is missing")
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != st.page_bytes:
-                shape = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise InputError(f"{what} must be uint8 [num_pages, {st.page_bytes}] for {prof.spec}, got {shape}")
-            if pages_per_table.setdefault(st.table, t.shape[0]) != t.shape[0]:
-                raise InputError(f"{what} has {t.shape[0]} pages; other pools of block table {st.table!r} have "
+            widths = pool_shapes(st)
+            parts = t if isinstance(t, tuple) else (t,)
+            want = " and ".join(f"uint8 [num_pages, {w}]" for w in widths)
+            if len(parts) != len(widths) or any(
+                    not isinstance(x, torch.Tensor) or x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != w
+                    for x, w in zip(parts, widths, strict=False)):
+                shape = ", ".join(f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+                                  for x in parts)
+                raise InputError(f"{what} must be {want} for {prof.spec}, got {shape}")
+            if len({x.shape[0] for x in parts}) != 1:
+                raise InputError(f"{what}: its kv and score pools have different page counts")
+            n = parts[0].shape[0]
+            if pages_per_table.setdefault(st.table, n) != n:
+                raise InputError(f"{what} has {n} pages; other pools of block table {st.table!r} have "
                                  f"{pages_per_table[st.table]}")
         extra = set(pools) - {(c.layer, c.role) for c in topo.all_caches(include_mtp)}
         if extra:
@@ -143,7 +181,7 @@ class EnginePools:
     def storage(self, spec: CacheSpec) -> Storage:
         return self.profile.storage(spec)
 
-    def pool(self, spec: CacheSpec) -> torch.Tensor:
+    def pool(self, spec: CacheSpec) -> Pool:
         return self.pools[(spec.layer, spec.role)]
 
     def num_free(self) -> dict[str, int]:

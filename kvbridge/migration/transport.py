@@ -91,6 +91,7 @@ def send_payload(payload: Payload, *, dst_rank: int, group: dist.ProcessGroup | 
                   for r, c, s in zip(payload.records, payload.chunks, payload.checksums, strict=True)],
         "loss": [r.to_dict() for r in payload.loss],
         "indexer_max_abs_error": payload.indexer_max_abs_error,
+        "state_max_abs_error": payload.state_max_abs_error,
     }
     head = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(device)
     data = torch.cat([r.reshape(-1) for r in payload.records]).to(device) if payload.records else \
@@ -146,7 +147,8 @@ def receive_payload(plan: MigrationPlan, *, src_rank: int, group: dist.ProcessGr
         offset += n
     loss = [LossReport(**r) for r in header["loss"]]
     return Payload(header["fingerprint"], header["converted"], records, [i["chunks"] for i in items],
-                   [i["crc32"] for i in items], loss, header["indexer_max_abs_error"])
+                   [i["crc32"] for i in items], loss, header["indexer_max_abs_error"],
+                   header.get("state_max_abs_error"))
 
 
 def send_request(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, dst_rank: int,

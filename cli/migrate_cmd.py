@@ -99,6 +99,12 @@ def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> 
             _mib(row["src_page_bytes"]),
             _mib(row["dst_page_bytes"]),
         )
+    for side, prof in (("from", plan.src), ("to", plan.dst)):
+        console.print(f"[bold]{side}[/bold] {prof.spec} ({prof.version})")
+        for c in prof.choices:
+            console.print(f"  {c.option}={c.value} ({'given' if c.given else 'default'}; {c.source})")
+        for role, where in prof.sources.items():
+            console.print(f"  {role}: {where}")
     console.print(table)
     for role, names in conversions.items():
         console.print(f"  {role}: {'; '.join(sorted(names))}")

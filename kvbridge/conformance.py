@@ -2,7 +2,8 @@
 
 ``run_conformance`` replays the fixture files of ``fixtures/`` (FlashMLA's MODEL1 encoder and
 dequantizer at P = 2, 64, 256; TensorRT-LLM's per-tensor FP8 writer and reader at each scale)
-plus the dialect zero-tile scale bytes of spec section 4 (114 / 105 / 92), comparing bytes with
+plus the dialect zero-tile scale bytes of spec section 4 (114 / 105 / 92) and the indexer-key
+pages and records written by SGLang's and vLLM's own writers (fixtures/README.md), comparing bytes with
 ``torch.equal``, and FlashMLA's sparse-decode reference outputs through ``sparse_decode``
 (reference backend) within FlashMLA's own test tolerances (spec section 6; fp32 accumulation
 order differs, so these are not bitwise). ``identify_writer`` says which encoder (dialect, input precision, scale)
@@ -27,6 +28,8 @@ from kvbridge.layouts import Layout, get_layout
 MODEL1_FIXTURE = "model1_reference.safetensors"
 TRTLLM_FIXTURE = "trtllm_fp8_reference.safetensors"
 DECODE_FIXTURE = "model1_decode_reference.safetensors"
+SGLANG_INDEXER_FIXTURE = "sglang_indexer_reference.safetensors"
+VLLM_INDEXER_FIXTURE = "vllm_indexer_reference.safetensors"
 #: Scale byte of an all-zero tile per dialect, as stated in spec section 4 (not derived from the encoder).
 ZERO_TILE_SCALE_BYTE = {"flashmla": 114, "amax-1e-4": 105, "amax-1e-8": 92}
 #: Odd page size (FlashMLA's tests use 61) for the re-paging round trip check.
@@ -43,6 +46,7 @@ class CheckResult:
     check: str
     passed: bool
     detail: str
+    engine: str = ""
 
 
 @dataclass
@@ -255,6 +259,62 @@ def dialect_checks(device: torch.device) -> list[CheckResult]:
     return results
 
 
+#: (engine version, fixture file, format, rule, writer function the fixture was made with).
+INDEXER_WRITERS = (
+    ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp4", "sglang",
+     "quantize_fp4_indexer_tensor(rne=False) + store_fp4_index_k_cache"),
+    ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp4", "sglang-rne", "quantize_fp4_indexer_tensor(rne=True)"),
+    ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp8", "sglang-rocm", "triton_fused_store_indexer"),
+    ("vLLM 0.33.0", VLLM_INDEXER_FIXTURE, "fp8", "vllm", "_fused_kv_compress_norm_rope_insert_indexer_attn"),
+    ("vLLM 0.33.0", VLLM_INDEXER_FIXTURE, "fp8", "vllm-ue8m0",
+     "_fused_kv_compress_norm_rope_insert_indexer_attn(MX_SCALE)"),
+)
+
+
+def page_records(pages: torch.Tensor, slots: torch.Tensor, page_size: int, split: int, record_bytes: int
+                 ) -> torch.Tensor:
+    """Records of the keys at ``slots`` of block-planar indexer pages (values at ``row * split``,
+    scales at ``page_size * split + row * (record_bytes - split)``); page stride = ``pages.shape[1]``."""
+    page, row = slots // page_size, slots % page_size
+    cols = torch.arange(split, device=pages.device)
+    tail = torch.arange(record_bytes - split, device=pages.device)
+    values = pages[page.unsqueeze(1), row.unsqueeze(1) * split + cols]
+    scales = pages[page.unsqueeze(1), page_size * split + row.unsqueeze(1) * (record_bytes - split) + tail]
+    return torch.cat([values, scales], dim=1)
+
+
+def indexer_checks(root: Path, device: torch.device) -> list[CheckResult]:
+    """Indexer-key bytes written by SGLang's and vLLM's own writers: encode = their records and pages."""
+    from kvbridge import indexer as ix
+
+    results = []
+    loaded = {name: _load(root / name, device) for name in (SGLANG_INDEXER_FIXTURE, VLLM_INDEXER_FIXTURE)}
+    for engine, name, fmt_name, rule, writer in INDEXER_WRITERS:
+        tensors, info = loaded[name]
+        fmt = ix.indexer_format(fmt_name)
+        p = int(info["page_size"])
+        key = f"{fmt_name}.{rule}"
+        layout = f"indexer-{fmt_name}"
+        if name == SGLANG_INDEXER_FIXTURE:
+            keys, slots = tensors["keys"], tensors["slots"]
+            want_records = tensors.get(f"{key}.records")
+        else:
+            keys, slots = tensors[f"{key}.page_keys"], tensors[f"{key}.slots"]
+            want_records = None
+        got = ix.encode_keys(keys, fmt, rule)
+        pages = tensors[f"{key}.pages"]
+        have = page_records(pages, slots.long(), p, fmt.split, fmt.record_bytes)
+        results.append(CheckResult(layout, rule, f"P={p}, {pages.shape[1]} B pages", f"page bytes = {writer}",
+                                   *byte_diff(got, have), engine=engine))
+        if name == VLLM_INDEXER_FIXTURE:
+            keys, want_records = tensors[f"{key}.keys"], tensors[f"{key}.records"]
+            got = ix.encode_keys(keys, fmt, rule)
+        if want_records is not None:
+            results.append(CheckResult(layout, rule, f"{keys.shape[0]} keys", f"records = {writer}",
+                                       *byte_diff(got, want_records), engine=engine))
+    return results
+
+
 def run_conformance(
     fixtures_dir: str | os.PathLike | None = None, device: str | torch.device = "cpu"
 ) -> ConformanceReport:
@@ -276,6 +336,7 @@ def run_conformance(
         *trtllm_checks(root / TRTLLM_FIXTURE, dev),
         *dialect_checks(dev),
         *decode_checks(root / DECODE_FIXTURE, dev),
+        *indexer_checks(root, dev),
     ]
     return ConformanceReport(str(root), str(dev), results)
 
@@ -377,12 +438,46 @@ def identify_writer(
     return WriterReport(lay.name, n, candidates)
 
 
+#: Engine writer behind each indexer rule.
+INDEXER_RULE_WRITERS = {
+    "trtllm": "TensorRT-LLM indexer writer", "sglang": "SGLang (CUDA store / C4 fp4 pool)",
+    "sglang-rocm": "SGLang ROCm store", "sglang-rne": "SGLang fp4 with rne=True", "deepgemm": "DeepGEMM reference",
+    "vllm": "vLLM", "vllm-ue8m0": "vLLM on SM100 (UE8M0 scales)",
+}
+
+
+def identify_indexer_writer(pages: torch.Tensor, fmt: str, keys: torch.Tensor, *, page_size: int,
+                            slots: torch.Tensor | None = None) -> WriterReport:
+    """Which engine's indexer writer reproduces block-planar indexer ``pages`` (uint8
+    ``[num_pages, page_bytes]``) from the source ``keys`` ``[N, dim]`` stored at ``slots``
+    (default 0..N-1). Every rule of the format is tried; all bytes of each key are compared."""
+    from kvbridge import indexer as ix
+
+    f = ix.indexer_format(fmt, keys.shape[1] if isinstance(keys, torch.Tensor) and keys.dim() == 2 else 128)
+    if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or pages.dim() != 2 \
+            or pages.shape[1] < page_size * f.record_bytes:
+        raise InputError(f"{fmt} indexer pages must be uint8 [num_pages, >= {page_size * f.record_bytes}]")
+    n = keys.shape[0]
+    slots = torch.arange(n) if slots is None else slots.long()
+    if slots.shape != (n,) or (n and (int(slots.min()) < 0 or int(slots.max()) >= pages.shape[0] * page_size)):
+        raise InputError(f"slots must be {n} indices into {pages.shape[0]} pages of {page_size} keys")
+    have = page_records(pages, slots.to(pages.device), page_size, f.split, f.record_bytes)
+    candidates = []
+    for rule in f.rules:
+        got = ix.encode_keys(keys, f, rule).to(pages.device)
+        differing = int((got != have).sum())
+        candidates.append(WriterCandidate(f"{rule}: {INDEXER_RULE_WRITERS[rule]}", rule, "as given", None,
+                                          differing == 0, differing))
+    return WriterReport(f"indexer-{fmt}", n, candidates)
+
+
 __all__ = [
     "CheckResult",
     "ConformanceReport",
     "WriterCandidate",
     "WriterReport",
     "default_fixtures_dir",
+    "identify_indexer_writer",
     "identify_writer",
     "run_conformance",
 ]

@@ -225,7 +225,7 @@ def _refuse_fnuz(opts: _Options, engine: str) -> None:
                          "supported: kvbridge's layouts store OCP float8_e4m3fn bytes, which those pools misread")
 
 
-_SG = "python/sglang/"
+_SG = "sglang/"
 
 
 def sglang(spec: str = "sglang") -> EngineProfile:
@@ -263,7 +263,8 @@ def sglang(spec: str = "sglang") -> EngineProfile:
         state={4: ("page-ring", ring4, "swa"), 128: ("ring", 1 if online else ring128, "state")},
         tables={Role.SWA: "swa", Role.COMPRESS: "full", Role.INDEXER: "full"},
         sources={
-            "kv": f"{mem} DeepSeekV4TokenToKVPool; {_SG}jit_kernel/csrc/deepseek_v4/store.cuh FusedStoreCacheFlashMLA",
+            "kv": f"{mem} DeepSeekV4TokenToKVPool; "
+                  f"{_SG}kernels/jit/csrc/deepseek_v4/store.cuh FusedStoreCacheFlashMLAKernel",
             "indexer": (f"{_SG}kernels/jit/csrc/deepseek_v4/store.cuh fused_store_indexer_cache" if idx == "fp8" else
                         f"{_SG}kernels/ops/quantization/fp4_indexer_quant.py quantize_fp4_indexer_tensor (rne=False)"),
             "state": f"{_SG}srt/mem_cache/deepseek_v4_compress_state.py CompressStatePool "

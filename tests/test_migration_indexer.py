@@ -133,8 +133,10 @@ def test_fp4_round_trip_of_grid_values_is_exact():
         assert torch.equal(ix.decode_keys(rec, FP4), x), rule
 
 
-@pytest.mark.parametrize(("src", "src_rule", "dst_rule"), [("fp4", "trtllm", "sglang"), ("fp8", "trtllm", "sglang"),
-                                                            ("fp8", "sglang", "trtllm"), ("fp8", "vllm-ue8m0", "sglang")])
+@pytest.mark.parametrize(("src", "src_rule", "dst_rule"), [
+    ("fp4", "trtllm", "sglang"), ("fp8", "trtllm", "sglang"), ("fp8", "sglang", "trtllm"),
+    ("fp8", "vllm-ue8m0", "sglang"),
+])
 def test_conversion_to_fp8_is_within_e4m3_rounding(src, src_rule, dst_rule):
     fmt = ix.indexer_format(src)
     gen = torch.Generator().manual_seed(7)

@@ -102,7 +102,7 @@ def _chunk_rows(t: Transfer, storage: Storage) -> list[int]:
     """Row counts of ``t``'s entries grouped by the page of ``storage`` they sit in."""
     if storage.addressing == "ring":
         return [t.count]
-    p = storage.page_size
+    p = storage.span or storage.page_size
     bounds = [t.first] + list(range((t.first // p + 1) * p, t.first + t.count, p)) + [t.first + t.count]
     return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
 

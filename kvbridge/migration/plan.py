@@ -54,7 +54,8 @@ class Transfer:
             return []
         if storage.addressing == "ring":
             return [0]
-        return list(range(self.first // storage.page_size, (self.first + self.count - 1) // storage.page_size + 1))
+        span = storage.span or storage.page_size
+        return list(range(self.first // span, (self.first + self.count - 1) // span + 1))
 
     @property
     def src_page_bytes(self) -> int:

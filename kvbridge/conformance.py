@@ -30,6 +30,16 @@ TRTLLM_FIXTURE = "trtllm_fp8_reference.safetensors"
 DECODE_FIXTURE = "model1_decode_reference.safetensors"
 SGLANG_INDEXER_FIXTURE = "sglang_indexer_reference.safetensors"
 VLLM_INDEXER_FIXTURE = "vllm_indexer_reference.safetensors"
+DERIVED_INDEXER_FIXTURE = "derived_indexer_reference.safetensors"
+SGLANG_STATE_FIXTURE = "sglang_state_addressing_reference.safetensors"
+#: Writers that cannot run on a CPU, re-implemented from their source outside kvbridge (derived, not golden).
+DERIVED_INDEXER_WRITERS = (
+    ("TensorRT-LLM main", "fp8", "trtllm", "compressorKernels.cu postProcessScatterKernel kFP8Blockwise"),
+    ("TensorRT-LLM main", "fp4", "trtllm", "compressorKernels.cu postProcessScatterKernel kMXFP4Blockwise"),
+    ("SGLang 0.5.23", "fp8", "sglang", "store.cuh fused_store_indexer_cache"),
+    ("vLLM 0.33.0", "fp4", "vllm", "_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn"),
+    ("DeepGEMM", "fp4", "deepgemm", "per_token_cast_to_fp4"),
+)
 #: Scale byte of an all-zero tile per dialect, as stated in spec section 4 (not derived from the encoder).
 ZERO_TILE_SCALE_BYTE = {"flashmla": 114, "amax-1e-4": 105, "amax-1e-8": 92}
 #: Odd page size (FlashMLA's tests use 61) for the re-paging round trip check.
@@ -315,6 +325,65 @@ def indexer_checks(root: Path, device: torch.device) -> list[CheckResult]:
     return results
 
 
+def derived_indexer_checks(path: Path, device: torch.device) -> list[CheckResult]:
+    """Indexer records of the writers that need a GPU, from an independent re-implementation (derived)."""
+    from kvbridge import indexer as ix
+
+    tensors, _ = _load(path, device)
+    keys = tensors["keys"]
+    results = []
+    for engine, fmt_name, rule, writer in DERIVED_INDEXER_WRITERS:
+        got = ix.encode_keys(keys, ix.indexer_format(fmt_name), rule)
+        results.append(CheckResult(f"indexer-{fmt_name}", rule, f"{keys.shape[0]} keys (derived)",
+                                   f"records = {writer}", *byte_diff(got, tensors[f"{fmt_name}.{rule}.records"]),
+                                   engine=engine))
+    return results
+
+
+def state_addressing_checks(path: Path, device: torch.device) -> list[CheckResult]:
+    """SGLang's compressor-state rows (its pool's own translate functions) = kvbridge's addressing.
+
+    Each live position's record is scattered through kvbridge's storage of the SGLang profile and
+    the flat row it lands in (page * ring + row) is compared with SGLang's state_loc.
+    """
+    from kvbridge.engines import parse_engine
+    from kvbridge.migration.pools import scatter_records
+    from kvbridge.topology import FLASH, Role
+
+    tensors, cases = _load(path, device)
+    results = []
+    for name, info in cases.items():
+        ring = int(info["ring"])
+        if info["kind"] == "page-ring":
+            draft = ":draft=1" if ring == 16 else ""
+            profile = parse_engine(f"sglang:swa={info['swa_page']}{draft}")
+            spec = next(c for c in FLASH.caches(2) if c.role == Role.INDEXER_STATE)
+        else:
+            profile = parse_engine("sglang:draft=1" if ring == 256 else "sglang")
+            spec = next(c for c in FLASH.caches(3) if c.role == Role.STATE)
+        st = profile.storage(spec)
+        positions = tensors[f"{name}.positions"].long().cpu()
+        table = [int(t) for t in tensors[f"{name}.table"]]
+        first, n = int(positions[0]), positions.numel()
+        records = torch.zeros(n, st.record_bytes, dtype=torch.uint8)
+        records[:, :8] = (positions + 1).view(-1, 1).view(torch.uint8)  # a label per position (never 0)
+        pool = torch.zeros(max(table) + 1, st.page_bytes, dtype=torch.uint8)
+        scatter_records(pool, st, table, first, records)
+        rows = pool[:, : st.page_size * st.record_bytes].reshape(-1, st.record_bytes)[:, :8].contiguous()
+        labels = rows.view(torch.int64).view(-1)
+        got = torch.full((n,), -1, dtype=torch.int64)
+        for flat in labels.nonzero().view(-1).tolist():
+            got[int(labels[flat]) - 1 - first] = flat
+        want = tensors[f"{name}.state_loc"].long().cpu()
+        ok = torch.equal(got, want)
+        bad = got != want
+        detail = f"{n} rows equal" if ok else f"rows {got[bad][:4].tolist()} != SGLang's {want[bad][:4].tolist()}"
+        results.append(CheckResult(f"state-{st.fmt}", None, f"{name} ({st.addressing})",
+                                   "rows = CompressStatePool.translate_from_*_to_state_loc", ok, detail,
+                                   engine="SGLang 0.5.23"))
+    return results
+
+
 def run_conformance(
     fixtures_dir: str | os.PathLike | None = None, device: str | torch.device = "cpu"
 ) -> ConformanceReport:
@@ -337,6 +406,8 @@ def run_conformance(
         *dialect_checks(dev),
         *decode_checks(root / DECODE_FIXTURE, dev),
         *indexer_checks(root, dev),
+        *derived_indexer_checks(root / DERIVED_INDEXER_FIXTURE, dev),
+        *state_addressing_checks(root / SGLANG_STATE_FIXTURE, dev),
     ]
     return ConformanceReport(str(root), str(dev), results)
 

@@ -22,14 +22,15 @@ product and quotient is one fp32 operation; E4M3 is round-to-nearest-even, satur
 
 | rule | fp4 scale exponent e | codes of x * 2^-e | all-zero block |
 |---|---|---|---|
-| ``trtllm`` | ceil(log2(max(amax, 6 * 2^-126) / 6)) | nearest-even, sign kept (-0) | byte 1 |
+| ``trtllm`` | ceil(log2(max(amax, 6 * 2^-126) * fl(1/6))) | nearest-even, sign kept (-0) | byte 1 |
 | ``vllm`` | as ``trtllm``, from bf16(x) | as ``trtllm`` | byte 1 |
 | ``sglang`` | ceil(log2(max(amax / 6, 1e-4))) | ties to the smaller magnitude, no -0 | byte 114 |
 | ``sglang-rne`` | as ``sglang`` | nearest-even, no -0 | byte 114 |
 | ``deepgemm`` | ceil(log2(max(amax, 1e-4) / 6)) | ties to the smaller magnitude, no -0 | byte 112 |
 
-An all-zero key under fp8 ``trtllm`` would divide by zero; kvbridge writes scale 0.0 and value
-bytes 0 there.
+An all-zero key under fp8 ``trtllm`` gets scale 0.0 and value bytes 0 (TensorRT-LLM multiplies
+by 1 when amax is 0). ``trtllm`` and ``sglang*`` quantize the values as given (fp32); ``vllm*``
+round them to bf16 first, as vLLM's fused writer does.
 """
 
 from __future__ import annotations
@@ -152,9 +153,7 @@ def fp4_exponents(blocks: torch.Tensor, rule: str) -> torch.Tensor:
     dev = blocks.device
     amax = blocks.abs().amax(dim=-1)
     if rule in ("trtllm", "vllm"):
-        floor = _f32(6.0 * 2.0**-126, dev)
-        q = amax.clamp(min=floor) / _f32(6.0, dev) if rule == "trtllm" else \
-            amax.clamp(min=floor) * _f32(1.0 / 6.0, dev)
+        q = amax.clamp(min=_f32(6.0 * 2.0**-126, dev)) * _f32(1.0 / 6.0, dev)
         return nx.ceil_log2(q).clamp(min=-127, max=127)
     if rule in ("sglang", "sglang-rne"):
         return nx.ceil_log2((amax / _f32(6.0, dev)).clamp(min=_f32(1e-4, dev))).clamp(min=-126, max=127)

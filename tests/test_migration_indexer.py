@@ -50,7 +50,7 @@ def test_fp8_sglang_rule_floors_small_keys_and_trtllm_zero_key():
     rocm = ix.encode_keys(tiny, FP8, "sglang-rocm")  # floor 1e-8 < amax: scaled to amax like TensorRT-LLM
     assert rocm[0, 0] == 0x7E
     zero = ix.encode_keys(torch.zeros(2, 128), FP8, "trtllm")
-    assert not bool(zero.any())  # scale 0.0, value bytes 0 (kvbridge's choice for 0 / 0)
+    assert not bool(zero.any())  # scale 0.0, value bytes 0 (TensorRT-LLM: scale 0, multiplier 1 when amax is 0)
     assert torch.equal(ix.decode_keys(zero, FP8), torch.zeros(2, 128))
 
 

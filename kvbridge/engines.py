@@ -278,9 +278,12 @@ def sglang(spec: str = "sglang") -> EngineProfile:
 
 _VL = "vllm/"
 _VLLM_KV = {
-    # kv option -> (layout, SWA dialect, COMPRESS dialect, page alignment)
-    "fp8_ds_mla": ("flashmla-model1", "amax-1e-4", "amax-1e-4", 576),
-    "flashinfer": ("trtllm-fp8", "swa", "swa", 512),
+    # kv option -> (layout, SWA dialect, COMPRESS dialect, page alignment, GPU families that run it).
+    # FlashInfer's per-tensor FP8 rows are written by a compiled op at scale 1.0; kvbridge writes
+    # e4m3(x) of the values as given (not read in its source: unverified).
+    "fp8_ds_mla": ("flashmla-model1", "amax-1e-4", "amax-1e-4", 576, ("sm90", "sm100", "sm120")),
+    "flashinfer": ("trtllm-fp8", "compress", "compress", 512, ("sm100", "sm120")),
+    "flashinfer-bf16": ("bf16", None, None, 512, ("sm100",)),
 }
 
 
@@ -288,9 +291,10 @@ def vllm(spec: str = "vllm") -> EngineProfile:
     """vLLM 0.33.0 DeepSeek-V4 (models/deepseek_v4).
 
     Options: ``block=256`` (``--block-size``, a multiple of 64: compressed blocks hold
-    block / r entries), ``idx=fp8|fp4``, ``gpu=sm90|sm100|sm120``, ``kv=fp8_ds_mla|flashinfer|v41``
-    (``flashinfer``: 512-B per-tensor rows of ``FLASHINFER_MLA_SPARSE_DSV4`` on SM10x; ``v41``
-    refused), ``draft=N``, ``e4m3=fn``. SWA blocks of 64 tokens; compressor state fp32 in
+    block / r entries), ``idx=fp8|fp4``, ``gpu=sm90|sm100|sm120``,
+    ``kv=fp8_ds_mla|flashinfer|flashinfer-bf16|v41`` (``flashinfer``: 512-B per-tensor FP8 rows of
+    ``FLASHINFER_MLA_SPARSE_DSV4`` on SM10x / SM120, ``flashinfer-bf16`` its bf16 rows on SM10x;
+    ``v41`` refused), ``draft=N``, ``e4m3=fn``. SWA blocks of 64 tokens; compressor state fp32 in
     position-paged blocks of 4 (ratio 4) / 8 (ratio 128) positions; blocks aligned to 576 B
     (``fp8_ds_mla``) or 512 B.
     """
@@ -301,16 +305,15 @@ def vllm(spec: str = "vllm") -> EngineProfile:
         raise InputError(f"engine spec {spec!r}: block must be a multiple of 64, got {block}")
     idx = opts.pick("idx", "fp8", ("fp8", "fp4"), "indexer cache dtype")
     gpu = opts.pick("gpu", "sm90", ("sm90", "sm100", "sm120"), "GPU family (mqa_logits_use_mx_scales on sm100)")
-    kv = opts.pick("kv", "fp8_ds_mla", ("fp8_ds_mla", "flashinfer", "v41"), "attention backend / cache layout")
+    kv = opts.pick("kv", "fp8_ds_mla", (*_VLLM_KV, "v41"), "attention backend / cache layout")
     draft = opts.integer("draft", 0, 0, 64, "num_speculative_tokens (0: none)")
     _refuse_fnuz(opts, "vLLM")
     if kv == "v41":
         raise InputError(f"engine spec {spec!r}: vLLM's DeepSeek-V4.1 528-B MXFP8 records are not supported by "
                          "kvbridge yet")
-    if kv == "flashinfer" and gpu != "sm100":
-        raise InputError(f"engine spec {spec!r}: vLLM's FLASHINFER_MLA_SPARSE_DSV4 512-B rows exist on SM10x only "
-                         f"(gpu=sm100), not {gpu}")
-    layout, swa_d, comp_d, align = _VLLM_KV[kv]
+    layout, swa_d, comp_d, align, gpus = _VLLM_KV[kv]
+    if gpu not in gpus:
+        raise InputError(f"engine spec {spec!r}: vLLM runs kv={kv} on {', '.join(gpus)} only, not {gpu}")
     rule = ("vllm-ue8m0" if gpu == "sm100" else "vllm") if idx == "fp8" else "vllm"
     return EngineProfile(
         engine="vllm", version=VLLM_VERSION,

@@ -97,6 +97,11 @@ def test_cli_plan_table_and_transfers():
     # the SWA tail of every layer, from the start of SGLang's 256-token page (its PD sends whole pages)
     assert "[2816, 3000)" in result.output
     assert "wire time at 40 GB/s" in result.output
+    # every choice of both profiles, given or default, with where it comes from
+    assert "from trtllm:fp8:tpb=128:idx=fp4 (TensorRT-LLM main" in result.output
+    assert "tpb=128 (given; kv_cache_config tokens_per_block)" in result.output
+    assert "state=fp32 (default; SGLANG_DSV4_COMPRESS_STATE_DTYPE)" in result.output
+    assert "deepseek_v4_compress_state.py" in result.output
 
 
 @pytest.mark.parametrize(

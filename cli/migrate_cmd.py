@@ -230,4 +230,6 @@ def run_command(
     else:
         kv = "lossless" if report.kv_lossless else f"max abs error {report.kv_max_abs_error:g}"
         loss = f"KV {kv}; indexer max abs error {report.indexer_max_abs_error:g}"
+        if report.state_max_abs_error is not None:
+            loss += f"; state max abs error {report.state_max_abs_error:g} (fp32 -> bf16)"
     console.print(f"payload {_mib(report.payload_bytes)} MiB in {report.transfers} transfers; {loss}")

@@ -139,3 +139,10 @@ def test_bf16_state_into_fp32_is_exact_and_cleared_rows_keep_minus_infinity():
     t = next(t for t in plan.transfers if t.spec.role == Role.STATE and t.spec.ratio == 4)
     rows = gather_records(dst.pool(t.spec), t.dst, tables[t.dst.table], t.first, t.count).view(torch.float32)
     assert bool(torch.isneginf(rows[::5, rows.shape[1] // 2 :]).all())  # every fifth row was cleared
+
+
+def test_no_state_error_is_reported_when_no_state_row_changes_dtype():
+    plan = plan_migration("sglang", "vllm", MODEL, 700)
+    src, src_tables = source_request(plan, seed=3)
+    _, report = migrate_local(plan, src, src_tables, destination_pools(plan))
+    assert report.state_max_abs_error is None and report.indexer_max_abs_error is not None

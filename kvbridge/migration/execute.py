@@ -54,8 +54,9 @@ class Payload:
     ``converted``: records are already in the destination format. ``chunks[i]`` lists the
     row counts of transfer i's page chunks and ``checksums[i]`` their CRC-32 values.
     ``loss`` (one report per KV conversion batch), ``indexer_max_abs_error`` and
-    ``state_max_abs_error`` (compressor-state rows rounded to bf16) are set by a conversion that
-    measured its loss; they are None when none did.
+    ``state_max_abs_error`` (compressor-state rows changing dtype, fp32 -> bf16 being lossy) are
+    set by a conversion that measured its loss; they are None when none did (the state error
+    also when no state row changed dtype).
     """
 
     fingerprint: str
@@ -73,7 +74,8 @@ class MigrationReport:
     """Outcome of one migration: bytes moved, where conversion ran, loss and timings (seconds).
 
     ``kv_lossless``, ``kv_max_abs_error`` (latent units) and ``indexer_max_abs_error`` are None
-    when the loss was not measured (``loss_report=False``); ``loss`` holds one ``LossReport``
+    when the loss was not measured (``loss_report=False``); ``state_max_abs_error`` is also None
+    when no compressor-state row changed dtype; ``loss`` holds one ``LossReport``
     per KV conversion batch (byte moves have none). ``wire_s`` is the receiver's time from
     starting to wait until the last data message arrived (it includes the sender's packing).
     """
@@ -192,7 +194,7 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
                 (i, lo, min(lo + BATCH_ENTRIES, t.count)) for lo in range(0, t.count, BATCH_ENTRIES))
     loss: list[LossReport] = []
     idx_err: float | None = 0.0 if loss_report else None
-    state_err: float | None = 0.0 if loss_report else None
+    state_err: float | None = None  # set once a state batch changes dtype with loss_report
     for pieces in groups.values():
         batches: list[list[tuple[int, int, int]]] = [[]]
         size = 0

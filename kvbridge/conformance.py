@@ -32,6 +32,11 @@ SGLANG_INDEXER_FIXTURE = "sglang_indexer_reference.safetensors"
 VLLM_INDEXER_FIXTURE = "vllm_indexer_reference.safetensors"
 DERIVED_INDEXER_FIXTURE = "derived_indexer_reference.safetensors"
 SGLANG_STATE_FIXTURE = "sglang_state_addressing_reference.safetensors"
+CROSS_INDEXER_FIXTURE = "cross_indexer_reference.safetensors"
+#: Engine of each destination rule in the cross-writer fixture.
+_RULE_ENGINE = {"sglang": "SGLang 0.5.23", "sglang-rne": "SGLang 0.5.23", "sglang-rocm": "SGLang 0.5.23",
+                "vllm": "vLLM 0.33.0", "vllm-ue8m0": "vLLM 0.33.0", "trtllm": "TensorRT-LLM main",
+                "deepgemm": "DeepGEMM"}
 #: Writers that cannot run on a CPU, re-implemented from their source outside kvbridge (derived, not golden).
 DERIVED_INDEXER_WRITERS = (
     ("TensorRT-LLM main", "fp8", "trtllm", "compressorKernels.cu postProcessScatterKernel kFP8Blockwise"),
@@ -340,6 +345,43 @@ def derived_indexer_checks(path: Path, device: torch.device) -> list[CheckResult
     return results
 
 
+def indexer_source_records(root: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The indexer records of every fixture writer, by ``fmt.rule`` (the sources of the cross-writer cases)."""
+    sg, _ = _load(root / SGLANG_INDEXER_FIXTURE, device)
+    vl, _ = _load(root / VLLM_INDEXER_FIXTURE, device)
+    dv, _ = _load(root / DERIVED_INDEXER_FIXTURE, device)
+    return {
+        "fp4.sglang": sg["fp4.sglang.records"], "fp4.sglang-rne": sg["fp4.sglang-rne.records"],
+        "fp4.trtllm": dv["fp4.trtllm.records"], "fp8.trtllm": dv["fp8.trtllm.records"],
+        "fp8.sglang": dv["fp8.sglang.records"], "fp8.vllm": vl["fp8.vllm.records"],
+        "fp8.vllm-ue8m0": vl["fp8.vllm-ue8m0.records"],
+    }
+
+
+def cross_indexer_checks(root: Path, device: torch.device) -> list[CheckResult]:
+    """Converted keys = what the destination engine's own writer wrote from the source's decoded values.
+
+    Each case is a source writer's records, decoded and re-written by SGLang's or vLLM's writer
+    (golden), or by the independent re-implementation of a GPU-only writer (keys ``derived:...``),
+    see ``fixtures/README.md``; kvbridge's conversion must give the same bytes.
+    """
+    from kvbridge import indexer as ix
+
+    sources = indexer_source_records(root, device)
+    tensors, _ = _load(root / CROSS_INDEXER_FIXTURE, device)
+    results = []
+    for key in sorted(tensors):
+        derived = key.startswith("derived:")
+        src, dst = key.removeprefix("derived:").split("->")
+        (src_fmt, src_rule), (dst_fmt, dst_rule) = src.split(".", 1), dst.split(".", 1)
+        got, _ = ix.transcode_keys(sources[src], ix.indexer_format(src_fmt), ix.indexer_format(dst_fmt), dst_rule,
+                                   src_rule)
+        case = f"from {src}" + (" (derived)" if derived else "")
+        results.append(CheckResult(f"indexer-{dst_fmt}", dst_rule, case, "converted = engine writer",
+                                   *byte_diff(got, tensors[key]), engine=_RULE_ENGINE[dst_rule]))
+    return results
+
+
 def state_addressing_checks(path: Path, device: torch.device) -> list[CheckResult]:
     """SGLang's compressor-state rows (its pool's own translate functions) = kvbridge's addressing.
 
@@ -408,6 +450,7 @@ def run_conformance(
         *indexer_checks(root, dev),
         *derived_indexer_checks(root / DERIVED_INDEXER_FIXTURE, dev),
         *state_addressing_checks(root / SGLANG_STATE_FIXTURE, dev),
+        *cross_indexer_checks(root, dev),
     ]
     return ConformanceReport(str(root), str(dev), results)
 

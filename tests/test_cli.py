@@ -174,12 +174,12 @@ def test_debug_shows_the_exception(tmp_path: Path):
 def test_verify_passes_on_the_repository_fixtures():
     result = run("verify")
     assert result.exit_code == 0, result.output
-    assert "53/53 checks passed" in result.output and "FAIL" not in result.output
-    for line in ("kvbridge codecs: 33/33", "SGLang 0.5.23: 12/12", "vLLM 0.33.0: 5/5", "TensorRT-LLM main: 2/2",
-                 "DeepGEMM: 1/1"):
+    assert "123/123 checks passed" in result.output and "FAIL" not in result.output
+    for line in ("kvbridge codecs: 33/33", "SGLang 0.5.23: 40/40", "vLLM 0.33.0: 26/26", "TensorRT-LLM main: 16/16",
+                 "DeepGEMM: 8/8"):
         assert line in result.output  # reported per engine
     report = json.loads(run("verify", "--json").output)
-    assert report["passed"] and report["num_checks"] == 53
+    assert report["passed"] and report["num_checks"] == 123
     assert {r["layout"] for r in report["results"]} == {"flashmla-model1", "trtllm-fp8-ds-mla", "trtllm-fp8",
                                                         "indexer-fp8", "indexer-fp4", "state-fp32"}
 

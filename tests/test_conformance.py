@@ -47,15 +47,18 @@ def test_every_fixture_check_passes(report):
         (c, f"sparse decode {w} ~ FlashMLA ref") for c in ("c0 (P=64)", "c1 (P=64+2)") for w in ("out", "lse")
     }
     assert report.to_dict()["num_failed"] == 0
-    golden = {(r.engine, r.layout, r.dialect) for r in report.results
-              if r.layout.startswith("indexer") and "derived" not in r.case}
+    writers = [r for r in report.results if r.layout.startswith("indexer") and r.check != "converted = engine writer"]
+    golden = {(r.engine, r.layout, r.dialect) for r in writers if "derived" not in r.case}
     assert golden == {("SGLang 0.5.23", "indexer-fp4", "sglang"), ("SGLang 0.5.23", "indexer-fp4", "sglang-rne"),
                       ("SGLang 0.5.23", "indexer-fp8", "sglang-rocm"), ("vLLM 0.33.0", "indexer-fp8", "vllm"),
                       ("vLLM 0.33.0", "indexer-fp8", "vllm-ue8m0")}
-    derived = {(r.engine, r.layout, r.dialect) for r in report.results if "derived" in r.case}
+    derived = {(r.engine, r.layout, r.dialect) for r in writers if "derived" in r.case}
     assert derived == {("TensorRT-LLM main", "indexer-fp8", "trtllm"), ("TensorRT-LLM main", "indexer-fp4", "trtllm"),
                        ("SGLang 0.5.23", "indexer-fp8", "sglang"), ("vLLM 0.33.0", "indexer-fp4", "vllm"),
                        ("DeepGEMM", "indexer-fp4", "deepgemm")}
+    # every fixture writer's records converted into every other writer: 7 sources x (5 golden + 5 derived)
+    cross = [r for r in report.results if r.check == "converted = engine writer"]
+    assert len(cross) == 70 and len({r.case for r in cross}) == 14
     state = {r.case for r in report.results if r.layout.startswith("state")}
     assert state == {f"c4.swa{p}.ring{n} (page-ring)" for p in (256, 128) for n in (8, 16)} | {
         "c128.ring128 (ring)", "c128.ring256 (ring)"}
@@ -80,6 +83,7 @@ def test_a_corrupted_fixture_fails_with_the_first_differing_byte(tmp_path: Path)
         "vllm_indexer_reference.safetensors",
         "derived_indexer_reference.safetensors",
         "sglang_state_addressing_reference.safetensors",
+        "cross_indexer_reference.safetensors",
     ):
         shutil.copy(FIXTURES / name, tmp_path / name)
     from safetensors import safe_open

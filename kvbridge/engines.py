@@ -40,7 +40,8 @@ class Storage:
     ``kind`` is ``kv`` (``fmt`` = layout name), ``indexer`` (``fmt`` = fp8/fp4) or ``state``
     (``fmt`` = fp32/bf16 ``[kv | score]`` rows). ``span``: positions per table entry of a
     ``page-ring`` storage. ``separate_pools``: the two record parts (state: kv and score) live in
-    two pool tensors, ``[n, P * split]`` and ``[n, P * (record_bytes - split)]``.
+    two pool tensors, ``[n, P * split]`` and ``[n, P * (record_bytes - split)]``, the second
+    addressed by block table ``score_table`` when it is set (else by ``table`` too).
     """
 
     kind: Literal["kv", "indexer", "state"]
@@ -55,6 +56,7 @@ class Storage:
     scale: float | None = None  # per-tensor scale (trtllm-fp8 only)
     span: int | None = None
     separate_pools: bool = False
+    score_table: str | None = None
 
     @property
     def layout(self) -> Layout:
@@ -149,8 +151,9 @@ class EngineProfile:
         row = spec.width * STATE_DTYPE_BYTES[self.state_dtype]
         split = row // 2 if self.separate_state_pools else None
         span = self.swa_page if addressing == "page-ring" else None
+        score_table = f"{table}_score" if self.separate_state_pools else None
         return Storage("state", self.state_dtype, row, split, rows, self._align(rows * row), table, addressing,
-                       span=span, separate_pools=self.separate_state_pools)
+                       span=span, separate_pools=self.separate_state_pools, score_table=score_table)
 
     def swa_first(self, first: int) -> int:
         """First SWA token this engine holds for a window starting at ``first`` (its page start when
@@ -233,11 +236,11 @@ def sglang(spec: str = "sglang") -> EngineProfile:
 
     Options: ``swa=256|128`` (page size: 256, 128 on NPU / older builds; compressed and indexer
     pages hold page / r entries and share the request's page table), ``idx=fp8|fp4``,
-    ``draft=N`` (``num_draft_tokens``: rings of 16 / 256 rows and an SWA window widened by
-    N - 1), ``state=fp32|bf16`` (``SGLANG_DSV4_COMPRESS_STATE_DTYPE``), ``online=0|1``
+    ``draft=N`` (``num_draft_tokens``: compressor-state rings of 16 / 256 rows),
+    ``state=fp32|bf16`` (``SGLANG_DSV4_COMPRESS_STATE_DTYPE``), ``online=0|1``
     (``SGLANG_OPT_USE_ONLINE_COMPRESS``), ``e4m3=fn`` (``fnuz`` refused).
     """
-    engine, *parts = spec.split(":")
+    _, *parts = spec.split(":")
     opts = _Options(parts, ("swa", "idx", "draft", "state", "online", "e4m3"), spec)
     page = int(opts.pick("swa", "256", ("256", "128", "64"), "page size (DSV4PoolConfigurator forces 256; NPU 128)"))
     if page < 128:
@@ -294,11 +297,12 @@ def vllm(spec: str = "vllm") -> EngineProfile:
     block / r entries), ``idx=fp8|fp4``, ``gpu=sm90|sm100|sm120``,
     ``kv=fp8_ds_mla|flashinfer|flashinfer-bf16|v41`` (``flashinfer``: 512-B per-tensor FP8 rows of
     ``FLASHINFER_MLA_SPARSE_DSV4`` on SM10x / SM120, ``flashinfer-bf16`` its bf16 rows on SM10x;
-    ``v41`` refused), ``draft=N``, ``e4m3=fn``. SWA blocks of 64 tokens; compressor state fp32 in
+    ``v41`` refused), ``draft=N`` (recorded; no storage change was found for it), ``e4m3=fn``.
+    SWA blocks of 64 tokens; compressor state fp32 in
     position-paged blocks of 4 (ratio 4) / 8 (ratio 128) positions; blocks aligned to 576 B
     (``fp8_ds_mla``) or 512 B.
     """
-    engine, *parts = spec.split(":")
+    _, *parts = spec.split(":")
     opts = _Options(parts, ("block", "idx", "gpu", "kv", "draft", "e4m3"), spec)
     block = opts.integer("block", 256, 64, 4096, "--block-size (recipes use 256)")
     if block % 64:
@@ -343,9 +347,10 @@ def trtllm(spec: str = "trtllm") -> EngineProfile:
     ``trtllm[:fp8|fp8-ds-mla|bf16]`` KV dtype, options ``tpb=128|256`` (tokens_per_block),
     ``idx=fp4|fp8``, ``scale=S`` (per-tensor FP8 scale), ``draft=N`` (``max_draft_len``),
     ``state=fp32|bf16``. Per-role block tables (one per role and ratio); compressor kv and
-    score are separate pools paged by position like SWA (blocks of tokens_per_block rows).
+    score are separate pools with block tables of their own (``state4`` / ``state4_score``, ...),
+    paged by position like SWA (blocks of tokens_per_block rows).
     """
-    engine, *parts = spec.split(":")
+    _, *parts = spec.split(":")
     kv = "fp8"
     if parts and "=" not in parts[0]:
         kv = parts.pop(0)

@@ -15,7 +15,7 @@ from kvbridge.migration import (
     plan_migration,
     source_request,
 )
-from kvbridge.migration.pools import pool_tensors
+from kvbridge.migration.pools import table_of
 from kvbridge.topology import FLASH, Role
 
 MODEL = FLASH.with_layers(4)
@@ -81,8 +81,12 @@ def test_trtllm_keeps_kv_and_score_in_separate_pools():
     tables, report = migrate_local(plan, src, src_tables, wrapped)
     assert report.state_max_abs_error is not None and report.state_max_abs_error > 0  # fp32 -> bf16, reported
     assert bool(kv.any()) and bool(score.any())
-    released = [i for i in range(kv.shape[0]) if i not in tables["state4"]]
-    assert all(not bool(t[released].any()) for t in pool_tensors((kv, score)))
+    for pool, name in ((kv, "state4"), (score, "state4_score")):  # two pools, two block tables
+        assert not bool(pool[[i for i in range(pool.shape[0]) if i not in tables[name]]].any())
+    st4 = plan.dst.storage(next(c for c in MODEL.caches(2) if c.role == Role.STATE))
+    assert st4.score_table == "state4_score"
+    with pytest.raises(InputError, match="needs both tables"):
+        gather_records((kv, score), st4, tables["state4"], 696, 4)
 
 
 @pytest.mark.parametrize(("spec", "message"), [
@@ -137,7 +141,7 @@ def test_bf16_state_into_fp32_is_exact_and_cleared_rows_keep_minus_infinity():
     tables, report = migrate_local(plan, src, src_tables, dst)
     assert report.state_max_abs_error == 0.0
     t = next(t for t in plan.transfers if t.spec.role == Role.STATE and t.spec.ratio == 4)
-    rows = gather_records(dst.pool(t.spec), t.dst, tables[t.dst.table], t.first, t.count).view(torch.float32)
+    rows = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count).view(torch.float32)
     assert bool(torch.isneginf(rows[::5, rows.shape[1] // 2 :]).all())  # every fifth row was cleared
 
 

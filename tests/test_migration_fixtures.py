@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from kvbridge.conformance import default_fixtures_dir, indexer_source_records
 from kvbridge.migration import destination_pools, gather_records, migrate_local, plan_migration, source_request
-from kvbridge.migration.pools import scatter_records
+from kvbridge.migration.pools import scatter_records, table_of
 from kvbridge.topology import FLASH, Role
 
 MODEL = FLASH.with_layers(3)  # layers 0 and 1 SWA-only, layer 2 ratio 4 (the indexer)
@@ -55,9 +55,9 @@ def test_migrated_indexer_keys_equal_the_destination_writer(fixtures, src_spec, 
     src, src_tables = source_request(plan, seed=4)
     t = next(t for t in plan.transfers if t.spec.role == Role.INDEXER)
     assert (t.first, t.count) == (0, records.shape[0])
-    scatter_records(src.pool(t.spec), t.src, src_tables[t.src.table], 0, records)  # the source engine's bytes
+    scatter_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), 0, records)  # the source engine's bytes
     dst = destination_pools(plan)
     tables, _ = migrate_local(plan, src, src_tables, dst)
-    got = gather_records(dst.pool(t.spec), t.dst, tables[t.dst.table], 0, t.count)
+    got = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), 0, t.count)
     key = f"{src_key}->{dst_key}" if dst_key in GOLDEN_DESTINATIONS else f"derived:{src_key}->{dst_key}"
     assert torch.equal(got, cross[key]), key

@@ -30,7 +30,7 @@ from kvbridge.migration import (
     verify,
 )
 from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
-from kvbridge.migration.pools import pool_tensors
+from kvbridge.migration.pools import pool_tensors, table_of
 from kvbridge.topology import FLASH, Role
 
 MODEL = FLASH.with_layers(4)
@@ -58,8 +58,8 @@ def _flat(pools) -> dict:
 
 def _check(plan, src, src_tables, dst, dst_tables) -> None:
     for t in plan.transfers:
-        want = _expected(t, gather_records(src.pool(t.spec), t.src, src_tables[t.src.table], t.first, t.count))
-        got = gather_records(dst.pool(t.spec), t.dst, dst_tables[t.dst.table], t.first, t.count)
+        want = _expected(t, gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count))
+        got = gather_records(dst.pool(t.spec), t.dst, table_of(dst_tables, t.dst), t.first, t.count)
         assert torch.equal(got, want), f"{plan.src.spec} -> {plan.dst.spec}: layer {t.spec.layer} {t.spec.role.value}"
 
 
@@ -116,9 +116,12 @@ def test_windowed_blocks_are_released_and_unclaimed_pages_stay_zero():
     tables, _ = migrate_local(plan, src, src_tables, dst)
     assert tables["swa"][:4] == [-1] * 4 and min(tables["swa"][4:]) >= 0  # tokens 572..699 in blocks 4, 5
     assert tables["state4"][:5] == [-1] * 5  # ratio-4 state rows 696..699 live in block 5
+    assert tables["state4_score"][:5] == [-1] * 5 and tables["state4_score"][5] >= 0  # the score pool's own table
     for t in plan.transfers:
-        held = {i for i in tables[t.dst.table] if i >= 0}
-        for pool in pool_tensors(dst.pool(t.spec)):
+        parts = pool_tensors(dst.pool(t.spec))
+        names = [t.dst.table, t.dst.score_table] if t.dst.score_table else [t.dst.table] * len(parts)
+        for pool, name in zip(parts, names, strict=True):
+            held = {i for i in tables[name] if i >= 0}
             assert not any(bool(pool[i].any()) for i in range(pool.shape[0]) if i not in held)
 
 

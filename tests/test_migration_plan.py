@@ -153,8 +153,10 @@ def test_page_ranges_follow_each_engines_geometry():
     assert (state.first, state.count) == (2996, 4)  # L % 4 == 0: the previous window only
     assert state.dst.addressing == "paged" and state.dst.page_size == 4 and state.table_slots(state.dst) == [749]
     assert state.src.table == "state4" and state.table_slots(state.src) == [11]
-    assert plan.table_lengths("src") == {"swa": 12, "compress4": 12, "state4": 12, "indexer4": 12,
-                                         "indexer_state4": 12, "compress128": 12, "state128": 12}
+    # TensorRT-LLM: the compressor's score pools have block tables of their own
+    assert plan.table_lengths("src") == {"swa": 12, "compress4": 12, "state4": 12, "state4_score": 12, "indexer4": 12,
+                                         "indexer_state4": 12, "indexer_state4_score": 12, "compress128": 12,
+                                         "state128": 12, "state128_score": 12}
     assert plan.table_lengths("dst") == {"swa": 47, "compress4": 12, "state4": 750, "indexer_state4": 750,
                                          "compress128": 12, "state128": 375}
 

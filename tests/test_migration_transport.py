@@ -35,7 +35,7 @@ from kvbridge.migration import (
     source_request,
 )
 from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
-from kvbridge.migration.pools import pool_tensors
+from kvbridge.migration.pools import pool_tensors, table_of
 from kvbridge.migration.transport import receive_request, send_payload, send_request
 from kvbridge.topology import FLASH, Role
 
@@ -172,11 +172,13 @@ def _check_bytes(plan, src_seed: int, dst: EnginePools, tables: dict) -> None:
     src, src_tables = source_request(plan, spare_pages=2, seed=src_seed)
     claimed: dict[str, set[int]] = {name: {i for i in ids if i >= 0} for name, ids in tables.items()}
     for t in plan.transfers:
-        src_rec = gather_records(src.pool(t.spec), t.src, src_tables[t.src.table], t.first, t.count)
-        got = gather_records(dst.pool(t.spec), t.dst, tables[t.dst.table], t.first, t.count)
+        src_rec = gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count)
+        got = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
         assert torch.equal(got, _expected_records(t, src_rec)), f"layer {t.spec.layer} {t.spec.role.value}"
-        for pool in pool_tensors(dst.pool(t.spec)):
-            unclaimed = [i for i in range(pool.shape[0]) if i not in claimed[t.dst.table]]
+        parts = pool_tensors(dst.pool(t.spec))
+        names = [t.dst.table, t.dst.score_table] if t.dst.score_table else [t.dst.table] * len(parts)
+        for pool, name in zip(parts, names, strict=True):
+            unclaimed = [i for i in range(pool.shape[0]) if i not in claimed[name]]
             assert not bool(pool[unclaimed].any()), "bytes written outside the request's pages"
 
 

@@ -30,6 +30,7 @@ from kvbridge.migration.pools import (
     RequestTables,
     gather_records,
     scatter_records,
+    table_of,
 )
 
 ConvertSide = Literal["sender", "receiver"]
@@ -230,7 +231,7 @@ def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, conver
     check_pools(plan, src, "src")
     records, chunks = [], []
     for t in plan.transfers:
-        records.append(gather_records(src.pool(t.spec), t.src, tables[t.src.table], t.first, t.count))
+        records.append(gather_records(src.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count))
         chunks.append(_chunk_rows(t, t.src))
     payload = Payload(plan.fingerprint(), False, records, chunks, [])
     if convert:
@@ -266,7 +267,7 @@ def publish(plan: MigrationPlan, payload: Payload, dst: EnginePools) -> RequestT
     tables = dst.claim(plan.table_lengths("dst"), plan.released("dst"))
     try:
         for t, rec in zip(plan.transfers, payload.records, strict=True):
-            scatter_records(dst.pool(t.spec), t.dst, tables[t.dst.table], t.first, rec)
+            scatter_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, rec)
     except Exception:
         dst.release(tables)
         raise
@@ -352,7 +353,7 @@ def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables,
                 rows[::5, : width // 2] = 0.0
                 rows[::5, width // 2 :] = float("-inf")
             rec = state_rows_from_f32(rows, st.fmt)
-        scatter_records(src.pool(t.spec), st, tables[st.table], t.first, rec)
+        scatter_records(src.pool(t.spec), st, table_of(tables, st), t.first, rec)
 
 
 def source_request(plan: MigrationPlan, *, spare_pages: int = 0, seed: int = 0) -> tuple[EnginePools, RequestTables]:

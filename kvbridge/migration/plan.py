@@ -166,7 +166,9 @@ def request_table_lengths(profile: EngineProfile, model: ModelTopology, num_toke
             per_token = spec.role in (Role.SWA, Role.STATE, Role.INDEXER_STATE)
             entries = num_tokens if per_token else num_tokens // spec.ratio
             need = -(-entries // (st.span or st.page_size))
-        lengths[st.table] = max(lengths.get(st.table, 0), need)
+        for name in (st.table, st.score_table):
+            if name is not None:
+                lengths[name] = max(lengths.get(name, 0), need)
     return lengths
 
 
@@ -184,7 +186,9 @@ def window_released(profile: EngineProfile, model: ModelTopology, num_tokens: in
             continue
         first, _ = live_entries(spec, num_tokens, draft_tokens)
         n = first // (st.span or st.page_size)
-        released[st.table] = n if st.table not in released else min(released[st.table], n)
+        for name in (st.table, st.score_table):
+            if name is not None:
+                released[name] = n if name not in released else min(released[name], n)
     return released
 
 

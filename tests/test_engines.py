@@ -110,7 +110,7 @@ def test_unhonourable_options_are_refused_in_one_line(spec, message):
 def test_plans_refuse_what_kvbridge_cannot_write_exactly():
     with pytest.raises(InputError, match="cannot be recovered from it"):
         plan_migration("sglang:online=1", "vllm", MODEL, 700)
-    with pytest.raises(InputError, match="online .* ratio-128 state .* is not supported yet"):
+    with pytest.raises(InputError, match="online ratio-128 state .* cannot write it bit for bit"):
         plan_migration("trtllm", "sglang:online=1", MODEL, 700)
     with pytest.raises(InputError, match="2 virtual draft layers"):
         plan_migration("sglang:draft=3", "trtllm:draft=3", MODEL, 700)

@@ -141,8 +141,10 @@ def check_pair(src: EngineProfile, dst: EngineProfile, model: ModelTopology, inc
             raise InputError(f"{src.spec} -> {dst.spec}: SGLANG_OPT_USE_ONLINE_COMPRESS keeps one running "
                              "(max, sum, kv) row per ratio-128 layer; the per-position [kv | score] rows the "
                              "destination needs cannot be recovered from it")
-        raise InputError(f"{src.spec} -> {dst.spec}: writing SGLang's online (max, sum, kv) ratio-128 state "
-                         "(SGLANG_OPT_USE_ONLINE_COMPRESS=1) is not supported yet; run the destination without it")
+        raise InputError(f"{src.spec} -> {dst.spec}: SGLang's online ratio-128 state "
+                         "(SGLANG_OPT_USE_ONLINE_COMPRESS=1) is a running [max | sum | kv] row accumulated with "
+                         "the GPU's expf in the engine's order; kvbridge cannot write it bit for bit: run the "
+                         "destination without the option")
     for prof in (src, dst):
         if include_mtp and model.num_mtp_layers and prof.engine == "trtllm" and prof.draft_tokens > 1:
             raise InputError(f"{prof.spec}: TensorRT-LLM adds max_draft_len - 1 = {prof.draft_tokens - 1} virtual "

@@ -34,7 +34,8 @@ DERIVED_INDEXER_FIXTURE = "derived_indexer_reference.safetensors"
 SGLANG_STATE_FIXTURE = "sglang_state_addressing_reference.safetensors"
 CROSS_INDEXER_FIXTURE = "cross_indexer_reference.safetensors"
 #: Engine of each destination rule in the cross-writer fixture.
-_RULE_ENGINE = {"sglang": "SGLang 0.5.23", "sglang-rne": "SGLang 0.5.23", "sglang-rocm": "SGLang 0.5.23",
+_RULE_ENGINE = {"sglang": "SGLang 0.5.23", "sglang-triton": "SGLang 0.5.23", "sglang-rne": "SGLang 0.5.23",
+                "sglang-rocm": "SGLang 0.5.23",
                 "vllm": "vLLM 0.33.0", "vllm-ue8m0": "vLLM 0.33.0", "trtllm": "TensorRT-LLM main",
                 "deepgemm": "DeepGEMM"}
 #: Writers that cannot run on a CPU, re-implemented from their source outside kvbridge (derived, not golden).
@@ -42,6 +43,7 @@ DERIVED_INDEXER_WRITERS = (
     ("TensorRT-LLM main", "fp8", "trtllm", "compressorKernels.cu postProcessScatterKernel kFP8Blockwise"),
     ("TensorRT-LLM main", "fp4", "trtllm", "compressorKernels.cu postProcessScatterKernel kMXFP4Blockwise"),
     ("SGLang 0.5.23", "fp8", "sglang", "store.cuh fused_store_indexer_cache"),
+    ("SGLang 0.5.23", "fp4", "sglang", "fused_norm_rope_v2.cuh forward_fp4 (C4 pools)"),
     ("vLLM 0.33.0", "fp4", "vllm", "_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn"),
     ("DeepGEMM", "fp4", "deepgemm", "per_token_cast_to_fp4"),
 )
@@ -276,7 +278,7 @@ def dialect_checks(device: torch.device) -> list[CheckResult]:
 
 #: (engine version, fixture file, format, rule, writer function the fixture was made with).
 INDEXER_WRITERS = (
-    ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp4", "sglang",
+    ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp4", "sglang-triton",
      "quantize_fp4_indexer_tensor(rne=False) + store_fp4_index_k_cache"),
     ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp4", "sglang-rne", "quantize_fp4_indexer_tensor(rne=True)"),
     ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp8", "sglang-rocm", "triton_fused_store_indexer"),
@@ -351,7 +353,8 @@ def indexer_source_records(root: Path, device: torch.device) -> dict[str, torch.
     vl, _ = _load(root / VLLM_INDEXER_FIXTURE, device)
     dv, _ = _load(root / DERIVED_INDEXER_FIXTURE, device)
     return {
-        "fp4.sglang": sg["fp4.sglang.records"], "fp4.sglang-rne": sg["fp4.sglang-rne.records"],
+        "fp4.sglang-triton": sg["fp4.sglang-triton.records"], "fp4.sglang-rne": sg["fp4.sglang-rne.records"],
+        "fp4.sglang": dv["fp4.sglang.records"],
         "fp4.trtllm": dv["fp4.trtllm.records"], "fp8.trtllm": dv["fp8.trtllm.records"],
         "fp8.sglang": dv["fp8.sglang.records"], "fp8.vllm": vl["fp8.vllm.records"],
         "fp8.vllm-ue8m0": vl["fp8.vllm-ue8m0.records"],
@@ -554,8 +557,9 @@ def identify_writer(
 
 #: Engine writer behind each indexer rule.
 INDEXER_RULE_WRITERS = {
-    "trtllm": "TensorRT-LLM indexer writer", "sglang": "SGLang (CUDA store / C4 fp4 pool)",
-    "sglang-rocm": "SGLang ROCm store", "sglang-rne": "SGLang fp4 with rne=True", "deepgemm": "DeepGEMM reference",
+    "trtllm": "TensorRT-LLM indexer writer", "sglang": "SGLang CUDA (C4 pools)",
+    "sglang-triton": "SGLang Triton quantize_fp4_indexer_tensor", "sglang-rocm": "SGLang ROCm store",
+    "sglang-rne": "SGLang Triton fp4 with rne=True", "deepgemm": "DeepGEMM reference",
     "vllm": "vLLM", "vllm-ue8m0": "vLLM on SM100 (UE8M0 scales)",
 }
 

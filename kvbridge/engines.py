@@ -268,8 +268,9 @@ def sglang(spec: str = "sglang") -> EngineProfile:
         sources={
             "kv": f"{mem} DeepSeekV4TokenToKVPool; "
                   f"{_SG}kernels/jit/csrc/deepseek_v4/store.cuh FusedStoreCacheFlashMLAKernel",
-            "indexer": (f"{_SG}kernels/jit/csrc/deepseek_v4/store.cuh fused_store_indexer_cache" if idx == "fp8" else
-                        f"{_SG}kernels/ops/quantization/fp4_indexer_quant.py quantize_fp4_indexer_tensor (rne=False)"),
+            "indexer": f"{_SG}kernels/jit/csrc/deepseek_v4/fused_norm_rope_v2.cuh FusedNormRopeKernel::"
+                       + ("forward" if idx == "fp8" else "forward_fp4")
+                       + f" (via {_SG}srt/layers/attention/dsv4/compressor_v2.py compress_norm_rope_store)",
             "state": f"{_SG}srt/mem_cache/deepseek_v4_compress_state.py CompressStatePool "
                      "(ratio 4 page-scoped: translate_from_swa_loc_to_state_loc; ratio 128 request-scoped); "
                      f"{mem} get_compress_state_ring_size",

@@ -24,9 +24,14 @@ product and quotient is one fp32 operation; E4M3 is round-to-nearest-even, satur
 |---|---|---|---|
 | ``trtllm`` | ceil(log2(max(amax, 6 * 2^-126) * fl(1/6))) | nearest-even, sign kept (-0) | byte 1 |
 | ``vllm`` | as ``trtllm``, from bf16(x) | as ``trtllm`` | byte 1 |
-| ``sglang`` | ceil(log2(max(amax / 6, 1e-4))) | ties to the smaller magnitude, no -0 | byte 114 |
-| ``sglang-rne`` | as ``sglang`` | nearest-even, no -0 | byte 114 |
+| ``sglang`` (its C4 pools) | ceil(log2(max(amax, 1e-4) / 6)) | ties to the smaller magnitude, no -0 | byte 112 |
+| ``sglang-triton`` | ceil(log2(max(amax / 6, 1e-4))) | ties to the smaller magnitude, no -0 | byte 114 |
+| ``sglang-rne`` | as ``sglang-triton`` | nearest-even, no -0 | byte 114 |
 | ``deepgemm`` | ceil(log2(max(amax, 1e-4) / 6)) | ties to the smaller magnitude, no -0 | byte 112 |
+
+SGLang writes its ratio-4 (C4) fp4 keys in its fused norm-RoPE kernel (the ``sglang`` rule, the
+bytes of ``deepgemm``); its Triton ``quantize_fp4_indexer_tensor`` (``sglang-triton``,
+``sglang-rne`` with ``rne=True``) serves its low-ratio pools.
 
 An all-zero key under fp8 ``trtllm`` gets scale 0.0 and value bytes 0 (TensorRT-LLM multiplies
 by 1 when amax is 0). ``trtllm`` and ``sglang*`` quantize the values as given (fp32); ``vllm*``
@@ -69,9 +74,9 @@ class IndexerFormat:
         return page_size * self.record_bytes
 
 
-#: Writer rules per format (see the module docstring); ``deepgemm`` fp8 writes the bytes of ``sglang``.
+#: Writer rules per format (see the module docstring); ``deepgemm`` writes the bytes of ``sglang``.
 FP8_RULES = ("trtllm", "sglang", "sglang-rocm", "deepgemm", "vllm", "vllm-ue8m0")
-FP4_RULES = ("trtllm", "vllm", "sglang", "sglang-rne", "deepgemm")
+FP4_RULES = ("trtllm", "vllm", "sglang", "sglang-triton", "sglang-rne", "deepgemm")
 #: fp8 rules whose scale is stored as four UE8M0 bytes instead of an fp32.
 UE8M0_SCALE_RULES = ("vllm-ue8m0",)
 
@@ -155,7 +160,7 @@ def fp4_exponents(blocks: torch.Tensor, rule: str) -> torch.Tensor:
     if rule in ("trtllm", "vllm"):
         q = amax.clamp(min=_f32(6.0 * 2.0**-126, dev)) * _f32(1.0 / 6.0, dev)
         return nx.ceil_log2(q).clamp(min=-127, max=127)
-    if rule in ("sglang", "sglang-rne"):
+    if rule in ("sglang-triton", "sglang-rne"):
         return nx.ceil_log2((amax / _f32(6.0, dev)).clamp(min=_f32(1e-4, dev))).clamp(min=-126, max=127)
     return nx.ceil_log2(amax.clamp(min=_f32(1e-4, dev)) / _f32(6.0, dev)).clamp(min=-127, max=127)
 
@@ -164,6 +169,7 @@ _FP4_CODES = {
     "trtllm": nx.e2m1_encode_rne_signed_zero,
     "vllm": nx.e2m1_encode_rne_signed_zero,
     "sglang": nx.e2m1_encode_threshold,
+    "sglang-triton": nx.e2m1_encode_threshold,
     "sglang-rne": nx.e2m1_encode_rne_no_negative_zero,
     "deepgemm": nx.e2m1_encode_threshold,
 }

@@ -49,16 +49,16 @@ def test_every_fixture_check_passes(report):
     assert report.to_dict()["num_failed"] == 0
     writers = [r for r in report.results if r.layout.startswith("indexer") and r.check != "converted = engine writer"]
     golden = {(r.engine, r.layout, r.dialect) for r in writers if "derived" not in r.case}
-    assert golden == {("SGLang 0.5.23", "indexer-fp4", "sglang"), ("SGLang 0.5.23", "indexer-fp4", "sglang-rne"),
+    assert golden == {("SGLang 0.5.23", "indexer-fp4", "sglang-triton"), ("SGLang 0.5.23", "indexer-fp4", "sglang-rne"),
                       ("SGLang 0.5.23", "indexer-fp8", "sglang-rocm"), ("vLLM 0.33.0", "indexer-fp8", "vllm"),
                       ("vLLM 0.33.0", "indexer-fp8", "vllm-ue8m0")}
     derived = {(r.engine, r.layout, r.dialect) for r in writers if "derived" in r.case}
     assert derived == {("TensorRT-LLM main", "indexer-fp8", "trtllm"), ("TensorRT-LLM main", "indexer-fp4", "trtllm"),
-                       ("SGLang 0.5.23", "indexer-fp8", "sglang"), ("vLLM 0.33.0", "indexer-fp4", "vllm"),
-                       ("DeepGEMM", "indexer-fp4", "deepgemm")}
-    # every fixture writer's records converted into every other writer: 7 sources x (5 golden + 5 derived)
+                       ("SGLang 0.5.23", "indexer-fp8", "sglang"), ("SGLang 0.5.23", "indexer-fp4", "sglang"),
+                       ("vLLM 0.33.0", "indexer-fp4", "vllm"), ("DeepGEMM", "indexer-fp4", "deepgemm")}
+    # every fixture writer's records converted into every other writer: 8 sources x (5 golden + 6 derived)
     cross = [r for r in report.results if r.check == "converted = engine writer"]
-    assert len(cross) == 70 and len({r.case for r in cross}) == 14
+    assert len(cross) == 88 and len({r.case for r in cross}) == 16
     state = {r.case for r in report.results if r.layout.startswith("state")}
     assert state == {f"c4.swa{p}.ring{n} (page-ring)" for p in (256, 128) for n in (8, 16)} | {
         "c128.ring128 (ring)", "c128.ring256 (ring)"}
@@ -182,8 +182,9 @@ def test_identify_indexer_writer_names_the_engine():
     from kvbridge.conformance import identify_indexer_writer
 
     sg = load_file(str(FIXTURES / "sglang_indexer_reference.safetensors"))
-    report = identify_indexer_writer(sg["fp4.sglang.pages"], "fp4", sg["keys"], page_size=64, slots=sg["slots"])
-    assert report.matches == ["sglang: SGLang (CUDA store / C4 fp4 pool)"]
+    report = identify_indexer_writer(sg["fp4.sglang-triton.pages"], "fp4", sg["keys"], page_size=64,
+                                     slots=sg["slots"])
+    assert report.matches == ["sglang-triton: SGLang Triton quantize_fp4_indexer_tensor"]
     vl = load_file(str(FIXTURES / "vllm_indexer_reference.safetensors"))
     report = identify_indexer_writer(vl["fp8.vllm-ue8m0.pages"], "fp8", vl["fp8.vllm-ue8m0.page_keys"], page_size=64,
                                      slots=vl["fp8.vllm-ue8m0.slots"])
@@ -191,4 +192,4 @@ def test_identify_indexer_writer_names_the_engine():
     rocm = identify_indexer_writer(sg["fp8.sglang-rocm.pages"], "fp8", sg["keys"], page_size=64, slots=sg["slots"])
     assert rocm.matches == ["sglang-rocm: SGLang ROCm store"]
     with pytest.raises(InputError, match="slots must be"):
-        identify_indexer_writer(sg["fp4.sglang.pages"], "fp4", sg["keys"], page_size=64, slots=sg["slots"][:3])
+        identify_indexer_writer(sg["fp4.sglang-rne.pages"], "fp4", sg["keys"], page_size=64, slots=sg["slots"][:3])

@@ -105,8 +105,10 @@ def _fp4_row() -> torch.Tensor:
         # nearest-even, sign kept: ties up at 0.75, 1.75, 3.5; -0.25 and -0.1 -> 0x8
         ("trtllm", [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 14, 8], 1),
         ("vllm", [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 14, 8], 1),
-        # thresholds: every tie to the smaller magnitude; no -0
-        ("sglang", [7, 0, 1, 2, 3, 4, 5, 6, 0, 9, 10, 11, 12, 13, 14, 0], 114),
+        # thresholds: every tie to the smaller magnitude; no -0. SGLang's C4 pools floor amax at 1e-4
+        # (zero block 2^-15, byte 112), its Triton writer floors amax / 6 at 1e-4 (2^-13, byte 114)
+        ("sglang", [7, 0, 1, 2, 3, 4, 5, 6, 0, 9, 10, 11, 12, 13, 14, 0], 112),
+        ("sglang-triton", [7, 0, 1, 2, 3, 4, 5, 6, 0, 9, 10, 11, 12, 13, 14, 0], 114),
         ("sglang-rne", [7, 0, 2, 2, 4, 4, 6, 6, 0, 10, 10, 12, 12, 14, 14, 0], 114),
         ("deepgemm", [7, 0, 1, 2, 3, 4, 5, 6, 0, 9, 10, 11, 12, 13, 14, 0], 112),
     ],
@@ -123,8 +125,10 @@ def test_fp4_scale_exponents_per_rule():
     blocks = torch.zeros(7, 32)
     blocks[:, 0] = amax
     assert ix.fp4_exponents(blocks, "trtllm").tolist() == [0, 1, -1, 1, 0, -102, -126]
-    # SGLang floors the scale at 1e-4 (-> 2^-13); DeepGEMM floors amax at 1e-4 before dividing by 6 (-> 2^-15)
-    assert ix.fp4_exponents(blocks, "sglang").tolist() == [0, 1, -1, 1, 0, -13, -13]
+    # SGLang's Triton writer floors the scale at 1e-4 (-> 2^-13); its C4 kernel and DeepGEMM floor amax at
+    # 1e-4 before dividing by 6 (-> 2^-15)
+    assert ix.fp4_exponents(blocks, "sglang-triton").tolist() == [0, 1, -1, 1, 0, -13, -13]
+    assert ix.fp4_exponents(blocks, "sglang").tolist() == [0, 1, -1, 1, 0, -15, -15]
     assert ix.fp4_exponents(blocks, "deepgemm").tolist() == [0, 1, -1, 1, 0, -15, -15]
 
 

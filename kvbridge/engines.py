@@ -283,10 +283,11 @@ def sglang(spec: str = "sglang") -> EngineProfile:
 _VL = "vllm/"
 _VLLM_KV = {
     # kv option -> (layout, SWA dialect, COMPRESS dialect, page alignment, GPU families that run it).
-    # FlashInfer's per-tensor FP8 rows are written by a compiled op at scale 1.0; kvbridge writes
-    # e4m3(x) of the values as given (not read in its source: unverified).
+    # FlashInfer's per-tensor FP8 compressed rows are e4m3(clamp(bf16(x) * (1 / 1.0))) (its cutedsl
+    # compressor): the ``swa`` dialect at scale 1. Its SWA rows come from a compiled op whose source
+    # is not in the wheel; kvbridge assumes the same rule there.
     "fp8_ds_mla": ("flashmla-model1", "amax-1e-4", "amax-1e-4", 576, ("sm90", "sm100", "sm120")),
-    "flashinfer": ("trtllm-fp8", "compress", "compress", 512, ("sm100", "sm120")),
+    "flashinfer": ("trtllm-fp8", "swa", "swa", 512, ("sm100", "sm120")),
     "flashinfer-bf16": ("bf16", None, None, 512, ("sm100",)),
 }
 

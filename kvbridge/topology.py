@@ -1,12 +1,13 @@
-"""DeepSeek-V4 cache topology as data: which caches each layer holds (spec section 5).
+"""DeepSeek-V4 cache topology as data: which caches each layer holds.
 
 Every layer has an SWA cache (one 512-wide token vector per token, last ``sliding_window``
 tokens). A layer of compress ratio ``r`` in {4, 128} adds a COMPRESS cache (one 512-wide
-compressed token per ``r`` tokens, all of them) and the fp32 running state of its
-compressor (``[kv | score]`` rows, one per token of the unfinished window). Ratio-4
-layers (CSA) also hold INDEXER_COMPRESS keys (``index_head_dim`` values per compressed
-token) and their own indexer-compressor state. Ratio 4 compresses overlapping windows
-(2r tokens), so its compressor rows are ``2 * dim`` wide and its state ring is 2r = 8 rows.
+compressed token per ``r`` tokens, all of them) and the running state of its compressor
+(``[kv | score]`` rows, one per token of the unfinished window; each engine stores and
+addresses them its own way, see ``kvbridge.engines``). Ratio-4 layers (CSA) also hold
+INDEXER_COMPRESS keys (``index_head_dim`` values per compressed token) and their own
+indexer-compressor state. Ratio 4 compresses overlapping windows (2r tokens), so its
+compressor rows are ``2 * dim`` wide and its window is 2r = 8 positions.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ class CacheSpec:
     """One cache of one layer.
 
     ``width`` is values per entry: 512 for KV roles, ``index_head_dim`` for indexer keys,
-    fp32 values per ``[kv | score]`` row for state roles. ``window`` is the number of most
-    recent tokens a windowed role keeps (SWA: sliding window; state: ring rows), None when
-    every entry is kept.
+    values per ``[kv | score]`` row for state roles. ``window`` is the number of most
+    recent tokens a windowed role keeps (SWA: sliding window; state: the compressor window),
+    None when every entry is kept.
     """
 
     layer: int
@@ -100,7 +101,7 @@ class ModelTopology:
 
     @staticmethod
     def state_ring(ratio: int) -> int:
-        """Compressor-state rows kept for ratio ``r``: 2r with overlap (r = 4), else r."""
+        """Compressor window for ratio ``r`` in positions: 2r with overlap (r = 4), else r."""
         return 2 * ratio if ratio == 4 else ratio
 
     def caches(self, layer: int) -> tuple[CacheSpec, ...]:

@@ -33,6 +33,7 @@ VLLM_INDEXER_FIXTURE = "vllm_indexer_reference.safetensors"
 DERIVED_INDEXER_FIXTURE = "derived_indexer_reference.safetensors"
 SGLANG_STATE_FIXTURE = "sglang_state_addressing_reference.safetensors"
 CROSS_INDEXER_FIXTURE = "cross_indexer_reference.safetensors"
+DEEPGEMM_INDEXER_FIXTURE = "deepgemm_indexer_reference.safetensors"
 #: Engine of each destination rule in the cross-writer fixture.
 _RULE_ENGINE = {"sglang": "SGLang 0.5.23", "sglang-triton": "SGLang 0.5.23", "sglang-rne": "SGLang 0.5.23",
                 "sglang-rocm": "SGLang 0.5.23",
@@ -45,7 +46,6 @@ DERIVED_INDEXER_WRITERS = (
     ("SGLang 0.5.23", "fp8", "sglang", "store.cuh fused_store_indexer_cache"),
     ("SGLang 0.5.23", "fp4", "sglang", "fused_norm_rope_v2.cuh forward_fp4 (C4 pools)"),
     ("vLLM 0.33.0", "fp4", "vllm", "_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn"),
-    ("DeepGEMM", "fp4", "deepgemm", "per_token_cast_to_fp4"),
 )
 #: Scale byte of an all-zero tile per dialect, as stated in spec section 4 (not derived from the encoder).
 ZERO_TILE_SCALE_BYTE = {"flashmla": 114, "amax-1e-4": 105, "amax-1e-8": 92}
@@ -332,6 +332,20 @@ def indexer_checks(root: Path, device: torch.device) -> list[CheckResult]:
     return results
 
 
+def deepgemm_checks(path: Path, device: torch.device) -> list[CheckResult]:
+    """DeepGEMM's own quantizers (``deep_gemm/utils/math.py``, run on CPU): fp8 and fp4 key records."""
+    from kvbridge import indexer as ix
+
+    tensors, _ = _load(path, device)
+    results = []
+    for fmt_name, writer in (("fp8", "per_token_cast_to_fp8(gran_k=128)"),
+                             ("fp4", "per_token_cast_to_fp4(use_ue8m0, gran_k=32)")):
+        got = ix.encode_keys(tensors["keys"], ix.indexer_format(fmt_name), "deepgemm")
+        results.append(CheckResult(f"indexer-{fmt_name}", "deepgemm", f"{got.shape[0]} keys", f"records = {writer}",
+                                   *byte_diff(got, tensors[f"{fmt_name}.deepgemm.records"]), engine="DeepGEMM"))
+    return results
+
+
 def derived_indexer_checks(path: Path, device: torch.device) -> list[CheckResult]:
     """Indexer records of the writers that need a GPU, from an independent re-implementation (derived)."""
     from kvbridge import indexer as ix
@@ -358,6 +372,8 @@ def indexer_source_records(root: Path, device: torch.device) -> dict[str, torch.
         "fp4.trtllm": dv["fp4.trtllm.records"], "fp8.trtllm": dv["fp8.trtllm.records"],
         "fp8.sglang": dv["fp8.sglang.records"], "fp8.vllm": vl["fp8.vllm.records"],
         "fp8.vllm-ue8m0": vl["fp8.vllm-ue8m0.records"],
+        **{k.removesuffix(".records"): v for k, v in _load(root / DEEPGEMM_INDEXER_FIXTURE, device)[0].items()
+           if k != "keys"},
     }
 
 
@@ -451,6 +467,7 @@ def run_conformance(
         *dialect_checks(dev),
         *decode_checks(root / DECODE_FIXTURE, dev),
         *indexer_checks(root, dev),
+        *deepgemm_checks(root / DEEPGEMM_INDEXER_FIXTURE, dev),
         *derived_indexer_checks(root / DERIVED_INDEXER_FIXTURE, dev),
         *state_addressing_checks(root / SGLANG_STATE_FIXTURE, dev),
         *cross_indexer_checks(root, dev),

@@ -51,14 +51,15 @@ def test_every_fixture_check_passes(report):
     golden = {(r.engine, r.layout, r.dialect) for r in writers if "derived" not in r.case}
     assert golden == {("SGLang 0.5.23", "indexer-fp4", "sglang-triton"), ("SGLang 0.5.23", "indexer-fp4", "sglang-rne"),
                       ("SGLang 0.5.23", "indexer-fp8", "sglang-rocm"), ("vLLM 0.33.0", "indexer-fp8", "vllm"),
-                      ("vLLM 0.33.0", "indexer-fp8", "vllm-ue8m0")}
+                      ("vLLM 0.33.0", "indexer-fp8", "vllm-ue8m0"), ("DeepGEMM", "indexer-fp8", "deepgemm"),
+                      ("DeepGEMM", "indexer-fp4", "deepgemm")}
     derived = {(r.engine, r.layout, r.dialect) for r in writers if "derived" in r.case}
     assert derived == {("TensorRT-LLM main", "indexer-fp8", "trtllm"), ("TensorRT-LLM main", "indexer-fp4", "trtllm"),
                        ("SGLang 0.5.23", "indexer-fp8", "sglang"), ("SGLang 0.5.23", "indexer-fp4", "sglang"),
-                       ("vLLM 0.33.0", "indexer-fp4", "vllm"), ("DeepGEMM", "indexer-fp4", "deepgemm")}
-    # every fixture writer's records converted into every other writer: 8 sources x (5 golden + 6 derived)
+                       ("vLLM 0.33.0", "indexer-fp4", "vllm")}
+    # every fixture writer's records converted into every other writer: 10 sources x (7 golden + 5 derived)
     cross = [r for r in report.results if r.check == "converted = engine writer"]
-    assert len(cross) == 88 and len({r.case for r in cross}) == 16
+    assert len(cross) == 120 and len({r.case for r in cross}) == 20
     state = {r.case for r in report.results if r.layout.startswith("state")}
     assert state == {f"c4.swa{p}.ring{n} (page-ring)" for p in (256, 128) for n in (8, 16)} | {
         "c128.ring128 (ring)", "c128.ring256 (ring)"}
@@ -84,6 +85,7 @@ def test_a_corrupted_fixture_fails_with_the_first_differing_byte(tmp_path: Path)
         "derived_indexer_reference.safetensors",
         "sglang_state_addressing_reference.safetensors",
         "cross_indexer_reference.safetensors",
+        "deepgemm_indexer_reference.safetensors",
     ):
         shutil.copy(FIXTURES / name, tmp_path / name)
     from safetensors import safe_open

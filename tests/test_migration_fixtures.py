@@ -3,8 +3,9 @@
 Each source pool holds indexer records written by the source engine's writer (fixtures/); after
 a migration, the destination's records must equal the destination writer's output for the
 decoded source values (``cross_indexer_reference.safetensors``: vLLM's fp8 writer run on CPU,
-golden; TensorRT-LLM's and SGLang's CUDA writers re-implemented, derived). Both directions of
-each engine pair.
+golden; SGLang's C4 fp4 kernel computes DeepGEMM's ``per_token_cast_to_fp4`` rule, so DeepGEMM's
+own output, run on CPU, is its golden; TensorRT-LLM's and SGLang's CUDA fp8 writers
+re-implemented, derived). Both directions of each engine pair.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ SPEC_WRITER = {
     "trtllm": "fp4.trtllm",
     "trtllm:idx=fp8": "fp8.trtllm",
 }
-GOLDEN_DESTINATIONS = ("fp8.vllm", "fp8.vllm-ue8m0")
+#: destination writer -> golden fixture writer producing its bytes
+GOLDEN_DESTINATIONS = {"fp8.vllm": "fp8.vllm", "fp8.vllm-ue8m0": "fp8.vllm-ue8m0", "fp4.sglang": "fp4.deepgemm"}
 PAIRS = [
     ("trtllm", "sglang:idx=fp4"), ("sglang:idx=fp4", "trtllm"),
     ("trtllm:idx=fp8", "vllm"), ("vllm", "trtllm:idx=fp8"),
@@ -59,5 +61,6 @@ def test_migrated_indexer_keys_equal_the_destination_writer(fixtures, src_spec, 
     dst = destination_pools(plan)
     tables, _ = migrate_local(plan, src, src_tables, dst)
     got = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), 0, t.count)
-    key = f"{src_key}->{dst_key}" if dst_key in GOLDEN_DESTINATIONS else f"derived:{src_key}->{dst_key}"
+    golden = GOLDEN_DESTINATIONS.get(dst_key)
+    key = f"{src_key}->{golden}" if golden else f"derived:{src_key}->{dst_key}"
     assert torch.equal(got, cross[key]), key

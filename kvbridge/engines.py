@@ -88,7 +88,9 @@ class EngineProfile:
     ``page_align``: block strides are rounded up to a multiple of this many bytes (vLLM).
     ``draft_tokens``: speculative-decoding draft length the engine runs with (0: none).
     ``swa_send_page``: an engine whose PD sends whole SWA pages from the window's page start
-    (SGLang) wants the SWA tokens of that page too.
+    (SGLang) wants the SWA tokens of that page too. ``score_has_ape``: the stored compressor
+    score already includes the positional bias (vLLM, TensorRT-LLM add it when saving a row;
+    SGLang stores the raw score and adds it when compressing).
     """
 
     engine: str
@@ -112,6 +114,7 @@ class EngineProfile:
     separate_state_pools: bool = False
     swa_send_page: bool = False
     online_c128: bool = False
+    score_has_ape: bool = True
 
     @property
     def source(self) -> str:
@@ -273,10 +276,12 @@ def sglang(spec: str = "sglang") -> EngineProfile:
                        + f" (via {_SG}srt/layers/attention/dsv4/compressor_v2.py compress_norm_rope_store)",
             "state": f"{_SG}srt/mem_cache/deepseek_v4_compress_state.py CompressStatePool "
                      "(ratio 4 page-scoped: translate_from_swa_loc_to_state_loc; ratio 128 request-scoped); "
-                     f"{mem} get_compress_state_ring_size",
+                     f"{mem} get_compress_state_ring_size; raw scores, APE added when compressing "
+                     f"({_SG}kernels/jit/csrc/deepseek_v4/c4_v2.cuh)",
             "pd": f"{mem} get_state_buf_infos (ratio-4 state travels with the SWA pages)",
         },
         choices=tuple(opts.choices), draft_tokens=draft, swa_send_page=True, online_c128=online,
+        score_has_ape=False,
     )
 
 
@@ -337,7 +342,8 @@ def vllm(spec: str = "vllm") -> EngineProfile:
                           "_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn")
                        + (f"; {_VL}utils/deep_gemm.py mqa_logits_use_mx_scales" if gpu == "sm100" else ""),
             "state": f"{_VL}models/deepseek_v4/compressor.py CompressorStateCache (block_size 4 / 8, "
-                     "SlidingWindowMLASpec)",
+                     "SlidingWindowMLASpec); score + ape[position % ratio] saved "
+                     f"({_VL}models/deepseek_v4/common/ops/save_partial_states.py)",
         },
         choices=tuple(opts.choices), page_align=align, draft_tokens=draft,
     )
@@ -385,7 +391,8 @@ def trtllm(spec: str = "trtllm") -> EngineProfile:
         sources={
             "kv": "tensorrt_llm KvCacheManager (tokens_per_block, per-role block tables, kv_cache_config.dtype)",
             "indexer": "tensorrt_llm indexer cache (fp8: amax/448 via reciprocal; fp4: kMXFP4Blockwise)",
-            "state": "tensorrt_llm compressorKernels.cu / compressor.py (COMPRESSOR_KV and COMPRESSOR_SCORE pools)",
+            "state": "tensorrt_llm compressorKernels.cu / compressor.py (COMPRESSOR_KV and COMPRESSOR_SCORE pools; "
+                     "APE baked into the stored score)",
         },
         choices=tuple(opts.choices), draft_tokens=draft, separate_state_pools=True,
     )

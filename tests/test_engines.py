@@ -68,7 +68,7 @@ def test_vllm_blocks_are_576_aligned_and_state_is_position_paged():
 def test_trtllm_keeps_kv_and_score_in_separate_pools():
     st = _storages("trtllm:state=bf16:tpb=256")[(Role.STATE, 4)]
     assert st.separate_pools and st.split == 2048 and st.record_bytes == 4096 and st.page_size == 256
-    plan = plan_migration("sglang", "trtllm:state=bf16", MODEL, 700)
+    plan = plan_migration("vllm", "trtllm:state=bf16", MODEL, 700)
     dst = destination_pools(plan)
     kv, score = dst.pool(next(c for c in MODEL.caches(2) if c.role == Role.STATE))
     assert kv.shape[1] == score.shape[1] == 128 * 2048
@@ -108,13 +108,18 @@ def test_unhonourable_options_are_refused_in_one_line(spec, message):
 
 
 def test_plans_refuse_what_kvbridge_cannot_write_exactly():
+    # SGLang stores raw compressor scores, vLLM and TensorRT-LLM score + APE: no state between them
+    for src, dst in (("sglang", "vllm"), ("trtllm", "sglang"), ("sglang:state=bf16", "trtllm:state=bf16")):
+        with pytest.raises(InputError, match=r"without the positional bias \(APE\).* stores score \+ APE"):
+            plan_migration(src, dst, MODEL, 700)
+    assert plan_migration("trtllm", "sglang", FLASH.with_layers(2), 700).transfers  # SWA-only layers: no state
     with pytest.raises(InputError, match="cannot be recovered from it"):
-        plan_migration("sglang:online=1", "vllm", MODEL, 700)
+        plan_migration("sglang:online=1", "sglang", MODEL, 700)
     with pytest.raises(InputError, match="online ratio-128 state .* cannot write it bit for bit"):
-        plan_migration("trtllm", "sglang:online=1", MODEL, 700)
+        plan_migration("sglang", "sglang:online=1", MODEL, 700)
     with pytest.raises(InputError, match="2 virtual draft layers"):
-        plan_migration("sglang:draft=3", "trtllm:draft=3", MODEL, 700)
-    plan = plan_migration("sglang:draft=3", "trtllm:draft=3", MODEL, 700, include_mtp=False)
+        plan_migration("vllm:draft=3", "trtllm:draft=3", MODEL, 700)
+    plan = plan_migration("vllm:draft=3", "trtllm:draft=3", MODEL, 700, include_mtp=False)
     assert all(not MODEL.is_mtp(t.spec.layer) for t in plan.transfers)
     online = plan_migration("sglang:online=1", "sglang:online=1", MODEL, 700)
     row = next(t for t in online.transfers if t.spec.role == Role.STATE and t.spec.ratio == 128)
@@ -122,20 +127,24 @@ def test_plans_refuse_what_kvbridge_cannot_write_exactly():
 
 
 def test_swa_range_into_sglang_starts_on_its_page_as_far_as_the_source_holds():
+    swa_only = FLASH.with_layers(2)
     # window 2872..2999; SGLang's page starts at 2816; TensorRT-LLM at tpb 256 holds from 2816 too
-    plan = plan_migration("trtllm:tpb=256", "sglang", MODEL, 3000)
+    plan = plan_migration("trtllm:tpb=256", "sglang", swa_only, 3000)
     swa = next(t for t in plan.transfers if t.spec.role == Role.SWA)
     assert (swa.first, swa.count) == (2816, 184)
     # vLLM releases 64-token blocks: it holds from 2816 (block 44), so the same range moves
-    plan = plan_migration("vllm", "sglang", MODEL, 3000)
+    plan = plan_migration("vllm", "sglang", swa_only, 3000)
     assert next(t for t in plan.transfers if t.spec.role == Role.SWA).first == 2816
+    # window 2950..3077: SGLang at page 256 wants 2816.., a 128-token source page holds only 2944..
+    plan = plan_migration("sglang:swa=128", "sglang", MODEL, 3078)
+    assert next(t for t in plan.transfers if t.spec.role == Role.SWA).first == 2944
     # into vLLM or TensorRT-LLM only the window moves
-    plan = plan_migration("sglang", "vllm", MODEL, 3000)
+    plan = plan_migration("sglang", "vllm", swa_only, 3000)
     assert next(t for t in plan.transfers if t.spec.role == Role.SWA).first == 2872
 
 
 def test_bf16_state_into_fp32_is_exact_and_cleared_rows_keep_minus_infinity():
-    plan = plan_migration("sglang:state=bf16", "vllm", MODEL, 700)
+    plan = plan_migration("sglang:state=bf16", "sglang", MODEL, 700)
     src, src_tables = source_request(plan, seed=1)
     dst = destination_pools(plan)
     tables, report = migrate_local(plan, src, src_tables, dst)
@@ -146,7 +155,7 @@ def test_bf16_state_into_fp32_is_exact_and_cleared_rows_keep_minus_infinity():
 
 
 def test_no_state_error_is_reported_when_no_state_row_changes_dtype():
-    plan = plan_migration("sglang", "vllm", MODEL, 700)
+    plan = plan_migration("trtllm", "vllm", MODEL, 700)
     src, src_tables = source_request(plan, seed=3)
     _, report = migrate_local(plan, src, src_tables, destination_pools(plan))
     assert report.state_max_abs_error is None and report.indexer_max_abs_error is not None

@@ -64,16 +64,18 @@ def _check(plan, src, src_tables, dst, dst_tables) -> None:
 
 
 PAIRS = [
-    ("trtllm:fp8:tpb=128", "sglang"),
+    ("trtllm:fp8:tpb=128", "vllm"),
     ("trtllm:fp8:tpb=256:idx=fp8:scale=0.5", "vllm"),
-    ("sglang:swa=128", "trtllm:fp8-ds-mla:tpb=128"),
+    ("vllm", "trtllm:fp8-ds-mla:tpb=128"),
     ("vllm", "trtllm:bf16:tpb=256:idx=fp4"),
-    ("trtllm:bf16:tpb=128", "sglang:idx=fp4"),
-    ("sglang", "vllm"),
-    # speculative decoding (rings of 16 / 256) and bf16 state into vLLM's fp32 blocks of 4 / 8 positions
-    ("sglang:draft=3:state=bf16", "vllm:gpu=sm100"),
-    ("vllm:gpu=sm100:idx=fp8", "sglang:state=bf16:idx=fp4"),
-    ("trtllm:fp8:tpb=256:state=bf16:draft=1", "sglang:swa=128:draft=2"),
+    ("trtllm:bf16:tpb=128", "vllm:idx=fp4"),
+    ("sglang", "sglang:swa=128:idx=fp4"),
+    # speculative decoding (rings of 16 / 256) and bf16 state, both ways
+    ("sglang:draft=3:state=bf16", "sglang"),
+    ("sglang", "sglang:draft=2:state=bf16:idx=fp4"),
+    # vLLM's fp32 blocks of 4 / 8 positions and SM100 UE8M0 indexer scales, TensorRT-LLM's bf16 state
+    ("vllm:gpu=sm100:idx=fp8", "trtllm:state=bf16"),
+    ("trtllm:fp8:tpb=256:state=bf16:draft=1", "vllm:gpu=sm100"),
     ("vllm:kv=flashinfer:gpu=sm100:block=512", "trtllm:fp8-ds-mla:tpb=128:idx=fp8"),
     ("sglang:online=1", "sglang:online=1:idx=fp4"),
 ]
@@ -94,7 +96,7 @@ def test_local_migration_bytes_match_reference(src_spec, dst_spec):
 
 
 def test_sender_side_conversion_gives_the_same_bytes():
-    plan = plan_migration("sglang", "trtllm:fp8:tpb=128", MODEL, TOKENS)
+    plan = plan_migration("vllm", "trtllm:fp8:tpb=128", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=4)
     results = []
     for side in ("sender", "receiver"):
@@ -110,7 +112,7 @@ def test_sender_side_conversion_gives_the_same_bytes():
 
 
 def test_windowed_blocks_are_released_and_unclaimed_pages_stay_zero():
-    plan = plan_migration("sglang", "trtllm:fp8:tpb=128", MODEL, TOKENS)
+    plan = plan_migration("vllm", "trtllm:fp8:tpb=128", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=5)
     dst = destination_pools(plan, spare_pages=2)
     tables, _ = migrate_local(plan, src, src_tables, dst)
@@ -126,7 +128,7 @@ def test_windowed_blocks_are_released_and_unclaimed_pages_stay_zero():
 
 
 def test_corrupted_chunk_is_refused_and_nothing_is_claimed():
-    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=6)
     payload = pack(plan, src, src_tables, convert=False)
     k = next(i for i, t in enumerate(plan.transfers) if t.spec.role == Role.INDEXER)
@@ -139,8 +141,8 @@ def test_corrupted_chunk_is_refused_and_nothing_is_claimed():
 
 
 def test_payload_for_another_plan_and_unconverted_publish_are_refused():
-    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
-    other = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS + 1)
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
+    other = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS + 1)
     src, src_tables = source_request(plan, seed=7)
     payload = pack(plan, src, src_tables, convert=False)
     with pytest.raises(MigrationError, match="plan fingerprints differ"):
@@ -153,21 +155,22 @@ def test_payload_for_another_plan_and_unconverted_publish_are_refused():
 
 
 def test_full_destination_claims_nothing():
-    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=8)
     dst = destination_pools(plan)
-    dst.free["full"] = dst.free["full"][:1]  # another request holds the rest
+    dst.free["compress4"] = dst.free["compress4"][:1]  # another request holds the rest
     before = dst.num_free()
-    with pytest.raises(InputError, match="block table 'full' of sglang:swa=256:idx=fp8 has 1 free pages"):
+    with pytest.raises(InputError, match="block table 'compress4' of vllm:block=256:idx=fp8:gpu=sm90:kv=fp8_ds_mla "
+                                         "has 1 free pages"):
         migrate_local(plan, src, src_tables, dst)
     assert dst.num_free() == before
 
 
 def test_pools_of_another_profile_and_released_source_pages_are_refused():
-    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=9)
-    with pytest.raises(InputError, match="dst pools are vllm:block=256:idx=fp8"):
-        migrate_local(plan, src, src_tables, destination_pools(plan_migration("sglang", "vllm", MODEL, TOKENS)))
+    with pytest.raises(InputError, match="dst pools are sglang:swa=256:idx=fp8"):
+        migrate_local(plan, src, src_tables, destination_pools(plan_migration("sglang", "sglang", MODEL, TOKENS)))
     with pytest.raises(InputError, match="convert_on must be 'sender' or 'receiver'"):
         migrate_local(plan, src, src_tables, destination_pools(plan), convert_on="middle")  # type: ignore[arg-type]
     broken = dict(src_tables, swa=[-1] * len(src_tables["swa"]))
@@ -176,12 +179,13 @@ def test_pools_of_another_profile_and_released_source_pages_are_refused():
 
 
 def test_cli_run_json():
-    result = CliRunner().invoke(cli, ["migrate", "run", "--from", "trtllm:fp8:tpb=128", "--to", "sglang",
+    result = CliRunner().invoke(cli, ["migrate", "run", "--from", "trtllm:fp8:tpb=128", "--to", "vllm",
                                       "--tokens", "300", "--layers", "3", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["kv_lossless"] is True and data["transfers"] == 4 + 4  # 4 SWA caches, layer 2's four caches
-    assert len(data["tables"]["swa"]) == 2 and min(data["tables"]["swa"]) >= 0  # window 172..299
+    # window 172..299 in vLLM's SWA blocks 2..4 of 64 tokens; blocks 0 and 1 are released
+    assert data["tables"]["swa"][:2] == [-1, -1] and min(data["tables"]["swa"][2:]) >= 0
 
 
 def test_skipping_the_loss_report_writes_the_same_bytes():
@@ -198,18 +202,18 @@ def test_skipping_the_loss_report_writes_the_same_bytes():
 
 
 def test_wrapping_engine_owned_pool_tensors():
-    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=12)
     owned = destination_pools(plan, spare_pages=1)
-    wrapped = EnginePools.wrap("sglang", MODEL, owned.pools)
+    wrapped = EnginePools.wrap("vllm", MODEL, owned.pools)
     assert wrapped.num_free() == {k: n for k, n in owned.pages_per_table.items()}
     tables, _ = migrate_local(plan, src, src_tables, wrapped)
     _check(plan, src, src_tables, wrapped, tables)
     assert wrapped.pools[(0, Role.SWA)].data_ptr() == owned.pools[(0, Role.SWA)].data_ptr()  # written in place
     bad = dict(owned.pools)
     bad[(2, Role.INDEXER)] = bad[(2, Role.INDEXER)][:, :-1]
-    with pytest.raises(InputError, match=r"pool of layer 2 indexer_compress must be uint8 \[num_pages, 8448\]"):
-        EnginePools.wrap("sglang", MODEL, bad)
+    with pytest.raises(InputError, match=r"pool of layer 2 indexer_compress must be uint8 \[num_pages, 8640\]"):
+        EnginePools.wrap("vllm", MODEL, bad)
     del bad[(2, Role.INDEXER)]
     with pytest.raises(InputError, match="pool of layer 2 indexer_compress is missing"):
-        EnginePools.wrap("sglang", MODEL, bad)
+        EnginePools.wrap("vllm", MODEL, bad)

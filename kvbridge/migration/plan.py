@@ -136,6 +136,13 @@ def swa_range(src: EngineProfile, dst: EngineProfile, first: int, num_tokens: in
 
 def check_pair(src: EngineProfile, dst: EngineProfile, model: ModelTopology, include_mtp: bool) -> None:
     """Refuse, with a one-line reason, a pair of profiles whose state kvbridge cannot write exactly."""
+    layers = range(model.total_layers if include_mtp else model.num_layers)
+    if src.score_has_ape != dst.score_has_ape and any(model.compress_ratios[i] for i in layers):
+        sg, other = (src, dst) if not src.score_has_ape else (dst, src)
+        raise InputError(f"{src.spec} -> {dst.spec}: {sg.version} stores compressor scores without the positional "
+                         f"bias (APE) and adds it when compressing, {other.version} stores score + APE; moving the "
+                         "compressor state between them needs the model's APE weights, which kvbridge does not "
+                         "take yet")
     if src.online_c128 != dst.online_c128 and model.layers_with_ratio(128):
         if src.online_c128:
             raise InputError(f"{src.spec} -> {dst.spec}: SGLANG_OPT_USE_ONLINE_COMPRESS keeps one running "

@@ -25,6 +25,7 @@ import torch
 from kvbridge import numerics as nx
 from kvbridge.api import encode
 from kvbridge.errors import InputError
+from kvbridge.layouts import PageGeometry
 
 FP4_BLOCK = 32
 #: E2M1 magnitude of codes 0..7.
@@ -50,8 +51,13 @@ class IndexerFormat:
     def record_bytes(self) -> int:
         return self.split + (4 if self.name == "fp8" else self.dim // FP4_BLOCK)
 
+    @property
+    def geometry(self) -> PageGeometry:
+        """Block-planar pages, no padding (the registry's geometry)."""
+        return PageGeometry(self.record_bytes, self.split)
+
     def page_bytes(self, page_size: int) -> int:
-        return page_size * self.record_bytes
+        return self.geometry.page_bytes(page_size)
 
 
 FP8_RULES = ("amax", "amax-1e-4")

@@ -48,12 +48,7 @@ def _runs(storage: Storage, table: Sequence[int], first: int, count: int, num_pa
 
 def _page_views(pool: torch.Tensor, storage: Storage) -> list[tuple[torch.Tensor, int, int]]:
     """Views ``[num_pages, P, width]`` of a pool, with the record byte range each holds."""
-    p, rec = storage.page_size, storage.record_bytes
-    n = pool.shape[0]
-    if storage.split is None:
-        return [(pool[:, : p * rec].view(n, p, rec), 0, rec)]
-    s = storage.split
-    return [(pool[:, : p * s].view(n, p, s), 0, s), (pool[:, p * s : p * rec].view(n, p, rec - s), s, rec)]
+    return storage.geometry.page_views(pool, storage.page_size)
 
 
 def gather_records(pool: torch.Tensor, storage: Storage, table: Sequence[int], first: int, count: int) -> torch.Tensor:

@@ -191,8 +191,10 @@ def measure_loss(
     dst_scale: float | None,
     byte_move: bool,
     saturated: int,
+    loss_note: str = "",
 ) -> LossReport:
-    """Compare decoded source ``src`` and decoded destination ``dst`` (fp32 ``[N, 512]``)."""
+    """Compare decoded source ``src`` and decoded destination ``dst`` (fp32 ``[N, 512]``); ``loss_note``
+    (the destination layout's) becomes the report's ``note`` when anything was lost."""
     err = (dst - src).abs()
     amax = float(src.abs().max()) if src.numel() else 0.0
     max_abs = float(err.max()) if err.numel() else 0.0
@@ -211,7 +213,7 @@ def measure_loss(
         flushed_to_zero=int(((src != 0) & (dst == 0)).sum()),
         nope_max_abs_error=float(err[:, :448].max()) if err.numel() else 0.0,
         rope_max_abs_error=float(err[:, 448:].max()) if err.numel() else 0.0,
-        note="" if lossless else get_layout(dst_layout).loss_note,
+        note="" if lossless else loss_note,
     )
 
 
@@ -329,5 +331,6 @@ def transcode(
         dst_scale=s_out if dst.per_tensor_scale else None,
         byte_move=False,
         saturated=count_saturated(values, dst, d, s_out),
+        loss_note=dst.loss_note,
     )
     return out, rep

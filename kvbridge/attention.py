@@ -1,4 +1,4 @@
-"""FlashMLA sparse MLA decode over KV pools of any registered layout (spec section 6).
+"""FlashMLA sparse MLA decode over KV pools of any registered layout.
 
 ``sparse_decode`` validates every argument, then runs one of two backends:
 

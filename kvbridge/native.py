@@ -81,8 +81,18 @@ _E2M1_UP = np.array([1 if up else 0 for _, up in nx.E2M1_THRESHOLDS], np.int64)
 
 @cache
 def program(layout: Layout) -> np.ndarray:
-    """The record program of ``layout``: ``Layout.segments`` as int64 ``[fields, 6]``."""
-    return np.array([list(seg) for seg in layout.segments], np.int64).reshape(-1, 6)
+    """The record program of ``layout``: ``Layout.segments`` as int64 ``[fields, 6]``, with neighbouring
+    unscaled fields of one op that continue each other in dims and bytes merged into one (fewer, longer loops)."""
+    rows: list[list[int]] = []
+    for seg in layout.segments:
+        prev = rows[-1] if rows else None
+        width = 2 if seg.op == OP_BF16 else 1
+        if prev is not None and seg.op in (OP_BF16, OP_E4M3_TENSOR) and prev[0] == seg.op and \
+                prev[1] + prev[2] == seg.dim0 and prev[3] + width * prev[2] == seg.offset:
+            prev[2] += seg.ndims
+        else:
+            rows.append(list(seg))
+    return np.array(rows, np.int64).reshape(-1, 6)
 
 
 def supports(*layouts: Layout) -> bool:
@@ -194,17 +204,23 @@ def _e4m3_code(b: int) -> int:
     return q
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _decode_record(prog, rec, scale, e4m3, ue8m0, e2m1, vals, bits) -> None:
-    """Record bytes -> 512 fp32 values (``bits`` is the uint32 view of ``vals``), field by field."""
+    """Record bytes -> 512 fp32 values (``bits`` is the uint32 view of ``vals``), field by field.
+
+    Every loop indexes slices from 0 (provably non-negative indices), which LLVM vectorizes."""
     for k in range(prog.shape[0]):
         op, d0, nd, off, tile, soff = prog[k, 0], prog[k, 1], prog[k, 2], prog[k, 3], prog[k, 4], prog[k, 5]
         if op == OP_BF16:
+            src = rec[off : off + 2 * nd]
+            dst_bits = bits[d0 : d0 + nd]
             for i in range(nd):
-                bits[d0 + i] = (np.uint32(rec[off + 2 * i]) | (np.uint32(rec[off + 2 * i + 1]) << 8)) << 16
+                dst_bits[i] = (np.uint32(src[2 * i]) | (np.uint32(src[2 * i + 1]) << 8)) << 16
         elif op == OP_E4M3_TENSOR:
+            src = rec[off : off + nd]
+            dst = vals[d0 : d0 + nd]
             for i in range(nd):
-                vals[d0 + i] = e4m3[rec[off + i]] * scale
+                dst[i] = e4m3[src[i]] * scale
         elif op == OP_E4M3_UE8M0:
             for t in range(nd // tile):
                 s = ue8m0[rec[soff + t]]
@@ -224,39 +240,67 @@ def _decode_record(prog, rec, scale, e4m3, ue8m0, e2m1, vals, bits) -> None:
                     dst[2 * i + 1] = e2m1[b >> 4] * s
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
+def _tensor_e4m3_chunks(src, mult, tmp, tmp_bits, out, width: int) -> None:
+    """Per-tensor E4M3 codes of ``src * mult`` into ``out``, ``width`` values at a time (a divisor of the length)."""
+    for j in range(0, src.shape[0], width):
+        chunk = src[j : j + width]
+        for i in range(width):
+            tmp[i] = chunk[i] * mult
+        _e4m3_tile(tmp[:width], tmp_bits[:width], tmp[width : 2 * width], tmp_bits[width : 2 * width],
+                   out[j : j + width])
+
+
+@njit(cache=True, inline="always")
+def _ue8m0_e4m3_tiles(src, src_bits, tile: int, min_exp: int, pow2, tmp, tmp_bits, out, scales) -> None:
+    """E4M3 tiles of ``tile`` values with UE8M0 scales 2^k (k from the dialect's floor ``min_exp``)."""
+    for t in range(src.shape[0] // tile):
+        vals = src[t * tile : (t + 1) * tile]
+        vbits = src_bits[t * tile : (t + 1) * tile]
+        amax_bits = 0  # finite non-negative floats order like their bit patterns
+        for i in range(tile):
+            amax_bits = max(amax_bits, np.int64(vbits[i]) & 0x7FFFFFFF)
+        exp = amax_bits >> 23
+        e = min_exp
+        if exp > 0:  # amax normal: ceil(log2(amax / 448)) = E - 8 (+1 above mantissa 1.75)
+            e = max(min_exp, exp - 135 + (1 if (amax_bits & 0x7FFFFF) > 0x600000 else 0))
+        m = pow2[149 - e]
+        for i in range(tile):
+            tmp[i] = vals[i] * m
+        _e4m3_tile(tmp[:tile], tmp_bits[:tile], tmp[tile : 2 * tile], tmp_bits[tile : 2 * tile],
+                   out[t * tile : (t + 1) * tile])
+        scales[t] = e + 127
+
+
+@njit(cache=True, inline="always")
 def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, steps, up, tmp, tmp_bits, rec) -> None:
     """512 fp32 values -> record bytes, field by field. ``mult``: per-tensor E4M3 multiplier;
     ``min_exp``: the UE8M0 rule's exponent floor; ``steps``/``up``: E2M1 rounding thresholds."""
     for k in range(prog.shape[0]):
         op, d0, nd, off, tile, soff = prog[k, 0], prog[k, 1], prog[k, 2], prog[k, 3], prog[k, 4], prog[k, 5]
         if op == OP_BF16:
+            src_bits = bits[d0 : d0 + nd]
+            dst = rec[off : off + 2 * nd]
             for i in range(nd):
-                h = _bf16_bits(np.int64(bits[d0 + i]))
-                rec[off + 2 * i] = h & 0xFF
-                rec[off + 2 * i + 1] = h >> 8
+                h = _bf16_bits(np.int64(src_bits[i]))
+                dst[2 * i] = h & 0xFF
+                dst[2 * i + 1] = h >> 8
         elif op == OP_E4M3_TENSOR:
-            for j in range(0, nd, 64):
-                w = min(64, nd - j)
-                for i in range(w):
-                    tmp[i] = vals[d0 + j + i] * mult
-                _e4m3_tile(tmp[:w], tmp_bits[:w], tmp[w : 2 * w], tmp_bits[w : 2 * w], rec[off + j : off + j + w])
+            if nd % 64 == 0:
+                _tensor_e4m3_chunks(vals[d0 : d0 + nd], mult, tmp, tmp_bits, rec[off : off + nd], 64)
+            else:
+                _tensor_e4m3_chunks(vals[d0 : d0 + nd], mult, tmp, tmp_bits, rec[off : off + nd], 1)
         elif op == OP_E4M3_UE8M0:
-            for t in range(nd // tile):
-                lo = d0 + t * tile
-                amax_bits = 0  # finite non-negative floats order like their bit patterns
-                for i in range(tile):
-                    amax_bits = max(amax_bits, np.int64(bits[lo + i]) & 0x7FFFFFFF)
-                exp = amax_bits >> 23
-                e = min_exp
-                if exp > 0:  # amax normal: ceil(log2(amax / 448)) = E - 8 (+1 above mantissa 1.75)
-                    e = max(min_exp, exp - 135 + (1 if (amax_bits & 0x7FFFFF) > 0x600000 else 0))
-                m = pow2[149 - e]
-                for i in range(tile):
-                    tmp[i] = vals[lo + i] * m
-                out = rec[off + t * tile : off + (t + 1) * tile]
-                _e4m3_tile(tmp[:tile], tmp_bits[:tile], tmp[tile : 2 * tile], tmp_bits[tile : 2 * tile], out)
-                rec[soff + t] = e + 127
+            src, src_bits = vals[d0 : d0 + nd], bits[d0 : d0 + nd]
+            out, scales = rec[off : off + nd], rec[soff : soff + nd // tile]
+            if tile == 64:  # literal tile sizes: LLVM sees the trip counts and vectorizes
+                _ue8m0_e4m3_tiles(src, src_bits, 64, min_exp, pow2, tmp, tmp_bits, out, scales)
+            elif tile == 32:
+                _ue8m0_e4m3_tiles(src, src_bits, 32, min_exp, pow2, tmp, tmp_bits, out, scales)
+            elif tile == 16:
+                _ue8m0_e4m3_tiles(src, src_bits, 16, min_exp, pow2, tmp, tmp_bits, out, scales)
+            else:
+                _ue8m0_e4m3_tiles(src, src_bits, tile, min_exp, pow2, tmp, tmp_bits, out, scales)
         elif op == OP_E2M1_E4M3:
             half = tile // 2
             for t in range(nd // tile):

@@ -6,7 +6,8 @@ integer arithmetic only. This is the single source of truth for
 
 - E4M3 (``float8_e4m3fn``): round-to-nearest-even, saturating to +-448 (0x7E/0xFE),
   subnormals down to 2^-9, signed zero kept (-0.0 -> 0x80);
-- UE8M0 power-of-two scale exponents for the 584-byte layouts (spec section 4);
+- UE8M0 power-of-two scale exponents per dialect (docs/layouts.md);
+- E2M1 (fp4) round-to-nearest-even with signed zero and saturation, and the fp4 record's E4M3 tile scale;
 - BF16 rounding (round-to-nearest-even) of fp32 values.
 """
 

@@ -1,6 +1,6 @@
 """Block-table paged operations: slot-list transcode and gather-transcode into a MODEL1 scratch cache.
 
-A token's *slot* is ``page * P + row`` (spec section 3): it lives in page ``slot // P`` at row
+A token's *slot* is ``page * P + row``: it lives in page ``slot // P`` at row
 ``slot % P``. Both functions validate every argument before writing anything, then run on the
 backend ``kvbridge.fastpath`` picks (the torch reference on CPU, the Triton kernels on CUDA);
 every backend is byte-identical to the reference.

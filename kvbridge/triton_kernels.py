@@ -17,7 +17,7 @@ Source and destination rows are addressed by slot lists (``page * P + row``) or,
 is given, by the row index itself. E4M3 conversion uses the GPU's ``cvt.rn.satfinite`` through
 ``.to(tl.float8e4nv)`` after a clamp to +-448 when ``fp8_hardware`` is true, and integer bit
 operations mirroring ``kvbridge.numerics.e4m3_encode`` otherwise: the interpreter's fp8 cast is
-wrong (spec section 2), so ``fp8_hardware`` is false under ``TRITON_INTERPRET=1``.
+wrong (it does not round ties to even or saturate), so ``fp8_hardware`` is false under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations

@@ -75,8 +75,9 @@ _POW2_F32 = nx.pow2(torch.arange(-149, 128)).numpy().copy()
 
 #: fp32 value of each E2M1 code 0..15, from ``kvbridge.numerics``.
 _E2M1_F32 = nx.E2M1_TABLE.numpy().copy()
-_E2M1_STEPS = np.array([t for t, _ in nx.E2M1_THRESHOLDS], np.int64)
-_E2M1_UP = np.array([1 if up else 0 for _, up in nx.E2M1_THRESHOLDS], np.int64)
+#: E2M1 rounding thresholds (fp32 bits) from ``kvbridge.numerics``, frozen into the kernels as constants;
+#: ties round up at the odd-numbered ones (0.75, 1.75, 3.5), ``_e2m1_code`` compares those with >=.
+_E2M1_T0, _E2M1_T1, _E2M1_T2, _E2M1_T3, _E2M1_T4, _E2M1_T5, _E2M1_T6 = (t for t, _ in nx.E2M1_THRESHOLDS)
 
 
 @cache
@@ -241,6 +242,17 @@ def _decode_record(prog, rec, scale, e4m3, ue8m0, e2m1, vals, bits) -> None:
 
 
 @njit(cache=True, inline="always")
+def _e2m1_code(b: int) -> int:
+    """E2M1 code of the fp32 with bit pattern ``b``: the thresholds of ``numerics.E2M1_THRESHOLDS``
+    (ties to even: up at 0.75, 1.75 and 3.5), saturating at 6, NaN as 0, the sign in bit 3."""
+    mag = b & 0x7FFFFFFF
+    mag = 0 if mag > 0x7F800000 else mag
+    c = (mag > _E2M1_T0) + (mag >= _E2M1_T1) + (mag > _E2M1_T2) + (mag >= _E2M1_T3)
+    c += (mag > _E2M1_T4) + (mag >= _E2M1_T5) + (mag > _E2M1_T6)
+    return c | ((b >> 28) & 8)
+
+
+@njit(cache=True, inline="always")
 def _tensor_e4m3_chunks(src, mult, tmp, tmp_bits, out, width: int) -> None:
     """Per-tensor E4M3 codes of ``src * mult`` into ``out``, ``width`` values at a time (a divisor of the length)."""
     for j in range(0, src.shape[0], width):
@@ -273,9 +285,9 @@ def _ue8m0_e4m3_tiles(src, src_bits, tile: int, min_exp: int, pow2, tmp, tmp_bit
 
 
 @njit(cache=True, inline="always")
-def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, steps, up, tmp, tmp_bits, rec) -> None:
+def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, rec) -> None:
     """512 fp32 values -> record bytes, field by field. ``mult``: per-tensor E4M3 multiplier;
-    ``min_exp``: the UE8M0 rule's exponent floor; ``steps``/``up``: E2M1 rounding thresholds."""
+    ``min_exp``: the UE8M0 rule's exponent floor."""
     for k in range(prog.shape[0]):
         op, d0, nd, off, tile, soff = prog[k, 0], prog[k, 1], prog[k, 2], prog[k, 3], prog[k, 4], prog[k, 5]
         if op == OP_BF16:
@@ -320,17 +332,7 @@ def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, steps, up, tmp, 
                     tmp[i] = vals[lo + i] / s
                 out = rec[off + t * half : off + (t + 1) * half]
                 for i in range(half):
-                    pair = 0
-                    for h in range(2):
-                        b = np.int64(tmp_bits[2 * i + h])
-                        mag = b & 0x7FFFFFFF
-                        if mag > 0x7F800000:
-                            mag = 0
-                        c = 0
-                        for j in range(7):
-                            c += 1 if (mag > steps[j] or (up[j] == 1 and mag == steps[j])) else 0
-                        pair |= (c | ((b >> 28) & 8)) << (4 * h)
-                    out[i] = pair
+                    out[i] = _e2m1_code(np.int64(tmp_bits[2 * i])) | (_e2m1_code(np.int64(tmp_bits[2 * i + 1])) << 4)
         elif op == OP_ZERO:
             for i in range(nd):
                 rec[off + i] = 0
@@ -353,8 +355,7 @@ def _count_nonfinite(bits, token: int, count: int, first: int) -> tuple[int, int
 
 
 @njit(cache=True, nogil=True)
-def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, prog, dp, dpb, dsplit, drb, mult, min_exp, pow2, e4m3,
-                   steps, up):
+def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, prog, dp, dpb, dsplit, drb, mult, min_exp, pow2, e4m3):
     """Latents (fp32 ``x32`` or bf16 bits ``x16``, flat) -> ``dst`` pages (flat uint8)."""
     npages = dst.shape[0] // dpb
     per = max(1, CHUNK_TOKENS // dp)
@@ -376,7 +377,7 @@ def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, prog, dp, dpb, dsplit, d
                             bits[i] = np.uint32(row16[i]) << 16
                     else:
                         _copy(x32[lo : lo + HEAD_DIM], vals)
-                    _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, steps, up, tmp, tmp_bits, rec)
+                    _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, rec)
                     _scatter(rec, dst, d_at, f_at, dsplit, drb)
                 else:
                     _zero(dst, d_at, d_at + dsplit)
@@ -401,7 +402,7 @@ def _decode_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, out, e4m3,
 def _transcode_kernel(
     c0, c1, src, sprog, sp, spb, ssplit, srb, scale, n,
     dst, dprog, dp, dpb, dsplit, drb, mult, min_exp,
-    e4m3, ue8m0, e2m1, pow2, steps, up, bad_count, bad_first,
+    e4m3, ue8m0, e2m1, pow2, bad_count, bad_first,
 ):
     """Decode each source token into an fp32 buffer and re-encode it (any pair of record programs).
 
@@ -428,7 +429,7 @@ def _transcode_kernel(
                     _gather(src, s_at, sf_at, ssplit, srb, rec_in)
                     _decode_record(sprog, rec_in, scale, e4m3, ue8m0, e2m1, vals, bits)
                     count, first = _count_nonfinite(bits, t, count, first)
-                    _encode_record(dprog, vals, bits, mult, min_exp, pow2, e4m3, steps, up, tmp, tmp_bits, rec_out)
+                    _encode_record(dprog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, rec_out)
                     _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
                 else:
                     _zero(dst, d_at, d_at + dsplit)
@@ -767,7 +768,7 @@ def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str |
     _run_chunks(
         _encode_kernel, _page_chunks(out.shape[0], dp),
         x32, x16, from_bf16, n, _flat(out), program(layout), dp, dpb, dsplit, drb, mult, min_exp, _POW2_F32,
-        _E4M3_F32, _E2M1_STEPS, _E2M1_UP,
+        _E4M3_F32,
     )
     return out
 
@@ -910,7 +911,7 @@ def transcode_pages(
         _run_chunks(
             _transcode_kernel, nchunks, _flat(pages), program(src), sp, spb, ssplit, srb, np.float32(src_scale), n,
             _flat(out), program(dst), dp, dpb, dsplit, drb, mult, min_exp,
-            _E4M3_F32, _UE8M0_F32, _E2M1_F32, _POW2_F32, _E2M1_STEPS, _E2M1_UP, bad_count, bad_first,
+            _E4M3_F32, _UE8M0_F32, _E2M1_F32, _POW2_F32, bad_count, bad_first,
         )
     _raise_nonfinite(bad_count, bad_first)
     return out

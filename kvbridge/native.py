@@ -24,7 +24,8 @@ every decoded value is ``fp32(e4m3(c) * s)``, a function of the byte ``c`` alone
 ``c & 0x7F``, so a tile's amax is the value of its largest code magnitude ``m`` and each output
 byte is a function of ``(m, c)``: a 128 x 256 table, or at s = 1 an exact exponent shift (built
 once per scale and dialect with ``kvbridge.numerics``, exactly as the reference computes it);
-MODEL1 -> per-tensor E4M3 likewise through tables of (scale byte, code).
+per-tensor E4M3 -> V4.1 MXFP8 the same way with 32-value tiles; MODEL1 -> per-tensor E4M3 likewise
+through tables of (scale byte, code).
 
 Numba compiles the kernels on first use and caches them on disk (``cache=True``); see
 ``docs/performance.md`` for the one-time cost.
@@ -440,23 +441,23 @@ def _transcode_kernel(
 
 
 @njit(cache=True, inline="always")
-def _tile_max_magnitude(rec, base: int) -> int:
-    """Largest ``code & 0x7F`` of the 64 E4M3 codes at ``rec[base:base + 64]`` (the code of their amax)."""
+def _tile_max_magnitude(rec, base: int, width: int = 64) -> int:
+    """Largest ``code & 0x7F`` of the ``width`` E4M3 codes at ``rec[base:]`` (the code of their amax)."""
     m = np.uint8(0)
-    for i in range(64):  # max() on explicit uint8 operands keeps LLVM's lanes 8-bit wide
+    for i in range(width):  # max() on explicit uint8 operands keeps LLVM's lanes 8-bit wide
         m = max(m, np.uint8(rec[base + i] & np.uint8(0x7F)))
     return m
 
 
 @njit(cache=True, inline="always")
-def _tile_shift(rec_in, rec_out, base: int, j: int, sub) -> None:
-    """The 64 E4M3 codes at ``rec_in[base:]`` times 2^j (exact, no overflow) into ``rec_out[base:]``:
+def _tile_shift(rec_in, rec_out, base: int, j: int, sub, width: int = 64) -> None:
+    """The ``width`` E4M3 codes at ``rec_in[base:]`` times 2^j (exact, no overflow) into ``rec_out[base:]``:
     normal codes add 8j to the code, subnormal magnitudes 1..7 take ``sub[8j + m]``; written as
     selects so that LLVM vectorizes it."""
     shift = np.uint8(8 * j)
     s1, s2, s3, s4 = sub[8 * j + 1], sub[8 * j + 2], sub[8 * j + 3], sub[8 * j + 4]
     s5, s6, s7 = sub[8 * j + 5], sub[8 * j + 6], sub[8 * j + 7]
-    for i in range(64):
+    for i in range(width):
         c = rec_in[base + i]
         a = c & np.uint8(0x7F)
         low = np.uint8(0)
@@ -552,6 +553,51 @@ def _fp8_to_model1_kernel(
                     rec_out[448 + 2 * i] = rope_bits[i] & 0xFF
                     rec_out[449 + 2 * i] = rope_bits[i] >> 8
                 rec_out[583] = 0
+                _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
+            _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
+        bad_count[chunk] = count
+        bad_first[chunk] = first
+
+
+@njit(cache=True, nogil=True)
+def _fp8_to_mxfp8_kernel(
+    c0, c1, src, sp, spb, ssplit, srb, n, dst, dp, dpb, dsplit, drb, unit_scale,
+    scale_lut, bad_mag, shift_sub, code_lut, bad_count, bad_first,
+):
+    """Per-tensor E4M3 records -> V4.1 MXFP8 records (16 E4M3 tiles of 32, their UE8M0 scales at
+    record byte 512) in the code domain, with the tables of ``_fp8_to_model1_kernel`` (the two
+    records share the scale rule; only the tile width differs, and the rope is a tile like the others)."""
+    npages = dst.shape[0] // dpb
+    per = max(1, CHUNK_TOKENS // dp)
+    for chunk in range(c0, c1):
+        rec_in = np.empty(srb, np.uint8)
+        rec_out = np.empty(drb, np.uint8)
+        count = 0
+        first = -1
+        for p in range(chunk * per, min(npages, (chunk + 1) * per)):
+            for r in range(dp):
+                t = p * dp + r
+                d_at, f_at = _locate(t, dp, dpb, dsplit, drb)
+                if t >= n:
+                    _zero(dst, d_at, d_at + dsplit)
+                    _zero(dst, f_at, f_at + drb - dsplit)
+                    continue
+                s_at, sf_at = _locate(t, sp, spb, ssplit, srb)
+                _gather(src, s_at, sf_at, ssplit, srb, rec_in)
+                for j in range(16):
+                    m = _tile_max_magnitude(rec_in, 32 * j, 32)
+                    if bad_mag[m]:
+                        for i in range(32):
+                            if bad_mag[rec_in[32 * j + i] & 0x7F]:
+                                if count == 0 or t * HEAD_DIM + 32 * j + i < first:
+                                    first = t * HEAD_DIM + 32 * j + i
+                                count += 1
+                    if unit_scale:
+                        _tile_shift(rec_in, rec_out, 32 * j, 127 - scale_lut[m], shift_sub, 32)
+                    else:
+                        for i in range(32):
+                            rec_out[32 * j + i] = code_lut[np.int64(m) * 256 + rec_in[32 * j + i]]
+                    rec_out[HEAD_DIM + j] = scale_lut[m]
                 _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
             _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
         bad_count[chunk] = count
@@ -867,6 +913,12 @@ def _fp8_to_model1(pages, src_scale, dst_scale, dialect, geometry, bad_count, ba
                 *(tables[name] for name in _FP8_TO_MODEL1_TABLES), bad_count, bad_first)
 
 
+def _fp8_to_mxfp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
+    tables = _fp8_to_model1_tables(float(src_scale), ue8m0_dialect(dialect))
+    _run_chunks(_fp8_to_mxfp8_kernel, len(bad_count), *geometry, src_scale == 1.0,
+                *(tables[name] for name in ("scale_lut", "bad_mag", "shift_sub", "code_lut")), bad_count, bad_first)
+
+
 def _model1_to_fp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
     mult, _ = _encode_params(dialect, dst_scale)
     _run_chunks(_model1_to_fp8_kernel, len(bad_count), *geometry, *_model1_to_fp8_tables(float(mult)),
@@ -877,6 +929,7 @@ def _model1_to_fp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, ba
 ACCELERATORS = {
     (get_layout("trtllm-fp8").segments, get_layout("flashmla-model1").segments): _fp8_to_model1,
     (get_layout("flashmla-model1").segments, get_layout("trtllm-fp8").segments): _model1_to_fp8,
+    (get_layout("trtllm-fp8").segments, get_layout("v41-fp8").segments): _fp8_to_mxfp8,
 }
 
 

@@ -57,7 +57,8 @@ def _device_backend(device: torch.device) -> ModuleType | None:
 
 
 def backend(tensors: torch.Tensor | tuple[torch.Tensor, ...], *layouts: Layout) -> ModuleType:
-    """The backend module that serves ``tensors`` (all on one device) in ``layouts``."""
+    """The backend module that serves ``tensors`` (the pools or latents of one call, all on one device;
+    slot and index lists need no alignment) in ``layouts``."""
     group = tensors if isinstance(tensors, tuple) else (tensors,)
     if _forced_reference():
         return reference
@@ -110,7 +111,7 @@ def transcode_pages(
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """Per-slot flags (``reference.FLAG_NONFINITE`` or 0) of the decoded tokens at in-range ``slots``."""
-    return backend((pages, slots), layout).nonfinite_flags(pages, layout, page_size, slots, scale)
+    return backend(pages, layout).nonfinite_flags(pages, layout, page_size, slots, scale)
 
 
 def transcode_slots(
@@ -119,7 +120,7 @@ def transcode_slots(
     dialect: str | None, byte_move: bool,
 ) -> None:
     """Source slot ``src_slots[i]`` -> ``dst_slots[i]`` in place (see ``reference.transcode_slots``)."""
-    backend((src_pages, dst_pages, src_slots, dst_slots), src, dst).transcode_slots(
+    backend((src_pages, dst_pages), src, dst).transcode_slots(
         src_pages, src, src_page_size, dst_pages, dst, dst_page_size, src_slots, dst_slots, src_scale, dst_scale,
         dialect, byte_move,
     )
@@ -130,6 +131,6 @@ def gather_transcode(
     dialect: str | None, byte_move: bool, out_page_size: int, scratch_layout: Layout,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat ``indices`` -> a fresh ``scratch_layout`` cache and per-index flags (see ``reference.gather_transcode``)."""
-    return backend((pool, indices), layout, scratch_layout).gather_transcode(
+    return backend(pool, layout, scratch_layout).gather_transcode(
         pool, layout, page_size, indices, scale, dialect, byte_move, out_page_size, scratch_layout
     )

@@ -200,16 +200,20 @@ def test_nonfinite_flags_kernel_names_the_bad_slots():
 @pytest.mark.parametrize(("src", "scale", "dialect"), [(TRT, 0.037, "flashmla"), (BF16, 1.0, "amax-1e-8"),
                                                        (FOOTER, 1.0, None), (MODEL1, 1.0, None)],
                          ids=lambda v: getattr(v, "name", str(v)))
-def test_gather_transcode_kernel_matches_reference(latents, src, scale, dialect):
+@pytest.mark.parametrize("out", ["flashmla-model1", "v41-fp8-interleaved"])
+def test_gather_transcode_kernel_matches_reference(latents, src, scale, dialect, out):
+    out = get_layout(out)
     pages = reference.encode_pages(latents, src, 61, src.default_dialect, scale)
     g = torch.Generator().manual_seed(17)
     indices = torch.randint(0, 40, (2, 2, 9), generator=g, dtype=torch.int32)
     indices[0, 1, :4] = -1
     s = scale if src.per_tensor_scale else None
+    byte_move = src.same_record(out)
+    dialect = dialect if not byte_move and dialect in out.dialects else None
     want, want_remap = paged.gather_transcode(pages, src, page_size=61, indices=indices, scale=s, dialect=dialect,
-                                              out_page_size=5)
-    byte_move = src.record_bytes == 584
-    got, flags = tk.gather_transcode(pages, src, 61, indices.reshape(-1), scale, dialect, byte_move, 5, MODEL1)
+                                              out_page_size=5, out_layout=out)
+    d = None if byte_move else (dialect or out.default_dialect)
+    got, flags = tk.gather_transcode(pages, src, 61, indices.reshape(-1), scale, d, byte_move, 5, out)
     assert not bool(flags.any())
     assert torch.equal(got, want)
     assert want_remap.shape == indices.shape

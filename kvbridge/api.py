@@ -176,6 +176,7 @@ class LossReport:
     flushed_to_zero: int
     nope_max_abs_error: float
     rope_max_abs_error: float
+    note: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -190,16 +191,19 @@ def measure_loss(
     dst_scale: float | None,
     byte_move: bool,
     saturated: int,
+    loss_note: str = "",
 ) -> LossReport:
-    """Compare decoded source ``src`` and decoded destination ``dst`` (fp32 ``[N, 512]``)."""
+    """Compare decoded source ``src`` and decoded destination ``dst`` (fp32 ``[N, 512]``); ``loss_note``
+    (the destination layout's) becomes the report's ``note`` when anything was lost."""
     err = (dst - src).abs()
     amax = float(src.abs().max()) if src.numel() else 0.0
     max_abs = float(err.max()) if err.numel() else 0.0
+    lossless = bool(torch.equal(src, dst))
     return LossReport(
         src_layout=src_layout,
         dst_layout=dst_layout,
         num_tokens=src.shape[0],
-        lossless=bool(torch.equal(src, dst)),
+        lossless=lossless,
         byte_move=byte_move,
         dst_scale=dst_scale,
         max_abs_error=max_abs,
@@ -209,13 +213,13 @@ def measure_loss(
         flushed_to_zero=int(((src != 0) & (dst == 0)).sum()),
         nope_max_abs_error=float(err[:, :448].max()) if err.numel() else 0.0,
         rope_max_abs_error=float(err[:, 448:].max()) if err.numel() else 0.0,
+        note="" if lossless else loss_note,
     )
 
 
 def is_byte_move(src: Layout, dst: Layout, src_scale: float, dst_scale: float) -> bool:
     """True when ``src`` and ``dst`` store identical token records (only paging differs)."""
-    same_record = type(src.codec) is type(dst.codec) and src.record_bytes == dst.record_bytes
-    return same_record and (not src.per_tensor_scale or src_scale == dst_scale)
+    return src.same_record(dst) and (not src.per_tensor_scale or src_scale == dst_scale)
 
 
 def count_saturated(x: torch.Tensor, layout: Layout, dialect: str | None, scale: float) -> int:
@@ -327,5 +331,6 @@ def transcode(
         dst_scale=s_out if dst.per_tensor_scale else None,
         byte_move=False,
         saturated=count_saturated(values, dst, d, s_out),
+        loss_note=dst.loss_note,
     )
     return out, rep

@@ -1,4 +1,4 @@
-"""FlashMLA sparse MLA decode over KV pools of any registered layout (spec section 6).
+"""FlashMLA sparse MLA decode over KV pools of any registered layout.
 
 ``sparse_decode`` validates every argument, then runs one of two backends:
 
@@ -291,7 +291,7 @@ class Tolerance:
     cos_diff_tol: float
 
 
-#: FlashMLA's tolerances for its sparse decode against its fp32 reference (spec section 6).
+#: FlashMLA's tolerances for its sparse decode against its fp32 reference (its tests' assertions).
 OUT_TOLERANCE = Tolerance(1e-3, 2.01 / 128, 5e-6)
 LSE_TOLERANCE = Tolerance(1e-6, 8.01 / 65536, 5e-6)
 

@@ -138,8 +138,9 @@ def _cases(latents: torch.Tensor) -> list[_Case]:
     """The benchmarked operations over ``latents`` (bf16 ``[N, 512]`` on the benchmark's device)."""
     p, rp = PAGE_SIZE, REPAGE_PAGE_SIZE
     fp8, model1, ds_mla, bf16 = (get_layout(n) for n in ("trtllm-fp8", "flashmla-model1", "trtllm-fp8-ds-mla", "bf16"))
+    v41, v41i, fp4i = (get_layout(n) for n in ("v41-fp8", "v41-fp8-interleaved", "v41-fp4-interleaved"))
     x32 = latents.float()
-    pools = {lay.name: api.encode(latents, lay, page_size=p) for lay in (fp8, model1, bf16)}
+    pools = {lay.name: api.encode(latents, lay, page_size=p) for lay in (fp8, model1, bf16, v41, v41i, fp4i)}
 
     def head(name: str, n: int) -> torch.Tensor:
         return pools[name][: -(-n // p)]
@@ -175,16 +176,21 @@ def _cases(latents: torch.Tensor) -> list[_Case]:
             src.page_bytes(p) // p + 4 * 512, pools[src.name], (src,),
         )
 
-    repage = _Case(
-        f"repage {model1.name} P={p} -> {ds_mla.name} P={rp}",
-        lambda n: api.transcode(head(model1.name, n), model1, ds_mla, src_page_size=p, dst_page_size=rp, num_tokens=n),
-        lambda n: reference.repage(head(model1.name, n), model1, p, ds_mla, rp, n),
-        (model1.page_bytes(p) // p) + ds_mla.record_bytes, pools[model1.name], (model1, ds_mla),
-    )
+    def repage(src, dst, dst_p: int) -> _Case:
+        return _Case(
+            f"repage {src.name} P={p} -> {dst.name} P={dst_p}",
+            lambda n: api.transcode(head(src.name, n), src, dst, src_page_size=p, dst_page_size=dst_p, num_tokens=n),
+            lambda n: reference.repage(head(src.name, n), src, p, dst, dst_p, n),
+            (src.page_bytes(p) // p) + dst.record_bytes, pools[src.name], (src, dst),
+        )
+
     return [
         transcode(fp8, model1), transcode(fp8, model1, into=True), transcode(model1, fp8), transcode(bf16, model1),
-        repage,
+        repage(model1, ds_mla, rp),
         encode(model1), encode(fp8), decode(model1), decode(fp8),
+        # The DeepSeek-V4.1 family (FlashMLA's current kernels read the interleaved layouts).
+        transcode(fp8, v41i), transcode(model1, v41i), transcode(v41i, model1), transcode(v41i, fp4i),
+        repage(v41, v41i, p), encode(v41i), encode(fp4i), decode(v41i), decode(fp4i),
     ]
 
 

@@ -1,45 +1,36 @@
-"""Reference record codecs (readable torch): fp32 latents <-> token records (uint8).
+"""The reference record codec (readable torch): fp32 latents <-> token records (uint8).
 
-A record codec turns ``[N, 512]`` fp32 values into ``[N, record_bytes]`` bytes and back.
-Paging (where each record byte lands in a page) is the layout's job, not the codec's.
-Every fast path (native CPU, Triton) is tested byte-for-byte against these.
+One codec serves every layout: it executes the layout's compiled record description
+(``Layout.segments``), field by field. It turns ``[N, 512]`` fp32 values into
+``[N, record_bytes]`` bytes and back; paging (where each record byte lands in a page) is the
+layout geometry's job. Every fast path (native CPU, Triton) is tested byte-for-byte against it.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvbridge import numerics as nx
+from kvbridge.layouts.registry import (
+    HEAD_DIM,
+    OP_BF16,
+    OP_E2M1_E4M3,
+    OP_E4M3_TENSOR,
+    OP_E4M3_UE8M0,
+    OP_ZERO,
+)
 
-HEAD_DIM = 512
+if TYPE_CHECKING:
+    from kvbridge.layouts.registry import Layout
+
+__all__ = ["HEAD_DIM", "NOPE_DIM", "NUM_TILES", "ROPE_DIM", "RecordCodec", "reciprocal_f32", "tensor_multiplier"]
+
 NOPE_DIM = 448
 ROPE_DIM = 64
-TILE = 64
-NUM_TILES = NOPE_DIM // TILE  # 7
-
-
-class RecordCodec(Protocol):
-    """Encodes fp32 ``[N, 512]`` into records ``[N, record_bytes]`` and decodes them back."""
-
-    record_bytes: int
-
-    def encode(self, x: torch.Tensor, *, dialect: str | None, scale: float) -> torch.Tensor: ...
-
-    def decode(self, records: torch.Tensor, *, scale: float) -> torch.Tensor: ...
-
-
-class BF16Codec:
-    """512 little-endian bf16 values (1024 bytes); fp32 input is rounded to nearest even."""
-
-    record_bytes = 2 * HEAD_DIM
-
-    def encode(self, x: torch.Tensor, *, dialect: str | None, scale: float) -> torch.Tensor:
-        return nx.bf16_bytes(x)
-
-    def decode(self, records: torch.Tensor, *, scale: float) -> torch.Tensor:
-        return nx.bf16_from_bytes(records)
+#: MODEL1's nope tiles of 64 values (the accuracy study's unit).
+NUM_TILES = NOPE_DIM // 64
 
 
 def reciprocal_f32(scale: float) -> torch.Tensor:
@@ -48,50 +39,72 @@ def reciprocal_f32(scale: float) -> torch.Tensor:
     return torch.tensor(1.0, dtype=torch.float32) / s
 
 
-class PerTensorE4M3Codec:
-    """512 E4M3 bytes, byte i = element i, one per-tensor fp32 scale ``s`` kept outside.
+def tensor_multiplier(dialect: str | None, scale: float) -> float:
+    """What a per-tensor E4M3 writer multiplies by: fp32(1/s) (``swa``), or 1 (``compress``, which ignores s)."""
+    return 1.0 if dialect == "compress" else float(reciprocal_f32(scale))
 
-    Dialects: ``swa`` writes e4m3(x * fp32(1/s)); ``compress`` writes e4m3(x), ignoring s
-    (TensorRT-LLM's compressed-token writer). Decode is fp32(code) * s for both.
+
+def ue8m0_dialect(dialect: str | None) -> str:
+    """The UE8M0 scale rule a dialect names (``flashmla`` when None)."""
+    return dialect if dialect in nx.DIALECT_MIN_EXPONENT else "flashmla"
+
+
+class RecordCodec:
+    """Encodes fp32 ``[N, 512]`` into records ``[N, record_bytes]`` of ``layout`` and decodes them back.
+
+    Per field (``Segment``): bf16 is rounded to nearest even; per-tensor E4M3 is
+    ``e4m3(x * m)`` with ``m = tensor_multiplier(dialect, scale)``, decoded ``e4m3 * scale``;
+    UE8M0-scaled E4M3 tiles get scale 2^k with k from the dialect's rule
+    (``numerics.scale_exponent``) and value bytes ``e4m3(x / 2^k)`` (exact division);
+    E4M3-scaled E2M1 tiles get ``numerics.fp4_tile_scale`` and codes of ``x / scale``.
+    Pad bytes are 0.
     """
 
-    record_bytes = HEAD_DIM
-
-    def encode(self, x: torch.Tensor, *, dialect: str | None, scale: float) -> torch.Tensor:
-        if dialect == "compress":
-            return nx.e4m3_encode(x)
-        return nx.e4m3_encode(x * reciprocal_f32(scale).to(x.device))
-
-    def decode(self, records: torch.Tensor, *, scale: float) -> torch.Tensor:
-        return nx.e4m3_decode(records) * torch.tensor(scale, dtype=torch.float32, device=records.device)
-
-
-class Model1Codec:
-    """MODEL1 record (584 bytes): nope E4M3 [0, 448), rope bf16 [448, 576),
-    7 UE8M0 tile scales [576, 583), pad byte 583 (written 0).
-
-    Tile i (dims 64i..64i+63) gets scale 2^k with k from the dialect's rule
-    (``numerics.scale_exponent``); value bytes are e4m3(x / 2^k), exact division.
-    """
-
-    record_bytes = 584
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.record_bytes = layout.record_bytes
 
     def encode(self, x: torch.Tensor, *, dialect: str | None, scale: float) -> torch.Tensor:
         n = x.shape[0]
-        nope = x[:, :NOPE_DIM].reshape(n, NUM_TILES, TILE)
-        amax = nope.abs().amax(dim=-1)
-        exp = nx.scale_exponent(amax, dialect or "flashmla")
-        values = nx.e4m3_encode(nope * nx.pow2(-exp).unsqueeze(-1)).reshape(n, NOPE_DIM)
-        rope = nx.bf16_bytes(x[:, NOPE_DIM:])
-        scales = nx.ue8m0_byte(exp)
-        pad = torch.zeros(n, 1, dtype=torch.uint8, device=x.device)
-        return torch.cat([values, rope, scales, pad], dim=1)
+        rec = torch.zeros(n, self.record_bytes, dtype=torch.uint8, device=x.device)
+        for op, d0, nd, off, tile, soff in self.layout.segments:
+            if op == OP_ZERO:
+                continue
+            v = x[:, d0 : d0 + nd]
+            if op == OP_BF16:
+                rec[:, off : off + 2 * nd] = nx.bf16_bytes(v)
+            elif op == OP_E4M3_TENSOR:
+                m = torch.tensor(tensor_multiplier(dialect, scale), dtype=torch.float32, device=x.device)
+                rec[:, off : off + nd] = nx.e4m3_encode(v if dialect == "compress" else v * m)
+            elif op == OP_E4M3_UE8M0:
+                tiles = v.reshape(n, nd // tile, tile)
+                exp = nx.scale_exponent(tiles.abs().amax(dim=-1), ue8m0_dialect(dialect))
+                rec[:, off : off + nd] = nx.e4m3_encode(tiles * nx.pow2(-exp).unsqueeze(-1)).reshape(n, nd)
+                rec[:, soff : soff + nd // tile] = nx.ue8m0_byte(exp)
+            elif op == OP_E2M1_E4M3:
+                tiles = v.reshape(n, nd // tile, tile)
+                scale_bytes = nx.fp4_tile_scale(tiles.abs().amax(dim=-1))
+                codes = nx.fp4_encode_tiles(tiles, scale_bytes).reshape(n, nd)
+                rec[:, off : off + nd // 2] = nx.e2m1_pack(codes)
+                rec[:, soff : soff + nd // tile] = scale_bytes
+        return rec
 
     def decode(self, records: torch.Tensor, *, scale: float) -> torch.Tensor:
         n = records.shape[0]
-        values = nx.e4m3_decode(records[:, :NOPE_DIM]).reshape(n, NUM_TILES, TILE)
-        exp = records[:, 576:583].to(torch.int64) - 127
-        tile_scale = torch.where(exp == 128, torch.nan, nx.pow2(exp))  # UE8M0 0xFF is NaN
-        nope = (values * tile_scale.unsqueeze(-1)).reshape(n, NOPE_DIM)
-        rope = nx.bf16_from_bytes(records[:, NOPE_DIM:576])
-        return torch.cat([nope, rope], dim=1)
+        out = torch.empty(n, HEAD_DIM, dtype=torch.float32, device=records.device)
+        for op, d0, nd, off, tile, soff in self.layout.segments:
+            if op == OP_BF16:
+                out[:, d0 : d0 + nd] = nx.bf16_from_bytes(records[:, off : off + 2 * nd])
+            elif op == OP_E4M3_TENSOR:
+                s = torch.tensor(scale, dtype=torch.float32, device=records.device)
+                out[:, d0 : d0 + nd] = nx.e4m3_decode(records[:, off : off + nd]) * s
+            elif op == OP_E4M3_UE8M0:
+                values = nx.e4m3_decode(records[:, off : off + nd]).reshape(n, nd // tile, tile)
+                exp = records[:, soff : soff + nd // tile].to(torch.int64) - 127
+                tile_scale = torch.where(exp == 128, torch.nan, nx.pow2(exp))  # UE8M0 0xFF is NaN
+                out[:, d0 : d0 + nd] = (values * tile_scale.unsqueeze(-1)).reshape(n, nd)
+            elif op == OP_E2M1_E4M3:
+                values = nx.e2m1_decode(nx.e2m1_unpack(records[:, off : off + nd // 2])).reshape(n, nd // tile, tile)
+                tile_scale = nx.e4m3_decode(records[:, soff : soff + nd // tile])
+                out[:, d0 : d0 + nd] = (values * tile_scale.unsqueeze(-1)).reshape(n, nd)
+        return out

@@ -22,7 +22,7 @@ from typing import Literal
 
 from kvbridge.errors import InputError
 from kvbridge.indexer import IndexerFormat, indexer_format
-from kvbridge.layouts import Layout, get_layout
+from kvbridge.layouts import Layout, PageGeometry, get_layout
 from kvbridge.topology import CacheSpec, Role
 
 Addressing = Literal["paged", "ring", "page-ring"]
@@ -61,6 +61,13 @@ class Storage:
     @property
     def layout(self) -> Layout:
         return get_layout(self.fmt)
+
+    @property
+    def geometry(self) -> PageGeometry:
+        """Where each record byte lies in a page (the registry's one geometry implementation)."""
+        if self.kind == "kv":
+            return self.layout.geometry
+        return PageGeometry(self.record_bytes, self.split)
 
     @property
     def indexer(self) -> IndexerFormat:

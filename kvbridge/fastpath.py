@@ -1,11 +1,14 @@
-"""Dispatch of paged operations to the fastest exact implementation for the device.
+"""The one dispatcher of paged operations: picks the fastest exact backend for the tensors.
 
-Every implementation here is byte-identical to ``kvbridge.reference``:
+Every backend is a module with the same interface, byte-identical to ``kvbridge.reference``:
+``name``, ``supports(*layouts)``, ``all_finite``, ``encode_pages``, ``decode_pages``,
+``repage(..., out=)``, ``transcode_pages(..., out=)``, ``nonfinite_flags``, ``transcode_slots`` and
+``gather_transcode``. All of them execute the layouts' own record descriptions, so every
+registered layout runs on every backend.
 
-- CPU tensors run the native numba kernels (``kvbridge.native``, imported on first use) for
-  layouts whose record codec they know;
-- CUDA tensors go to the Triton kernels (``kvbridge.triton_kernels``, imported only then) when
-  Triton is installed and has kernels for the layouts (``_cuda_backend``);
+- CPU tensors: the native numba kernels (``kvbridge.native``, imported on first use);
+- CUDA tensors: the Triton kernels (``kvbridge.triton_kernels``, imported only then) when Triton
+  is installed and every tensor is contiguous and 16-byte aligned;
 - everything else, and everything when the environment variable ``KVBRIDGE_BACKEND=reference``
   is set, runs the reference. ``KVBRIDGE_BACKEND=auto`` (or unset) is the default.
 """
@@ -21,7 +24,10 @@ from kvbridge import reference
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 
-__all__ = ["BACKEND_ENV", "all_finite", "backend_name", "decode_pages", "encode_pages", "repage", "transcode_pages"]
+__all__ = [
+    "BACKEND_ENV", "all_finite", "backend", "backend_name", "decode_pages", "encode_pages", "gather_transcode",
+    "nonfinite_flags", "repage", "transcode_pages", "transcode_slots",
+]
 
 #: Environment variable selecting the implementation: ``auto`` (default) or ``reference``.
 BACKEND_ENV = "KVBRIDGE_BACKEND"
@@ -35,73 +41,59 @@ def _forced_reference() -> bool:
     return choice == "reference"
 
 
-def _cpu_backend(tensor: torch.Tensor, *layouts: Layout) -> ModuleType | None:
-    """The native kernel module for a CPU ``tensor`` when it knows every layout's record codec."""
-    if tensor.device.type != "cpu":
-        return None
-    from kvbridge import native
+def _device_backend(device: torch.device) -> ModuleType | None:
+    """The kernel module for ``device`` (imported here, lazily), or None."""
+    if device.type == "cpu":
+        from kvbridge import native
 
-    return native if all(native.supports(lay) for lay in layouts) else None
+        return native
+    if device.type == "cuda":
+        try:
+            from kvbridge import triton_kernels
+        except ImportError:  # Triton not installed: the torch reference also runs on CUDA
+            return None
+        return triton_kernels
+    return None
 
 
-def _backend(tensor: torch.Tensor, *layouts: Layout) -> ModuleType:
-    """The implementation module that serves ``tensor`` and ``layouts``."""
+def backend(tensors: torch.Tensor | tuple[torch.Tensor, ...], *layouts: Layout) -> ModuleType:
+    """The backend module that serves ``tensors`` (the pools or latents of one call, all on one device;
+    slot and index lists need no alignment) in ``layouts``."""
+    group = tensors if isinstance(tensors, tuple) else (tensors,)
     if _forced_reference():
         return reference
-    return _cuda_backend(tensor, *layouts) or _cpu_backend(tensor, *layouts) or reference
+    chosen = _device_backend(group[0].device)
+    if chosen is None or not chosen.supports(*layouts) or not chosen.accepts(*group):
+        return reference
+    return chosen
 
 
 def backend_name(tensor: torch.Tensor, *layouts: Layout) -> str:
-    """Short name of the implementation a paged operation on ``tensor`` would run (for reports)."""
-    return _backend(tensor, *layouts).__name__.rsplit(".", 1)[-1]
-
-
-def _cuda_backend(tensor: torch.Tensor, *layouts: Layout) -> ModuleType | None:
-    """The Triton kernel module for a CUDA ``tensor`` (contiguous, 16-byte aligned) whose layouts it serves."""
-    if not tensor.is_cuda:
-        return None
-    try:
-        from kvbridge import triton_kernels
-    except ImportError:  # Triton not installed: the torch reference also runs on CUDA
-        return None
-    usable = triton_kernels.supports(*layouts) and triton_kernels.aligned(tensor)
-    return triton_kernels if usable else None
+    """Short name of the backend a paged operation on ``tensor`` would run (for reports)."""
+    return backend(tensor, *layouts).name
 
 
 def all_finite(x: torch.Tensor) -> bool:
-    """True when latents ``x`` hold no NaN or Inf (native bit test for fp32/bf16 CPU tensors)."""
-    if x.dtype in (torch.float32, torch.bfloat16) and _backend(x).__name__ == "kvbridge.native":
-        return _backend(x).all_finite(x)
-    return not bool((~torch.isfinite(x)).any())
+    """True when latents ``x`` hold no NaN or Inf."""
+    return backend(x).all_finite(x)
 
 
 def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float) -> torch.Tensor:
-    """fp32 or bf16 ``[N, 512]`` -> pages (see ``reference.encode_pages``); bf16 is read as is by
-    the native kernels and widened to fp32 (exactly) for the others."""
-    backend = _backend(x, layout)
-    if backend.__name__ != "kvbridge.native" and x.dtype != torch.float32:
-        x = x.float()
-    return backend.encode_pages(x, layout, page_size, dialect, scale)
+    """fp32 or bf16 ``[N, 512]`` -> pages (see ``reference.encode_pages``)."""
+    return backend(x, layout).encode_pages(x, layout, page_size, dialect, scale)
 
 
 def decode_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
                  scale: float) -> torch.Tensor:
     """Pages -> fp32 ``[num_tokens, 512]`` (see ``reference.decode_pages``)."""
-    return _backend(pages, layout).decode_pages(pages, layout, page_size, num_tokens, scale)
-
-
-def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
-    return result if out is None else out.copy_(result)
+    return backend(pages, layout).decode_pages(pages, layout, page_size, num_tokens, scale)
 
 
 def repage(pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,
            num_tokens: int | None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Byte move of identical records between page geometries (see ``reference.repage``), into
-    ``out`` when given (the native kernels write it directly, others through a copy)."""
-    backend = _backend(pages, src, dst)
-    if backend.__name__ == "kvbridge.native":
-        return backend.repage(pages, src, src_page_size, dst, dst_page_size, num_tokens, out=out)
-    return _into(out, backend.repage(pages, src, src_page_size, dst, dst_page_size, num_tokens))
+    """Byte move of identical records between page geometries (see ``reference.repage``), into ``out`` when given."""
+    group = (pages,) if out is None else (pages, out)
+    return backend(group, src, dst).repage(pages, src, src_page_size, dst, dst_page_size, num_tokens, out=out)
 
 
 def transcode_pages(
@@ -109,10 +101,36 @@ def transcode_pages(
     num_tokens: int | None, src_scale: float, dst_scale: float, dialect: str | None,
     *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode + re-encode pages (see ``reference.transcode_pages``); NaN/Inf in the source raises.
-    Written into ``out`` when given (the native kernels write it directly, others through a copy)."""
-    backend = _backend(pages, src, dst)
-    args = (pages, src, src_page_size, dst, dst_page_size, num_tokens, src_scale, dst_scale, dialect)
-    if backend.__name__ == "kvbridge.native":
-        return backend.transcode_pages(*args, out=out)
-    return _into(out, backend.transcode_pages(*args))
+    """Decode + re-encode pages (see ``reference.transcode_pages``); NaN/Inf in the source raises."""
+    group = (pages,) if out is None else (pages, out)
+    return backend(group, src, dst).transcode_pages(
+        pages, src, src_page_size, dst, dst_page_size, num_tokens, src_scale, dst_scale, dialect, out=out
+    )
+
+
+def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Per-slot flags (``reference.FLAG_NONFINITE`` or 0) of the decoded tokens at in-range ``slots``."""
+    return backend(pages, layout).nonfinite_flags(pages, layout, page_size, slots, scale)
+
+
+def transcode_slots(
+    src_pages: torch.Tensor, src: Layout, src_page_size: int, dst_pages: torch.Tensor, dst: Layout,
+    dst_page_size: int, src_slots: torch.Tensor, dst_slots: torch.Tensor, src_scale: float, dst_scale: float,
+    dialect: str | None, byte_move: bool,
+) -> None:
+    """Source slot ``src_slots[i]`` -> ``dst_slots[i]`` in place (see ``reference.transcode_slots``)."""
+    backend((src_pages, dst_pages), src, dst).transcode_slots(
+        src_pages, src, src_page_size, dst_pages, dst, dst_page_size, src_slots, dst_slots, src_scale, dst_scale,
+        dialect, byte_move,
+    )
+
+
+def gather_transcode(
+    pool: torch.Tensor, layout: Layout, page_size: int, indices: torch.Tensor, scale: float,
+    dialect: str | None, byte_move: bool, out_page_size: int, scratch_layout: Layout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat ``indices`` -> a fresh ``scratch_layout`` cache and per-index flags (see ``reference.gather_transcode``)."""
+    return backend(pool, layout, scratch_layout).gather_transcode(
+        pool, layout, page_size, indices, scale, dialect, byte_move, out_page_size, scratch_layout
+    )

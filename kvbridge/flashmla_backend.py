@@ -1,27 +1,31 @@
-"""The ``flashmla`` backend of ``sparse_decode``: FlashMLA's sparse decode kernel on CUDA.
+"""The ``flashmla`` backend of ``sparse_decode``: FlashMLA's sparse decode kernels on CUDA.
 
 ``flash_mla`` is imported lazily. What the installed build can run is read from the module
 (``detect_build``), never guessed from a version string:
 
 - Builds whose ``flash_mla_with_kvcache`` takes ``use_legacy`` (the ``sgl-flash-mla`` wheel after
-  FlashMLA's 2026.09.30 release) read only the DeepSeek-V4.1 formats with their current kernels;
-  the 584-byte V4 MODEL1 cache needs ``use_legacy=True`` (``kv_format="V4"``), which exists only
-  when ``flash_mla.has_legacy()`` is true (spec 3.5).
+  FlashMLA's 2026.09.30 release) have *current* kernels that read only the interleaved V4.1
+  tokens (a 528-byte main cache; the extra cache 528 or 288 bytes; the format taken from
+  ``k_cache.shape[-1]``, rows ``stride(-2)`` bytes apart), and, when ``flash_mla.has_legacy()`` is
+  true, *legacy* kernels reached with ``use_legacy=True, kv_format=...`` that read the 584-byte
+  MODEL1 cache (``V4``) and the block-split V4.1 caches (``V41``, with a ``V41_FP4`` extra cache).
 - Older builds read MODEL1 directly, provided they know DeepSeek-V4's sparse decode arguments
-  (``extra_k_cache``, ``topk_length``, ``attn_sink``).
+  (``extra_k_cache``, ``topk_length``, ``attn_sink``); ``kv_format="V4"`` when they take it.
 
-``prepare`` turns validated ``sparse_decode`` arguments into the kernel's: a MODEL1 pool is passed
-zero-copy as ``(num_pages, P, 1, 584)`` uint8 with dim-0 stride = padded page bytes; any other
-layout is gather-transcoded (only the touched tokens) into a MODEL1 scratch cache by
-``kvbridge.paged.gather_transcode`` with remapped indices. q heads are zero-padded to 64 or 128
-and index lists padded with -1 to a multiple of 64, both of which leave the result unchanged.
+``prepare`` picks the kernels for the pair of pools (``FlashMLABuild.route``): a pool the chosen
+kernels read is passed zero-copy as ``(num_pages, P, 1, record_bytes)`` uint8 with dim-0 stride =
+page bytes; any other pool is gather-transcoded (only the touched tokens) by
+``kvbridge.paged.gather_transcode`` into a scratch cache of the kernels' layout (interleaved
+528-byte V4.1 records for the current kernels, MODEL1 for the others) with remapped indices.
+q heads are zero-padded to 64 or 128 and index lists padded with -1 to a multiple of 64, both of
+which leave the result unchanged.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -30,9 +34,15 @@ import torch
 from kvbridge.attention import CacheArg, DecodeArgs
 from kvbridge.codecs import HEAD_DIM
 from kvbridge.errors import InputError, KVBridgeError, LayoutError
+from kvbridge.layouts import Layout, get_layout
 
 MODEL1 = "flashmla-model1"
-MODEL1_RECORD_BYTES = 584
+#: The current kernels' main-cache layout, and the scratch layout other pools are gathered into for them.
+CURRENT_MAIN = "v41-fp8-interleaved"
+#: Layouts the current kernels read as the extra cache.
+CURRENT_EXTRA = ("v41-fp8-interleaved", "v41-fp4-interleaved")
+#: Extra-cache layouts the legacy kernels read next to a block-split ``v41-fp8`` main cache (``kv_format="V41"``).
+LEGACY_V41_FP4_EXTRA = ("v41-fp4", "v41-fp4-pad512")
 KERNEL_HEADS = (64, 128)  # h_q the kernels are instantiated for
 TOPK_MULTIPLE = 64  # the kernels walk index lists in blocks of 64
 _V4_ARGUMENTS = (
@@ -41,22 +51,49 @@ _V4_ARGUMENTS = (
 
 
 class BackendUnavailable(KVBridgeError, RuntimeError):
-    """The ``flashmla`` backend cannot run here (no CUDA, no ``flash_mla``, or a build without MODEL1 kernels)."""
+    """The ``flashmla`` backend cannot run here (no CUDA, no ``flash_mla``, or a build without DeepSeek-V4 kernels)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one sparse decode call reaches the kernels: extra keyword arguments, and the layout each pool
+    is handed over in (its own when read zero-copy, else the scratch layout it is gathered into)."""
+
+    call_kwargs: dict
+    main_layout: str
+    extra_layout: str | None
 
 
 @dataclass(frozen=True)
 class FlashMLABuild:
-    """What an installed ``flash_mla`` offers for the 584-byte MODEL1 cache.
+    """What an installed ``flash_mla`` offers.
 
-    ``call_kwargs`` are the extra keyword arguments its ``flash_mla_with_kvcache`` needs to reach
-    the MODEL1 kernels; ``problem`` says why it cannot (``None`` when it can).
+    ``split_legacy``: the wheel separates current (V4.1 interleaved) and legacy kernels;
+    ``has_legacy``: the legacy ones are present; ``takes_format``: the entry point takes
+    ``kv_format``; ``problem`` says why no DeepSeek-V4 sparse decode can run (``None`` when it can).
     """
 
     module: Any
-    split_legacy: bool  # the wheel separates current (V4.1-only) and legacy kernels
+    split_legacy: bool
     has_legacy: bool
-    call_kwargs: dict = field(default_factory=dict)
+    takes_format: bool = False
     problem: str | None = None
+
+    def route(self, main: Layout, extra: Layout | None) -> Route:
+        """The kernels for a main pool (and an optional extra pool) of these layouts (see the module docstring)."""
+        if self.problem is not None:
+            raise LayoutError(f"flashmla backend cannot run here: {self.problem}")
+        if not self.split_legacy:  # one set of kernels, reading MODEL1
+            return Route({"kv_format": "V4"} if self.takes_format else {}, MODEL1, MODEL1 if extra else None)
+        model1 = get_layout(MODEL1)
+        if self.has_legacy and main.same_record(model1):  # exact: other MODEL1 geometries are byte-moved
+            return Route({"use_legacy": True, "kv_format": "V4"}, MODEL1, MODEL1 if extra else None)
+        if self.has_legacy and main.name == "v41-fp8":
+            fp4_extra = extra is not None and extra.name in LEGACY_V41_FP4_EXTRA
+            if extra is None or extra.name == main.name or fp4_extra:
+                return Route({"use_legacy": True, "kv_format": "V41"}, main.name, extra.name if extra else None)
+        extra_layout = None if extra is None else (extra.name if extra.name in CURRENT_EXTRA else CURRENT_MAIN)
+        return Route({}, CURRENT_MAIN, extra_layout)
 
 
 def detect_build(module: Any) -> FlashMLABuild:
@@ -74,19 +111,9 @@ def detect_build(module: Any) -> FlashMLABuild:
         )
     takes_format = "kv_format" in params
     if "use_legacy" not in params:
-        return FlashMLABuild(module, False, False, {"kv_format": "V4"} if takes_format else {})
+        return FlashMLABuild(module, False, False, takes_format)
     flag = getattr(module, "has_legacy", False)
-    legacy = bool(flag() if callable(flag) else flag)
-    if not legacy:
-        return FlashMLABuild(
-            module, True, False,
-            problem="this flash_mla build's current kernels read only the V4.1 formats (528/288 B per token) and it "
-            "has no legacy kernels (has_legacy() is False), so it cannot read the 584-byte MODEL1 cache",
-        )
-    kwargs: dict = {"use_legacy": True}
-    if takes_format:
-        kwargs["kv_format"] = "V4"
-    return FlashMLABuild(module, True, True, kwargs)
+    return FlashMLABuild(module, True, bool(flag() if callable(flag) else flag), takes_format)
 
 
 def import_build() -> FlashMLABuild:
@@ -121,17 +148,16 @@ def available(args: DecodeArgs) -> bool:
     return build.problem is None
 
 
-def kernel_view(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Zero-copy ``(num_pages, P, 1, 584)`` uint8 view of MODEL1 pages ``[num_pages, page_bytes]``.
+def kernel_view(pages: torch.Tensor, layout: Layout, page_size: int) -> torch.Tensor:
+    """Zero-copy ``(num_pages, P, 1, record_bytes)`` uint8 view of pages ``[num_pages, page_bytes]``.
 
-    Dim-0 stride is the padded page size (a multiple of 576 B); rows of a page are 584 B apart
-    in the view, as the kernel addresses them (it finds the block-split scale rows itself).
+    Dim-0 stride is the page size in bytes (padding included); rows of a page are ``record_bytes``
+    apart in the view, as the kernels address them (for block-split layouts they find the scale
+    rows themselves; for interleaved ones that is the token stride).
     """
-    page_bytes = pages.shape[1]
-    return torch.as_strided(
-        pages, (pages.shape[0], page_size, 1, MODEL1_RECORD_BYTES),
-        (page_bytes, MODEL1_RECORD_BYTES, MODEL1_RECORD_BYTES, 1), pages.storage_offset(),
-    )
+    page_bytes, rec = pages.shape[1], layout.record_bytes
+    shape, strides = (pages.shape[0], page_size, 1, rec), (page_bytes, rec, rec, 1)
+    return torch.as_strided(pages, shape, strides, pages.storage_offset())
 
 
 def _pad_topk(indices: torch.Tensor) -> torch.Tensor:
@@ -147,31 +173,38 @@ def _pad_topk(indices: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KernelCache:
-    """One pool as the kernel takes it: the 4-D MODEL1 view and its int32 indices (b, s_q, topk')."""
+    """One pool as the kernel takes it: the 4-D view, its layout and its int32 indices (b, s_q, topk')."""
 
     k_cache: torch.Tensor
+    layout: Layout
     indices: torch.Tensor
     topk_length: torch.Tensor | None
     gathered: bool  # True when a scratch cache was built by gather-transcode
 
 
-def prepare_cache(arg: CacheArg) -> KernelCache:
-    """MODEL1 pools zero-copy; other layouts gathered into a MODEL1 scratch cache (page size 64).
+#: Page size of gather-transcode scratch caches.
+SCRATCH_PAGE_SIZE = 64
+
+
+def prepare_cache(arg: CacheArg, target: str) -> KernelCache:
+    """The pool zero-copy when it is in ``target`` layout, else gathered into a ``target`` scratch cache.
 
     ``arg.indices`` already has -1 for negative slots and for slots past ``topk_length``, so
     only tokens that count are gathered.
     """
-    if arg.layout.name == MODEL1:
-        return KernelCache(kernel_view(arg.pages, arg.page_size), _pad_topk(arg.indices), arg.topk_length, False)
+    lay = get_layout(target)
+    if arg.layout.name == lay.name:
+        view = kernel_view(arg.pages, lay, arg.page_size)
+        return KernelCache(view, lay, _pad_topk(arg.indices), arg.topk_length, False)
     from kvbridge.paged import gather_transcode
 
-    scratch_page_size = 64
     pages = arg.pages if arg.pages.is_contiguous() else arg.pages.contiguous()
     scratch, remapped = gather_transcode(
         pages, arg.layout, page_size=arg.page_size, indices=arg.indices,
-        scale=arg.scale if arg.layout.per_tensor_scale else None, out_page_size=scratch_page_size,
+        scale=arg.scale if arg.layout.per_tensor_scale else None, out_page_size=SCRATCH_PAGE_SIZE, out_layout=lay,
     )
-    return KernelCache(kernel_view(scratch, scratch_page_size), _pad_topk(remapped), arg.topk_length, True)
+    view = kernel_view(scratch, lay, SCRATCH_PAGE_SIZE)
+    return KernelCache(view, lay, _pad_topk(remapped), arg.topk_length, True)
 
 
 @dataclass(frozen=True)
@@ -195,8 +228,7 @@ def kernel_heads(h_q: int) -> int:
 
 def prepare(args: DecodeArgs, build: FlashMLABuild) -> KernelCall:
     """Everything the kernel call needs, checked and shaped; raises instead of letting the kernel fail."""
-    if build.problem is not None:
-        raise LayoutError(f"flashmla backend cannot run a MODEL1 cache: {build.problem}")
+    route = build.route(args.main.layout, args.extra.layout if args.extra is not None else None)
     q = args.q
     if q.dtype != torch.bfloat16:
         raise InputError(f"the flashmla backend needs bfloat16 q, got {q.dtype}")
@@ -207,8 +239,8 @@ def prepare(args: DecodeArgs, build: FlashMLABuild) -> KernelCall:
         q = torch.cat([q, q.new_zeros(*q.shape[:2], heads - h_q, HEAD_DIM)], dim=2)
         if sink is not None:
             sink = torch.cat([sink, sink.new_zeros(heads - h_q)])
-    main = prepare_cache(args.main)
-    extra = prepare_cache(args.extra) if args.extra is not None else None
+    main = prepare_cache(args.main, route.main_layout)
+    extra = prepare_cache(args.extra, route.extra_layout) if args.extra is not None else None
     kwargs = {
         "q": q.contiguous(),
         "k_cache": main.k_cache,
@@ -224,7 +256,7 @@ def prepare(args: DecodeArgs, build: FlashMLABuild) -> KernelCall:
         "extra_indices_in_kvcache": extra.indices if extra else None,
         "topk_length": main.topk_length,
         "extra_topk_length": extra.topk_length if extra else None,
-        **build.call_kwargs,
+        **route.call_kwargs,
     }
     return KernelCall(kwargs, h_q, main, extra)
 

@@ -47,10 +47,11 @@ import torch
 from kvbridge import numerics as nx
 from kvbridge.api import encode
 from kvbridge.errors import InputError
+from kvbridge.layouts import PageGeometry
 
 FP4_BLOCK = 32
 #: E2M1 magnitude of codes 0..7 (the exact-arithmetic module holds the codecs).
-E2M1_VALUES = nx.E2M1_VALUES
+E2M1_VALUES = nx.E2M1_MAGNITUDES
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,13 @@ class IndexerFormat:
     def record_bytes(self) -> int:
         return self.split + (4 if self.name == "fp8" else self.dim // FP4_BLOCK)
 
+    @property
+    def geometry(self) -> PageGeometry:
+        """Block-planar pages, no padding (the registry's geometry)."""
+        return PageGeometry(self.record_bytes, self.split)
+
     def page_bytes(self, page_size: int) -> int:
-        return page_size * self.record_bytes
+        return self.geometry.page_bytes(page_size)
 
 
 #: Writer rules per format (see the module docstring); ``deepgemm`` writes the bytes of ``sglang``.
@@ -166,8 +172,8 @@ def fp4_exponents(blocks: torch.Tensor, rule: str) -> torch.Tensor:
 
 
 _FP4_CODES = {
-    "trtllm": nx.e2m1_encode_rne_signed_zero,
-    "vllm": nx.e2m1_encode_rne_signed_zero,
+    "trtllm": nx.e2m1_encode,
+    "vllm": nx.e2m1_encode,
     "sglang": nx.e2m1_encode_threshold,
     "sglang-triton": nx.e2m1_encode_threshold,
     "sglang-rne": nx.e2m1_encode_rne_no_negative_zero,
@@ -232,7 +238,7 @@ def decode_keys(records: torch.Tensor, fmt: IndexerFormat, rule: str | None = No
     packed = records[:, : fmt.split]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, fmt.dim)
     exp = records[:, fmt.split :].to(torch.int64) - 127
-    values = nx.e2m1_to_f32(codes).reshape(n, fmt.dim // FP4_BLOCK, FP4_BLOCK)
+    values = nx.e2m1_decode(codes).reshape(n, fmt.dim // FP4_BLOCK, FP4_BLOCK)
     return (values * nx.pow2(exp).unsqueeze(-1)).reshape(n, fmt.dim)
 
 

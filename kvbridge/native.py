@@ -1,9 +1,10 @@
 """Native CPU paged operations: multi-threaded numba kernels, byte-identical to ``kvbridge.reference``.
 
-The kernels are driven by each layout's record description, not by a list of layout pairs:
+The kernels execute each layout's record description, not a list of layouts:
 
-- the *codec kind* (which record codec fills a token record: ``bf16``, per-tensor E4M3 or
-  MODEL1; a layout whose codec the native path does not know runs on the reference);
+- the record program: ``Layout.segments`` as an int64 array ``[fields, 6]`` (op, first dim,
+  dims, byte offset, tile, scale offset), a runtime argument, so one compiled (and disk-cached)
+  kernel serves every layout made of the known element formats and scale rules;
 - the geometry: ``record_bytes``, the block-split point ``split`` (token-major layouts use
   ``split = record_bytes``) and the padded ``page_bytes``. Record byte ``i < split`` of the
   token at row ``r`` of page ``p`` sits at ``p * page_bytes + r * split + i``, byte ``i >= split``
@@ -16,11 +17,15 @@ pool of ``num_threads()`` Python threads (the kernels release the GIL); every by
 destination page (padding tail and unused rows: zero) is written by the kernels, so outputs
 start uninitialised (``_empty_output``).
 
-Per-tensor E4M3 (TensorRT-LLM FP8) -> MODEL1 has a code-domain kernel: with a per-tensor source
+Accelerators: specialised kernels registered for a pair of *records* (``ACCELERATORS``; they
+serve every geometry of those records), byte-checked against the generic kernel by the tests.
+Per-tensor E4M3 (TensorRT-LLM FP8) -> MODEL1 runs in the code domain: with a per-tensor source
 every decoded value is ``fp32(e4m3(c) * s)``, a function of the byte ``c`` alone and monotone in
 ``c & 0x7F``, so a tile's amax is the value of its largest code magnitude ``m`` and each output
 byte is a function of ``(m, c)``: a 128 x 256 table, or at s = 1 an exact exponent shift (built
-once per scale and dialect with ``kvbridge.numerics``, exactly as the reference computes it).
+once per scale and dialect with ``kvbridge.numerics``, exactly as the reference computes it);
+per-tensor E4M3 -> V4.1 MXFP8 the same way with 32-value tiles; MODEL1 -> per-tensor E4M3 likewise
+through tables of (scale byte, code).
 
 Numba compiles the kernels on first use and caches them on disk (``cache=True``); see
 ``docs/performance.md`` for the one-time cost.
@@ -30,7 +35,7 @@ from __future__ import annotations
 
 import mmap
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import numpy as np
 import torch
@@ -38,9 +43,12 @@ from numba import njit
 
 from kvbridge import numerics as nx
 from kvbridge import reference
-from kvbridge.codecs import BF16Codec, Model1Codec, PerTensorE4M3Codec, reciprocal_f32
+from kvbridge.codecs import tensor_multiplier, ue8m0_dialect
 from kvbridge.errors import NonFiniteError
-from kvbridge.layouts import Layout
+from kvbridge.layouts import Layout, get_layout
+from kvbridge.layouts.registry import OP_BF16, OP_E2M1_E4M3, OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_ZERO
+
+name = "native"
 
 HEAD_DIM = 512
 #: Outputs at least this large (bytes) go on transparent huge pages (see ``_empty_output``).
@@ -49,12 +57,12 @@ _HUGE_PAGE = 2 << 20
 #: Destination tokens per unit of parallel work (~150 KiB of MODEL1 pages: L2-sized).
 CHUNK_TOKENS = 256
 
-#: MODEL1 record: bytes [0, 576) nope E4M3 + rope bf16, [576, 584) 7 UE8M0 scales + pad.
+#: MODEL1 record: bytes [0, 576) nope E4M3 + rope bf16, [576, 584) 7 UE8M0 scales + pad (the accelerators').
 MODEL1_DATA_BYTES = 576
-KIND_BF16 = 0
-KIND_E4M3_TENSOR = 1
-KIND_MODEL1 = 2
-_CODEC_KINDS: dict[type, int] = {BF16Codec: KIND_BF16, PerTensorE4M3Codec: KIND_E4M3_TENSOR, Model1Codec: KIND_MODEL1}
+_E4M3_NAN = nx.E4M3_NAN
+_FP4_SCALE_MIN_BITS = nx.FP4_SCALE_MIN_BITS
+#: Scratch floats per thread: a scaled tile (up to 512 values), then E4M3 work space.
+_TMP = 2 * HEAD_DIM
 
 #: fp32 value of each E4M3 code (0x7F/0xFF NaN), from ``kvbridge.numerics``.
 _E4M3_F32 = nx.E4M3_TABLE.numpy().copy()
@@ -66,17 +74,37 @@ _UE8M0_F32 = torch.where(
 _POW2_F32 = nx.pow2(torch.arange(-149, 128)).numpy().copy()
 
 
-def codec_kind(layout: Layout) -> int | None:
-    """The native kernel family for ``layout``'s record codec, or None when only the reference knows it."""
-    kind = _CODEC_KINDS.get(type(layout.codec))
-    if kind is None or layout.codec.record_bytes != layout.record_bytes:
-        return None
-    return kind
+#: fp32 value of each E2M1 code 0..15, from ``kvbridge.numerics``.
+_E2M1_F32 = nx.E2M1_TABLE.numpy().copy()
+#: E2M1 rounding thresholds (fp32 bits) from ``kvbridge.numerics``, frozen into the kernels as constants;
+#: ties round up at the odd-numbered ones (0.75, 1.75, 3.5), ``_e2m1_code`` compares those with >=.
+_E2M1_T0, _E2M1_T1, _E2M1_T2, _E2M1_T3, _E2M1_T4, _E2M1_T5, _E2M1_T6 = (t for t, _ in nx.E2M1_THRESHOLDS)
 
 
-def supports(layout: Layout) -> bool:
-    """True when the native kernels can read and write ``layout``."""
-    return codec_kind(layout) is not None
+@cache
+def program(layout: Layout) -> np.ndarray:
+    """The record program of ``layout``: ``Layout.segments`` as int64 ``[fields, 6]``, with neighbouring
+    unscaled fields of one op that continue each other in dims and bytes merged into one (fewer, longer loops)."""
+    rows: list[list[int]] = []
+    for seg in layout.segments:
+        prev = rows[-1] if rows else None
+        width = 2 if seg.op == OP_BF16 else 1
+        if prev is not None and seg.op in (OP_BF16, OP_E4M3_TENSOR) and prev[0] == seg.op and \
+                prev[1] + prev[2] == seg.dim0 and prev[3] + width * prev[2] == seg.offset:
+            prev[2] += seg.ndims
+        else:
+            rows.append(list(seg))
+    return np.array(rows, np.int64).reshape(-1, 6)
+
+
+def supports(*layouts: Layout) -> bool:
+    """Every record description compiles to ops these kernels execute."""
+    return True
+
+
+def accepts(*tensors: torch.Tensor) -> bool:
+    """CPU tensors of any alignment (non-contiguous ones are copied)."""
+    return True
 
 
 def _geometry(layout: Layout, page_size: int) -> tuple[int, int, int, int]:
@@ -156,56 +184,159 @@ def _zero(pool, start: int, stop: int) -> None:
         span[i] = 0
 
 
-@njit(cache=True)
-def _decode_record(kind: int, rec, scale, e4m3, ue8m0, vals, bits) -> None:
-    """Record bytes -> 512 fp32 values (``bits`` is the uint32 view of ``vals``)."""
-    if kind == KIND_BF16:
-        for i in range(HEAD_DIM):
-            bits[i] = (np.uint32(rec[2 * i]) | (np.uint32(rec[2 * i + 1]) << 8)) << 16
-    elif kind == KIND_E4M3_TENSOR:
-        for i in range(HEAD_DIM):
-            vals[i] = e4m3[rec[i]] * scale
-    else:  # MODEL1: 7 tiles of 64 E4M3 with UE8M0 scales at 576.., then 64 bf16 rope at 448..
-        for t in range(7):
-            s = ue8m0[rec[576 + t]]
-            for i in range(64):
-                vals[64 * t + i] = e4m3[rec[64 * t + i]] * s
-        for i in range(64):
-            bits[448 + i] = (np.uint32(rec[448 + 2 * i]) | (np.uint32(rec[449 + 2 * i]) << 8)) << 16
+@njit(cache=True, inline="always")
+def _e4m3_code(b: int) -> int:
+    """E4M3 code of the non-negative finite fp32 with bit pattern ``b`` (RNE, saturating at 448)."""
+    if b >= 0x43E00000:
+        return 0x7E
+    if b >= 0x3C800000:
+        return ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - 960
+    e = b >> 23
+    if e == 0:
+        return 0
+    mant = (b & 0x7FFFFF) | 0x800000
+    shift = 14 - (e - 127)
+    if shift > 40:
+        return 0
+    q = mant >> shift
+    rem = mant - (q << shift)
+    half = np.int64(1) << (shift - 1)
+    if rem > half or (rem == half and (q & 1) == 1):
+        q += 1
+    return q
 
 
-@njit(cache=True)
-def _encode_record(kind: int, vals, bits, mult, min_exp: int, pow2, tmp, tmp_bits, rec) -> None:
-    """512 fp32 values -> record bytes. ``mult``: per-tensor E4M3 multiplier; ``min_exp``: MODEL1 floor."""
-    if kind == KIND_BF16:
-        for i in range(HEAD_DIM):
-            h = _bf16_bits(np.int64(bits[i]))
-            rec[2 * i] = h & 0xFF
-            rec[2 * i + 1] = h >> 8
-    elif kind == KIND_E4M3_TENSOR:
-        for j in range(8):
-            for i in range(64):
-                tmp[i] = vals[64 * j + i] * mult
-            _e4m3_tile(tmp[:64], tmp_bits[:64], tmp[64:], tmp_bits[64:], rec[64 * j : 64 * j + 64])
-    else:  # MODEL1
-        for t in range(7):
-            amax_bits = 0  # finite non-negative floats order like their bit patterns
-            for i in range(64):
-                amax_bits = max(amax_bits, np.int64(bits[64 * t + i]) & 0x7FFFFFFF)
-            exp = amax_bits >> 23
-            k = min_exp
-            if exp > 0:  # amax normal: ceil(log2(amax / 448)) = E - 8 (+1 above mantissa 1.75)
-                k = max(min_exp, exp - 135 + (1 if (amax_bits & 0x7FFFFF) > 0x600000 else 0))
-            m = pow2[149 - k]
-            for i in range(64):
-                tmp[i] = vals[64 * t + i] * m
-            _e4m3_tile(tmp[:64], tmp_bits[:64], tmp[64:], tmp_bits[64:], rec[64 * t : 64 * t + 64])
-            rec[576 + t] = k + 127
-        for i in range(64):
-            h = _bf16_bits(np.int64(bits[448 + i]))
-            rec[448 + 2 * i] = h & 0xFF
-            rec[449 + 2 * i] = h >> 8
-        rec[583] = 0
+@njit(cache=True, inline="always")
+def _decode_record(prog, rec, scale, e4m3, ue8m0, e2m1, vals, bits) -> None:
+    """Record bytes -> 512 fp32 values (``bits`` is the uint32 view of ``vals``), field by field.
+
+    Every loop indexes slices from 0 (provably non-negative indices), which LLVM vectorizes."""
+    for k in range(prog.shape[0]):
+        op, d0, nd, off, tile, soff = prog[k, 0], prog[k, 1], prog[k, 2], prog[k, 3], prog[k, 4], prog[k, 5]
+        if op == OP_BF16:
+            src = rec[off : off + 2 * nd]
+            dst_bits = bits[d0 : d0 + nd]
+            for i in range(nd):
+                dst_bits[i] = (np.uint32(src[2 * i]) | (np.uint32(src[2 * i + 1]) << 8)) << 16
+        elif op == OP_E4M3_TENSOR:
+            src = rec[off : off + nd]
+            dst = vals[d0 : d0 + nd]
+            for i in range(nd):
+                dst[i] = e4m3[src[i]] * scale
+        elif op == OP_E4M3_UE8M0:
+            for t in range(nd // tile):
+                s = ue8m0[rec[soff + t]]
+                src = rec[off + t * tile : off + (t + 1) * tile]
+                dst = vals[d0 + t * tile : d0 + (t + 1) * tile]
+                for i in range(tile):
+                    dst[i] = e4m3[src[i]] * s
+        elif op == OP_E2M1_E4M3:
+            half = tile // 2
+            for t in range(nd // tile):
+                s = e4m3[rec[soff + t]]
+                src = rec[off + t * half : off + (t + 1) * half]
+                dst = vals[d0 + t * tile : d0 + (t + 1) * tile]
+                for i in range(half):
+                    b = src[i]
+                    dst[2 * i] = e2m1[b & 15] * s
+                    dst[2 * i + 1] = e2m1[b >> 4] * s
+
+
+@njit(cache=True, inline="always")
+def _e2m1_code(b: int) -> int:
+    """E2M1 code of the fp32 with bit pattern ``b``: the thresholds of ``numerics.E2M1_THRESHOLDS``
+    (ties to even: up at 0.75, 1.75 and 3.5), saturating at 6, NaN as 0, the sign in bit 3."""
+    mag = b & 0x7FFFFFFF
+    mag = 0 if mag > 0x7F800000 else mag
+    c = (mag > _E2M1_T0) + (mag >= _E2M1_T1) + (mag > _E2M1_T2) + (mag >= _E2M1_T3)
+    c += (mag > _E2M1_T4) + (mag >= _E2M1_T5) + (mag > _E2M1_T6)
+    return c | ((b >> 28) & 8)
+
+
+@njit(cache=True, inline="always")
+def _tensor_e4m3_chunks(src, mult, tmp, tmp_bits, out, width: int) -> None:
+    """Per-tensor E4M3 codes of ``src * mult`` into ``out``, ``width`` values at a time (a divisor of the length)."""
+    for j in range(0, src.shape[0], width):
+        chunk = src[j : j + width]
+        for i in range(width):
+            tmp[i] = chunk[i] * mult
+        _e4m3_tile(tmp[:width], tmp_bits[:width], tmp[width : 2 * width], tmp_bits[width : 2 * width],
+                   out[j : j + width])
+
+
+@njit(cache=True, inline="always")
+def _ue8m0_e4m3_tiles(src, src_bits, tile: int, min_exp: int, pow2, tmp, tmp_bits, out, scales) -> None:
+    """E4M3 tiles of ``tile`` values with UE8M0 scales 2^k (k from the dialect's floor ``min_exp``)."""
+    for t in range(src.shape[0] // tile):
+        vals = src[t * tile : (t + 1) * tile]
+        vbits = src_bits[t * tile : (t + 1) * tile]
+        amax_bits = 0  # finite non-negative floats order like their bit patterns
+        for i in range(tile):
+            amax_bits = max(amax_bits, np.int64(vbits[i]) & 0x7FFFFFFF)
+        exp = amax_bits >> 23
+        e = min_exp
+        if exp > 0:  # amax normal: ceil(log2(amax / 448)) = E - 8 (+1 above mantissa 1.75)
+            e = max(min_exp, exp - 135 + (1 if (amax_bits & 0x7FFFFF) > 0x600000 else 0))
+        m = pow2[149 - e]
+        for i in range(tile):
+            tmp[i] = vals[i] * m
+        _e4m3_tile(tmp[:tile], tmp_bits[:tile], tmp[tile : 2 * tile], tmp_bits[tile : 2 * tile],
+                   out[t * tile : (t + 1) * tile])
+        scales[t] = e + 127
+
+
+@njit(cache=True, inline="always")
+def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, rec) -> None:
+    """512 fp32 values -> record bytes, field by field. ``mult``: per-tensor E4M3 multiplier;
+    ``min_exp``: the UE8M0 rule's exponent floor."""
+    for k in range(prog.shape[0]):
+        op, d0, nd, off, tile, soff = prog[k, 0], prog[k, 1], prog[k, 2], prog[k, 3], prog[k, 4], prog[k, 5]
+        if op == OP_BF16:
+            src_bits = bits[d0 : d0 + nd]
+            dst = rec[off : off + 2 * nd]
+            for i in range(nd):
+                h = _bf16_bits(np.int64(src_bits[i]))
+                dst[2 * i] = h & 0xFF
+                dst[2 * i + 1] = h >> 8
+        elif op == OP_E4M3_TENSOR:
+            if nd % 64 == 0:
+                _tensor_e4m3_chunks(vals[d0 : d0 + nd], mult, tmp, tmp_bits, rec[off : off + nd], 64)
+            else:
+                _tensor_e4m3_chunks(vals[d0 : d0 + nd], mult, tmp, tmp_bits, rec[off : off + nd], 1)
+        elif op == OP_E4M3_UE8M0:
+            src, src_bits = vals[d0 : d0 + nd], bits[d0 : d0 + nd]
+            out, scales = rec[off : off + nd], rec[soff : soff + nd // tile]
+            if tile == 64:  # literal tile sizes: LLVM sees the trip counts and vectorizes
+                _ue8m0_e4m3_tiles(src, src_bits, 64, min_exp, pow2, tmp, tmp_bits, out, scales)
+            elif tile == 32:
+                _ue8m0_e4m3_tiles(src, src_bits, 32, min_exp, pow2, tmp, tmp_bits, out, scales)
+            elif tile == 16:
+                _ue8m0_e4m3_tiles(src, src_bits, 16, min_exp, pow2, tmp, tmp_bits, out, scales)
+            else:
+                _ue8m0_e4m3_tiles(src, src_bits, tile, min_exp, pow2, tmp, tmp_bits, out, scales)
+        elif op == OP_E2M1_E4M3:
+            half = tile // 2
+            for t in range(nd // tile):
+                lo = d0 + t * tile
+                amax_bits = 0
+                for i in range(tile):
+                    amax_bits = max(amax_bits, np.int64(bits[lo + i]) & 0x7FFFFFFF)
+                if amax_bits >= 0x7F800000:  # NaN or Inf poisons the tile
+                    code = _E4M3_NAN
+                else:  # e4m3(clamp(amax / 6, 2^-9, 448)), amax / 6 an fp32 division
+                    tmp_bits[0] = np.uint32(amax_bits)
+                    tmp[0] = tmp[0] / np.float32(6.0)
+                    code = _e4m3_code(max(np.int64(tmp_bits[0]), _FP4_SCALE_MIN_BITS))
+                rec[soff + t] = code
+                s = e4m3[code]
+                for i in range(tile):
+                    tmp[i] = vals[lo + i] / s
+                out = rec[off + t * half : off + (t + 1) * half]
+                for i in range(half):
+                    out[i] = _e2m1_code(np.int64(tmp_bits[2 * i])) | (_e2m1_code(np.int64(tmp_bits[2 * i + 1])) << 4)
+        elif op == OP_ZERO:
+            for i in range(nd):
+                rec[off + i] = 0
 
 
 @njit(cache=True, inline="always")
@@ -225,7 +356,7 @@ def _count_nonfinite(bits, token: int, count: int, first: int) -> tuple[int, int
 
 
 @njit(cache=True, nogil=True)
-def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, kind, dp, dpb, dsplit, drb, mult, min_exp, pow2):
+def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, prog, dp, dpb, dsplit, drb, mult, min_exp, pow2, e4m3):
     """Latents (fp32 ``x32`` or bf16 bits ``x16``, flat) -> ``dst`` pages (flat uint8)."""
     npages = dst.shape[0] // dpb
     per = max(1, CHUNK_TOKENS // dp)
@@ -233,7 +364,7 @@ def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, kind, dp, dpb, dsplit, d
         rec = np.empty(drb, np.uint8)
         vals = np.empty(HEAD_DIM, np.float32)
         bits = vals.view(np.uint32)
-        tmp = np.empty(128, np.float32)  # a scaled tile, then E4M3 scratch
+        tmp = np.empty(_TMP, np.float32)  # a scaled tile, then E4M3 scratch
         tmp_bits = tmp.view(np.uint32)
         for p in range(chunk * per, min(npages, (chunk + 1) * per)):
             for r in range(dp):
@@ -247,7 +378,7 @@ def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, kind, dp, dpb, dsplit, d
                             bits[i] = np.uint32(row16[i]) << 16
                     else:
                         _copy(x32[lo : lo + HEAD_DIM], vals)
-                    _encode_record(kind, vals, bits, mult, min_exp, pow2, tmp, tmp_bits, rec)
+                    _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, rec)
                     _scatter(rec, dst, d_at, f_at, dsplit, drb)
                 else:
                     _zero(dst, d_at, d_at + dsplit)
@@ -256,7 +387,7 @@ def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, kind, dp, dpb, dsplit, d
 
 
 @njit(cache=True, nogil=True)
-def _decode_kernel(c0, c1, src, kind, sp, spb, ssplit, srb, scale, n, out, e4m3, ue8m0):
+def _decode_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, out, e4m3, ue8m0, e2m1):
     """``src`` pages (flat uint8) -> fp32 latents ``out`` (flat, ``n * 512``)."""
     out_bits = out.view(np.uint32)
     for chunk in range(c0, c1):
@@ -265,16 +396,16 @@ def _decode_kernel(c0, c1, src, kind, sp, spb, ssplit, srb, scale, n, out, e4m3,
             d_at, f_at = _locate(t, sp, spb, ssplit, srb)
             _gather(src, d_at, f_at, ssplit, srb, rec)
             lo = t * HEAD_DIM
-            _decode_record(kind, rec, scale, e4m3, ue8m0, out[lo : lo + HEAD_DIM], out_bits[lo : lo + HEAD_DIM])
+            _decode_record(prog, rec, scale, e4m3, ue8m0, e2m1, out[lo : lo + HEAD_DIM], out_bits[lo : lo + HEAD_DIM])
 
 
 @njit(cache=True, nogil=True)
 def _transcode_kernel(
-    c0, c1, src, skind, sp, spb, ssplit, srb, scale, n,
-    dst, dkind, dp, dpb, dsplit, drb, mult, min_exp,
-    e4m3, ue8m0, pow2, bad_count, bad_first,
+    c0, c1, src, sprog, sp, spb, ssplit, srb, scale, n,
+    dst, dprog, dp, dpb, dsplit, drb, mult, min_exp,
+    e4m3, ue8m0, e2m1, pow2, bad_count, bad_first,
 ):
-    """Decode each source token into an fp32 buffer and re-encode it (any pair of codec kinds).
+    """Decode each source token into an fp32 buffer and re-encode it (any pair of record programs).
 
     Per chunk, ``bad_count``/``bad_first`` receive the number of non-finite decoded values and
     the flat index (token * 512 + dim) of the first one.
@@ -286,7 +417,7 @@ def _transcode_kernel(
         rec_out = np.empty(drb, np.uint8)
         vals = np.empty(HEAD_DIM, np.float32)
         bits = vals.view(np.uint32)
-        tmp = np.empty(128, np.float32)  # a scaled tile, then E4M3 scratch
+        tmp = np.empty(_TMP, np.float32)  # a scaled tile, then E4M3 scratch
         tmp_bits = tmp.view(np.uint32)
         count = 0
         first = -1
@@ -297,9 +428,9 @@ def _transcode_kernel(
                 if t < n:
                     s_at, sf_at = _locate(t, sp, spb, ssplit, srb)
                     _gather(src, s_at, sf_at, ssplit, srb, rec_in)
-                    _decode_record(skind, rec_in, scale, e4m3, ue8m0, vals, bits)
+                    _decode_record(sprog, rec_in, scale, e4m3, ue8m0, e2m1, vals, bits)
                     count, first = _count_nonfinite(bits, t, count, first)
-                    _encode_record(dkind, vals, bits, mult, min_exp, pow2, tmp, tmp_bits, rec_out)
+                    _encode_record(dprog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, rec_out)
                     _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
                 else:
                     _zero(dst, d_at, d_at + dsplit)
@@ -310,23 +441,23 @@ def _transcode_kernel(
 
 
 @njit(cache=True, inline="always")
-def _tile_max_magnitude(rec, base: int) -> int:
-    """Largest ``code & 0x7F`` of the 64 E4M3 codes at ``rec[base:base + 64]`` (the code of their amax)."""
+def _tile_max_magnitude(rec, base: int, width: int = 64) -> int:
+    """Largest ``code & 0x7F`` of the ``width`` E4M3 codes at ``rec[base:]`` (the code of their amax)."""
     m = np.uint8(0)
-    for i in range(64):  # max() on explicit uint8 operands keeps LLVM's lanes 8-bit wide
+    for i in range(width):  # max() on explicit uint8 operands keeps LLVM's lanes 8-bit wide
         m = max(m, np.uint8(rec[base + i] & np.uint8(0x7F)))
     return m
 
 
 @njit(cache=True, inline="always")
-def _tile_shift(rec_in, rec_out, base: int, j: int, sub) -> None:
-    """The 64 E4M3 codes at ``rec_in[base:]`` times 2^j (exact, no overflow) into ``rec_out[base:]``:
+def _tile_shift(rec_in, rec_out, base: int, j: int, sub, width: int = 64) -> None:
+    """The ``width`` E4M3 codes at ``rec_in[base:]`` times 2^j (exact, no overflow) into ``rec_out[base:]``:
     normal codes add 8j to the code, subnormal magnitudes 1..7 take ``sub[8j + m]``; written as
     selects so that LLVM vectorizes it."""
     shift = np.uint8(8 * j)
     s1, s2, s3, s4 = sub[8 * j + 1], sub[8 * j + 2], sub[8 * j + 3], sub[8 * j + 4]
     s5, s6, s7 = sub[8 * j + 5], sub[8 * j + 6], sub[8 * j + 7]
-    for i in range(64):
+    for i in range(width):
         c = rec_in[base + i]
         a = c & np.uint8(0x7F)
         low = np.uint8(0)
@@ -422,6 +553,51 @@ def _fp8_to_model1_kernel(
                     rec_out[448 + 2 * i] = rope_bits[i] & 0xFF
                     rec_out[449 + 2 * i] = rope_bits[i] >> 8
                 rec_out[583] = 0
+                _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
+            _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
+        bad_count[chunk] = count
+        bad_first[chunk] = first
+
+
+@njit(cache=True, nogil=True)
+def _fp8_to_mxfp8_kernel(
+    c0, c1, src, sp, spb, ssplit, srb, n, dst, dp, dpb, dsplit, drb, unit_scale,
+    scale_lut, bad_mag, shift_sub, code_lut, bad_count, bad_first,
+):
+    """Per-tensor E4M3 records -> V4.1 MXFP8 records (16 E4M3 tiles of 32, their UE8M0 scales at
+    record byte 512) in the code domain, with the tables of ``_fp8_to_model1_kernel`` (the two
+    records share the scale rule; only the tile width differs, and the rope is a tile like the others)."""
+    npages = dst.shape[0] // dpb
+    per = max(1, CHUNK_TOKENS // dp)
+    for chunk in range(c0, c1):
+        rec_in = np.empty(srb, np.uint8)
+        rec_out = np.empty(drb, np.uint8)
+        count = 0
+        first = -1
+        for p in range(chunk * per, min(npages, (chunk + 1) * per)):
+            for r in range(dp):
+                t = p * dp + r
+                d_at, f_at = _locate(t, dp, dpb, dsplit, drb)
+                if t >= n:
+                    _zero(dst, d_at, d_at + dsplit)
+                    _zero(dst, f_at, f_at + drb - dsplit)
+                    continue
+                s_at, sf_at = _locate(t, sp, spb, ssplit, srb)
+                _gather(src, s_at, sf_at, ssplit, srb, rec_in)
+                for j in range(16):
+                    m = _tile_max_magnitude(rec_in, 32 * j, 32)
+                    if bad_mag[m]:
+                        for i in range(32):
+                            if bad_mag[rec_in[32 * j + i] & 0x7F]:
+                                if count == 0 or t * HEAD_DIM + 32 * j + i < first:
+                                    first = t * HEAD_DIM + 32 * j + i
+                                count += 1
+                    if unit_scale:
+                        _tile_shift(rec_in, rec_out, 32 * j, 127 - scale_lut[m], shift_sub, 32)
+                    else:
+                        for i in range(32):
+                            rec_out[32 * j + i] = code_lut[np.int64(m) * 256 + rec_in[32 * j + i]]
+                    rec_out[HEAD_DIM + j] = scale_lut[m]
                 _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
             _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
         bad_count[chunk] = count
@@ -614,33 +790,31 @@ def _new_pages(layout: Layout, num_tokens: int, page_size: int) -> torch.Tensor:
     return _empty_output(layout.num_pages(num_tokens, page_size), layout.page_bytes(page_size))
 
 
-def _encode_params(layout: Layout, dialect: str | None, scale: float) -> tuple[np.float32, int]:
-    """(per-tensor multiplier, MODEL1 exponent floor) as the reference codec applies them."""
-    if codec_kind(layout) == KIND_E4M3_TENSOR and dialect != "compress":
-        mult = np.float32(float(reciprocal_f32(scale)))
-    else:
-        mult = np.float32(1.0)
-    min_exp = nx.DIALECT_MIN_EXPONENT[dialect or "flashmla"] if codec_kind(layout) == KIND_MODEL1 else 0
-    return mult, min_exp
+def _encode_params(dialect: str | None, scale: float) -> tuple[np.float32, int]:
+    """(per-tensor E4M3 multiplier, UE8M0 exponent floor) as the reference codec applies them."""
+    return np.float32(tensor_multiplier(dialect, scale)), nx.DIALECT_MIN_EXPONENT[ue8m0_dialect(dialect)]
+
+
+def _x_arrays(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(fp32 values, bf16 bit patterns, from_bf16) of latents ``x`` for ``_encode_kernel``."""
+    if x.dtype == torch.bfloat16:
+        return np.empty(0, np.float32), _flat(x.view(torch.int16)).view(np.uint16), True
+    return _flat(x.float()), np.empty(0, np.uint16), False
 
 
 def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float) -> torch.Tensor:
     """fp32 or bf16 ``[N, 512]`` (CPU) -> pages ``[ceil(N/P), page_bytes]`` uint8."""
-    kind = codec_kind(layout)
-    if kind is None:
-        return reference.encode_pages(x.float(), layout, page_size, dialect, scale)
     n = x.shape[0]
     out = _new_pages(layout, n, page_size)
     if n == 0:
         return out
-    from_bf16 = x.dtype == torch.bfloat16
-    x32 = _flat(x) if not from_bf16 else np.empty(0, np.float32)
-    x16 = _flat(x.view(torch.int16)).view(np.uint16) if from_bf16 else np.empty(0, np.uint16)
-    mult, min_exp = _encode_params(layout, dialect, scale)
+    x32, x16, from_bf16 = _x_arrays(x)
+    mult, min_exp = _encode_params(dialect, scale)
     dp, dpb, dsplit, drb = _geometry(layout, page_size)
     _run_chunks(
         _encode_kernel, _page_chunks(out.shape[0], dp),
-        x32, x16, from_bf16, n, _flat(out), kind, dp, dpb, dsplit, drb, mult, min_exp, _POW2_F32,
+        x32, x16, from_bf16, n, _flat(out), program(layout), dp, dpb, dsplit, drb, mult, min_exp, _POW2_F32,
+        _E4M3_F32,
     )
     return out
 
@@ -649,16 +823,14 @@ def decode_pages(
     pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None, scale: float
 ) -> torch.Tensor:
     """Pages -> fp32 ``[num_tokens, 512]`` (all rows when ``num_tokens`` is None)."""
-    kind = codec_kind(layout)
-    if kind is None:
-        return reference.decode_pages(pages, layout, page_size, num_tokens, scale)
     n = layout.token_count(pages, page_size, num_tokens)
     out = _empty_output(n, HEAD_DIM * 4, torch.float32)
     if n:
         sp, spb, ssplit, srb = _geometry(layout, page_size)
         _run_chunks(
             _decode_kernel, -(-n // CHUNK_TOKENS),
-            _flat(pages), kind, sp, spb, ssplit, srb, np.float32(scale), n, _flat(out), _E4M3_F32, _UE8M0_F32,
+            _flat(pages), program(layout), sp, spb, ssplit, srb, np.float32(scale), n, _flat(out),
+            _E4M3_F32, _UE8M0_F32, _E2M1_F32,
         )
     return out
 
@@ -669,9 +841,6 @@ def repage(
 ) -> torch.Tensor:
     """Byte move of identical token records between two page geometries, into ``out`` (every byte
     written) when given."""
-    if src.record_bytes != dst.record_bytes:
-        result = reference.repage(pages, src, src_page_size, dst, dst_page_size, num_tokens)
-        return result if out is None else out.copy_(result)
     n = src.token_count(pages, src_page_size, num_tokens)
     out = _new_pages(dst, n, dst_page_size) if out is None else out
     if n:
@@ -738,19 +907,45 @@ def _raise_nonfinite(bad_count: np.ndarray, bad_first: np.ndarray) -> None:
         raise NonFiniteError(f"source holds non-finite values ({total}; first at token {token}, dim {dim})")
 
 
+def _fp8_to_model1(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
+    tables = _fp8_to_model1_tables(float(src_scale), ue8m0_dialect(dialect))
+    _run_chunks(_fp8_to_model1_kernel, len(bad_count), *geometry, src_scale == 1.0,
+                *(tables[name] for name in _FP8_TO_MODEL1_TABLES), bad_count, bad_first)
+
+
+def _fp8_to_mxfp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
+    tables = _fp8_to_model1_tables(float(src_scale), ue8m0_dialect(dialect))
+    _run_chunks(_fp8_to_mxfp8_kernel, len(bad_count), *geometry, src_scale == 1.0,
+                *(tables[name] for name in ("scale_lut", "bad_mag", "shift_sub", "code_lut")), bad_count, bad_first)
+
+
+def _model1_to_fp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
+    mult, _ = _encode_params(dialect, dst_scale)
+    _run_chunks(_model1_to_fp8_kernel, len(bad_count), *geometry, *_model1_to_fp8_tables(float(mult)),
+                bad_count, bad_first)
+
+
+#: Specialised transcode kernels per (source record, destination record) ``Layout.segments``.
+ACCELERATORS = {
+    (get_layout("trtllm-fp8").segments, get_layout("flashmla-model1").segments): _fp8_to_model1,
+    (get_layout("flashmla-model1").segments, get_layout("trtllm-fp8").segments): _model1_to_fp8,
+    (get_layout("trtllm-fp8").segments, get_layout("v41-fp8").segments): _fp8_to_mxfp8,
+}
+
+
+def accelerator(src: Layout, dst: Layout):
+    """The specialised kernel registered for ``src``'s and ``dst``'s records, or None."""
+    return ACCELERATORS.get((src.segments, dst.segments))
+
+
 def transcode_pages(
     pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,
     num_tokens: int | None, src_scale: float, dst_scale: float, dialect: str | None,
-    *, out: torch.Tensor | None = None,
+    *, out: torch.Tensor | None = None, accelerated: bool = True,
 ) -> torch.Tensor:
     """Decode ``src`` pages and re-encode them as ``dst``, token by token (NaN/Inf in the source is an
-    error), into ``out`` (every byte written) when given."""
-    skind, dkind = codec_kind(src), codec_kind(dst)
-    if skind is None or dkind is None:
-        result = reference.transcode_pages(
-            pages, src, src_page_size, dst, dst_page_size, num_tokens, src_scale, dst_scale, dialect
-        )
-        return result if out is None else out.copy_(result)
+    error), into ``out`` (every byte written) when given. ``accelerated=False`` runs the generic
+    kernel even where an accelerator is registered (the tests compare the two)."""
     n = src.token_count(pages, src_page_size, num_tokens)
     out = _new_pages(dst, n, dst_page_size) if out is None else out
     if n == 0:
@@ -760,24 +955,32 @@ def transcode_pages(
     nchunks = _page_chunks(out.shape[0], dp)
     bad_count = np.zeros(nchunks, np.int64)
     bad_first = np.full(nchunks, -1, np.int64)
-    if skind == KIND_E4M3_TENSOR and dkind == KIND_MODEL1:
-        tables = _fp8_to_model1_tables(float(src_scale), dialect or "flashmla")
-        _run_chunks(
-            _fp8_to_model1_kernel, nchunks, _flat(pages), sp, spb, ssplit, srb, n, _flat(out), dp, dpb, dsplit, drb,
-            src_scale == 1.0, *(tables[name] for name in _FP8_TO_MODEL1_TABLES), bad_count, bad_first,
-        )
-    elif skind == KIND_MODEL1 and dkind == KIND_E4M3_TENSOR:
-        mult, _ = _encode_params(dst, dialect, dst_scale)
-        _run_chunks(
-            _model1_to_fp8_kernel, nchunks, _flat(pages), sp, spb, ssplit, srb, n, _flat(out), dp, dpb, dsplit, drb,
-            *_model1_to_fp8_tables(float(mult)), bad_count, bad_first,
-        )
+    fast = accelerator(src, dst) if accelerated else None
+    if fast is not None:
+        geometry = (_flat(pages), sp, spb, ssplit, srb, n, _flat(out), dp, dpb, dsplit, drb)
+        fast(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first)
     else:
-        mult, min_exp = _encode_params(dst, dialect, dst_scale)
+        mult, min_exp = _encode_params(dialect, dst_scale)
         _run_chunks(
-            _transcode_kernel, nchunks, _flat(pages), skind, sp, spb, ssplit, srb, np.float32(src_scale), n,
-            _flat(out), dkind, dp, dpb, dsplit, drb, mult, min_exp,
-            _E4M3_F32, _UE8M0_F32, _POW2_F32, bad_count, bad_first,
+            _transcode_kernel, nchunks, _flat(pages), program(src), sp, spb, ssplit, srb, np.float32(src_scale), n,
+            _flat(out), program(dst), dp, dpb, dsplit, drb, mult, min_exp,
+            _E4M3_F32, _UE8M0_F32, _E2M1_F32, _POW2_F32, bad_count, bad_first,
         )
     _raise_nonfinite(bad_count, bad_first)
     return out
+
+
+def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Per-slot non-finite flags (``reference.nonfinite_flags``; torch on CPU)."""
+    return reference.nonfinite_flags(pages, layout, page_size, slots, scale)
+
+
+def transcode_slots(*args) -> None:
+    """Slot-list transcode in place (``reference.transcode_slots``; torch on CPU)."""
+    reference.transcode_slots(*args)
+
+
+def gather_transcode(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather-transcode into a scratch cache (``reference.gather_transcode``; torch on CPU)."""
+    return reference.gather_transcode(*args)

@@ -6,7 +6,8 @@ integer arithmetic only. This is the single source of truth for
 
 - E4M3 (``float8_e4m3fn``): round-to-nearest-even, saturating to +-448 (0x7E/0xFE),
   subnormals down to 2^-9, signed zero kept (-0.0 -> 0x80);
-- UE8M0 power-of-two scale exponents for the 584-byte layouts (spec section 4);
+- UE8M0 power-of-two scale exponents per dialect (docs/layouts.md);
+- E2M1 (fp4) round-to-nearest-even with signed zero and saturation, and the fp4 record's E4M3 tile scale;
 - BF16 rounding (round-to-nearest-even) of fp32 values.
 """
 
@@ -150,37 +151,54 @@ def bf16_from_bytes(b: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-# --- E2M1 (fp4) codes for the indexer-key writers --------------------------------------------
-# A code is 4 bits: sign in bit 3, magnitude index 0..7 of E2M1_VALUES. The writers differ in how
-# a value exactly between two magnitudes rounds and whether a negative value rounding to 0 keeps
-# its sign; each rule below is one of them. fp32 magnitudes compare as their integer bit patterns.
+# ---------------------------------------------------------------------------------------------
+# E2M1 (fp4) and E4M3 used as a scale (the DeepSeek-V4.1 fp4 record)
+# ---------------------------------------------------------------------------------------------
 
-#: E2M1 magnitude of codes 0..7.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-#: fp32 bit patterns of the midpoints between consecutive magnitudes (0.25, 0.75, ..., 5.0).
-_E2M1_MIDPOINT_BITS = (0x3E800000, 0x3F400000, 0x3FA00000, 0x3FE00000, 0x40200000, 0x40600000, 0x40A00000)
+#: |value| of the E2M1 codes 0..7 (bit 3 is the sign).
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+#: fp32 bit patterns of the rounding thresholds between E2M1 codes k and k+1, and whether a value
+#: equal to the threshold rounds up (ties go to the even code: up at 0.75, 1.75 and 3.5).
+E2M1_THRESHOLDS: tuple[tuple[int, bool], ...] = (
+    (0x3E800000, False),  # 0.25
+    (0x3F400000, True),  # 0.75
+    (0x3FA00000, False),  # 1.25
+    (0x3FE00000, True),  # 1.75
+    (0x40200000, False),  # 2.5
+    (0x40600000, True),  # 3.5
+    (0x40A00000, False),  # 5.0
+)
+_F32_INF_BITS = 0x7F800000
+#: The fp4 record's scale range: amax / 6 is clamped to [2^-9, 448] before E4M3 rounding.
+FP4_SCALE_MIN_BITS = 0x3B000000  # 2^-9, the smallest E4M3 subnormal
+E4M3_NAN = 0x7F
 
 
 def _e2m1_codes(x: torch.Tensor, *, ties_to_even: bool, negative_zero: bool) -> torch.Tensor:
-    """E2M1 codes (uint8) of finite fp32 ``x``, saturating at 6.
+    """fp32 -> E2M1 codes (uint8 0..15, sign in bit 3), saturating at +-6.
 
-    The magnitude index counts the midpoints below |x|; a value on a midpoint goes to the even
-    index with ``ties_to_even`` (up at 0.75, 1.75, 3.5), else to the smaller magnitude.
+    The magnitude's fp32 bit pattern is compared with the thresholds' (non-negative floats order
+    like their bits). A value on a threshold goes to the even code with ``ties_to_even``, else to
+    the smaller magnitude; with ``negative_zero`` a negative value that rounds to 0 keeps its sign
+    (code 0x8), else it is code 0. NaN counts as magnitude 0 and +-Inf saturates (as
+    ``cvt.rn.satfinite``).
     """
     bits = f32_bits(x)
     mag = bits & 0x7FFFFFFF
+    mag = torch.where(mag > _F32_INF_BITS, torch.zeros_like(mag), mag)
     code = torch.zeros_like(mag)
-    for k, mid in enumerate(_E2M1_MIDPOINT_BITS):
-        up = (mag >= mid) if ties_to_even and k % 2 == 1 else (mag > mid)
-        code += up.to(torch.int64)
+    for threshold, up in E2M1_THRESHOLDS:
+        code += ((mag >= threshold) if up and ties_to_even else (mag > threshold)).to(torch.int64)
     negative = (bits >> 31) == 1
     if not negative_zero:
         negative &= code != 0
     return (code | (negative.to(torch.int64) << 3)).to(torch.uint8)
 
 
-def e2m1_encode_rne_signed_zero(x: torch.Tensor) -> torch.Tensor:
-    """E2M1 round-to-nearest-even, sign always kept (-0.0 and small negatives -> 0x8)."""
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 round-to-nearest-even, signed zero kept (the V4.1 fp4 record; TensorRT-LLM's and
+    vLLM's fp4 indexer keys)."""
     return _e2m1_codes(x, ties_to_even=True, negative_zero=True)
 
 
@@ -194,10 +212,50 @@ def e2m1_encode_threshold(x: torch.Tensor) -> torch.Tensor:
     return _e2m1_codes(x, ties_to_even=False, negative_zero=False)
 
 
-def e2m1_to_f32(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (0..15, uint8) -> fp32 values (exact)."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
-    return table[codes.to(torch.int64)]
+def _e2m1_table() -> torch.Tensor:
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+    return torch.cat([mags, -mags])
+
+
+#: fp32 value of each E2M1 code 0..15 (code 8 is -0.0).
+E2M1_TABLE = _e2m1_table()
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8 0..15) -> fp32 (exact)."""
+    return E2M1_TABLE.to(codes.device)[codes.to(torch.int64) & 0xF]
+
+
+def e2m1_pack(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes ``[..., 2n]`` -> bytes ``[..., n]``: element 2i in the low nibble, 2i+1 in the high one."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[..., n]`` -> E2M1 codes ``[..., 2n]`` (inverse of ``e2m1_pack``)."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def fp4_tile_scale(amax: torch.Tensor) -> torch.Tensor:
+    """E4M3 scale byte of an fp4 tile of absolute maximum ``amax`` (fp32):
+    ``e4m3_rne(clamp(amax / 6, 2^-9, 448))``; a non-finite amax (the tile holds NaN or Inf)
+    gives the NaN byte 0x7F, which poisons the tile on decode.
+    """
+    q = amax / torch.tensor(E2M1_MAX, dtype=torch.float32, device=amax.device)
+    floor = torch.tensor(FP4_SCALE_MIN_BITS, dtype=torch.int32).view(torch.float32).to(amax.device)
+    q = torch.maximum(q, floor).clamp(max=E4M3_MAX)
+    code = e4m3_encode(torch.nan_to_num(q, nan=0.0))
+    bad = (f32_bits(amax) & 0x7FFFFFFF) >= _F32_INF_BITS
+    return torch.where(bad, torch.full_like(code, E4M3_NAN), code)
+
+
+def fp4_encode_tiles(x: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of fp32 tiles ``x`` ``[..., tiles, tile]`` with E4M3 scale bytes ``[..., tiles]``:
+    ``e2m1_rne(x / scale)``, an IEEE fp32 division by the rounded scale (a multiply by its
+    reciprocal can land on the other side of an E2M1 tie). A NaN scale gives code 0 for finite
+    elements and keeps a NaN element's sign bit, as the division propagates the NaN operand."""
+    scale = e4m3_decode(scale_bytes).unsqueeze(-1)
+    return e2m1_encode(x / scale)
 
 
 def ceil_log2(x: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,16 @@
 """Block-table paged operations: slot-list transcode and gather-transcode into a MODEL1 scratch cache.
 
-A token's *slot* is ``page * P + row`` (spec section 3): it lives in page ``slot // P`` at row
-``slot % P``. Both functions validate every argument before writing anything, run a readable
-torch reference on CPU tensors and the Triton kernels (``kvbridge.triton_kernels``, imported
-lazily) on CUDA tensors; the two are byte-identical.
+A token's *slot* is ``page * P + row``: it lives in page ``slot // P`` at row
+``slot % P``. Both functions validate every argument before writing anything, then run on the
+backend ``kvbridge.fastpath`` picks (the torch reference on CPU, the Triton kernels on CUDA);
+every backend is byte-identical to the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvbridge import fastpath
+from kvbridge import fastpath, reference
 from kvbridge.api import _check_dialect, _check_scale, is_byte_move
 from kvbridge.errors import InputError, LayoutError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout
@@ -18,25 +18,12 @@ from kvbridge.layouts import Layout, get_layout
 #: Layout of the scratch cache ``gather_transcode`` writes (FlashMLA's sparse decode reads it).
 SCRATCH_LAYOUT = "flashmla-model1"
 _INDEX_DTYPES = (torch.int32, torch.int64)
-#: Tokens per step of the torch reference: bounds its int64 byte-index tensors (32K x 1024 x 8 B = 256 MiB).
-_CHUNK_TOKENS = 1 << 15
 
 
 def record_byte_index(layout: Layout, page_size: int, slots: torch.Tensor) -> torch.Tensor:
-    """Flat byte offsets ``[N, record_bytes]`` (int64) of each slot's record inside ``pages.view(-1)``.
-
-    Token-major: record byte j of slot s is at ``page*page_bytes + row*record_bytes + j``.
-    Block-split: bytes j < split at ``page*page_bytes + row*split + j``, the footer bytes at
-    ``page*page_bytes + P*split + row*(record_bytes - split) + (j - split)``.
-    """
-    s = slots.to(torch.int64).unsqueeze(1)
-    page, row = s // page_size, s % page_size
-    j = torch.arange(layout.record_bytes, dtype=torch.int64, device=slots.device).unsqueeze(0)
-    base = page * layout.page_bytes(page_size)
-    if layout.split is None:
-        return base + row * layout.record_bytes + j
-    split, footer = layout.split, layout.record_bytes - layout.split
-    return torch.where(j < split, base + row * split + j, base + page_size * split + row * footer + (j - split))
+    """Flat byte offsets ``[N, record_bytes]`` (int64) of each slot's record inside ``pages.view(-1)``
+    (``PageGeometry.byte_index`` of the layout)."""
+    return layout.geometry.byte_index(page_size, slots)
 
 
 def _check_pool(pages: object, layout: Layout, page_size: int, what: str) -> torch.Tensor:
@@ -59,23 +46,6 @@ def _check_slots(slots: object, what: str, pool: torch.Tensor, pool_name: str) -
     if slots.device != pool.device:
         raise InputError(f"{what} is on {slots.device}, {pool_name} on {pool.device}")
     return slots
-
-
-def _records_at(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor) -> torch.Tensor:
-    """Token records ``[N, record_bytes]`` of ``slots`` (a copy)."""
-    return pages.view(-1)[record_byte_index(layout, page_size, slots)]
-
-
-def _first_nonfinite(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,
-                     scale: float) -> int | None:
-    """Position in ``slots`` of the first token that decodes to NaN/Inf (None if all are finite)."""
-    for start in range(0, slots.numel(), _CHUNK_TOKENS):
-        part = slots[start : start + _CHUNK_TOKENS]
-        values = layout.codec.decode(_records_at(pages, layout, page_size, part), scale=scale)
-        bad = ~torch.isfinite(values).all(dim=1)
-        if bool(bad.any()):
-            return start + int(bad.nonzero()[0, 0])
-    return None
 
 
 def _first_out_of_range(slots: torch.Tensor, capacity: int, allow_invalid: bool) -> int | None:
@@ -102,16 +72,6 @@ def _check_distinct(dst_slots: torch.Tensor) -> None:
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     sa, sb = a.untyped_storage(), b.untyped_storage()
     return sa.data_ptr() == sb.data_ptr() and sa.device == sb.device
-
-
-def _use_triton(pools: tuple[torch.Tensor, ...], *layouts: Layout) -> bool:
-    """True when ``kvbridge.fastpath`` sends these pools to the Triton kernels (CUDA, Triton installed,
-    layouts served, ``KVBRIDGE_BACKEND`` not ``reference``) and every pool is aligned for them."""
-    if fastpath.backend_name(pools[0], *layouts) != "triton_kernels":
-        return False
-    from kvbridge import triton_kernels
-
-    return triton_kernels.aligned(*pools)
 
 
 def transcode_slots(
@@ -180,27 +140,13 @@ def transcode_slots(
     _check_distinct(dst_slots)
     if src_slots.numel() == 0:
         return dst_pages
-    if _use_triton((src_pages, dst_pages), src, dst):
-        from kvbridge import triton_kernels
-
-        if not byte_move:
-            flags = triton_kernels.nonfinite_flags(src_pages, src, src_page_size, src_slots.contiguous(), s_in)
-            if bool(flags.any()):
-                _raise_nonfinite_slot(src_slots, int(flags.nonzero()[0, 0]))
-        triton_kernels.transcode_slots(
-            src_pages, src, src_page_size, dst_pages, dst, dst_page_size,
-            src_slots.contiguous(), dst_slots.contiguous(), s_in, s_out, d, byte_move,
-        )
-        return dst_pages
+    src_slots, dst_slots = src_slots.contiguous(), dst_slots.contiguous()
     if not byte_move:  # a first pass, so that nothing is written when any source token is bad
-        bad = _first_nonfinite(src_pages, src, src_page_size, src_slots, s_in)
-        if bad is not None:
-            _raise_nonfinite_slot(src_slots, bad)
-    for start in range(0, src_slots.numel(), _CHUNK_TOKENS):
-        records = _records_at(src_pages, src, src_page_size, src_slots[start : start + _CHUNK_TOKENS])
-        if not byte_move:
-            records = dst.codec.encode(src.codec.decode(records, scale=s_in), dialect=d, scale=s_out)
-        dst_pages.view(-1)[record_byte_index(dst, dst_page_size, dst_slots[start : start + _CHUNK_TOKENS])] = records
+        flags = fastpath.nonfinite_flags(src_pages, src, src_page_size, src_slots, s_in)
+        if bool(flags.any()):
+            _raise_nonfinite_slot(src_slots, int(flags.nonzero()[0, 0]))
+    fastpath.transcode_slots(src_pages, src, src_page_size, dst_pages, dst, dst_page_size, src_slots, dst_slots,
+                             s_in, s_out, d, byte_move)
     return dst_pages
 
 
@@ -217,21 +163,23 @@ def gather_transcode(
     scale: float | None = None,
     dialect: str | None = None,
     out_page_size: int = 64,
+    out_layout: str | Layout = SCRATCH_LAYOUT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy just the tokens ``indices`` touches into a fresh ``flashmla-model1`` scratch cache.
+    """Copy just the tokens ``indices`` touches into a fresh scratch cache of ``out_layout``
+    (default ``flashmla-model1``; ``v41-fp8-interleaved`` feeds FlashMLA's current kernels).
 
     ``indices`` ``(..., topk)`` int32/int64 holds pool slots (``page * page_size + row``), -1 for
     none. Entry at flat position ``k`` of ``indices`` is written to scratch slot ``k`` (no
     deduplication: a token named twice is converted twice, which avoids a sort on the GPU and
     keeps this one launch). Returns ``(scratch_pages, remapped)``: scratch uint8
-    ``[ceil(indices.numel() / out_page_size), page_bytes]`` of ``flashmla-model1`` with page size
+    ``[ceil(indices.numel() / out_page_size), page_bytes]`` of ``out_layout`` with page size
     ``out_page_size`` (rows of -1 entries, unused rows and the page tail are zero), and int32
     ``remapped`` of the shape of ``indices`` (``k`` where valid, -1 kept). ``scale`` is the
-    source's per-tensor scale; ``dialect`` the MODEL1 encoder rule (refused for a MODEL1 source,
-    whose records are copied). A non-finite source token raises ``NonFiniteError``.
+    source's per-tensor scale; ``dialect`` the scratch layout's encoder rule (refused when the
+    source stores the same records, which are then copied). A non-finite source token raises ``NonFiniteError``.
     """
     src = get_layout(layout)
-    dst = get_layout(SCRATCH_LAYOUT)
+    dst = get_layout(out_layout)
     src.check_page_size(page_size)
     dst.check_page_size(out_page_size)
     _check_pool(pool, src, page_size, "pool")
@@ -247,30 +195,9 @@ def gather_transcode(
     d = None if byte_move else _check_dialect(dialect, dst)
     capacity = pool.shape[0] * page_size
     flat = indices.reshape(-1)
-    if _use_triton((pool,), src, dst):
-        from kvbridge import triton_kernels
-
-        scratch, flags = triton_kernels.gather_transcode(
-            pool, src, page_size, flat.contiguous(), s_in, d, byte_move, out_page_size, dst
-        )
-        _raise_flags(flags, indices, capacity)
-    else:
-        bad = _first_out_of_range(flat, capacity, allow_invalid=True)
-        if bad is not None:
-            _raise_out_of_range(indices, bad, capacity)
-        num_pages = dst.num_pages(flat.numel(), out_page_size)
-        scratch = torch.zeros(num_pages, dst.page_bytes(out_page_size), dtype=torch.uint8, device=pool.device)
-        positions = (flat >= 0).nonzero()[:, 0]  # scratch slot k holds entry k
-        for start in range(0, positions.numel(), _CHUNK_TOKENS):
-            part = positions[start : start + _CHUNK_TOKENS]
-            records = _records_at(pool, src, page_size, flat[part])
-            if not byte_move:
-                values = src.codec.decode(records, scale=s_in)
-                bad = ~torch.isfinite(values).all(dim=1)
-                if bool(bad.any()):
-                    _raise_nonfinite_index(indices, int(part[bad.nonzero()[0, 0]]))
-                records = dst.codec.encode(values, dialect=d, scale=1.0)
-            scratch.view(-1)[record_byte_index(dst, out_page_size, part)] = records
+    scratch, flags = fastpath.gather_transcode(pool, src, page_size, flat.contiguous(), s_in, d, byte_move,
+                                               out_page_size, dst)
+    _raise_flags(flags, indices, capacity)
     positions = torch.arange(flat.numel(), dtype=torch.int32, device=pool.device)
     remapped = torch.where(flat >= 0, positions, torch.full_like(positions, -1)).view(indices.shape)
     return scratch, remapped
@@ -293,11 +220,9 @@ def _raise_nonfinite_index(indices: torch.Tensor, k: int) -> None:
 
 def _raise_flags(flags: torch.Tensor, indices: torch.Tensor, capacity: int) -> None:
     """Turn the kernel's per-index flags (1 non-finite, 2 out of range) into the reference's errors."""
-    from kvbridge.triton_kernels import FLAG_NONFINITE, FLAG_OUT_OF_RANGE
-
     if not bool(flags.any()):
         return
-    oob = flags == FLAG_OUT_OF_RANGE
+    oob = flags == reference.FLAG_OUT_OF_RANGE
     if bool(oob.any()):
         _raise_out_of_range(indices, int(oob.nonzero()[0, 0]), capacity)
-    _raise_nonfinite_index(indices, int((flags == FLAG_NONFINITE).nonzero()[0, 0]))
+    _raise_nonfinite_index(indices, int((flags == reference.FLAG_NONFINITE).nonzero()[0, 0]))

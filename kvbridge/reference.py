@@ -1,7 +1,9 @@
 """Reference paged operations (readable torch), the ground truth for every fast path.
 
-All take already-validated arguments (see ``kvbridge.api``): fp32 contiguous latents,
-uint8 pages of the right shape, a resolved dialect and an fp32-representable scale.
+All take already-validated arguments (see ``kvbridge.api`` and ``kvbridge.paged``): fp32 or bf16
+contiguous latents, uint8 pages of the right shape, a resolved dialect and an fp32-representable
+scale. Records are encoded and decoded by the layout's own description (``Layout.codec``) and
+placed by its geometry; this module is also the ``reference`` backend of ``kvbridge.fastpath``.
 """
 
 from __future__ import annotations
@@ -11,10 +13,29 @@ import torch
 from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import Layout
 
+name = "reference"
+#: Tokens per step of the slot operations: bounds their int64 byte-index tensors (32K x 1024 x 8 B = 256 MiB).
+CHUNK_TOKENS = 1 << 15
+FLAG_NONFINITE = 1
+FLAG_OUT_OF_RANGE = 2
+
+
+def supports(*layouts: Layout) -> bool:
+    """The reference runs every layout on every device."""
+    return True
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    return not bool((~torch.isfinite(x)).any())
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    return result if out is None else out.copy_(result)
+
 
 def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float) -> torch.Tensor:
-    """fp32 ``[N, 512]`` -> pages ``[ceil(N/P), page_bytes]``."""
-    return layout.records_to_pages(layout.codec.encode(x, dialect=dialect, scale=scale), page_size)
+    """fp32 (or bf16, widened exactly) ``[N, 512]`` -> pages ``[ceil(N/P), page_bytes]``."""
+    return layout.records_to_pages(layout.codec.encode(x.float(), dialect=dialect, scale=scale), page_size)
 
 
 def decode_pages(
@@ -25,10 +46,11 @@ def decode_pages(
 
 
 def repage(
-    pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int, num_tokens: int | None
+    pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int, num_tokens: int | None,
+    *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Byte move of identical token records between two page geometries."""
-    return dst.records_to_pages(src.pages_to_records(pages, src_page_size, num_tokens), dst_page_size)
+    """Byte move of identical token records between two page geometries (into ``out`` when given)."""
+    return _into(out, dst.records_to_pages(src.pages_to_records(pages, src_page_size, num_tokens), dst_page_size))
 
 
 def check_finite(values: torch.Tensor, what: str = "source") -> None:
@@ -39,17 +61,79 @@ def check_finite(values: torch.Tensor, what: str = "source") -> None:
 
 
 def transcode_pages(
-    pages: torch.Tensor,
-    src: Layout,
-    src_page_size: int,
-    dst: Layout,
-    dst_page_size: int,
-    num_tokens: int | None,
-    src_scale: float,
-    dst_scale: float,
-    dialect: str | None,
+    pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,
+    num_tokens: int | None, src_scale: float, dst_scale: float, dialect: str | None,
+    *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode ``src`` pages and re-encode them as ``dst`` (NaN in the source is an error)."""
     values = decode_pages(pages, src, src_page_size, num_tokens, src_scale)
     check_finite(values)
-    return encode_pages(values, dst, dst_page_size, dialect, dst_scale)
+    return _into(out, encode_pages(values, dst, dst_page_size, dialect, dst_scale))
+
+
+def records_at(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor) -> torch.Tensor:
+    """Token records ``[N, record_bytes]`` of ``slots`` (a copy)."""
+    return pages.view(-1)[layout.geometry.byte_index(page_size, slots)]
+
+
+def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Per-slot flags (``FLAG_NONFINITE`` or 0) of the decoded tokens at in-range ``slots``; reads only."""
+    flags = torch.zeros(slots.numel(), dtype=torch.uint8, device=pages.device)
+    for start in range(0, slots.numel(), CHUNK_TOKENS):
+        part = slots[start : start + CHUNK_TOKENS]
+        values = layout.codec.decode(records_at(pages, layout, page_size, part), scale=scale)
+        flags[start : start + part.numel()] = (~torch.isfinite(values).all(dim=1)).to(torch.uint8) * FLAG_NONFINITE
+    return flags
+
+
+def transcode_slots(
+    src_pages: torch.Tensor, src: Layout, src_page_size: int, dst_pages: torch.Tensor, dst: Layout,
+    dst_page_size: int, src_slots: torch.Tensor, dst_slots: torch.Tensor, src_scale: float, dst_scale: float,
+    dialect: str | None, byte_move: bool,
+) -> None:
+    """Write source slot ``src_slots[i]`` into ``dst_slots[i]`` in place (slots validated, sources
+    already checked finite when re-encoding)."""
+    for start in range(0, src_slots.numel(), CHUNK_TOKENS):
+        records = records_at(src_pages, src, src_page_size, src_slots[start : start + CHUNK_TOKENS])
+        if not byte_move:
+            records = dst.codec.encode(src.codec.decode(records, scale=src_scale), dialect=dialect, scale=dst_scale)
+        index = dst.geometry.byte_index(dst_page_size, dst_slots[start : start + CHUNK_TOKENS])
+        dst_pages.view(-1)[index] = records
+
+
+def gather_transcode(
+    pool: torch.Tensor, layout: Layout, page_size: int, indices: torch.Tensor, scale: float,
+    dialect: str | None, byte_move: bool, out_page_size: int, scratch_layout: Layout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the token of each flat index k (-1: zeros) as ``scratch_layout`` row k; returns ``(scratch, flags)``.
+
+    ``flags[k]``: ``FLAG_OUT_OF_RANGE`` (nothing is written then) or ``FLAG_NONFINITE``; the caller raises.
+    """
+    n = indices.numel()
+    capacity = pool.shape[0] * page_size
+    flags = torch.zeros(n, dtype=torch.uint8, device=pool.device)
+    oob = (indices < -1) | (indices >= capacity)
+    scratch = torch.zeros(scratch_layout.num_pages(n, out_page_size), scratch_layout.page_bytes(out_page_size),
+                          dtype=torch.uint8, device=pool.device)
+    if bool(oob.any()):
+        flags[oob] = FLAG_OUT_OF_RANGE
+        return scratch, flags
+    positions = (indices >= 0).nonzero()[:, 0]  # scratch slot k holds entry k
+    for start in range(0, positions.numel(), CHUNK_TOKENS):
+        part = positions[start : start + CHUNK_TOKENS]
+        records = records_at(pool, layout, page_size, indices[part])
+        if not byte_move:
+            values = layout.codec.decode(records, scale=scale)
+            bad = ~torch.isfinite(values).all(dim=1)
+            if bool(bad.any()):
+                flags[part[bad]] = FLAG_NONFINITE
+                return scratch, flags
+            records = scratch_layout.codec.encode(values, dialect=dialect, scale=1.0)
+        scratch.view(-1)[scratch_layout.geometry.byte_index(out_page_size, part)] = records
+    return scratch, flags
+
+
+def accepts(*tensors: torch.Tensor) -> bool:
+    """The reference takes tensors of any alignment."""
+    return True

@@ -11,13 +11,13 @@ Two kernels cover everything:
   source (dense fp32, ``bf16``, per-tensor E4M3, MODEL1) and encodes the destination in
   registers, so a transcode reads each source byte once and writes each destination byte once.
 - ``_copy_kernel``: the byte move between layouts that store the same token record, in
-  8-byte words (every built-in layout's page size, data row and footer row is a multiple of 8 B).
+  8-byte words, one launch per word range that lies on one side of both layouts' splits.
 
 Source and destination rows are addressed by slot lists (``page * P + row``) or, when no list
 is given, by the row index itself. E4M3 conversion uses the GPU's ``cvt.rn.satfinite`` through
 ``.to(tl.float8e4nv)`` after a clamp to +-448 when ``fp8_hardware`` is true, and integer bit
 operations mirroring ``kvbridge.numerics.e4m3_encode`` otherwise: the interpreter's fp8 cast is
-wrong (spec section 2), so ``fp8_hardware`` is false under ``TRITON_INTERPRET=1``.
+wrong (it does not round ties to even or saturate), so ``fp8_hardware`` is false under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbridge.codecs import HEAD_DIM, BF16Codec, Model1Codec, PerTensorE4M3Codec, reciprocal_f32
+from kvbridge.codecs import HEAD_DIM, tensor_multiplier, ue8m0_dialect
 from kvbridge.errors import LayoutError
 from kvbridge.layouts import Layout
+from kvbridge.layouts.registry import OP_BF16, OP_ZERO
 from kvbridge.numerics import DIALECT_MIN_EXPONENT
-from kvbridge.reference import check_finite
+from kvbridge.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check_finite
 from kvbridge.reference import decode_pages as reference_decode
 
 #: True when the kernels below were decorated under ``TRITON_INTERPRET=1`` (CPU tensors then work).
@@ -43,13 +44,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 #: integer path. ``scripts/gpu_check.py`` checks both byte-for-byte.
 fp8_hardware = not INTERPRETED and os.environ.get("KVBRIDGE_TRITON_INT_E4M3") != "1"
 
-#: Flag values of the per-token flag array: the decoded source is not finite / the slot is out of range.
-FLAG_NONFINITE = 1
-FLAG_OUT_OF_RANGE = 2
+name = "triton"
+#: Flag values of the per-token flag array (``reference.FLAG_*``): the decoded source is not finite /
+#: the slot is out of range.
 _FLAG_NONFINITE = tl.constexpr(FLAG_NONFINITE)  # the same values as kernel-visible globals
 _FLAG_OUT_OF_RANGE = tl.constexpr(FLAG_OUT_OF_RANGE)
 
-_KIND_F32, _KIND_BF16, _KIND_E4M3, _KIND_MODEL1 = 0, 1, 2, 3
 #: Launch shape (tuning knobs; ``scripts/gpu_check.py`` times alternatives): tokens per program and warps.
 #: 8 tokens on 8 warps keeps each thread at 16 values (sm_90: 70 registers, no spills, 3 programs per SM).
 convert_block_tokens = 8
@@ -150,13 +150,13 @@ def _data_base(slot, P, PB, S: tl.constexpr, ALIGN: tl.constexpr):
     """Byte offset of a slot's data row (record bytes [0, S)): page * PB + row * S."""
     page = slot // P
     base = page * PB + (slot - page * P) * S
-    return tl.multiple_of(base, [ALIGN, ALIGN, ALIGN])
+    return tl.multiple_of(base, [ALIGN, ALIGN])
 
 
 @triton.jit
 def _half_index(base, ALIGN: tl.constexpr):
-    """A data-row byte offset (even) as an index into the pool's int16 view."""
-    return tl.multiple_of(base // 2, [ALIGN // 2, ALIGN // 2, ALIGN // 2])
+    """An even byte offset as an index into the pool's int16 view (keeping its alignment hint)."""
+    return tl.multiple_of(base // 2, [ALIGN // 2, ALIGN // 2])
 
 
 @triton.jit
@@ -175,6 +175,113 @@ def _row_slots(slots_ptr, i, n, HAS_SLOTS: tl.constexpr):
         return tl.where(i < n, i, -1)
 
 
+# ----------------------------------------------------------------------------- record fields
+
+
+@triton.jit
+def _field_at(data, foot, OFF: tl.constexpr, S: tl.constexpr):
+    """Byte offset of record byte ``OFF`` (data row ``data`` below the split ``S``, footer ``foot`` above)."""
+    if OFF < S:
+        return data + OFF
+    else:
+        return foot + (OFF - S)
+
+
+@triton.jit
+def _e2m1_value(code):
+    """E2M1 code (int32 0..15) -> fp32: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign."""
+    m = code & 7
+    mag = tl.where(m < 4, m.to(tl.float32) * 0.5, tl.where(m == 7, 6.0, (m - 2).to(tl.float32)))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _e2m1_code(y):
+    """fp32 -> E2M1 code (int32), RNE, saturating at 6, sign kept (``numerics.e2m1_encode``)."""
+    bits = y.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    mag = tl.where(mag > 0x7F800000, 0, mag)
+    code = (mag > 0x3E800000).to(tl.int32) + (mag >= 0x3F400000).to(tl.int32) + (mag > 0x3FA00000).to(tl.int32)
+    code += (mag >= 0x3FE00000).to(tl.int32) + (mag > 0x40200000).to(tl.int32) + (mag >= 0x40600000).to(tl.int32)
+    code += (mag > 0x40A00000).to(tl.int32)
+    return code | ((bits >> 28) & 8)
+
+
+@triton.jit
+def _decode_field(x, d, src, src16, data, foot, valid, scale, HW_FP8: tl.constexpr, S: tl.constexpr,
+                  ALIGN: tl.constexpr,
+                  OP: tl.constexpr, D0: tl.constexpr, ND: tl.constexpr, OFF: tl.constexpr, TILE: tl.constexpr,
+                  SOFF: tl.constexpr):
+    """``x`` ``[T, 512]`` with dims ``[D0, D0 + ND)`` replaced by one record field's decoded values."""
+    seg = (d >= D0) & (d < D0 + ND)
+    j = d - D0
+    m = valid & seg
+    at = _field_at(data, foot, OFF, S)
+    if OP == 0:  # bf16 (even offsets: read through the int16 view)
+        v = _bf16_to_f32(tl.load(src16 + _half_index(at, ALIGN) + j, mask=m, other=0))
+    elif OP == 1:  # per-tensor E4M3
+        v = _e4m3_decode(tl.load(src + at + j, mask=m, other=0).to(tl.int32), HW_FP8) * scale
+    elif OP == 2:  # E4M3 tiles with UE8M0 scales
+        s_at = _field_at(data, foot, SOFF, S)
+        sb = tl.load(src + s_at + j // TILE, mask=m, other=127).to(tl.int32)
+        v = _e4m3_decode(tl.load(src + at + j, mask=m, other=0).to(tl.int32), HW_FP8) * _ue8m0_decode(sb)
+    elif OP == 3:  # E2M1 pairs with E4M3 scales
+        s_at = _field_at(data, foot, SOFF, S)
+        sb = tl.load(src + s_at + j // TILE, mask=m, other=0x38).to(tl.int32)
+        byte = tl.load(src + at + j // 2, mask=m, other=0).to(tl.int32)
+        v = _e2m1_value((byte >> ((j & 1) * 4)) & 0xF) * _e4m3_decode(sb, HW_FP8)
+    else:
+        v = x
+    return tl.where(seg, v, x)
+
+
+@triton.jit
+def _tile_amax(x, seg, BLOCK_T: tl.constexpr, TILE: tl.constexpr):
+    """Per-tile max |x| over the field's dims, broadcast back to ``[T, 512]``, and per tile ``[T, 512 / TILE]``."""
+    t = tl.max(tl.reshape(tl.where(seg, tl.abs(x), 0.0), [BLOCK_T, 512 // TILE, TILE]), axis=2)
+    wide = tl.reshape(tl.broadcast_to(t[:, :, None], [BLOCK_T, 512 // TILE, TILE]), [BLOCK_T, 512])
+    return wide, t
+
+
+@triton.jit
+def _encode_field(x, d, dst, dst16, data, foot, row, valid, mult, min_exp, HW_FP8: tl.constexpr,
+                  S: tl.constexpr, ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, OP: tl.constexpr,
+                  D0: tl.constexpr, ND: tl.constexpr, OFF: tl.constexpr, TILE: tl.constexpr, SOFF: tl.constexpr):
+    """Write one record field of the values ``x`` ``[T, 512]`` (zero where not ``valid``) for rows ``row``."""
+    seg = (d >= D0) & (d < D0 + ND)
+    j = d - D0
+    m = row & seg
+    at = _field_at(data, foot, OFF, S)
+    if OP == 0:  # bf16 (even offsets: written through the int16 view)
+        tl.store(dst16 + _half_index(at, ALIGN) + j, _bf16_bits(x).to(tl.int16), mask=m)
+    elif OP == 1:  # per-tensor E4M3
+        tl.store(dst + at + j, _e4m3_encode(x * mult, HW_FP8).to(tl.uint8), mask=m)
+    elif OP == 4:  # zero bytes (d counts bytes here)
+        tl.store(dst + at + d, tl.zeros_like(d).to(tl.uint8), mask=row & (d < ND))
+    else:
+        amax, tile_amax = _tile_amax(x, seg, BLOCK_T, TILE)
+        t = tl.arange(0, 512 // TILE)[None, :]
+        t_seg = (t * TILE >= D0) & (t * TILE < D0 + ND)
+        s_at = _field_at(data, foot, SOFF, S)
+        if OP == 2:  # E4M3 tiles with UE8M0 scales 2^k
+            k = _scale_exponent(amax, min_exp)
+            inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # exact 2^-k
+            tl.store(dst + at + j, _e4m3_encode(x * inv, HW_FP8).to(tl.uint8), mask=m)
+            sb = tl.where(valid, _scale_exponent(tile_amax, min_exp) + 127, 0)
+        else:  # E2M1 pairs with E4M3 scales e4m3(clamp(amax / 6, 2^-9, 448)), codes of x / scale
+            q = tl.minimum(tl.maximum(tl.math.div_rn(tile_amax, 6.0), 0.001953125), 448.0)
+            sb = _e4m3_encode(q, HW_FP8)
+            sv = tl.reshape(tl.broadcast_to(_e4m3_decode(sb, HW_FP8)[:, :, None], [BLOCK_T, 512 // TILE, TILE]),
+                            [BLOCK_T, 512])
+            codes = _e2m1_code(tl.math.div_rn(x, sv))
+            lo, hi = tl.split(tl.reshape(codes, [BLOCK_T, 256, 2]))
+            pair = tl.arange(0, 256)[None, :]
+            p_seg = (2 * pair >= D0) & (2 * pair < D0 + ND)
+            tl.store(dst + at + pair - D0 // 2, (lo | (hi << 4)).to(tl.uint8), mask=row & p_seg)
+            sb = tl.where(valid, sb, 0)
+        tl.store(dst + s_at + t - D0 // TILE, sb.to(tl.uint8), mask=row & t_seg)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -188,48 +295,41 @@ def _convert_rows(
     src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
     dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp,
     flags, n_tokens, n_rows,
-    SRC_KIND: tl.constexpr, SRC_S: tl.constexpr, SRC_R: tl.constexpr, SRC_ALIGN: tl.constexpr,
-    SRC_HAS_SLOTS: tl.constexpr,
-    DST_KIND: tl.constexpr, DST_S: tl.constexpr, DST_R: tl.constexpr, DST_ALIGN: tl.constexpr,
-    DST_HAS_SLOTS: tl.constexpr,
+    SRC_PROG: tl.constexpr, SRC_NF: tl.constexpr, SRC_S: tl.constexpr, SRC_R: tl.constexpr,
+    SRC_ALIGN: tl.constexpr, SRC_HAS_SLOTS: tl.constexpr,
+    DST_PROG: tl.constexpr, DST_NF: tl.constexpr, DST_S: tl.constexpr, DST_R: tl.constexpr,
+    DST_ALIGN: tl.constexpr, DST_HAS_SLOTS: tl.constexpr,
     CHECK: tl.constexpr, WRITE: tl.constexpr, HW_FP8: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Rows ``i`` (int64 ``[BLOCK_T, 1, 1]``): decode the source token of each row, encode it into the destination.
+    """Rows ``i`` (int64 ``[BLOCK_T, 1]``): decode the source token of each row, encode it into the destination.
 
-    Rows ``i < n_tokens`` read source slot ``src_slots[i]`` (or i); -1 or a row past ``n_tokens``
-    has no source and is written as an all-zero record. ``CHECK`` writes ``flags[i]`` (0, or
-    ``FLAG_NONFINITE`` / ``FLAG_OUT_OF_RANGE``) for rows < n_tokens; ``WRITE`` writes rows < n_rows.
-    Dense fp32 sources/destinations are ``[rows, 512]`` addressed by slot * 512.
+    ``SRC_PROG``/``DST_PROG`` are the layouts' record programs (``Layout.segments`` flattened, 6 ints
+    per field, ``*_NF`` fields; an empty program means dense fp32 ``[rows, 512]`` addressed by
+    slot * 512). Rows ``i < n_tokens`` read source slot ``src_slots[i]`` (or i); -1 or a row past
+    ``n_tokens`` has no source and is written as an all-zero record. ``CHECK`` writes ``flags[i]``
+    (0, or ``FLAG_NONFINITE`` / ``FLAG_OUT_OF_RANGE``) for rows < n_tokens; ``WRITE`` writes rows < n_rows.
     """
-    tile = tl.arange(0, 8)[None, :, None]  # [1, 8, 1]
-    d = tile * 64 + tl.arange(0, 64)[None, None, :]  # [1, 8, 64] latent dim
-    nope = d < 448
+    d = tl.arange(0, 512)[None, :]  # [1, 512] latent dim
     slot = _row_slots(src_slots, i, n_tokens, SRC_HAS_SLOTS)
     in_range = (slot >= 0) & (slot < src_cap)
     valid = (i < n_tokens) & in_range
     s = tl.where(valid, slot, 0)
 
-    if SRC_KIND == 0:
+    if SRC_NF == 0:
         x = tl.load(src + s * 512 + d, mask=valid, other=0.0)
-    elif SRC_KIND == 1:
-        base16 = _half_index(_data_base(s, src_p, src_pb, SRC_S, SRC_ALIGN), SRC_ALIGN)
-        x = _bf16_to_f32(tl.load(src16 + base16 + d, mask=valid, other=0))
-    elif SRC_KIND == 2:
-        base = _data_base(s, src_p, src_pb, SRC_S, SRC_ALIGN)
-        x = _e4m3_decode(tl.load(src + base + d, mask=valid, other=0).to(tl.int32), HW_FP8) * src_scale
     else:
-        base = _data_base(s, src_p, src_pb, SRC_S, SRC_ALIGN)
-        codes = tl.load(src + base + d, mask=valid & nope, other=0).to(tl.int32)
-        base16 = _half_index(base, SRC_ALIGN)
-        rope = tl.load(src16 + base16 + 224 + (d - 448), mask=valid & (d >= 448), other=0)
+        data = _data_base(s, src_p, src_pb, SRC_S, SRC_ALIGN)
         foot = _footer_base(s, src_p, src_pb, SRC_S, SRC_R)
-        scale_byte = tl.load(src + foot + tile, mask=valid & (tile < 7), other=127).to(tl.int32)
-        x = tl.where(nope, _e4m3_decode(codes, HW_FP8) * _ue8m0_decode(scale_byte), _bf16_to_f32(rope))
+        x = tl.zeros([BLOCK_T, 512], dtype=tl.float32)
+        for k in tl.static_range(SRC_NF):
+            x = _decode_field(x, d, src, src16, data, foot, valid, src_scale, HW_FP8, SRC_S, SRC_ALIGN,
+                              SRC_PROG[6 * k], SRC_PROG[6 * k + 1], SRC_PROG[6 * k + 2], SRC_PROG[6 * k + 3],
+                              SRC_PROG[6 * k + 4], SRC_PROG[6 * k + 5])
 
     if CHECK:
         bad = ((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)  # exponent all ones
-        bad_token = tl.max(tl.max(bad, axis=2, keep_dims=True), axis=1, keep_dims=True)
+        bad_token = tl.max(bad, axis=1, keep_dims=True)
         oob = (i < n_tokens) & (slot != -1) & ~in_range
         flag = tl.where(oob, _FLAG_OUT_OF_RANGE, tl.where(valid & (bad_token > 0), _FLAG_NONFINITE, 0))
         tl.store(flags + i, flag.to(tl.uint8), mask=i < n_tokens)
@@ -239,25 +339,16 @@ def _convert_rows(
         out = _row_slots(dst_slots, i, n_rows, DST_HAS_SLOTS)
         out = tl.where(row, out, 0)
         x = tl.where(valid, x, 0.0)
-        if DST_KIND == 0:
+        if DST_NF == 0:
             tl.store(dst + out * 512 + d, x, mask=row)
-        elif DST_KIND == 1:
-            base16 = _half_index(_data_base(out, dst_p, dst_pb, DST_S, DST_ALIGN), DST_ALIGN)
-            tl.store(dst16 + base16 + d, _bf16_bits(x).to(tl.int16), mask=row)
-        elif DST_KIND == 2:
-            base = _data_base(out, dst_p, dst_pb, DST_S, DST_ALIGN)
-            tl.store(dst + base + d, _e4m3_encode(x * dst_mult, HW_FP8).to(tl.uint8), mask=row)
         else:
-            amax = tl.max(tl.where(nope, tl.abs(x), 0.0), axis=2, keep_dims=True)  # [T, 8, 1]
-            k = _scale_exponent(amax, min_exp)
-            inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # exact 2^-k
-            base = _data_base(out, dst_p, dst_pb, DST_S, DST_ALIGN)
-            tl.store(dst + base + d, _e4m3_encode(x * inv, HW_FP8).to(tl.uint8), mask=row & nope)
-            base16 = _half_index(base, DST_ALIGN)
-            tl.store(dst16 + base16 + 224 + (d - 448), _bf16_bits(x).to(tl.int16), mask=row & (d >= 448))
+            data = _data_base(out, dst_p, dst_pb, DST_S, DST_ALIGN)
             foot = _footer_base(out, dst_p, dst_pb, DST_S, DST_R)
-            footer = tl.where(valid & (tile < 7), k + 127, 0)  # 7 UE8M0 scales, then the pad byte 0
-            tl.store(dst + foot + tile, footer.to(tl.uint8), mask=row)
+            for k in tl.static_range(DST_NF):
+                _encode_field(x, d, dst, dst16, data, foot, row, valid, dst_mult, min_exp, HW_FP8, DST_S, DST_ALIGN,
+                              BLOCK_T,
+                              DST_PROG[6 * k], DST_PROG[6 * k + 1], DST_PROG[6 * k + 2], DST_PROG[6 * k + 3],
+                              DST_PROG[6 * k + 4], DST_PROG[6 * k + 5])
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -265,23 +356,24 @@ def _convert_kernel(
     src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
     dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp,
     flags, n_tokens, n_rows, n_blocks,
-    SRC_KIND: tl.constexpr, SRC_S: tl.constexpr, SRC_R: tl.constexpr, SRC_ALIGN: tl.constexpr,
-    SRC_HAS_SLOTS: tl.constexpr,
-    DST_KIND: tl.constexpr, DST_S: tl.constexpr, DST_R: tl.constexpr, DST_ALIGN: tl.constexpr,
-    DST_HAS_SLOTS: tl.constexpr,
+    SRC_PROG: tl.constexpr, SRC_NF: tl.constexpr, SRC_S: tl.constexpr, SRC_R: tl.constexpr,
+    SRC_ALIGN: tl.constexpr, SRC_HAS_SLOTS: tl.constexpr,
+    DST_PROG: tl.constexpr, DST_NF: tl.constexpr, DST_S: tl.constexpr, DST_R: tl.constexpr,
+    DST_ALIGN: tl.constexpr, DST_HAS_SLOTS: tl.constexpr,
     CHECK: tl.constexpr, WRITE: tl.constexpr, HW_FP8: tl.constexpr,
     BLOCK_T: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     """``_convert_rows`` over ``n_blocks`` blocks of ``BLOCK_T`` rows: block ``program_id`` (one program
     per block), or with ``PERSISTENT`` every ``num_programs``-th block from ``program_id`` on."""
-    rows = tl.arange(0, BLOCK_T)[:, None, None]
+    rows = tl.arange(0, BLOCK_T)[:, None]
     if PERSISTENT:
         for block in tl.range(tl.program_id(0), n_blocks, tl.num_programs(0)):
             _convert_rows(
                 (block * BLOCK_T + rows).to(tl.int64),  # row numbers fit int32 (the launcher's grid does too)
                 src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
                 dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp, flags, n_tokens, n_rows,
-                SRC_KIND, SRC_S, SRC_R, SRC_ALIGN, SRC_HAS_SLOTS, DST_KIND, DST_S, DST_R, DST_ALIGN, DST_HAS_SLOTS,
+                SRC_PROG, SRC_NF, SRC_S, SRC_R, SRC_ALIGN, SRC_HAS_SLOTS,
+                DST_PROG, DST_NF, DST_S, DST_R, DST_ALIGN, DST_HAS_SLOTS,
                 CHECK, WRITE, HW_FP8, BLOCK_T,
             )
     else:
@@ -289,9 +381,23 @@ def _convert_kernel(
             tl.program_id(0).to(tl.int64) * BLOCK_T + rows,
             src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
             dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp, flags, n_tokens, n_rows,
-            SRC_KIND, SRC_S, SRC_R, SRC_ALIGN, SRC_HAS_SLOTS, DST_KIND, DST_S, DST_R, DST_ALIGN, DST_HAS_SLOTS,
+            SRC_PROG, SRC_NF, SRC_S, SRC_R, SRC_ALIGN, SRC_HAS_SLOTS,
+            DST_PROG, DST_NF, DST_S, DST_R, DST_ALIGN, DST_HAS_SLOTS,
             CHECK, WRITE, HW_FP8, BLOCK_T,
         )
+
+
+@triton.jit
+def _word_at(slot, p, pw, LO: tl.constexpr, SW: tl.constexpr, RW: tl.constexpr, WA: tl.constexpr):
+    """Word offset of record word ``LO`` of ``slot`` (``SW`` data words of ``RW``; data rows ``WA``-word aligned)."""
+    page = slot // p
+    row = slot - page * p
+    if LO == 0:
+        return tl.multiple_of(page * pw + row * SW, [WA, WA])
+    elif LO < SW:
+        return page * pw + row * SW + LO
+    else:
+        return page * pw + p * SW + row * (RW - SW) + (LO - SW)
 
 
 @triton.jit(do_not_specialize=["src_cap", "src_p", "src_pw", "dst_p", "dst_pw", "n_tokens", "n_rows"])
@@ -299,15 +405,16 @@ def _copy_kernel(
     src, src_slots, src_cap, src_p, src_pw,
     dst, dst_slots, dst_p, dst_pw,
     flags, n_tokens, n_rows,
-    SW: tl.constexpr, FW: tl.constexpr, SW_BLOCK: tl.constexpr, FW_BLOCK: tl.constexpr,
-    SRC_WA: tl.constexpr, DST_WA: tl.constexpr,
+    LO: tl.constexpr, HI: tl.constexpr, W_BLOCK: tl.constexpr,
+    SRC_SW: tl.constexpr, DST_SW: tl.constexpr, RW: tl.constexpr, SRC_WA: tl.constexpr, DST_WA: tl.constexpr,
     SRC_HAS_SLOTS: tl.constexpr, DST_HAS_SLOTS: tl.constexpr, CHECK: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    """Byte move of identical records in 8-byte words: ``SW`` data words, then ``FW`` footer words.
+    """Byte move of record words ``[LO, HI)`` (8-byte words) of identical records of ``RW`` words.
 
-    ``src_pw``/``dst_pw`` are page sizes in words; every data row starts at a multiple of
-    ``SRC_WA``/``DST_WA`` words (2 lets a thread move 16 bytes at once). Rows without a source
-    become zero records.
+    The words lie on one side of each layout's split (``SRC_SW``/``DST_SW`` data words), so they are
+    contiguous in both pools. ``src_pw``/``dst_pw`` are page sizes in words; every data row starts
+    at a multiple of ``SRC_WA``/``DST_WA`` words (2 lets a thread move 16 bytes at once). Rows
+    without a source become zero.
     """
     i = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # [T, 1]
     slot = _row_slots(src_slots, i, n_tokens, SRC_HAS_SLOTS)
@@ -318,38 +425,36 @@ def _copy_kernel(
     if CHECK:
         oob = (i < n_tokens) & (slot != -1) & ~valid
         tl.store(flags + i, tl.where(oob, _FLAG_OUT_OF_RANGE, 0).to(tl.uint8), mask=i < n_tokens)
-    src_page = s // src_p
-    dst_page = out // dst_p
-    w = tl.arange(0, SW_BLOCK)[None, :]
-    src_row = tl.multiple_of(src_page * src_pw + (s - src_page * src_p) * SW, [SRC_WA, SRC_WA])
-    dst_row = tl.multiple_of(dst_page * dst_pw + (out - dst_page * dst_p) * SW, [DST_WA, DST_WA])
-    data = tl.load(src + src_row + w, mask=valid & (w < SW), other=0)
-    tl.store(dst + dst_row + w, data, mask=row & (w < SW))
-    if FW > 0:
-        f = tl.arange(0, FW_BLOCK)[None, :]
-        src_foot = src_page * src_pw + src_p * SW + (s - src_page * src_p) * FW
-        dst_foot = dst_page * dst_pw + dst_p * SW + (out - dst_page * dst_p) * FW
-        footer = tl.load(src + src_foot + f, mask=valid & (f < FW), other=0)
-        tl.store(dst + dst_foot + f, footer, mask=row & (f < FW))
+    w = tl.arange(0, W_BLOCK)[None, :]
+    src_at = _word_at(s, src_p, src_pw, LO, SRC_SW, RW, SRC_WA)
+    dst_at = _word_at(out, dst_p, dst_pw, LO, DST_SW, RW, DST_WA)
+    words = tl.load(src + src_at + w, mask=valid & (w < HI - LO), other=0)
+    tl.store(dst + dst_at + w, words, mask=row & (w < HI - LO))
 
 
 # ----------------------------------------------------------------------------- host side
 
 
-def layout_kind(layout: Layout) -> int | None:
-    """Which decoder/encoder of ``_convert_kernel`` serves ``layout`` (None: not supported here)."""
-    kinds = {BF16Codec: _KIND_BF16, PerTensorE4M3Codec: _KIND_E4M3, Model1Codec: _KIND_MODEL1}
-    kind = kinds.get(type(layout.codec))
-    if kind is None or layout.record_bytes % 8 or (layout.split or 0) % 8 or layout.page_bytes(1) % 8:
-        return None
-    if kind == _KIND_MODEL1 and (layout.split, layout.record_bytes) != (576, 584):
-        return None
-    return kind
+def program(layout: Layout) -> tuple[int, ...]:
+    """``layout.segments`` flattened (6 ints per field): the record program the kernels take as a constexpr."""
+    return tuple(v for seg in layout.segments for v in seg)
 
 
 def supports(*layouts: Layout) -> bool:
-    """True when every layout has a kernel encoder/decoder (page bytes, rows and footers 8-byte multiples)."""
-    return all(layout_kind(lay) is not None for lay in layouts)
+    """True when every layout's pages, data rows and footers are 8-byte multiples (the copy kernel's words),
+    its bf16 fields start on even bytes (the int16 view) and its pad fields fit the 512-lane zero store."""
+    for lay in layouts:
+        if lay.record_bytes % 8 or (lay.split or 0) % 8 or lay.page_bytes(1) % 8 or lay.page_align % 8 > 1:
+            return False
+        for seg in lay.segments:
+            if (seg.op == OP_ZERO and seg.ndims > HEAD_DIM) or (seg.op == OP_BF16 and seg.offset % 2):
+                return False
+    return True
+
+
+def accepts(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is contiguous and starts on a 16-byte boundary (the kernels' word views)."""
+    return aligned(*tensors)
 
 
 def aligned(*tensors: torch.Tensor) -> bool:
@@ -364,13 +469,12 @@ class _Pool:
         self.tensor = tensor
         self.page_size = page_size
         if layout is None:
-            self.kind, self.split, self.record, self.page_bytes, self.align = _KIND_F32, 0, 0, 0, 16
+            self.program, self.split, self.record, self.page_bytes, self.align = (), 0, 0, 0, 16
             self.half = tensor
             return
-        kind = layout_kind(layout)
-        if kind is None:
-            raise LayoutError(f"layout {layout.name} has no Triton kernel")
-        self.kind = kind
+        if not supports(layout):
+            raise LayoutError(f"layout {layout.name} has no Triton kernel (its rows are not 8-byte multiples)")
+        self.program = program(layout)
         self.record = layout.record_bytes
         self.split = layout.split if layout.split is not None else layout.record_bytes
         self.page_bytes = layout.page_bytes(page_size)
@@ -417,10 +521,10 @@ def _launch_convert(
             dst.tensor, dst.half, dummy if dst_slots is None else dst_slots, dst.page_size, dst.page_bytes, dst_mult,
             min_exp,
             dummy if flags is None else flags, n_tokens, n_rows, n_blocks,
-            SRC_KIND=src.kind, SRC_S=src.split, SRC_R=src.record, SRC_ALIGN=src.align,
-            SRC_HAS_SLOTS=src_slots is not None,
-            DST_KIND=dst.kind, DST_S=dst.split, DST_R=dst.record, DST_ALIGN=dst.align,
-            DST_HAS_SLOTS=dst_slots is not None,
+            SRC_PROG=src.program, SRC_NF=len(src.program) // 6, SRC_S=src.split, SRC_R=src.record,
+            SRC_ALIGN=src.align, SRC_HAS_SLOTS=src_slots is not None,
+            DST_PROG=dst.program, DST_NF=len(dst.program) // 6, DST_S=dst.split, DST_R=dst.record,
+            DST_ALIGN=dst.align, DST_HAS_SLOTS=dst_slots is not None,
             CHECK=flags is not None, WRITE=write, HW_FP8=fp8_hardware and hardware_fp8_available(src.tensor.device),
             BLOCK_T=convert_block_tokens, PERSISTENT=convert_programs_per_sm is not None, num_warps=convert_warps,
         )
@@ -432,21 +536,23 @@ def _launch_copy(
 ) -> None:
     if n_rows == 0:
         return
-    if (src.split, src.record) != (dst.split, dst.record):
-        raise LayoutError("a byte move needs the same record and data-row size on both sides")
+    if src.record != dst.record:
+        raise LayoutError("a byte move needs records of the same size on both sides")
     words = src.tensor.view(torch.int64)
-    sw, fw = src.split // 8, (src.record - src.split) // 8
+    rw, ssw, dsw = src.record // 8, src.split // 8, dst.split // 8
+    cuts = sorted({0, ssw, dsw, rw})  # word ranges on one side of both splits
     grid = (triton.cdiv(n_rows, copy_block_tokens),)
     with _device_guard(src.tensor):
-        _copy_kernel[grid](
-            words, words if src_slots is None else src_slots, src.capacity, src.page_size, src.page_bytes // 8,
-            dst.tensor.view(torch.int64), words if dst_slots is None else dst_slots, dst.page_size, dst.page_bytes // 8,
-            words if flags is None else flags, n_tokens, n_rows,
-            SW=sw, FW=fw, SW_BLOCK=triton.next_power_of_2(sw), FW_BLOCK=triton.next_power_of_2(max(fw, 1)),
-            SRC_WA=math.gcd(src.align // 8, 2), DST_WA=math.gcd(dst.align // 8, 2),
-            SRC_HAS_SLOTS=src_slots is not None, DST_HAS_SLOTS=dst_slots is not None, CHECK=flags is not None,
-            BLOCK_T=copy_block_tokens, num_warps=copy_warps,
-        )
+        for k, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
+            _copy_kernel[grid](
+                words, words if src_slots is None else src_slots, src.capacity, src.page_size, src.page_bytes // 8,
+                dst.tensor.view(torch.int64), words if dst_slots is None else dst_slots, dst.page_size,
+                dst.page_bytes // 8, words if flags is None else flags, n_tokens, n_rows,
+                LO=lo, HI=hi, W_BLOCK=triton.next_power_of_2(hi - lo), SRC_SW=ssw, DST_SW=dsw, RW=rw,
+                SRC_WA=math.gcd(src.align // 8, 2), DST_WA=math.gcd(dst.align // 8, 2),
+                SRC_HAS_SLOTS=src_slots is not None, DST_HAS_SLOTS=dst_slots is not None,
+                CHECK=flags is not None and k == 0, BLOCK_T=copy_block_tokens, num_warps=copy_warps,
+            )
 
 
 def _empty_pages(layout: Layout, num_tokens: int, page_size: int, device: torch.device) -> torch.Tensor:
@@ -460,27 +566,34 @@ def _empty_pages(layout: Layout, num_tokens: int, page_size: int, device: torch.
     return pages
 
 
-def _dst_mult(layout: Layout, dialect: str | None, scale: float) -> float:
-    """The fp32 multiplier a per-tensor E4M3 writer applies (``PerTensorE4M3Codec.encode``)."""
-    if dialect == "compress":
-        return 1.0
-    return float(reciprocal_f32(scale))
+def _output_pages(out: torch.Tensor | None, layout: Layout, num_tokens: int, page_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """``out`` (its padding tail zeroed) or fresh pages for the kernels to fill."""
+    if out is None:
+        return _empty_pages(layout, num_tokens, page_size, device)
+    out[:, page_size * layout.record_bytes :] = 0
+    return out
 
 
 def _encode_args(layout: Layout, dialect: str | None, scale: float) -> dict:
-    kind = layout_kind(layout)
-    if kind == _KIND_MODEL1:
-        floor = DIALECT_MIN_EXPONENT[dialect or "flashmla"]
-        if floor <= -135:  # _scale_exponent sends zero / fp32-subnormal amax (k <= -135) straight to the floor
-            raise LayoutError(f"dialect {dialect!r}: scale floor 2^{floor} is below what the kernel handles")
-        return {"min_exp": floor}
-    if kind == _KIND_E4M3:
-        return {"dst_mult": _dst_mult(layout, dialect, scale)}
-    return {}
+    """Runtime encoder arguments: the per-tensor multiplier and the UE8M0 rule's exponent floor."""
+    floor = DIALECT_MIN_EXPONENT[ue8m0_dialect(dialect)]
+    if floor <= -135:  # _scale_exponent sends zero / fp32-subnormal amax (k <= -135) straight to the floor
+        raise LayoutError(f"dialect {dialect!r}: scale floor 2^{floor} is below what the kernel handles")
+    return {"min_exp": floor, "dst_mult": tensor_multiplier(dialect, scale)}
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    return not bool((~torch.isfinite(x)).any())
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    return result if out is None else out.copy_(result)
 
 
 def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float) -> torch.Tensor:
-    """fp32 ``[N, 512]`` (contiguous, finite) -> pages ``[ceil(N/P), page_bytes]`` (``reference.encode_pages``)."""
+    """fp32 or bf16 ``[N, 512]`` (finite) -> pages ``[ceil(N/P), page_bytes]`` (``reference.encode_pages``)."""
+    x = x.float().contiguous()
     n = x.shape[0]
     pages = _empty_pages(layout, n, page_size, x.device)
     dst = _Pool(pages, layout, page_size)
@@ -499,10 +612,10 @@ def decode_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens
 
 
 def repage(pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,
-           num_tokens: int | None) -> torch.Tensor:
-    """Byte move of identical records between page geometries (``reference.repage``)."""
+           num_tokens: int | None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Byte move of identical records between page geometries (``reference.repage``), into ``out`` when given."""
     n = src.token_count(pages, src_page_size, num_tokens)
-    out = _empty_pages(dst, n, dst_page_size, pages.device)
+    out = _output_pages(out, dst, n, dst_page_size, pages.device)
     _launch_copy(_Pool(pages, src, src_page_size), _Pool(out, dst, dst_page_size), n_tokens=n,
                  n_rows=out.shape[0] * dst_page_size)
     return out
@@ -511,14 +624,15 @@ def repage(pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, ds
 def transcode_pages(
     pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,
     num_tokens: int | None, src_scale: float, dst_scale: float, dialect: str | None,
+    *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode + re-encode a whole pool in one launch (``reference.transcode_pages``).
+    """Decode + re-encode a whole pool in one launch (``reference.transcode_pages``), into ``out`` when given.
 
-    The kernel flags tokens that decode to NaN/Inf; if any, ``NonFiniteError`` is raised (the
-    output is a fresh tensor, so nothing the caller holds was written).
+    The kernel flags tokens that decode to NaN/Inf; if any, ``NonFiniteError`` is raised (into a
+    fresh output nothing the caller holds was written; a given ``out`` may be partly written).
     """
     n = src.token_count(pages, src_page_size, num_tokens)
-    out = _empty_pages(dst, n, dst_page_size, pages.device)
+    out = _output_pages(out, dst, n, dst_page_size, pages.device)
     flags = torch.empty(n, dtype=torch.uint8, device=pages.device)
     _launch_convert(_Pool(pages, src, src_page_size), _Pool(out, dst, dst_page_size), n_tokens=n,
                     n_rows=out.shape[0] * dst_page_size, src_scale=src_scale, flags=flags,

@@ -169,17 +169,16 @@ class Validator:
         import torch
 
         from kvbridge import triton_kernels
-        from kvbridge.layouts import get_layout
-        from kvbridge.numerics import DIALECTS
+        from kvbridge.layouts import all_layouts, get_layout
 
         self.torch, self.tk, self.device, self.smoke = torch, triton_kernels, device, smoke
         self.checks: list[Check] = []
         self.model1, self.footer = get_layout("flashmla-model1"), get_layout("trtllm-fp8-ds-mla")
         self.trt, self.bf16 = get_layout("trtllm-fp8"), get_layout("bf16")
-        self.layouts = (self.model1, self.footer, self.trt, self.bf16)
-        self.writers = [(lay, d, 1.0) for lay in (self.model1, self.footer) for d in DIALECTS] + [
+        self.layouts = tuple(all_layouts())  # every registered layout: the kernels read their descriptions
+        self.writers = [(lay, d, 1.0) for lay in self.layouts if not lay.per_tensor_scale
+                        for d in lay.dialects or (None,)] + [
             (self.trt, "swa", 1.0), (self.trt, "swa", 0.037), (self.trt, "swa", 2.0), (self.trt, "compress", 0.5),
-            (self.bf16, None, 1.0),
         ]
         n_random = 32 if smoke else 4096  # at least two 64-token pages
         self.x = torch.cat([edge_latents(), random_latents(n_random, seed=102)])
@@ -250,8 +249,7 @@ class Validator:
                     self.record(section, f"transcode {src.name} -> {dst.name} {dialect or ''} P=64->61",
                                 self.kernel_matches, tk.transcode_pages, reference.transcode_pages,
                                 pages, src, 64, dst, 61, n, s_in, s_out, dialect)
-        for src, dst in ((self.model1, self.footer), (self.footer, self.model1), (self.trt, self.trt),
-                         (self.bf16, self.bf16)):
+        for src, dst in ((a, b) for a in self.layouts for b in self.layouts if a.same_record(b)):
             pages = random_pool(src, 5, 61, seed=104)
             for n, dst_p in ((None, 256), (200, 2), (3, 61)):
                 self.record(section, f"repage {src.name} -> {dst.name} P=61->{dst_p} n={n}", self.kernel_matches,

@@ -96,7 +96,7 @@ def main() -> int:
         print(err)
         return 2
     print(f"flash_mla build: split_legacy={build.split_legacy} has_legacy={build.has_legacy} "
-          f"kwargs={build.call_kwargs} problem={build.problem}")
+          f"takes_format={build.takes_format} problem={build.problem}")
     if build.problem is not None:
         return 2
     device = torch.device("cuda")

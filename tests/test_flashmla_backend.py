@@ -19,6 +19,8 @@ import kvbridge
 from kvbridge import InputError, LayoutError, sparse_decode
 from kvbridge.attention import validate
 from kvbridge.flashmla_backend import (
+    CURRENT_MAIN,
+    SCRATCH_PAGE_SIZE,
     BackendUnavailable,
     detect_build,
     import_build,
@@ -77,20 +79,35 @@ def test_split_wheel_with_legacy_kernels_uses_them_for_model1():
     for as_function in (True, False):
         build = detect_build(split_wheel_module(True, legacy_as_function=as_function))
         assert build.problem is None and build.split_legacy and build.has_legacy
-        assert build.call_kwargs == {"use_legacy": True, "kv_format": "V4"}
+        assert build.route(M1, None).call_kwargs == {"use_legacy": True, "kv_format": "V4"}
+        # another MODEL1 geometry is byte-moved into a MODEL1 scratch for the same kernels
+        assert build.route(kvbridge.get_layout("trtllm-fp8-ds-mla"), M1) == \
+            build.route(M1, M1)
+        # block-split V4.1 caches go to the legacy V41 kernels as they are, an fp4 extra cache too
+        route = build.route(V41, kvbridge.get_layout("v41-fp4"))
+        assert route.call_kwargs == {"use_legacy": True, "kv_format": "V41"} and route.extra_layout == "v41-fp4"
+        # interleaved V4.1 caches and everything else go to the current kernels
+        route = build.route(V41I, kvbridge.get_layout("v41-fp4-interleaved"))
+        assert route.call_kwargs == {} and (route.main_layout, route.extra_layout) == (V41I.name, "v41-fp4-interleaved")
+        route = build.route(kvbridge.get_layout("trtllm-fp8"), kvbridge.get_layout("bf16"))
+        assert route.call_kwargs == {} and (route.main_layout, route.extra_layout) == (CURRENT_MAIN, CURRENT_MAIN)
 
 
 @pytest.mark.parametrize("legacy", [False, None])
-def test_split_wheel_without_legacy_kernels_cannot_read_model1(legacy):
+def test_split_wheel_without_legacy_kernels_reads_everything_through_the_current_kernels(legacy):
     build = detect_build(split_wheel_module(legacy))
-    assert build.split_legacy and not build.has_legacy
-    assert "V4.1" in build.problem and "has_legacy() is False" in build.problem
+    assert build.split_legacy and not build.has_legacy and build.problem is None
+    for lay in (M1, V41, kvbridge.get_layout("trtllm-fp8")):
+        route = build.route(lay, V41)
+        assert route.call_kwargs == {} and (route.main_layout, route.extra_layout) == (CURRENT_MAIN, CURRENT_MAIN)
 
 
 def test_unified_builds_read_model1_directly():
-    assert detect_build(unified_module(_v4_with_format)).call_kwargs == {"kv_format": "V4"}
+    assert detect_build(unified_module(_v4_with_format)).route(V41I, None).call_kwargs == {"kv_format": "V4"}
     build = detect_build(unified_module(_v4_without_format))
-    assert build.problem is None and build.call_kwargs == {} and not build.split_legacy
+    assert build.problem is None and not build.split_legacy
+    route = build.route(V41I, V41)
+    assert route.call_kwargs == {} and (route.main_layout, route.extra_layout) == ("flashmla-model1",) * 2
 
 
 def test_builds_before_deepseek_v4_are_refused():
@@ -120,6 +137,11 @@ def test_unsupported_reasons_and_kernel_heads():
     assert kernel_heads(1) == 64 and kernel_heads(64) == 64 and kernel_heads(65) == 128
     with pytest.raises(InputError, match="at most 128 query heads"):
         kernel_heads(129)
+
+
+M1 = kvbridge.get_layout("flashmla-model1")
+V41 = kvbridge.get_layout("v41-fp8")
+V41I = kvbridge.get_layout("v41-fp8-interleaved")
 
 
 def plain_args(**over) -> dict:
@@ -168,22 +190,27 @@ def decode_prepared(call, args) -> tuple[torch.Tensor, torch.Tensor]:
         extra = dict(extra_k_cache=kw["extra_k_cache"], extra_indices=kw["extra_indices_in_kvcache"],
                      extra_page_size=kw["extra_k_cache"].shape[1], extra_topk_length=kw["extra_topk_length"])
     sink = kw["attn_sink"][: call.heads] if kw["attn_sink"] is not None else None
-    return sparse_decode(kw["q"][:, :, : call.heads], kw["k_cache"], kw["indices"], layout="model1",
+    if call.extra is not None:
+        extra["extra_layout"] = call.extra.layout
+    return sparse_decode(kw["q"][:, :, : call.heads], kw["k_cache"], kw["indices"], layout=call.main.layout,
                          page_size=kw["k_cache"].shape[1], topk_length=kw["topk_length"], attn_sink=sink,
                          softmax_scale=kw["softmax_scale"], backend="reference", **extra)
 
 
 @pytest.mark.parametrize(("layout", "page_size", "scale"), [("trtllm-fp8", 128, 1.0), ("trtllm-fp8", 32, 0.5),
                                                             ("trtllm-fp8-ds-mla", 64, None), ("bf16", 16, None),
-                                                            ("model1", 2, None)])
+                                                            ("model1", 2, None), ("v41-fp8", 61, None),
+                                                            ("v41-fp8-interleaved", 3, None)])
 def test_prepared_arguments_decode_like_the_original_pool(layout, page_size, scale):
     x, q, idx, lengths, sink = random_problem(4, topk=70)
     cx = torch.randn(20, 512, generator=torch.Generator().manual_seed(5))
     cidx = torch.randint(-1, 20, (2, 2, 64), generator=torch.Generator().manual_seed(6), dtype=torch.int32)
     clen = torch.tensor([64, 9], dtype=torch.int32)
+    route = LEGACY_BUILD.route(kvbridge.get_layout(layout), kvbridge.get_layout(layout))
     if layout == "bf16":
-        # bf16 -> MODEL1 re-quantizes; use values MODEL1 holds exactly so both hold the same numbers.
-        x, cx = (kvbridge.decode(kvbridge.encode(v, "model1", page_size=64), "model1", page_size=64,
+        # bf16 -> the scratch layout re-quantizes; use values it holds exactly so both hold the same numbers.
+        target = route.main_layout
+        x, cx = (kvbridge.decode(kvbridge.encode(v, target, page_size=64), target, page_size=64,
                                  num_tokens=v.shape[0]) for v in (x, cx))
     enc_scale = {} if scale is None else {"scale": scale}
     pool = kvbridge.encode(x, layout, page_size=page_size, **enc_scale)
@@ -193,10 +220,13 @@ def test_prepared_arguments_decode_like_the_original_pool(layout, page_size, sca
         extra_k_cache=extra_pool, extra_indices=cidx, extra_page_size=4, extra_topk_length=clen, extra_scale=scale,
     ))
     call = prepare(args, LEGACY_BUILD)
-    gathered = kvbridge.get_layout(layout).name != "flashmla-model1"
+    gathered = kvbridge.get_layout(layout).name != route.main_layout
     assert call.main.gathered == gathered and call.extra.gathered == gathered
+    want_layout = kvbridge.get_layout(route.main_layout)
     for cache in (call.main, call.extra):
-        assert cache.k_cache.shape[2:] == (1, 584) and cache.k_cache.stride(0) % 576 == 0
+        assert cache.layout is want_layout
+        assert cache.k_cache.shape[2:] == (1, want_layout.record_bytes)
+        assert cache.k_cache.stride(0) == want_layout.page_bytes(cache.k_cache.shape[1])
         assert cache.indices.dtype == torch.int32 and cache.indices.shape[-1] % 64 == 0
     if gathered:
         # Gathered scratch: one slot per counted index entry, -1 entries stay -1.
@@ -212,8 +242,8 @@ def test_prepared_arguments_decode_like_the_original_pool(layout, page_size, sca
     assert_close_flashmla("lse", got[1], want[1], **LSE_TOL)
 
 
-def test_scratch_records_equal_model1_encoding_of_the_decoded_tokens():
-    """trtllm-fp8 at scale 1 -> MODEL1 is lossless: the scratch decodes to the pool's exact values."""
+def test_scratch_records_hold_the_pool_values_exactly():
+    """trtllm-fp8 at scale 1 -> the current kernels' 528-byte scratch is lossless: it decodes to the pool's values."""
     x, q, idx, _, _ = random_problem(8)
     pool = kvbridge.encode(x, "trtllm-fp8", page_size=128)
     args = validate(q, pool, idx, **plain_args(layout="trtllm-fp8", page_size=128))
@@ -223,17 +253,42 @@ def test_scratch_records_equal_model1_encoding_of_the_decoded_tokens():
     remapped = call.main.indices[..., :64].reshape(-1).long()
     slots = idx.reshape(-1).long()
     ok = slots >= 0
-    lay_m1, lay_fp8 = kvbridge.get_layout("model1"), kvbridge.get_layout("trtllm-fp8")
-    got = lay_m1.codec.decode(scratch.reshape(-1)[record_byte_index(lay_m1, 64, remapped[ok])], scale=1.0)
+    lay_s, lay_fp8 = call.main.layout, kvbridge.get_layout("trtllm-fp8")
+    assert lay_s.name == CURRENT_MAIN and call.kwargs["k_cache"].shape[1:] == (SCRATCH_PAGE_SIZE, 1, 528)
+    got = lay_s.codec.decode(scratch.reshape(-1)[record_byte_index(lay_s, 64, remapped[ok])], scale=1.0)
     want = lay_fp8.codec.decode(pool.reshape(-1)[record_byte_index(lay_fp8, 128, slots[ok])], scale=1.0)
     assert torch.equal(got, want)
 
 
-def test_prepare_refuses_a_build_that_cannot_read_model1():
+def test_prepare_refuses_a_build_without_deepseek_v4_kernels():
     x, q, idx, _, _ = random_problem(9)
     pages = kvbridge.encode(x, "model1", page_size=64)
     args = validate(q, pages, idx, **plain_args())
-    with pytest.raises(LayoutError, match="cannot run a MODEL1 cache: .*V4.1"):
-        prepare(args, detect_build(split_wheel_module(False)))
+    with pytest.raises(LayoutError, match="cannot run here: .*predates DeepSeek-V4"):
+        prepare(args, detect_build(unified_module(_v32_era)))
     with pytest.raises(InputError, match="needs bfloat16 q"):
         prepare(validate(q.float(), pages, idx, **plain_args()), LEGACY_BUILD)
+
+
+def test_interleaved_v41_caches_go_zero_copy_to_the_current_kernels():
+    x, q, idx, lengths, _ = random_problem(10, topk=64)
+    cx = torch.randn(40, 512, generator=torch.Generator().manual_seed(3))
+    main = kvbridge.encode(x, "v41-fp8-interleaved", page_size=64)
+    extra = kvbridge.encode(cx, "v41-fp4-interleaved", page_size=2)
+    cidx = torch.randint(-1, 40, (2, 2, 64), generator=torch.Generator().manual_seed(4), dtype=torch.int32)
+    args = validate(q, main, idx, **plain_args(layout="v41-fp8-interleaved", topk_length=lengths, extra_k_cache=extra,
+                                                extra_indices=cidx, extra_layout="v41-fp4-interleaved",
+                                                extra_page_size=2))
+    for build in (LEGACY_BUILD, detect_build(split_wheel_module(False))):
+        call = prepare(args, build)
+        assert "use_legacy" not in call.kwargs and "kv_format" not in call.kwargs
+        view, extra_view = call.kwargs["k_cache"], call.kwargs["extra_k_cache"]
+        assert view.shape == (main.shape[0], 64, 1, 528) and view.stride() == (64 * 528, 528, 528, 1)
+        assert extra_view.shape == (extra.shape[0], 2, 1, 288) and extra_view.stride() == (576, 288, 288, 1)
+        assert view.data_ptr() == main.data_ptr() and extra_view.data_ptr() == extra.data_ptr()
+        assert not call.main.gathered and not call.extra.gathered
+    want = sparse_decode(q, main, idx, layout="v41-fp8-interleaved", page_size=64, topk_length=lengths,
+                         extra_k_cache=extra, extra_indices=cidx, extra_layout="v41-fp4-interleaved",
+                         extra_page_size=2, backend="reference")
+    got = decode_prepared(call, args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

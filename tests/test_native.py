@@ -20,7 +20,6 @@ import kvbridge as kb
 from cli.main import cli
 from kvbridge import bench, fastpath, native, reference
 from kvbridge import numerics as nx
-from kvbridge.codecs import Model1Codec, PerTensorE4M3Codec
 from kvbridge.errors import InputError, NonFiniteError
 from kvbridge.layouts import Field, Layout, all_layouts, get_layout
 
@@ -225,8 +224,10 @@ TOKEN_MAJOR_MODEL1 = Layout(
     name="test-model1-token-major",
     description="unregistered: MODEL1 records token-major, pages padded to 64 B",
     record_bytes=584,
-    fields=(Field("nope", 0, 448, "e4m3"), Field("rope", 448, 128, "bf16"), Field("scale", 576, 7, "ue8m0")),
-    codec=Model1Codec(),
+    fields=(
+        Field("nope", 0, 448, "e4m3", (0, 448), tile=64, scale="scale"), Field("rope", 448, 128, "bf16", (448, 512)),
+        Field("scale", 576, 7, "ue8m0"), Field("pad", 583, 1, "pad"),
+    ),
     page_align=64,
     dialects=nx.DIALECTS,
 )
@@ -236,8 +237,7 @@ SPLIT_FP8 = Layout(
     name="test-fp8-block-split",
     description="unregistered: per-tensor E4M3 records block-split at 448 (nope rows, then rope rows)",
     record_bytes=512,
-    fields=(Field("nope", 0, 448, "e4m3"), Field("rope", 448, 64, "e4m3")),
-    codec=PerTensorE4M3Codec(),
+    fields=(Field("nope", 0, 448, "e4m3", (0, 448)), Field("rope", 448, 64, "e4m3", (448, 512))),
     split=448,
     page_align=256,
     dialects=("swa", "compress"),
@@ -245,27 +245,8 @@ SPLIT_FP8 = Layout(
 )
 
 
-class NegatingBF16Codec:
-    """A record codec the native kernels do not know (stores -x as bf16)."""
-
-    record_bytes = 1024
-
-    def encode(self, x: torch.Tensor, *, dialect: str | None, scale: float) -> torch.Tensor:
-        return nx.bf16_bytes(-x)
-
-    def decode(self, records: torch.Tensor, *, scale: float) -> torch.Tensor:
-        return -nx.bf16_from_bytes(records)
-
-
-FOREIGN = Layout(
-    name="test-negated-bf16", description="unregistered, unknown codec", record_bytes=1024,
-    fields=(Field("all", 0, 1024, "bf16"),), codec=NegatingBF16Codec(),
-)
-
-
-def test_new_layout_with_known_codec_runs_native(latents):
+def test_new_layout_runs_native(latents):
     """Geometry comes from the layout: a token-major MODEL1 layout needs no native code of its own."""
-    assert native.supports(TOKEN_MAJOR_MODEL1)
     assert fastpath.backend_name(latents, TOKEN_MAJOR_MODEL1) == "native"
     x = latents.repeat(3, 1)[:200]
     pages = native.encode_pages(x, TOKEN_MAJOR_MODEL1, 61, "amax-1e-4", 1.0)
@@ -292,15 +273,19 @@ def test_code_domain_kernels_on_other_geometries(latents):
             assert_same_transcode(pages, src, 64, dst, 3, None, 1.0, 0.037, dialect)
 
 
-def test_unknown_codec_falls_back_to_reference(latents):
-    assert not native.supports(FOREIGN)
-    assert fastpath.backend_name(latents, FOREIGN) == "reference"
-    x = latents[:70].clamp(-1e30, 1e30)
-    pages = fastpath.encode_pages(x.bfloat16(), FOREIGN, 64, None, 1.0)
-    assert torch.equal(pages, reference.encode_pages(x.bfloat16().float(), FOREIGN, 64, None, 1.0))
-    model1 = get_layout("flashmla-model1")
-    args = (pages, FOREIGN, 64, model1, 2, None, 1.0, 1.0, "flashmla")
-    assert torch.equal(native.transcode_pages(*args), reference.transcode_pages(*args))
+def test_accelerators_equal_the_generic_kernel(latents):
+    """Each registered accelerator writes the bytes the generic record-program kernel writes."""
+    x = latents.repeat(3, 1)[:200].clamp(-1e30, 1e30)
+    assert native.ACCELERATORS
+    for src, dst in itertools.product(all_layouts() + [TOKEN_MAJOR_MODEL1, SPLIT_FP8], repeat=2):
+        if native.accelerator(src, dst) is None:
+            continue
+        for s_in, dialect in itertools.product(src.per_tensor_scale and (1.0, 0.037) or (1.0,), dst.dialects):
+            s_out = 0.5 if dst.per_tensor_scale else 1.0
+            pages = reference.encode_pages(x, src, 61, src.default_dialect, s_in)
+            args = (pages, src, 61, dst, 64, 199, s_in, s_out, dialect)
+            generic = native.transcode_pages(*args, accelerated=False)
+            assert torch.equal(native.transcode_pages(*args), generic), args[1:]
 
 
 def test_backend_env_var(monkeypatch, latents):

@@ -296,7 +296,7 @@ def test_reference_chunking_gives_the_same_bytes_and_checks_every_chunk_before_w
                               dst_page_size=13, src_slots=src_slots, dst_slots=dst_slots, src_scale=0.5)
     indices = torch.cat([src_slots, torch.tensor([-1, 7])]).view(2, 26)
     want_scratch, _ = kb.gather_transcode(pool, TRT, page_size=8, indices=indices, scale=0.5, out_page_size=5)
-    monkeypatch.setattr("kvbridge.paged._CHUNK_TOKENS", 3)
+    monkeypatch.setattr("kvbridge.reference.CHUNK_TOKENS", 3)
     got = kb.transcode_slots(pool, TRT, random_pool(MODEL1, 5, 13, seed=12), MODEL1, src_page_size=8,
                              dst_page_size=13, src_slots=src_slots, dst_slots=dst_slots, src_scale=0.5)
     assert torch.equal(got, want)

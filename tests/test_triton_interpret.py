@@ -24,8 +24,7 @@ from kvbridge import paged, reference  # noqa: E402
 from kvbridge import triton_kernels as tk  # noqa: E402
 from kvbridge.api import is_byte_move  # noqa: E402
 from kvbridge.errors import NonFiniteError  # noqa: E402
-from kvbridge.layouts import get_layout  # noqa: E402
-from kvbridge.numerics import DIALECTS  # noqa: E402
+from kvbridge.layouts import all_layouts, get_layout  # noqa: E402
 
 # The interpreter runs fp32 math in numpy, which warns where a huge decoded scale overflows to inf (as on a GPU).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -37,10 +36,11 @@ MODEL1 = get_layout("flashmla-model1")
 FOOTER = get_layout("trtllm-fp8-ds-mla")
 TRT = get_layout("trtllm-fp8")
 BF16 = get_layout("bf16")
-LAYOUTS = (MODEL1, FOOTER, TRT, BF16)
+#: Every registered layout: the kernels read the layouts' own record descriptions.
+LAYOUTS = tuple(all_layouts())
 #: (layout, dialect, per-tensor scale) of every encoder variant.
-WRITERS = [(lay, d, 1.0) for lay in (MODEL1, FOOTER) for d in DIALECTS] + [
-    (TRT, "swa", 1.0), (TRT, "swa", 0.037), (TRT, "swa", 2.0), (TRT, "compress", 0.5), (BF16, None, 1.0),
+WRITERS = [(lay, d, 1.0) for lay in LAYOUTS if not lay.per_tensor_scale for d in lay.dialects or (None,)] + [
+    (TRT, "swa", 1.0), (TRT, "swa", 0.037), (TRT, "swa", 2.0), (TRT, "compress", 0.5),
 ]
 
 
@@ -137,7 +137,7 @@ def test_transcode_kernel_nonfinite_source_raises_like_reference():
     assert str(got.value) == str(want.value)
 
 
-BYTE_MOVES = [(MODEL1, FOOTER), (FOOTER, MODEL1), (TRT, TRT), (BF16, BF16), (MODEL1, MODEL1)]
+BYTE_MOVES = [(src, dst) for src in LAYOUTS for dst in LAYOUTS if src.same_record(dst)]
 
 
 @pytest.mark.parametrize(("src", "dst"), BYTE_MOVES, ids=lambda v: v.name)
@@ -200,16 +200,20 @@ def test_nonfinite_flags_kernel_names_the_bad_slots():
 @pytest.mark.parametrize(("src", "scale", "dialect"), [(TRT, 0.037, "flashmla"), (BF16, 1.0, "amax-1e-8"),
                                                        (FOOTER, 1.0, None), (MODEL1, 1.0, None)],
                          ids=lambda v: getattr(v, "name", str(v)))
-def test_gather_transcode_kernel_matches_reference(latents, src, scale, dialect):
+@pytest.mark.parametrize("out", ["flashmla-model1", "v41-fp8-interleaved"])
+def test_gather_transcode_kernel_matches_reference(latents, src, scale, dialect, out):
+    out = get_layout(out)
     pages = reference.encode_pages(latents, src, 61, src.default_dialect, scale)
     g = torch.Generator().manual_seed(17)
     indices = torch.randint(0, 40, (2, 2, 9), generator=g, dtype=torch.int32)
     indices[0, 1, :4] = -1
     s = scale if src.per_tensor_scale else None
+    byte_move = src.same_record(out)
+    dialect = dialect if not byte_move and dialect in out.dialects else None
     want, want_remap = paged.gather_transcode(pages, src, page_size=61, indices=indices, scale=s, dialect=dialect,
-                                              out_page_size=5)
-    byte_move = src.record_bytes == 584
-    got, flags = tk.gather_transcode(pages, src, 61, indices.reshape(-1), scale, dialect, byte_move, 5, MODEL1)
+                                              out_page_size=5, out_layout=out)
+    d = None if byte_move else (dialect or out.default_dialect)
+    got, flags = tk.gather_transcode(pages, src, 61, indices.reshape(-1), scale, d, byte_move, 5, out)
     assert not bool(flags.any())
     assert torch.equal(got, want)
     assert want_remap.shape == indices.shape
@@ -242,7 +246,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvbridge import triton_kernels as tk
 
-GEOMETRY = {0: (0, 0), 1: (1024, 1024), 2: (512, 512), 3: (576, 584)}  # kind -> (data row, record) bytes
+from kvbridge.layouts import all_layouts as tk_layouts, get_layout
 
 
 def compile_ptx(fn, pointers, scalars, constexprs, num_warps):
@@ -253,16 +257,23 @@ def compile_ptx(fn, pointers, scalars, constexprs, num_warps):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 
 
-def convert(src_kind, dst_kind, hw, slots, check=True, persistent=False):
-    ptr = lambda kind: "*fp32" if kind == 0 else "*u8"
-    pointers = {"src": ptr(src_kind), "src16": "*i16", "src_slots": "*i32", "dst": ptr(dst_kind), "dst16": "*i16",
+def side(name):
+    """(pointer type, record program, data row bytes, record bytes) of a layout, or of dense fp32 (None)."""
+    if name is None:
+        return "*fp32", (), 0, 0
+    lay = get_layout(name)
+    return "*u8", tk.program(lay), lay.split or lay.record_bytes, lay.record_bytes
+
+
+def convert(src_name, dst_name, hw, slots, check=True, persistent=False):
+    (sp, sprog, ss, sr), (dp, dprog, ds, dr) = side(src_name), side(dst_name)
+    pointers = {"src": sp, "src16": "*i16", "src_slots": "*i32", "dst": dp, "dst16": "*i16",
                 "dst_slots": "*i32", "flags": "*u8"}
     scalars = {"src_cap": "i64", "src_p": "i32", "src_pb": "i32", "src_scale": "fp32", "dst_p": "i32", "dst_pb": "i32",
                "dst_mult": "fp32", "min_exp": "i32", "n_tokens": "i64", "n_rows": "i64", "n_blocks": "i32"}
-    const = dict(SRC_KIND=src_kind, SRC_S=GEOMETRY[src_kind][0], SRC_R=GEOMETRY[src_kind][1], SRC_ALIGN=16,
-                 SRC_HAS_SLOTS=slots, DST_KIND=dst_kind, DST_S=GEOMETRY[dst_kind][0], DST_R=GEOMETRY[dst_kind][1],
-                 DST_ALIGN=16, DST_HAS_SLOTS=slots, CHECK=check, WRITE=True, HW_FP8=hw,
-                 BLOCK_T=tk.convert_block_tokens, PERSISTENT=persistent)
+    const = dict(SRC_PROG=sprog, SRC_NF=len(sprog) // 6, SRC_S=ss, SRC_R=sr, SRC_ALIGN=16, SRC_HAS_SLOTS=slots,
+                 DST_PROG=dprog, DST_NF=len(dprog) // 6, DST_S=ds, DST_R=dr, DST_ALIGN=16, DST_HAS_SLOTS=slots,
+                 CHECK=check, WRITE=True, HW_FP8=hw, BLOCK_T=tk.convert_block_tokens, PERSISTENT=persistent)
     return compile_ptx(tk._convert_kernel, pointers, scalars, const, tk.convert_warps)
 
 
@@ -271,21 +282,26 @@ def count(pattern, ptx):
 
 
 # TensorRT-LLM FP8 -> MODEL1, hardware E4M3: 16-byte loads and stores, the saturating RNE conversion.
-ptx = convert(2, 3, hw=True, slots=False)
+ptx = convert("trtllm-fp8", "flashmla-model1", hw=True, slots=False)
 assert count(r"ld\.global\.v4\.b32", ptx) and not count(r"ld\.global\.b8", ptx), "source bytes not vectorised"
 assert count(r"st\.global\.v4\.b32", ptx), "destination rows not vectorised"
 assert count(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), "no hardware RNE/satfinite E4M3 conversion"
 # The integer E4M3 path emits no fp8 conversion at all.
-ptx = convert(0, 3, hw=False, slots=True)
+ptx = convert(None, "flashmla-model1", hw=False, slots=True)
 assert not count(r"e4m3", ptx) and count(r"ld\.global\.v4\.b32", ptx)
-assert count(r"ld\.global\.v4\.b32", convert(3, 0, hw=True, slots=True)), "MODEL1 decode not vectorised"
-convert(1, 2, hw=True, slots=True)
-assert count(r"ld\.global\.v4\.b32", convert(2, 3, hw=True, slots=False, persistent=True)), "persistent loop"
+assert count(r"ld\.global\.v4\.b32", convert("flashmla-model1", None, hw=True, slots=True)), "MODEL1 decode"
+convert("bf16", "trtllm-fp8", hw=True, slots=True)
+assert count(r"ld\.global\.v4\.b32", convert("trtllm-fp8", "flashmla-model1", hw=True, slots=False,
+                                             persistent=True)), "persistent loop"
+# Every registered layout compiles both ways (the record program as constexprs).
+for lay in tk_layouts():
+    convert(lay.name, "v41-fp8-interleaved", hw=True, slots=True)
+    convert("trtllm-fp8", lay.name, hw=True, slots=False)
 pointers = {"src": "*i64", "src_slots": "*i32", "dst": "*i64", "dst_slots": "*i32", "flags": "*u8"}
 scalars = {"src_cap": "i64", "src_p": "i32", "src_pw": "i32", "dst_p": "i32", "dst_pw": "i32", "n_tokens": "i64",
            "n_rows": "i64"}
-const = dict(SW=72, FW=1, SW_BLOCK=128, FW_BLOCK=1, SRC_WA=2, DST_WA=2, SRC_HAS_SLOTS=True, DST_HAS_SLOTS=False,
-             CHECK=True, BLOCK_T=tk.copy_block_tokens)
+const = dict(LO=0, HI=72, W_BLOCK=128, SRC_SW=72, DST_SW=72, RW=73, SRC_WA=2, DST_WA=2, SRC_HAS_SLOTS=True,
+             DST_HAS_SLOTS=False, CHECK=True, BLOCK_T=tk.copy_block_tokens)
 ptx = compile_ptx(tk._copy_kernel, pointers, scalars, const, tk.copy_warps)
 assert count(r"ld\.global\.v2\.b64", ptx) and count(r"st\.global\.v2\.b64", ptx), "byte move not 16 bytes per access"
 print("compiled")

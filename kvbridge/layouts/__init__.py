@@ -1,6 +1,16 @@
-"""Layout registry with the built-in layouts of spec section 3 registered on import."""
+"""Layout registry; every module of this package registers its layouts on import.
 
-from kvbridge.layouts import bf16, model1, trtllm_fp8  # noqa: F401  (registers the layouts)
-from kvbridge.layouts.registry import Field, Layout, all_layouts, get_layout, register
+Adding a layout is adding one module here that builds a ``Layout`` and calls ``register``:
+it is found and imported with the package, in name order.
+"""
 
-__all__ = ["Field", "Layout", "all_layouts", "get_layout", "register"]
+import importlib
+import pkgutil
+
+from kvbridge.layouts.registry import Field, Layout, PageGeometry, Segment, all_layouts, get_layout, register
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    if _module != "registry":
+        importlib.import_module(f"{__name__}.{_module}")
+
+__all__ = ["Field", "Layout", "PageGeometry", "Segment", "all_layouts", "get_layout", "register"]

@@ -1,6 +1,5 @@
-"""``bf16``: unquantized, 512 bf16 per token (1024 B), token-major, no padding (spec 3.1)."""
+"""``bf16``: unquantized, 512 bf16 per token (1024 B), token-major, no padding."""
 
-from kvbridge.codecs import BF16Codec
 from kvbridge.layouts.registry import Field, Layout, register
 
 BF16 = register(
@@ -9,7 +8,6 @@ BF16 = register(
         description="unquantized bf16, 1024 B/token, token-major",
         record_bytes=1024,
         fields=(Field("nope", 0, 896, "bf16", (0, 448)), Field("rope", 896, 128, "bf16", (448, 512))),
-        codec=BF16Codec(),
         aliases=("trtllm-bf16",),
         lossless_from=("bfloat16",),
         source="TensorRT-LLM BF16 KV cache; DeepSeek reference inference",

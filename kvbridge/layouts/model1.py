@@ -1,19 +1,19 @@
-"""The 584-byte MODEL1 token (448 E4M3 nope, 64 bf16 rope, 7 UE8M0 scales, 1 pad), block-split.
+"""The 584-byte MODEL1 token (448 E4M3 nope, 64 bf16 rope, 7 UE8M0 scales, 1 pad), block-split at 576.
 
-``flashmla-model1`` pads pages to a multiple of 576 B (spec 3.3); ``trtllm-fp8-ds-mla``
-stores the same bytes with page stride exactly P * 584 (spec 3.4).
+``flashmla-model1`` pads pages to a multiple of 576 B; ``trtllm-fp8-ds-mla`` stores the same
+bytes with page stride exactly P * 584.
 """
 
-from kvbridge.codecs import Model1Codec
 from kvbridge.layouts.registry import Field, Layout, register
 from kvbridge.numerics import DIALECTS
 
 MODEL1_FIELDS = (
-    Field("nope", 0, 448, "e4m3", (0, 448)),
+    Field("nope", 0, 448, "e4m3", (0, 448), tile=64, scale="scale"),
     Field("rope", 448, 128, "bf16", (448, 512)),
     Field("scale", 576, 7, "ue8m0"),
     Field("pad", 583, 1, "pad"),
 )
+MODEL1_NOTE = "nope in E4M3 tiles of 64 with power-of-two scales; rope kept in bf16"
 
 FLASHMLA_MODEL1 = register(
     Layout(
@@ -21,12 +21,12 @@ FLASHMLA_MODEL1 = register(
         description="FlashMLA MODEL1 FP8 sparse, 584 B/token, block-split, page padded to 576 B",
         record_bytes=584,
         fields=MODEL1_FIELDS,
-        codec=Model1Codec(),
         split=576,
         page_align=576,
         aliases=("model1", "sglang-v4", "vllm-fp8-ds-mla"),
         dialects=DIALECTS,
         source="FlashMLA tests/quant.py; SGLang KVLayout.V4; vLLM fp8_ds_mla",
+        loss_note=MODEL1_NOTE,
     )
 )
 
@@ -36,10 +36,10 @@ TRTLLM_FP8_DS_MLA = register(
         description="TensorRT-LLM fp8_ds_mla footer-scale, 584 B/token, block-split, no padding",
         record_bytes=584,
         fields=MODEL1_FIELDS,
-        codec=Model1Codec(),
         split=576,
         page_align=1,
         dialects=DIALECTS,  # its own writer is amax-1e-8; the default follows FlashMLA
         source="TensorRT-LLM kv_cache_config.dtype='fp8_ds_mla'",
+        loss_note=MODEL1_NOTE,
     )
 )

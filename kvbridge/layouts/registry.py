@@ -1,20 +1,29 @@
-"""The layout registry: each KV layout is declarative data.
+"""The layout registry: each KV layout is one declarative description, read by every backend.
 
-A layout stores each token as a fixed-size *record* (``record_bytes``) whose fields
-(``Field``) sit at fixed offsets. Pages of ``P`` tokens place records either
+A layout stores each token's 512 latent values as a fixed-size *record* (``record_bytes``)
+whose fields (``Field``) sit at fixed byte offsets. A value field says which latent dims it
+holds, its element format and, when quantized per tile, the tile size and the scale field
+holding one scale per tile. The scale rule of each tile format is chosen by the layout's
+*dialect* (``numerics``). ``Layout.segments`` compiles the fields into a small table of ints
+(``Segment``) that the torch reference, the numba kernels and the Triton kernels all execute,
+so a new layout made of existing element formats runs on every backend with no new code.
 
-- token-major (``split is None``): record t at byte ``t * record_bytes``, or
-- block-split: bytes ``[0, split)`` of record t at ``t * split`` (the data rows), then
-  bytes ``[split, record_bytes)`` at ``P * split + t * (record_bytes - split)`` (the footer);
+Records are placed in pages of ``P`` tokens by one ``PageGeometry`` (also used by migration
+pools and the indexer-key formats):
 
-and the page is padded with zeros to a multiple of ``page_align`` bytes.
+- token-major (``split is None``; the V4.1 "interleaved" layouts): record t at ``t * record_bytes``;
+- block-split at byte ``split``: bytes ``[0, split)`` of record t at ``t * split`` (the data
+  rows), bytes ``[split, record_bytes)`` at ``P * split + t * (record_bytes - split)`` (the footer);
+
+and each page is padded with zeros to a multiple of ``page_align`` bytes.
 Adding a layout is one module that builds a ``Layout`` and calls ``register``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from functools import cached_property
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -23,27 +32,204 @@ from kvbridge.errors import LayoutError
 if TYPE_CHECKING:
     from kvbridge.codecs import RecordCodec
 
+HEAD_DIM = 512
+
+#: Element formats of value fields, and of scale fields.
+VALUE_FORMATS = ("e4m3", "e2m1", "bf16")
+SCALE_FORMATS = ("ue8m0", "e4m3-scale")
+FORMATS = (*VALUE_FORMATS, *SCALE_FORMATS, "pad")
+
+# Segment operations (what one field does to its dims and bytes); the backends switch on these.
+#: bf16 little-endian, 2 B per value.
+OP_BF16 = 0
+#: E4M3, 1 B per value, one per-tensor scale outside the cache (dialects ``swa`` / ``compress``).
+OP_E4M3_TENSOR = 1
+#: E4M3 per tile, scaled by 2^k with the UE8M0 byte k + 127 (dialects ``flashmla``, ``amax-*``).
+OP_E4M3_UE8M0 = 2
+#: E2M1 pairs (even element in the low nibble) per tile, scaled by an E4M3 scale byte
+#: (``e4m3_rne(clamp(amax / 6, 2^-9, 448))``; codes of x / scale).
+OP_E2M1_E4M3 = 3
+#: Bytes written as zero (pad).
+OP_ZERO = 4
+
+
+class Segment(NamedTuple):
+    """One field as the backends execute it (all ints).
+
+    Dims ``[dim0, dim0 + ndims)`` are stored at record byte ``offset``; quantized ops use tiles of
+    ``tile`` dims whose scales are at record byte ``scale_offset`` (one byte per tile). For
+    ``OP_ZERO``, ``ndims`` is the number of zero bytes at ``offset``.
+    """
+
+    op: int
+    dim0: int
+    ndims: int
+    offset: int
+    tile: int
+    scale_offset: int
+
 
 @dataclass(frozen=True)
 class Field:
-    """One field of a token record: ``nbytes`` bytes at byte ``offset`` of the record."""
+    """One field of a token record: ``nbytes`` bytes at byte ``offset`` of the record.
+
+    Value fields (``e4m3``, ``e2m1``, ``bf16``) give ``dims`` (latent dims ``[start, stop)``);
+    quantized ones give ``tile`` (values per scale) and ``scale`` (the name of the scale field,
+    ``ue8m0`` or ``e4m3-scale``, one byte per tile). An ``e4m3`` field without a scale field uses
+    the layout's per-tensor scale.
+    """
 
     name: str
     offset: int
     nbytes: int
-    format: str  # "e4m3", "bf16", "ue8m0", "pad"
-    dims: tuple[int, int] | None = None  # latent dims [start, stop) the field holds
+    format: str  # one of FORMATS
+    dims: tuple[int, int] | None = None
+    tile: int | None = None
+    scale: str | None = None
+
+
+class PageGeometry(NamedTuple):
+    """Where each byte of each record lies in a page (see the module docstring)."""
+
+    record_bytes: int
+    split: int | None = None
+    page_align: int = 1
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of a record in its data row (all of it when token-major)."""
+        return self.record_bytes if self.split is None else self.split
+
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes per page of ``page_size`` records, padding included."""
+        raw = page_size * self.record_bytes
+        return -(-raw // self.page_align) * self.page_align
+
+    def byte_offset(self, record_byte: int, row: int, page_size: int) -> int:
+        """Offset inside its page of byte ``record_byte`` of the record at ``row``."""
+        s = self.data_bytes
+        if record_byte < s:
+            return row * s + record_byte
+        return page_size * s + row * (self.record_bytes - s) + (record_byte - s)
+
+    def byte_index(self, page_size: int, slots: torch.Tensor) -> torch.Tensor:
+        """Flat byte offsets ``[N, record_bytes]`` (int64) of each slot's record in ``pages.view(-1)``;
+        slot ``s`` is page ``s // P``, row ``s % P``."""
+        s = slots.to(torch.int64).unsqueeze(1)
+        page, row = s // page_size, s % page_size
+        j = torch.arange(self.record_bytes, dtype=torch.int64, device=slots.device).unsqueeze(0)
+        base = page * self.page_bytes(page_size)
+        d = self.data_bytes
+        return torch.where(j < d, base + row * d + j, base + page_size * d + row * (self.record_bytes - d) + (j - d))
+
+    def page_views(self, pages: torch.Tensor, page_size: int) -> list[tuple[torch.Tensor, int, int]]:
+        """Views ``[num_pages, P, width]`` of uint8 ``pages`` with the record byte range ``[lo, hi)`` each holds."""
+        n, p, rec, d = pages.shape[0], page_size, self.record_bytes, self.data_bytes
+        views = [(pages[:, : p * d].view(n, p, d), 0, d)]
+        if d < rec:
+            views.append((pages[:, p * d : p * rec].view(n, p, rec - d), d, rec))
+        return views
+
+    def records_to_pages(self, records: torch.Tensor, page_size: int) -> torch.Tensor:
+        """Records ``[N, record_bytes]`` uint8 -> pages ``[ceil(N/P), page_bytes]``; rows past N and tails are 0."""
+        n = records.shape[0]
+        npages = -(-n // page_size)
+        pages = torch.zeros(npages, self.page_bytes(page_size), dtype=torch.uint8, device=records.device)
+        padded = records
+        if npages * page_size != n:
+            padded = torch.zeros(npages * page_size, self.record_bytes, dtype=torch.uint8, device=records.device)
+            padded[:n] = records
+        for view, lo, hi in self.page_views(pages, page_size):
+            view.copy_(padded[:, lo:hi].reshape(npages, page_size, hi - lo))
+        return pages
+
+    def pages_to_records(self, pages: torch.Tensor, page_size: int, num_tokens: int) -> torch.Tensor:
+        """Pages -> the first ``num_tokens`` records ``[num_tokens, record_bytes]`` (a copy)."""
+        cap = pages.shape[0] * page_size
+        parts = [view.reshape(cap, hi - lo)[:num_tokens] for view, lo, hi in self.page_views(pages, page_size)]
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
+
+
+def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], split: int | None,
+                     per_tensor_scale: bool) -> tuple[Segment, ...]:
+    """Check a record description and compile it into ``Segment`` rows; ``LayoutError`` names what is wrong."""
+
+    def bad(msg: str) -> LayoutError:
+        return LayoutError(f"layout {name}: {msg}")
+
+    by_name = {f.name: f for f in fields}
+    if len(by_name) != len(fields):
+        raise bad("field names must be distinct")
+    covered = torch.zeros(record_bytes, dtype=torch.int64)
+    dims = torch.zeros(HEAD_DIM, dtype=torch.int64)
+    segments = []
+    for f in fields:
+        if f.format not in FORMATS:
+            raise bad(f"field {f.name}: unknown format {f.format!r}; known: {', '.join(FORMATS)}")
+        if f.offset < 0 or f.nbytes < 1 or f.offset + f.nbytes > record_bytes:
+            raise bad(f"field {f.name} [{f.offset}, {f.offset + f.nbytes}) is outside the {record_bytes}-byte record")
+        if split is not None and f.offset < split < f.offset + f.nbytes:
+            raise bad(f"field {f.name} straddles the block-split point {split}")
+        covered[f.offset : f.offset + f.nbytes] += 1
+        if f.format == "pad":
+            segments.append(Segment(OP_ZERO, 0, f.nbytes, f.offset, 0, 0))
+            continue
+        if f.format in SCALE_FORMATS:
+            continue
+        if f.dims is None:
+            raise bad(f"value field {f.name} needs dims")
+        d0, d1 = f.dims
+        if not 0 <= d0 < d1 <= HEAD_DIM:
+            raise bad(f"field {f.name}: dims {f.dims} outside [0, {HEAD_DIM})")
+        dims[d0:d1] += 1
+        n = d1 - d0
+        want = {"bf16": 2 * n, "e4m3": n, "e2m1": n // 2}[f.format]
+        if f.nbytes != want or (f.format == "e2m1" and (n % 2 or d0 % 2)):
+            raise bad(f"field {f.name}: {n} {f.format} values need {want} bytes (even dims for e2m1), got {f.nbytes}")
+        if f.format == "bf16":
+            if f.scale is not None:
+                raise bad(f"bf16 field {f.name} takes no scale")
+            segments.append(Segment(OP_BF16, d0, n, f.offset, 0, 0))
+            continue
+        if f.scale is None:
+            if f.format != "e4m3" or not per_tensor_scale:
+                raise bad(f"field {f.name}: an unscaled {f.format} field needs a per-tensor e4m3 layout")
+            segments.append(Segment(OP_E4M3_TENSOR, d0, n, f.offset, 0, 0))
+            continue
+        sf = by_name.get(f.scale)
+        need = "ue8m0" if f.format == "e4m3" else "e4m3-scale"
+        if sf is None or sf.format != need:
+            raise bad(f"field {f.name}: scale field {f.scale!r} must exist and be {need}")
+        tile = f.tile or 0
+        if tile < 1 or tile & (tile - 1) or n % tile or d0 % tile or (f.format == "e2m1" and tile < 2):
+            raise bad(f"field {f.name}: tile {f.tile} must be a power of two dividing its dims (and their start)")
+        if sf.nbytes != n // tile:
+            raise bad(f"scale field {sf.name} must hold {n // tile} bytes (one per tile of {f.name}), has {sf.nbytes}")
+        op = OP_E4M3_UE8M0 if f.format == "e4m3" else OP_E2M1_E4M3
+        segments.append(Segment(op, d0, n, f.offset, tile, sf.offset))
+    if bool((dims != 1).any()):
+        d = int((dims != 1).nonzero()[0])
+        raise bad(f"latent dim {d} is stored {int(dims[d])} times; every dim 0..511 must be stored exactly once")
+    if bool((covered > 1).any()):
+        raise bad(f"fields overlap at record byte {int((covered > 1).nonzero()[0])}")
+    if bool((covered == 0).any()):
+        raise bad(f"record byte {int((covered == 0).nonzero()[0])} belongs to no field (declare it as pad)")
+    return tuple(segments)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A KV layout: token record, page placement and the codec that fills records."""
+    """A KV layout: the token record's fields, its page geometry and its encoder dialects.
+
+    ``dialects``: the encoder scale rules this layout accepts (first = default): ``flashmla``,
+    ``amax-1e-4``, ``amax-1e-8`` for UE8M0-scaled tiles, ``swa`` / ``compress`` for per-tensor
+    E4M3; a layout of fixed rules (bf16, the fp4 record) has none.
+    """
 
     name: str
     description: str
     record_bytes: int
     fields: tuple[Field, ...]
-    codec: RecordCodec
     split: int | None = None
     page_align: int = 1
     aliases: tuple[str, ...] = ()
@@ -51,14 +237,47 @@ class Layout:
     per_tensor_scale: bool = False
     lossless_from: tuple[str, ...] = field(default=())  # input dtypes stored exactly
     source: str = ""
+    #: Said in every loss report of a transcode into this layout (how coarse it is, what it quantizes).
+    loss_note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.split is not None and not 0 < self.split < self.record_bytes:
+            raise LayoutError(f"layout {self.name}: split {self.split} is not inside the {self.record_bytes} B record")
+        if self.page_align < 1:
+            raise LayoutError(f"layout {self.name}: page_align must be >= 1")
+        self.segments  # noqa: B018 - validates the description at construction
+
+    @cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """The record compiled for the backends (see ``Segment``)."""
+        return compile_segments(self.name, self.record_bytes, self.fields, self.split, self.per_tensor_scale)
+
+    @property
+    def geometry(self) -> PageGeometry:
+        return PageGeometry(self.record_bytes, self.split, self.page_align)
+
+    @cached_property
+    def codec(self) -> RecordCodec:
+        """The reference record codec (torch) driven by ``segments``."""
+        from kvbridge.codecs import RecordCodec
+
+        return RecordCodec(self)
 
     @property
     def block_split(self) -> bool:
         return self.split is not None
 
     @property
+    def placement(self) -> str:
+        return "token-major" if self.split is None else f"block-split at {self.split}"
+
+    @property
     def default_dialect(self) -> str | None:
         return self.dialects[0] if self.dialects else None
+
+    def same_record(self, other: Layout) -> bool:
+        """True when both layouts store identical token records (only their page geometry may differ)."""
+        return self.record_bytes == other.record_bytes and self.segments == other.segments
 
     def check_page_size(self, page_size: int) -> int:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -67,8 +286,7 @@ class Layout:
 
     def page_bytes(self, page_size: int) -> int:
         """Bytes per page of ``page_size`` tokens, padding included."""
-        raw = self.check_page_size(page_size) * self.record_bytes
-        return -(-raw // self.page_align) * self.page_align
+        return self.geometry.page_bytes(self.check_page_size(page_size))
 
     def field(self, name: str) -> Field:
         for f in self.fields:
@@ -81,12 +299,7 @@ class Layout:
         f = self.field(name)
         if not 0 <= row < page_size:
             raise LayoutError(f"row {row} outside page of {page_size} tokens")
-        if self.split is None:
-            return row * self.record_bytes + f.offset
-        if f.offset < self.split:
-            return row * self.split + f.offset
-        footer = self.record_bytes - self.split
-        return page_size * self.split + row * footer + (f.offset - self.split)
+        return self.geometry.byte_offset(f.offset, row, page_size)
 
     def num_pages(self, num_tokens: int, page_size: int) -> int:
         return -(-num_tokens // page_size)
@@ -96,21 +309,7 @@ class Layout:
 
         Rows past N in the last page and the page tail are zero.
         """
-        n = records.shape[0]
-        npages = self.num_pages(n, page_size)
-        pages = torch.zeros(npages, self.page_bytes(page_size), dtype=torch.uint8, device=records.device)
-        padded = records
-        if npages * page_size != n:
-            padded = torch.zeros(npages * page_size, self.record_bytes, dtype=torch.uint8, device=records.device)
-            padded[:n] = records
-        padded = padded.view(npages, page_size, self.record_bytes)
-        if self.split is None:
-            pages[:, : page_size * self.record_bytes] = padded.reshape(npages, page_size * self.record_bytes)
-        else:
-            s, p = self.split, page_size
-            pages[:, : p * s] = padded[:, :, :s].reshape(npages, p * s)
-            pages[:, p * s : p * self.record_bytes] = padded[:, :, s:].reshape(npages, p * (self.record_bytes - s))
-        return pages
+        return self.geometry.records_to_pages(records, self.check_page_size(page_size))
 
     def token_count(self, pages: torch.Tensor, page_size: int, num_tokens: int | None) -> int:
         """Validated token count of ``pages``: ``num_tokens``, or every row when it is None."""
@@ -124,17 +323,7 @@ class Layout:
     def pages_to_records(self, pages: torch.Tensor, page_size: int, num_tokens: int | None = None) -> torch.Tensor:
         """Pages ``[num_pages, page_bytes]`` uint8 -> token records ``[num_tokens, record_bytes]``."""
         n = self.token_count(pages, page_size, num_tokens)
-        npages = pages.shape[0]
-        cap = npages * page_size
-        p = page_size
-        if self.split is None:
-            rec = pages[:, : p * self.record_bytes].reshape(cap, self.record_bytes)
-        else:
-            s = self.split
-            data = pages[:, : p * s].reshape(npages, p, s)
-            foot = pages[:, p * s : p * self.record_bytes].reshape(npages, p, self.record_bytes - s)
-            rec = torch.cat([data, foot], dim=-1).reshape(cap, self.record_bytes)
-        return rec[:n]
+        return self.geometry.pages_to_records(pages, page_size, n)
 
     def check_pages(self, pages: torch.Tensor, page_size: int) -> None:
         """Raise ``LayoutError`` unless ``pages`` is uint8 ``[num_pages, page_bytes(page_size)]``."""

@@ -91,18 +91,13 @@ def _runs(storage: Storage, table: Sequence[int], first: int, count: int, num_pa
 
 def _page_views(pool: Pool, storage: Storage) -> list[tuple[torch.Tensor, int, int]]:
     """Views ``[num_pages, P, width]`` of a pool, with the record byte range each holds."""
-    p, rec = storage.page_size, storage.record_bytes
-    if isinstance(pool, tuple):
-        s = storage.split
+    if isinstance(pool, tuple):  # separate kv and score pools: the record's two halves, split at ``split``
+        p, rec, s = storage.page_size, storage.record_bytes, storage.split
         assert s is not None
         kv, score = pool
         return [(kv[:, : p * s].view(kv.shape[0], p, s), 0, s),
                 (score[:, : p * (rec - s)].view(score.shape[0], p, rec - s), s, rec)]
-    n = pool.shape[0]
-    if storage.split is None:
-        return [(pool[:, : p * rec].view(n, p, rec), 0, rec)]
-    s = storage.split
-    return [(pool[:, : p * s].view(n, p, s), 0, s), (pool[:, p * s : p * rec].view(n, p, rec - s), s, rec)]
+    return storage.geometry.page_views(pool, storage.page_size)
 
 
 def gather_records(pool: Pool, storage: Storage, table: Table, first: int, count: int) -> torch.Tensor:

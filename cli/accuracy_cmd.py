@@ -12,7 +12,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from cli.common import console, err_console, fmt, json_option, print_json
+from .common import console, err_console, fmt, json_option, print_json
 from kvbridge import accuracy as acc
 from kvbridge.attention import BACKENDS
 from kvbridge.synthetic import LAYERS

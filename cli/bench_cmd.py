@@ -8,7 +8,7 @@ import click
 import torch
 from rich.table import Table
 
-from cli.common import console, json_option, print_json
+from .common import console, json_option, print_json
 from kvbridge import bench, native
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from cli.common import (
+from .common import (
     LARGE_FILE_BYTES,
     console,
     entry_progress,

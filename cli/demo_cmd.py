@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from cli.common import console, json_option, print_json
+from .common import console, json_option, print_json
 from kvbridge.demo import run_demo
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from cli.common import console, fmt, json_option, print_json
+from .common import console, fmt, json_option, print_json
 from kvbridge.conformance import WriterReport, identify_writer
 from kvbridge.dump import Dump, entry_stats, read_dump
 

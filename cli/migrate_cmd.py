@@ -8,7 +8,7 @@ import click
 from rich import box
 from rich.table import Table
 
-from cli.common import console, json_option, print_json
+from .common import console, json_option, print_json
 from kvbridge.engines import parse_engine
 from kvbridge.errors import KVBridgeError
 from kvbridge.migration import (

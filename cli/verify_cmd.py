@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from cli.common import console, json_option, print_json
+from .common import console, json_option, print_json
 from kvbridge.conformance import run_conformance
 
 
@@ -21,7 +21,7 @@ from kvbridge.conformance import run_conformance
 def command(ctx: click.Context, path: Path | None, device: str, as_json: bool) -> None:
     """Check kvbridge's codecs byte-for-byte against the reference vectors in PATH.
 
-    PATH defaults to the source checkout's fixtures/ directory. Runs FlashMLA's MODEL1
+    PATH defaults to the fixtures installed with kvbridge. Runs FlashMLA's MODEL1
     encoder/dequantizer vectors (P = 2, 64, 256), TensorRT-LLM's per-tensor FP8 writer/reader at
     each scale, the dialect zero-tile scale bytes (114 / 105 / 92), and FlashMLA's sparse-decode
     outputs (within FlashMLA's own tolerances). Exit 1 on any failure.

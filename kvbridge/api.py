@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from kvbridge import nonfinite
 from kvbridge import numerics as nx
 from kvbridge.codecs import HEAD_DIM, reciprocal_f32
 from kvbridge.errors import InputError, NonFiniteError
@@ -288,6 +289,7 @@ def transcode(
                 f"{src.name} -> {dst.name} is a byte move that keeps the source's scales; "
                 f"dialect={dialect!r} would not be applied"
             )
+        nonfinite.check_pages(pages, src, src_page_size, n)  # nothing is decoded: scan the stored codes
         out = fastpath.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
         if not report:
             return out

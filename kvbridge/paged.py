@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbridge import fastpath
+from kvbridge import fastpath, nonfinite
 from kvbridge.api import _check_dialect, _check_scale, is_byte_move
 from kvbridge.errors import InputError, LayoutError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout
@@ -75,6 +75,17 @@ def _first_nonfinite(pages: torch.Tensor, layout: Layout, page_size: int, slots:
         bad = ~torch.isfinite(values).all(dim=1)
         if bool(bad.any()):
             return start + int(bad.nonzero()[0, 0])
+    return None
+
+
+def _first_nonfinite_code(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor) -> int | None:
+    """Position in ``slots`` of the first token whose stored bytes hold a NaN/Inf code (byte moves
+    decode nothing, so the codes are scanned; see ``kvbridge.nonfinite``)."""
+    for start in range(0, slots.numel(), _CHUNK_TOKENS):
+        part = slots[start : start + _CHUNK_TOKENS]
+        scan = nonfinite.scan_records(_records_at(pages, layout, page_size, part), layout)
+        if scan.count:
+            return start + scan.first_token
     return None
 
 
@@ -180,6 +191,10 @@ def transcode_slots(
     _check_distinct(dst_slots)
     if src_slots.numel() == 0:
         return dst_pages
+    if byte_move:
+        bad = _first_nonfinite_code(src_pages, src, src_page_size, src_slots)
+        if bad is not None:
+            _raise_nonfinite_slot(src_slots, bad)
     if _use_triton((src_pages, dst_pages), src, dst):
         from kvbridge import triton_kernels
 
@@ -254,10 +269,14 @@ def gather_transcode(
             pool, src, page_size, flat.contiguous(), s_in, d, byte_move, out_page_size, dst
         )
         _raise_flags(flags, indices, capacity)
+        if byte_move:
+            _check_gathered_codes(pool, src, page_size, flat, indices)
     else:
         bad = _first_out_of_range(flat, capacity, allow_invalid=True)
         if bad is not None:
             _raise_out_of_range(indices, bad, capacity)
+        if byte_move:
+            _check_gathered_codes(pool, src, page_size, flat, indices)
         num_pages = dst.num_pages(flat.numel(), out_page_size)
         scratch = torch.zeros(num_pages, dst.page_bytes(out_page_size), dtype=torch.uint8, device=pool.device)
         positions = (flat >= 0).nonzero()[:, 0]  # scratch slot k holds entry k
@@ -274,6 +293,15 @@ def gather_transcode(
     positions = torch.arange(flat.numel(), dtype=torch.int32, device=pool.device)
     remapped = torch.where(flat >= 0, positions, torch.full_like(positions, -1)).view(indices.shape)
     return scratch, remapped
+
+
+def _check_gathered_codes(pool: torch.Tensor, layout: Layout, page_size: int, flat: torch.Tensor,
+                          indices: torch.Tensor) -> None:
+    """Raise ``NonFiniteError`` when a valid entry of ``indices`` names a token with NaN/Inf codes."""
+    valid = (flat >= 0).nonzero()[:, 0]
+    bad = _first_nonfinite_code(pool, layout, page_size, flat[valid])
+    if bad is not None:
+        _raise_nonfinite_index(indices, int(valid[bad]))
 
 
 def _index_text(indices: torch.Tensor, k: int) -> str:

@@ -12,10 +12,11 @@ from typing import Any
 import click
 from rich.table import Table
 
-from .common import console, err_console, fmt, json_option, print_json
 from kvbridge import accuracy as acc
 from kvbridge.attention import BACKENDS
 from kvbridge.synthetic import LAYERS
+
+from .common import console, err_console, fmt, json_option, print_json
 
 #: Variants shown in sweep tables and figures (the headline comparison).
 KEY_VARIANTS: tuple[acc.Variant, ...] = (

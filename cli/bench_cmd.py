@@ -8,8 +8,9 @@ import click
 import torch
 from rich.table import Table
 
-from .common import console, json_option, print_json
 from kvbridge import bench, native
+
+from .common import console, json_option, print_json
 
 
 def _machine() -> dict:

@@ -7,8 +7,9 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .common import console, json_option, print_json
 from kvbridge.conformance import run_conformance
+
+from .common import console, json_option, print_json
 
 
 @click.command("verify", short_help="Run the conformance fixtures; pass/fail per layout and dialect.")

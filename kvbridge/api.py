@@ -25,6 +25,15 @@ NONFINITE_POLICIES = ("error", "zero", "saturate")
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _check_num_tokens(num_tokens: object) -> int | None:
+    """``num_tokens`` as given when it is None or a non-negative int, else ``InputError``."""
+    if num_tokens is None:
+        return None
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise InputError(f"num_tokens must be a non-negative integer or None, got {repr(num_tokens)[:40]}")
+    return num_tokens
+
+
 def _check_latents(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -120,6 +129,7 @@ def encode(
     """
     lay = get_layout(layout)
     _check_latents(x)
+    x = x.detach()  # encoding is not differentiable: an input that requires grad is read as values
     lay.check_page_size(page_size)
     d = _check_dialect(dialect, lay)
     xf = _apply_nonfinite(x if x.dtype == torch.bfloat16 else x.float(), nonfinite)  # bf16: no fp32 copy
@@ -149,6 +159,7 @@ def decode(
     lay = get_layout(layout)
     lay.check_page_size(page_size)
     lay.check_pages(pages, page_size)
+    num_tokens = _check_num_tokens(num_tokens)
     s = _check_scale(scale, lay)
     from kvbridge import fastpath
 
@@ -273,6 +284,7 @@ def transcode(
     dst = get_layout(dst_layout)
     src.check_page_size(src_page_size)
     dps = src_page_size if dst_page_size is None else dst.check_page_size(dst_page_size)
+    num_tokens = _check_num_tokens(num_tokens)
     n = src.token_count(pages, src_page_size, num_tokens)
     s_in = _check_scale(src_scale, src, "src_scale")
     auto = dst_scale == "auto"

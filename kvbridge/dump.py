@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvbridge import nonfinite
+from kvbridge import fastpath, nonfinite
 from kvbridge.api import LossReport, auto_scale, count_saturated, decode, encode, is_byte_move, transcode
 from kvbridge.codecs import HEAD_DIM
 from kvbridge.errors import DumpFormatError, DumpWriteError, InputError, KVBridgeError, NonFiniteError
@@ -1022,15 +1022,18 @@ class _LossAccumulator:
         self.num_tokens += src.shape[0]
         if not src.numel():
             return
-        err = (dst - src).abs()
-        self.equal = self.equal and bool(torch.equal(src, dst))
-        self.src_amax = max(self.src_amax, float(src.abs().max()))
-        self.max_abs = max(self.max_abs, float(err.max()))
-        self.sum_sq += float(err.double().square().sum())
+        inf = float("inf")
+        self.src_amax = max(self.src_amax, float(torch.linalg.vector_norm(src, inf)))
         self.saturated += saturated
+        if torch.equal(src, dst):  # the common lossless chunk: every error is 0
+            return
+        self.equal = False
+        err = dst - src
+        self.max_abs = max(self.max_abs, float(torch.linalg.vector_norm(err, inf)))
+        self.sum_sq += float(torch.linalg.vector_norm(err, 2, dtype=torch.float64)) ** 2
         self.flushed += int(((src != 0) & (dst == 0)).sum())
-        self.nope_max = max(self.nope_max, float(err[:, :448].max()))
-        self.rope_max = max(self.rope_max, float(err[:, 448:].max()))
+        self.nope_max = max(self.nope_max, float(torch.linalg.vector_norm(err[:, :448], inf)))
+        self.rope_max = max(self.rope_max, float(torch.linalg.vector_norm(err[:, 448:], inf)))
 
     def report(self) -> LossReport:
         values = self.num_tokens * HEAD_DIM
@@ -1182,6 +1185,8 @@ class _Converter:
         p.dst_scale = auto_scale(torch.tensor([amax]))
 
     def _check_finite(self, values: torch.Tensor, t0: int) -> None:
+        if fastpath.all_finite(values):
+            return
         bad = ~torch.isfinite(values)
         if bool(bad.any()):
             token, dim = (int(v) for v in bad.nonzero()[0])

@@ -46,7 +46,7 @@ def _check_latents(x: torch.Tensor) -> None:
 def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
     """Return ``x`` (fp32, or bf16 passed through unchanged) with NaN/Inf handled per ``policy``
     (see ``encode``); any replacement is done, and returned, in fp32."""
-    if policy not in NONFINITE_POLICIES:
+    if not isinstance(policy, str) or policy not in NONFINITE_POLICIES:
         raise InputError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {policy!r}")
     from kvbridge import fastpath
 
@@ -84,7 +84,7 @@ def _check_scale(scale: float | None, layout: Layout, what: str = "scale") -> fl
 def _check_dialect(dialect: str | None, layout: Layout) -> str | None:
     if dialect is None:
         return layout.default_dialect
-    if dialect not in layout.dialects:
+    if not isinstance(dialect, str) or dialect not in layout.dialects:
         if not layout.dialects:
             raise InputError(f"layout {layout.name} has no encoder dialects; got dialect={dialect!r}")
         raise InputError(
@@ -98,6 +98,13 @@ def auto_scale(x: torch.Tensor) -> float:
 
     The scale is nudged up by fp32 ulps until amax * fp32(1/s) <= 448. All-zero input gives 1.0.
     """
+    from kvbridge import fastpath
+
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        raise InputError(f"x must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    x = x.detach()
+    if x.numel() and not fastpath.all_finite(x.float()):
+        raise NonFiniteError("x holds NaN or Inf: no finite scale avoids saturating it")
     amax = float(x.abs().max()) if x.numel() else 0.0
     if amax == 0.0:
         return 1.0
@@ -280,6 +287,8 @@ def transcode(
     written, and it is returned. Arguments are checked before ``out`` is touched, but a source
     found to hold NaN/Inf while converting may leave ``out`` partly written.
     """
+    if not isinstance(report, bool):
+        raise InputError(f"report must be True or False, got {type(report).__name__}")
     src = get_layout(src_layout)
     dst = get_layout(dst_layout)
     src.check_page_size(src_page_size)

@@ -242,6 +242,8 @@ def plan_migration(
         raise InputError(
             f"draft_tokens must be a non-negative integer up to {MAX_TOKENS:,}, got {repr(draft_tokens)[:40]}"
         )
+    if not isinstance(model, (str, ModelTopology)):
+        raise InputError(f"model must be a preset name, a config.json path or a ModelTopology, got {repr(model)[:40]}")
     src_p, dst_p = parse_engine(src), parse_engine(dst)
     topo = get_model(model)
     transfers = []

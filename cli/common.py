@@ -17,6 +17,7 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.table import Table
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.layouts import Layout, get_layout
@@ -99,3 +100,15 @@ def parse_device(ctx: click.Context, param: click.Parameter, value: str) -> str:
     if device.type not in ("cpu", "cuda"):
         raise click.BadParameter(f"kvbridge runs on cpu or cuda, got {shorten(repr(value))}")
     return value
+
+
+def keep_numbers_whole(table: Table) -> Table:
+    """Let ``table`` fit narrow terminals without cutting numbers: each right-aligned column is at
+    least as wide as its widest cell, and text (headers, names) wraps instead."""
+    for column in table.columns:
+        column.overflow = "fold"
+        column.no_wrap = False
+        if column.justify == "right":
+            widths = [len(c) for c in column.cells if isinstance(c, str)]
+            column.min_width = max(widths, default=0)
+    return table

@@ -39,13 +39,9 @@ class Failure(click.ClickException):
 
 
 def _usage_line(exc: click.UsageError) -> str:
-    """A usage error as one line: the message, then where to look for help."""
+    """A usage error as one line: click's message, then where to look for help."""
     where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
-    hint = ""
-    if isinstance(exc, click.BadParameter) and exc.param_hint is None and exc.param is not None:
-        hint = f"{exc.param.get_error_hint(exc.ctx)}: " if exc.ctx is not None else ""
-    message = " ".join(exc.format_message().split()) if not hint else f"{hint}{' '.join(exc.message.split())}"
-    return f"Error: {message}{where}"
+    return f"Error: {' '.join(exc.format_message().split())}{where}"
 
 
 class KVBridgeGroup(click.Group):

@@ -9,13 +9,17 @@ from rich.table import Table
 
 from kvbridge.conformance import run_conformance
 
-from .common import console, json_option, print_json
+from .common import console, json_option, parse_device, print_json
 
 
 @click.command("verify", short_help="Run the conformance fixtures; pass/fail per layout and dialect.")
 @click.argument("path", required=False, type=click.Path(file_okay=False, path_type=Path))
 @click.option(
-    "--device", default="cpu", show_default=True, help="Run the checks on this torch device (cuda: the GPU kernels)."
+    "--device",
+    default="cpu",
+    show_default=True,
+    callback=parse_device,
+    help="Run the checks on this torch device (cuda: the GPU kernels).",
 )
 @json_option
 @click.pass_context

@@ -13,7 +13,7 @@ from .common import console, json_option, parse_device, print_json
 
 
 @click.command("verify", short_help="Run the conformance fixtures; pass/fail per layout and dialect.")
-@click.argument("path", required=False, type=click.Path(file_okay=False, path_type=Path))
+@click.argument("path", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option(
     "--device",
     default="cpu",

@@ -183,11 +183,12 @@ def test_verify_passes_on_the_repository_fixtures():
 
 
 def test_verify_fails_with_exit_1_on_a_bad_fixture_dir(tmp_path: Path):
+    # a device or directory that does not exist is a usage error (exit 2), as for bench and convert
     if not torch.cuda.is_available():
-        one_line_error(run("verify", "--device", "cuda"), 1, "CUDA is not available")
-    one_line_error(run("verify", "--device", "tpu9"), 1, "device must be a torch device")
+        one_line_error(run("verify", "--device", "cuda"), 2, "no CUDA device is available")
+    one_line_error(run("verify", "--device", "tpu9"), 2, "not a torch device")
     one_line_error(run("verify", tmp_path), 1, "not found")
-    one_line_error(run("verify", tmp_path / "absent"), 1, "does not exist")
+    one_line_error(run("verify", tmp_path / "absent"), 2, "does not exist")
 
 
 def test_demo_runs_and_keeps_files_in_workdir(tmp_path: Path):

@@ -26,7 +26,9 @@ import re
 import stat
 import struct
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -506,12 +508,24 @@ class DumpFile:
 
     def iter_rows(self, info: EntryInfo, rows_per_chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
         """``(first_row, rows)`` chunks covering every row of ``info`` in order; after the last one
-        the CRC-32 of all the bytes read is checked against the stored one (version 2)."""
+        the CRC-32 of all the bytes read is checked against the stored one (version 2). The next
+        chunk is read (and its CRC computed) on a helper thread while the caller works on this one."""
+        step = max(1, rows_per_chunk)
+        starts = range(0, info.shape[0], step)
         crc = 0
-        for start in range(0, info.shape[0], max(1, rows_per_chunk)):
-            rows = self.read_rows(info, start, min(info.shape[0], start + rows_per_chunk))
-            crc = zlib.crc32(rows.view(torch.uint8).numpy(), crc)
-            yield start, rows
+
+        def read(start: int) -> torch.Tensor:
+            nonlocal crc
+            rows = self.read_rows(info, start, min(info.shape[0], start + step))
+            crc = zlib.crc32(rows.view(torch.uint8).numpy(), crc)  # in order: one worker
+            return rows
+
+        with ThreadPoolExecutor(1, thread_name_prefix="kvbridge-read") as pool:
+            ahead = pool.submit(read, starts[0]) if starts else None
+            for i, start in enumerate(starts):
+                rows = ahead.result()
+                ahead = pool.submit(read, starts[i + 1]) if i + 1 < len(starts) else None
+                yield start, rows
         self.check_checksum(info, crc)
 
     def check_checksum(self, info: EntryInfo, crc: int) -> None:
@@ -626,6 +640,8 @@ class DumpWriter:
         self.overwrite = bool(overwrite)
         self.tmp = partial_path(self.path)
         self._fd = -1
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-write")
+        self._pending: deque[Future] = deque()
         if self.path.is_dir():
             raise InputError(f"output {self.path} is a directory")
         self._check_exists()
@@ -738,19 +754,32 @@ class DumpWriter:
             return 0
         if n > self._left:
             raise InputError(f"dump writer: {n} bytes given, the current entry has {self._left} left")
-        arr = t.numpy()
-        self._crcs[self._entry] = zlib.crc32(arr, self._crcs[self._entry])
-        self._write(arr)
+        while len(self._pending) >= 2:  # at most two chunks in flight
+            self._pending.popleft().result()
+        entry = self._entry
+
+        def job() -> None:  # the closure keeps ``t`` alive until written
+            arr = t.numpy()
+            self._crcs[entry] = zlib.crc32(arr, self._crcs[entry])
+            self._write(arr)
+
+        self._pending.append(self._pool.submit(job))
         self._left -= n
         if self._left == 0:
             self._next_entry()
         return n
+
+    def _drain(self) -> None:
+        """Wait for the chunks in flight (their write errors are raised here)."""
+        while self._pending:
+            self._pending.popleft().result()
 
     def commit(self) -> Path:
         """Fill in the checksums, fsync and move the temp file to ``path``; returns ``path``."""
         if self._entry < len(self._specs):
             raise InputError(f"dump writer: entry {self._specs[self._entry].meta['name']} is incomplete")
         try:
+            self._drain()
             size = os.lseek(self._fd, 0, os.SEEK_CUR)
             os.ftruncate(self._fd, size)  # drop what the reservation allocated beyond the data
             os.lseek(self._fd, 0, os.SEEK_SET)
@@ -780,6 +809,7 @@ class DumpWriter:
             raise
         os.close(self._fd)
         self._fd = -1
+        self._pool.shutdown(wait=True)
         return self.path
 
     def _sync_dir(self) -> None:
@@ -796,6 +826,10 @@ class DumpWriter:
 
     def abort(self) -> None:
         """Remove the temp file (the output is untouched)."""
+        for job in self._pending:
+            job.cancel()
+        self._pool.shutdown(wait=True)
+        self._pending.clear()
         if self._fd >= 0:
             try:
                 if os.fstat(self._fd).st_ino == os.stat(self.tmp).st_ino:
@@ -861,11 +895,6 @@ def write_dump(
 # ------------------------------------------------------------------------------ statistics
 
 
-def _bf16_bits(raw: torch.Tensor) -> torch.Tensor:
-    pairs = raw.reshape(*raw.shape[:-1], raw.shape[-1] // 2, 2).to(torch.int32)
-    return pairs[..., 0] | (pairs[..., 1] << 8)
-
-
 class _StatsAccumulator:
     """Byte-level and decoded-value statistics of an entry, accumulated chunk by chunk."""
 
@@ -881,33 +910,35 @@ class _StatsAccumulator:
             self.histogram = {}
 
     def add_values(self, values: torch.Tensor) -> None:
+        if not values.numel():
+            return
+        if fastpath.all_finite(values):  # the common case: one pass for the max
+            self.abs_max = max(self.abs_max, float(torch.linalg.vector_norm(values, float("inf"))))
+            return
         finite = torch.isfinite(values)
         self.nonfinite += int((~finite).sum())
-        if values.numel():
-            self.abs_max = max(self.abs_max, float(torch.where(finite, values, 0).abs().max()))
+        self.abs_max = max(self.abs_max, float(torch.where(finite, values, 0).abs().max()))
 
     def add_latents(self, raw: torch.Tensor) -> None:
         self.nan["latents"] = self.nan.get("latents", 0) + int(torch.isnan(raw).sum())
         self.inf += int(torch.isinf(raw).sum())
         self.add_values(raw.float())
 
-    def add_records(self, records: torch.Tensor) -> None:
-        for f in self.layout.fields:
-            raw = records[:, f.offset : f.offset + f.nbytes]
-            if f.format == "e4m3":
-                mag = raw & 0x7F
-                self.nan["e4m3"] = self.nan.get("e4m3", 0) + int((mag == 0x7F).sum())
-                self.at_max += int((mag == 0x7E).sum())
-            elif f.format == "ue8m0":
-                self.nan["ue8m0"] = self.nan.get("ue8m0", 0) + int((raw == 0xFF).sum())
-                exps, counts = torch.unique(raw[raw != 0xFF].to(torch.int64) - 127, return_counts=True)
-                for k, c in zip(exps.tolist(), counts.tolist(), strict=True):
-                    self.histogram[k] = self.histogram.get(k, 0) + c
-            elif f.format == "bf16":
-                bits = _bf16_bits(raw)
-                exp_all_ones = (bits & 0x7F80) == 0x7F80
-                self.nan["bf16"] = self.nan.get("bf16", 0) + int((exp_all_ones & ((bits & 0x7F) != 0)).sum())
-                self.inf += int((exp_all_ones & ((bits & 0x7F) == 0)).sum())
+    def add_pages(self, pages: torch.Tensor, page_size: int, num_tokens: int) -> None:
+        """Count the stored codes of the first ``num_tokens`` tokens of ``pages`` (native kernel)."""
+        c = nonfinite.code_stats(pages, self.layout, page_size, num_tokens)
+        formats = {f.format for f in self.layout.fields}
+        if "e4m3" in formats:
+            self.nan["e4m3"] = self.nan.get("e4m3", 0) + c.e4m3_nan
+            self.at_max += c.e4m3_at_max
+        if "ue8m0" in formats:
+            self.nan["ue8m0"] = self.nan.get("ue8m0", 0) + c.ue8m0[0xFF]
+            for byte, count in enumerate(c.ue8m0[:0xFF]):
+                if count:
+                    self.histogram[byte - 127] = self.histogram.get(byte - 127, 0) + count
+        if "bf16" in formats:
+            self.nan["bf16"] = self.nan.get("bf16", 0) + c.bf16_nan
+            self.inf += c.bf16_inf
 
     def result(self) -> dict:
         per_tensor = self.layout is not None and self.layout.per_tensor_scale
@@ -944,7 +975,7 @@ def entry_stats(entry: DumpEntry) -> dict:
     if entry.layout is None:
         acc.add_latents(entry.data)
     else:
-        acc.add_records(acc.layout.pages_to_records(entry.data, entry.page_size, entry.num_tokens))
+        acc.add_pages(entry.data, entry.page_size, entry.num_tokens)
         acc.add_values(entry.latents())
     stats.update(acc.result())
     return stats
@@ -978,7 +1009,7 @@ def dump_stats(fh: DumpFile, on_progress: ProgressFn | None = None) -> list[dict
             if k > 0 and lay is None:
                 acc.add_latents(rows[:k])
             elif k > 0:
-                acc.add_records(lay.pages_to_records(rows, p, k))
+                acc.add_pages(rows, p, k)
                 acc.add_values(decode(rows, lay, page_size=p, num_tokens=k, scale=info.meta.get("scale")))
             done += rows.numel() * rows.element_size()
             if on_progress is not None:

@@ -123,6 +123,107 @@ def _kernel():
 _KERNEL = None
 
 
+def _stats_kernel():
+    """The numba kernel of ``code_stats``, compiled on first use."""
+    global _STATS_KERNEL
+    if _STATS_KERNEL is not None:
+        return _STATS_KERNEL
+    from numba import njit, prange
+
+    @njit(cache=True, parallel=True, nogil=True)
+    def stats(pages, n, page_size, page_bytes, split, record_bytes, starts, sizes, kinds, counts, hist):
+        nblocks = (n + 4095) // 4096
+        for b in prange(nblocks):
+            for t in range(b * 4096, min(n, b * 4096 + 4096)):
+                page = t // page_size
+                row = t - page * page_size
+                for k in range(starts.shape[0]):
+                    off = starts[k]
+                    if split < 0:
+                        at = page * page_bytes + row * record_bytes + off
+                    elif off < split:
+                        at = page * page_bytes + row * split + off
+                    else:
+                        at = page * page_bytes + page_size * split + row * (record_bytes - split) + off - split
+                    kind = kinds[k]
+                    if kind == 1:
+                        for j in range(sizes[k]):
+                            m = pages[at + j] & 0x7F
+                            counts[b, 0] += m == 0x7F
+                            counts[b, 1] += m == 0x7E
+                    elif kind == 2:
+                        for j in range(sizes[k]):
+                            hist[b, pages[at + j]] += 1
+                    else:
+                        for j in range(0, sizes[k], 2):
+                            lo = pages[at + j]
+                            hi = pages[at + j + 1]
+                            if (hi & 0x7F) == 0x7F and (lo & 0x80) == 0x80:
+                                if (lo & 0x7F) != 0:
+                                    counts[b, 2] += 1
+                                else:
+                                    counts[b, 3] += 1
+
+    _STATS_KERNEL = stats
+    return stats
+
+
+_STATS_KERNEL = None
+
+
+@dataclass(frozen=True)
+class CodeStats:
+    """Counts of the stored codes of some tokens, per field format (see ``code_stats``)."""
+
+    e4m3_nan: int  # 0x7F / 0xFF
+    e4m3_at_max: int  # 0x7E / 0xFE: +-448
+    bf16_nan: int
+    bf16_inf: int
+    ue8m0: list[int]  # histogram of the 256 scale bytes (0xFF: NaN)
+
+
+def code_stats(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None = None) -> CodeStats:
+    """Counts of E4M3 NaN and +-448 codes, bf16 NaN and Inf, and a histogram of the UE8M0 bytes of
+    the first ``num_tokens`` tokens (numba kernel on CPU, torch reference elsewhere)."""
+    n = layout.token_count(pages, page_size, num_tokens)
+    fields = _scanned_fields(layout)
+    if n == 0 or not fields:
+        return CodeStats(0, 0, 0, 0, [0] * 256)
+    if pages.device.type != "cpu":
+        return _code_stats_records(layout.pages_to_records(pages, page_size, n), layout)
+    starts = np.array([f.offset for f in fields], dtype=np.int64)
+    sizes = np.array([f.nbytes for f in fields], dtype=np.int64)
+    kinds = np.array([_KINDS[f.format] for f in fields], dtype=np.int64)
+    nblocks = -(-n // _BLOCK)
+    counts = np.zeros((nblocks, 4), dtype=np.int64)
+    hist = np.zeros((nblocks, 256), dtype=np.int64)
+    split = -1 if layout.split is None else layout.split
+    _stats_kernel()(pages.contiguous().view(-1).numpy(), n, page_size, layout.page_bytes(page_size), split,
+                    layout.record_bytes, starts, sizes, kinds, counts, hist)
+    c = counts.sum(axis=0)
+    return CodeStats(int(c[0]), int(c[1]), int(c[2]), int(c[3]), hist.sum(axis=0).tolist())
+
+
+def _code_stats_records(records: torch.Tensor, layout: Layout) -> CodeStats:
+    """Torch reference of ``code_stats`` on token records ``[N, record_bytes]``."""
+    e_nan = e_max = b_nan = b_inf = 0
+    hist = torch.zeros(256, dtype=torch.int64)
+    for f in _scanned_fields(layout):
+        raw = records[:, f.offset : f.offset + f.nbytes]
+        if f.format == "e4m3":
+            mag = raw & 0x7F
+            e_nan += int((mag == 0x7F).sum())
+            e_max += int((mag == 0x7E).sum())
+        elif f.format == "ue8m0":
+            hist += torch.bincount(raw.reshape(-1).to(torch.int64).cpu(), minlength=256)
+        else:
+            lo, hi = raw[:, 0::2], raw[:, 1::2]
+            top = ((hi & 0x7F) == 0x7F) & ((lo & 0x80) == 0x80)
+            b_nan += int((top & ((lo & 0x7F) != 0)).sum())
+            b_inf += int((top & ((lo & 0x7F) == 0)).sum())
+    return CodeStats(e_nan, e_max, b_nan, b_inf, hist.tolist())
+
+
 def scan_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None = None) -> Scan:
     """Scan the first ``num_tokens`` tokens (default: every row) of ``pages`` of ``layout``."""
     n = layout.token_count(pages, page_size, num_tokens)

@@ -910,14 +910,9 @@ class _StatsAccumulator:
             self.histogram = {}
 
     def add_values(self, values: torch.Tensor) -> None:
-        if not values.numel():
-            return
-        if fastpath.all_finite(values):  # the common case: one pass for the max
-            self.abs_max = max(self.abs_max, float(torch.linalg.vector_norm(values, float("inf"))))
-            return
-        finite = torch.isfinite(values)
-        self.nonfinite += int((~finite).sum())
-        self.abs_max = max(self.abs_max, float(torch.where(finite, values, 0).abs().max()))
+        top, bad = nonfinite.value_stats(values)
+        self.abs_max = max(self.abs_max, top)
+        self.nonfinite += bad
 
     def add_latents(self, raw: torch.Tensor) -> None:
         self.nan["latents"] = self.nan.get("latents", 0) + int(torch.isnan(raw).sum())
@@ -1054,7 +1049,7 @@ class _LossAccumulator:
         if not src.numel():
             return
         inf = float("inf")
-        self.src_amax = max(self.src_amax, float(torch.linalg.vector_norm(src, inf)))
+        self.src_amax = max(self.src_amax, nonfinite.value_stats(src)[0])  # src is finite (checked)
         self.saturated += saturated
         if torch.equal(src, dst):  # the common lossless chunk: every error is 0
             return

@@ -263,3 +263,50 @@ def check_records(records: torch.Tensor, layout: Layout, what: str = "source") -
     if scan.count:
         raise NonFiniteError(scan.describe(what))
     return scan
+
+
+def _values_kernel():
+    """The numba kernel of ``value_stats``, compiled on first use."""
+    global _VALUES_KERNEL
+    if _VALUES_KERNEL is not None:
+        return _VALUES_KERNEL
+    from numba import njit, prange
+
+    @njit(cache=True, parallel=True, nogil=True)
+    def stats(bits, block, out_max, out_bad):
+        n = bits.shape[0]
+        for b in prange(out_max.shape[0]):
+            top = 0
+            bad = 0
+            for i in range(b * block, min(n, b * block + block)):
+                mag = bits[i] & 0x7FFFFFFF
+                if mag >= 0x7F800000:
+                    bad += 1
+                elif mag > top:
+                    top = mag
+            out_max[b] = top
+            out_bad[b] = bad
+
+    _VALUES_KERNEL = stats
+    return stats
+
+
+_VALUES_KERNEL = None
+
+
+def value_stats(values: torch.Tensor) -> tuple[float, int]:
+    """``(largest finite |value|, count of NaN/Inf)`` of fp32 ``values``, in one pass (the magnitude
+    bits of finite floats order like integers; numba kernel on CPU, torch elsewhere)."""
+    if values.numel() == 0:
+        return 0.0, 0
+    if values.dtype != torch.float32 or values.device.type != "cpu":
+        finite = torch.isfinite(values)
+        bad = int((~finite).sum())
+        return float(torch.where(finite, values, 0).abs().max()), bad
+    bits = values.contiguous().view(-1).view(torch.int32).numpy()
+    block = 1 << 16
+    nblocks = -(-bits.shape[0] // block)
+    top = np.zeros(nblocks, dtype=np.int32)
+    bad = np.zeros(nblocks, dtype=np.int64)
+    _values_kernel()(bits, block, top, bad)
+    return float(np.array([top.max()], dtype=np.int32).view(np.float32)[0]), int(bad.sum())

@@ -47,3 +47,14 @@ def test_first_token_and_field_and_pad_ignored():
     assert (scan.count, scan.first_token, scan.first_field) == (3, 6, "scale")
     stats = nonfinite.code_stats(pages, lay, 4)
     assert (stats.e4m3_nan, stats.bf16_nan, stats.bf16_inf, stats.ue8m0[0xFF]) == (1, 0, 1, 1)
+
+
+def test_value_stats_kernel_equals_torch():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(70000, 3, generator=g) * 1e3
+    assert nonfinite.value_stats(x) == (float(x.abs().max()), 0)
+    x[5, 1], x[60000, 2], x[7, 0] = float("nan"), float("-inf"), -3e38
+    big = float(torch.tensor(3e38))  # the fp32 value stored
+    assert nonfinite.value_stats(x) == (big, 2)
+    assert nonfinite.value_stats(x.double()) == (big, 2)  # the torch path
+    assert nonfinite.value_stats(torch.zeros(0)) == (0.0, 0)

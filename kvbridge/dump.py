@@ -495,10 +495,14 @@ class DumpFile:
         if (st.st_size, st.st_mtime_ns) != self._stamp:
             raise _fail(self.path, f"changed while being read (was {self._stamp[0]} bytes, now {st.st_size})")
 
-    def read_rows(self, info: EntryInfo, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of ``info``'s tensor, freshly read (no checksum check)."""
+    def read_rows(self, info: EntryInfo, start: int, stop: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``info``'s tensor, freshly read (no checksum check), into the
+        first rows of ``into`` when given (a contiguous tensor of the entry's dtype and row size)."""
         rows = max(0, stop - start)
-        out = torch.empty((rows, info.shape[1]), dtype=_TORCH_DTYPES.get(info.dtype, torch.uint8))
+        if into is None:
+            out = torch.empty((rows, info.shape[1]), dtype=_TORCH_DTYPES.get(info.dtype, torch.uint8))
+        else:
+            out = into[:rows]
         nbytes = rows * info.row_bytes
         if nbytes:
             self.check_unchanged()
@@ -506,25 +510,32 @@ class DumpFile:
             self._pread(info.offset + start * info.row_bytes, nbytes, into=view)
         return out
 
-    def iter_rows(self, info: EntryInfo, rows_per_chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+    def iter_rows(self, info: EntryInfo, rows_per_chunk: int, *, reuse: bool = False
+                  ) -> Iterator[tuple[int, torch.Tensor]]:
         """``(first_row, rows)`` chunks covering every row of ``info`` in order; after the last one
         the CRC-32 of all the bytes read is checked against the stored one (version 2). The next
-        chunk is read (and its CRC computed) on a helper thread while the caller works on this one."""
+        chunk is read (and its CRC computed) on a helper thread while the caller works on this one.
+        ``reuse``: chunks are read into two buffers in turn (no fresh memory per chunk), so a chunk is
+        valid only until the next one is asked for."""
         step = max(1, rows_per_chunk)
         starts = range(0, info.shape[0], step)
         crc = 0
+        dtype = _TORCH_DTYPES.get(info.dtype, torch.uint8)
+        buffers = [torch.empty((min(step, info.shape[0]), info.shape[1]), dtype=dtype) for _ in range(2)] if (
+            reuse and starts) else None
 
-        def read(start: int) -> torch.Tensor:
+        def read(start: int, i: int) -> torch.Tensor:
             nonlocal crc
-            rows = self.read_rows(info, start, min(info.shape[0], start + step))
+            into = None if buffers is None else buffers[i % 2]
+            rows = self.read_rows(info, start, min(info.shape[0], start + step), into=into)
             crc = zlib.crc32(rows.view(torch.uint8).numpy(), crc)  # in order: one worker
             return rows
 
         with ThreadPoolExecutor(1, thread_name_prefix="kvbridge-read") as pool:
-            ahead = pool.submit(read, starts[0]) if starts else None
+            ahead = pool.submit(read, starts[0], 0) if starts else None
             for i, start in enumerate(starts):
                 rows = ahead.result()
-                ahead = pool.submit(read, starts[i + 1]) if i + 1 < len(starts) else None
+                ahead = pool.submit(read, starts[i + 1], i + 1) if i + 1 < len(starts) else None
                 yield start, rows
         self.check_checksum(info, crc)
 
@@ -1181,6 +1192,18 @@ class _Converter:
         self.fh, self.plan, self.out, self.report, self.progress = fh, plan, out, report, progress
         p = plan
         self.chunk_tokens = _tokens_per_chunk(p.src_page_size, p.info.row_bytes, p.dst_page_size)
+        self._outputs: list[torch.Tensor] = []
+        self._turn = 0
+
+    def _out_buffer(self, k: int) -> torch.Tensor:
+        """Destination pages for a chunk of ``k`` tokens: three buffers in turn, so that the one
+        handed out is never among the (at most two) chunks the writer still has in flight."""
+        p = self.plan
+        if not self._outputs:
+            shape = (p.dst.num_pages(min(self.chunk_tokens, p.num_tokens), p.dst_page_size), p.out_shape[1])
+            self._outputs = [torch.empty(shape, dtype=torch.uint8) for _ in range(3)]
+        self._turn += 1
+        return self._outputs[self._turn % 3][: p.dst.num_pages(k, p.dst_page_size)]
 
     def _values(self, rows: torch.Tensor, k: int) -> torch.Tensor:
         p = self.plan
@@ -1191,7 +1214,7 @@ class _Converter:
     def _chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``(first_token, tokens, rows)`` of each chunk holding tokens (trailing pages: checksum only)."""
         p = self.plan
-        for row0, rows in self.fh.iter_rows(p.info, self.chunk_tokens // p.src_page_size):
+        for row0, rows in self.fh.iter_rows(p.info, self.chunk_tokens // p.src_page_size, reuse=True):
             self.progress(rows.numel() * rows.element_size())
             t0 = row0 * p.src_page_size
             k = min(p.num_tokens - t0, rows.shape[0] * p.src_page_size)
@@ -1233,7 +1256,7 @@ class _Converter:
                 if bad is not None:
                     continue  # keep scanning for the exact count; nothing more is written
                 pages = transcode(rows, p.src, p.dst, src_page_size=p.src_page_size, dst_page_size=p.dst_page_size,
-                                  num_tokens=k, src_scale=p.src_scale, dst_scale=scale)
+                                  num_tokens=k, src_scale=p.src_scale, dst_scale=scale, out=self._out_buffer(k))
                 acc.num_tokens += k
             elif self.report or p.src is None:
                 values = self._values(rows, k)
@@ -1246,7 +1269,7 @@ class _Converter:
                 try:
                     pages = transcode(rows, p.src, p.dst, src_page_size=p.src_page_size,
                                       dst_page_size=p.dst_page_size, num_tokens=k, src_scale=p.src_scale,
-                                      dst_scale=scale, dialect=p.dialect)
+                                      dst_scale=scale, dialect=p.dialect, out=self._out_buffer(k))
                 except NonFiniteError:
                     self._check_finite(self._values(rows, k), t0)
                     raise

@@ -1137,8 +1137,8 @@ def plan_convert(
 ) -> list[EntryPlan]:
     """Check the conversion of every entry of open dump ``fh`` before any work; ``InputError``
     (naming the entry) for an option that does not apply. ``scale="auto"`` keeps the source's
-    scale where that is a byte move (lossless), and otherwise picks the smallest scale with no
-    saturation (a first pass over the entry)."""
+    scale where that is a byte move (lossless); otherwise a first pass over the entry takes s = 1
+    if that reproduces every value, else the smallest scale with no saturation."""
     dst = get_layout(to_layout)
     if page_size is not None:
         dst.check_page_size(page_size)
@@ -1222,16 +1222,22 @@ class _Converter:
                 yield t0, k, rows
 
     def settle_auto_scale(self) -> None:
-        """``scale="auto"`` where no byte move applies: the smallest scale with no saturation (first pass)."""
+        """``scale="auto"`` where no byte move applies (first pass): s = 1 when it reproduces every
+        value (a lossless path, e.g. back to the TensorRT-LLM FP8 a MODEL1 dump came from), else
+        the smallest scale with no saturation."""
         p = self.plan
         if p.dst_scale != "auto":
             return
-        amax = 0.0
+        amax, exact_at_1 = 0.0, True
         for t0, k, rows in self._chunks():
             values = self._values(rows, k)
             self._check_finite(values, t0)
-            amax = max(amax, float(values.abs().max()))
-        p.dst_scale = auto_scale(torch.tensor([amax]))
+            amax = max(amax, nonfinite.value_stats(values)[0])
+            if exact_at_1:  # stops at the first chunk that s = 1 does not reproduce
+                trial = encode(values, p.dst, page_size=p.dst_page_size, dialect=p.dialect, scale=1.0)
+                exact_at_1 = torch.equal(decode(trial, p.dst, page_size=p.dst_page_size, num_tokens=k, scale=1.0),
+                                         values)
+        p.dst_scale = 1.0 if exact_at_1 else auto_scale(torch.tensor([amax]))
 
     def _check_finite(self, values: torch.Tensor, t0: int) -> None:
         if fastpath.all_finite(values):
@@ -1368,6 +1374,11 @@ def convert_entry(
         src = get_layout(entry.layout)
         if scale == "auto" and is_byte_move(src, dst, entry.scale or 1.0, entry.scale or 1.0):
             scale = entry.scale
+        elif scale == "auto" and dst.per_tensor_scale:  # s = 1 where it is lossless (as plan_convert)
+            trial = transcode(entry.data, src, dst, src_page_size=entry.page_size, dst_page_size=p,
+                              num_tokens=entry.num_tokens, src_scale=entry.scale, dst_scale=1.0, dialect=dialect,
+                              report=True)
+            scale = 1.0 if trial[1].lossless else scale
         pages, rep = transcode(
             entry.data, src, dst, src_page_size=entry.page_size, dst_page_size=p, num_tokens=entry.num_tokens,
             src_scale=entry.scale, dst_scale=scale, dialect=dialect, report=True,

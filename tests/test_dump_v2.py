@@ -142,6 +142,20 @@ def test_auto_scale_keeps_a_lossless_byte_move(tmp_path: Path):
     assert torch.equal(read_dump(tmp_path / "o.safetensors")["layer.0.swa"].data, pages)
 
 
+def test_auto_scale_keeps_a_lossless_round_trip_through_model1(tmp_path: Path, small_chunks):
+    """TensorRT-LLM FP8 at s = 1 -> MODEL1 is lossless; back with --scale auto must be too (not amax/448)."""
+    x = latents(700, scale=2.0)
+    pages = kb.encode(x, "trtllm-fp8", page_size=64, scale=1.0)
+    src = write_dump(tmp_path / "s.safetensors", [DumpEntry(0, "swa", pages, "trtllm-fp8", 64, 700, 1.0, "swa")])
+    assert convert_dump(src, tmp_path / "m1.safetensors", "model1")[0].report.lossless
+    rep = convert_dump(tmp_path / "m1.safetensors", tmp_path / "back.safetensors", "trtllm-fp8", scale="auto")[0]
+    assert rep.report.lossless and rep.report.dst_scale == 1.0
+    assert torch.equal(read_dump(tmp_path / "back.safetensors")["layer.0.swa"].data, pages)
+    lossy = write_dump(tmp_path / "big.safetensors", [DumpEntry(0, "kv", latents(700, scale=900.0))])
+    rep = convert_dump(lossy, tmp_path / "big.out", "trtllm-fp8", page_size=64, scale="auto")[0].report
+    assert rep.dst_scale > 1.0 and rep.saturated == 0  # s = 1 would saturate: amax / 448
+
+
 def test_nonfinite_in_a_byte_move_is_refused_naming_entry_and_token(tmp_path: Path, small_chunks):
     es = entries(1000)
     pages = es[1].data.clone()

@@ -1338,7 +1338,8 @@ def convert_dump(
     """Convert every entry of dump ``src`` to ``to_layout`` and write dump ``dst`` atomically.
 
     ``scale`` is the destination per-tensor scale (``"auto"``: the source's own where that is a
-    lossless byte move, else per entry the smallest with no saturation). ``report=False`` skips
+    lossless byte move, else s = 1 where that reproduces every value, else per entry the smallest
+    with no saturation). ``report=False`` skips
     the loss report (the fused transcode runs; each ``ConvertedEntry.report`` is None).
     Streams in bounded memory; see ``convert_open_dump`` for ``on_progress``.
     """

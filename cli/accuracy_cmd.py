@@ -12,10 +12,11 @@ from typing import Any
 import click
 from rich.table import Table
 
-from cli.common import console, err_console, fmt, json_option, print_json
 from kvbridge import accuracy as acc
 from kvbridge.attention import BACKENDS
 from kvbridge.synthetic import LAYERS
+
+from .common import console, err_console, fmt, json_option, keep_numbers_whole, print_json
 
 #: Variants shown in sweep tables and figures (the headline comparison).
 KEY_VARIANTS: tuple[acc.Variant, ...] = (
@@ -75,8 +76,9 @@ def _sweeps(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) 
 
 def run_tables(run: dict, title: str) -> tuple[Table, Table]:
     """Every variant's metrics at one point: attention metrics, then K error and E4M3 range use."""
-    attention = Table(title=f"{title}: attention vs bf16")
-    kerr = Table(title=f"{title}: K error, E4M3 range use, error with one part quantized")
+    attention = Table(title=f"{title}: attention vs bf16", box=None, header_style="bold")
+    kerr = Table(title=f"{title}: K error, E4M3 range use, error with one part quantized", box=None,
+                 header_style="bold")
     for table, columns in (
         (attention, ("variant", "B/tok", "scale", "out relL2", "out maxabs", "cosine", "KL", "top-k ovl")),
         (kerr, ("variant", "K nope relL2", "K rope relL2", "sat %", "subn %", "nope-only", "rope-only")),
@@ -89,12 +91,13 @@ def run_tables(run: dict, title: str) -> tuple[Table, Table]:
                           f"{r['topk_overlap_mean']:.3f}")
         kerr.add_row(r["variant"], fmt(r["k_nope_rel_l2"]), fmt(r["k_rope_rel_l2"]), fmt(100 * r["saturated_frac"]),
                      fmt(100 * r["subnormal_frac"]), fmt(r["out_rel_l2_nope_only"]), fmt(r["out_rel_l2_rope_only"]))
-    return attention, kerr
+    return keep_numbers_whole(attention), keep_numbers_whole(kerr)
 
 
 def sweep_table(study: dict, sweep: str) -> Table:
     """Output relative L2 error of the key variants along one sweep, with FP8 s=1's E4M3 range use."""
-    table = Table(title=f"sweep over {sweep}: attention-output relative L2 error vs bf16")
+    table = Table(title=f"sweep over {sweep}: attention-output relative L2 error vs bf16", box=None,
+                  header_style="bold")
     table.add_column(sweep, justify="right")
     for v in KEY_VARIANTS:
         table.add_column(v.label, justify="right")
@@ -106,7 +109,7 @@ def sweep_table(study: dict, sweep: str) -> Table:
         unit = by[acc.FP8_UNIT.label]
         table.add_row(str(run["value"]), *(fmt(by[v.label]["out_rel_l2"]) for v in KEY_VARIANTS),
                       f"{fmt(100 * unit['saturated_frac'])} / {fmt(100 * unit['subnormal_frac'])}")
-    return table
+    return keep_numbers_whole(table)
 
 
 def summary_lines(summary: dict) -> list[str]:

@@ -8,8 +8,9 @@ import click
 import torch
 from rich.table import Table
 
-from cli.common import console, json_option, print_json
 from kvbridge import bench, native
+
+from .common import console, json_option, print_json
 
 
 def _machine() -> dict:
@@ -37,7 +38,7 @@ def command(tokens: int, device: str, repeat: int, reference_tokens: int, as_jso
     """Measure transcode, encode and decode throughput (tokens/s, GB/s read + written) against a
     memory copy of the same bytes on the same device and against the naive reference path."""
     if device == "cuda" and not torch.cuda.is_available():
-        raise click.UsageError("--device cuda: no CUDA device is available")
+        raise click.BadParameter("no CUDA device is available", param_hint="--device")
     devices = None if device == "auto" else [device]
     results = bench.run_bench(tokens=tokens, devices=devices, repeat=repeat, reference_tokens=reference_tokens)
     target = bench.cpu_target(results)
@@ -45,15 +46,18 @@ def command(tokens: int, device: str, repeat: int, reference_tokens: int, as_jso
         print_json({"machine": _machine(), "results": [r.to_dict() for r in results], "cpu_target": target})
         return
     machine = _machine()
-    title = f"kvbridge bench: {tokens} tokens, median of {repeat} ({machine['cpu']}, {machine['cpu_threads']} threads"
-    title += f", {machine['gpu']})" if machine["gpu"] else ")"
-    table = Table(title=title)
-    for col in ("device", "operation", "backend", "M tok/s", "GB/s", "copy GB/s", "x copy", "x ref", "exact"):
-        table.add_column(col, justify="left" if col in ("device", "operation", "backend") else "right")
+    devices_text = ", ".join(sorted({r.device for r in results}))
+    title = f"kvbridge bench on {devices_text}: {tokens} tokens, median of {repeat}\n({machine['cpu']}, "
+    title += f"{machine['cpu_threads']} threads" + (f", {machine['gpu']})" if machine["gpu"] else ")")
+    table = Table(title=title, box=None, pad_edge=False, header_style="bold")
+    many_devices = len({r.device for r in results}) > 1
+    table.add_column("operation", overflow="fold", ratio=1)
+    for col in ("backend", "Mtok/s", "GB/s", "copy GB/s", "x copy", "x ref", "exact"):
+        table.add_column(col, justify="left" if col == "backend" else "right", no_wrap=True)
     for r in results:
         table.add_row(
-            r.device, r.case, r.backend, f"{r.kvbridge.tokens_per_s / 1e6:.2f}", f"{r.kvbridge.gb_per_s:.1f}",
-            f"{r.copy.gb_per_s:.1f}", f"{r.vs_copy:.2f}", f"{r.vs_reference:.0f}",
+            f"{r.device}: {r.case}" if many_devices else r.case, r.backend, f"{r.kvbridge.tokens_per_s / 1e6:.2f}",
+            f"{r.kvbridge.gb_per_s:.1f}", f"{r.copy.gb_per_s:.1f}", f"{r.vs_copy:.2f}", f"{r.vs_reference:.0f}",
             "yes" if r.exact else "[red]NO[/red]",
         )
     console.print(table)

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from typing import Any
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.layouts import Layout, get_layout
@@ -37,16 +46,25 @@ def parse_layout(ctx: click.Context, param: click.Parameter, value: str | None) 
         raise click.BadParameter(str(exc)) from None
 
 
+def shorten(text: str, limit: int = 40) -> str:
+    """``text`` cut to ``limit`` characters (a 4000-digit argument is not echoed back)."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def parse_scale(ctx: click.Context, param: click.Parameter, value: str | None) -> float | str | None:
-    """Click callback: ``auto`` or a positive finite number, else a usage error (exit 2)."""
+    """Click callback: ``auto`` or a number that is positive and finite as fp32, else a usage error (exit 2)."""
     if value is None or value == "auto":
         return value
     try:
         scale = float(value)
-    except ValueError:
-        raise click.BadParameter(f"expected a positive number or 'auto', got {value!r}") from None
-    if not (math.isfinite(scale) and scale > 0):
-        raise click.BadParameter(f"expected a positive finite number or 'auto', got {value!r}")
+        scale32 = struct.unpack("<f", struct.pack("<f", scale))[0]
+    except (ValueError, OverflowError):
+        raise click.BadParameter(f"expected a positive number or 'auto', got {shorten(repr(value))}") from None
+    if not (math.isfinite(scale32) and scale32 > 0):
+        raise click.BadParameter(
+            f"expected a positive finite number in fp32 range (about 1.4e-45 .. 3.4e38) "
+            f"or 'auto', got {shorten(repr(value))}"
+        )
     return scale
 
 
@@ -55,14 +73,42 @@ def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
-def entry_progress(visible: bool) -> Progress:
-    """A progress bar over dump entries, drawn on stderr only when ``visible``."""
+def byte_progress(visible: bool) -> Progress:
+    """A progress bar in bytes (read, converted and written), drawn on stderr only when ``visible``."""
     return Progress(
         TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} entries"),
-        TimeElapsedColumn(),
+        BarColumn(bar_width=24),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
         console=err_console,
         transient=True,
         disable=not visible,
     )
+
+
+def parse_device(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """Click callback: a torch device that exists here (``cuda`` needs a GPU), else a usage error (exit 2)."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise click.BadParameter(f"not a torch device: {shorten(repr(value))}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter("no CUDA device is available")
+    if device.type not in ("cpu", "cuda"):
+        raise click.BadParameter(f"kvbridge runs on cpu or cuda, got {shorten(repr(value))}")
+    return value
+
+
+def keep_numbers_whole(table: Table) -> Table:
+    """Let ``table`` fit narrow terminals without cutting numbers: each right-aligned column is at
+    least as wide as its widest cell, and text (headers, names) wraps instead."""
+    for column in table.columns:
+        column.overflow = "fold"
+        column.no_wrap = False
+        if column.justify == "right":
+            widths = [len(c) for c in column.cells if isinstance(c, str)]
+            column.min_width = max(widths, default=0)
+    return table

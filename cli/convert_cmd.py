@@ -1,4 +1,4 @@
-"""``kvbridge convert IN OUT --to LAYOUT``: convert every entry of a dump, atomically, with a loss report."""
+"""``kvbridge convert IN OUT --to LAYOUT``: convert every entry of a dump, streamed and atomic, with a loss report."""
 
 from __future__ import annotations
 
@@ -7,22 +7,24 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from cli.common import (
+from kvbridge.dump import convert_open_dump, open_dump, plan_convert
+from kvbridge.errors import InputError
+from kvbridge.layouts import Layout
+
+from .common import (
     LARGE_FILE_BYTES,
+    byte_progress,
     console,
-    entry_progress,
+    err_console,
     fmt,
     json_option,
     parse_layout,
     parse_scale,
     print_json,
 )
-from kvbridge.dump import DumpEntry, convert_dump
-from kvbridge.errors import InputError
-from kvbridge.layouts import Layout
 
 
-@click.command("convert", short_help="Convert a dump to another layout (atomic, with a loss report).")
+@click.command("convert", short_help="Convert a dump to another layout (streamed, atomic, loss report).")
 @click.argument("src", metavar="IN", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("dst", metavar="OUT", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
@@ -36,7 +38,7 @@ from kvbridge.layouts import Layout
 @click.option(
     "--page-size",
     metavar="P",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=2**20),
     help="Destination tokens per page (default: each entry's own).",
 )
 @click.option("--dialect", metavar="D", help="Encoder dialect of the destination (default: the layout's first).")
@@ -46,6 +48,7 @@ from kvbridge.layouts import Layout
     callback=parse_scale,
     help="Destination per-tensor scale (trtllm-fp8): a number or 'auto'.",
 )
+@click.option("--no-report", is_flag=True, help="Skip the loss report (faster for lossy directions).")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @json_option
 def command(
@@ -55,56 +58,64 @@ def command(
     page_size: int | None,
     dialect: str | None,
     scale: float | str | None,
+    no_report: bool,
     force: bool,
     as_json: bool,
 ) -> None:
     """Convert dump IN to layout --to and write dump OUT (atomically; OUT is untouched on failure).
 
-    Lossy directions (for example flashmla-model1 -> trtllm-fp8) print a loss report measured
-    against the decoded source; `--scale auto` picks per entry the smallest scale that does not saturate.
+    Entries stream through in chunks, so memory stays bounded whatever their size. Lossy
+    directions (for example flashmla-model1 -> trtllm-fp8) print a loss report measured against
+    the decoded source (--no-report skips it). `--scale auto` keeps a lossless path where one
+    exists (the source's own scale, or s = 1 when it reproduces every value), and otherwise picks
+    per entry the smallest scale that does not saturate. A source holding NaN or Inf is refused, byte moves included.
     """
-    if dialect is not None and dialect not in to_layout.dialects:
-        allowed = ", ".join(to_layout.dialects) or "none"
-        raise click.BadParameter(
-            f"{dialect!r} does not apply to {to_layout.name} (allowed: {allowed})", param_hint="--dialect"
-        )
-    if scale is not None and not to_layout.per_tensor_scale:
-        raise click.BadParameter(
-            f"{to_layout.name} has per-tile scales; --scale applies to trtllm-fp8", param_hint="--scale"
-        )
-    if dst.exists() and not force:
+    if not force and dst.exists():
         raise InputError(f"{dst} exists; pass --force to overwrite it")
-    with entry_progress(visible=src.stat().st_size >= LARGE_FILE_BYTES and console.is_terminal) as bar:
-        task = bar.add_task(f"converting {src.name}", total=None)
-
-        def advance(done: int, total: int, entry: DumpEntry) -> None:
-            bar.update(task, completed=done, total=total, description=f"converted {entry.name}")
-
-        converted = convert_dump(
-            src, dst, to_layout, page_size=page_size, dialect=dialect, scale=scale, overwrite=force, on_entry=advance
-        )
-    lossless = all(c.report.lossless for c in converted)
+    with open_dump(src) as fh:
+        try:
+            plans = plan_convert(fh, to_layout, page_size=page_size, dialect=dialect, scale=scale)
+        except InputError as exc:
+            raise click.UsageError(str(exc)) from None
+        visible = fh.data_bytes >= LARGE_FILE_BYTES and err_console.is_terminal and not as_json
+        with byte_progress(visible) as bar:
+            task = bar.add_task(f"converting {src.name}", total=None)
+            converted = convert_open_dump(
+                fh,
+                plans,
+                dst,
+                overwrite=force,
+                report=not no_report,
+                on_progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
+    moved = sum(p.byte_move for p in plans)
+    reports = [c.report for c in converted if c.report is not None]
+    lossless = bool(moved == len(plans) or (not no_report and all(r.lossless for r in reports)))
     if as_json:
         print_json(
             {
                 "input": str(src),
                 "output": str(dst),
                 "to": to_layout.name,
-                "lossless": lossless,
-                "entries": [{"name": c.name, **c.report.to_dict()} for c in converted],
+                "lossless": lossless if (not no_report or moved == len(plans)) else None,
+                "entries": [
+                    {"name": c.name, "byte_move": p.byte_move, **(c.report.to_dict() if c.report else {})}
+                    for c, p in zip(converted, plans, strict=True)
+                ],
             }
         )
         return
-    moved = sum(c.report.byte_move for c in converted)
-    console.print(
-        f"wrote {dst}: {len(converted)} entries as {to_layout.name} "
-        f"({moved} byte moves, {len(converted) - moved} re-encoded)"
-    )
-    if lossless:
+    console.print(f"wrote {dst}")
+    n = len(converted)
+    console.print(f"{n} entries as {to_layout.name}: {moved} byte moves, {n - moved} re-encoded")
+    if moved == len(plans) or (not no_report and lossless):
         console.print("[green]lossless[/green]: every decoded value equals the source's")
         return
+    if no_report:
+        console.print("loss report skipped (--no-report)")
+        return
     table = Table(title="loss report (errors against the decoded source)", box=None, header_style="bold")
-    table.add_column("entry", no_wrap=True)
+    table.add_column("entry", overflow="fold")
     for col in ("scale", "max abs", "max rel", "rms", "saturated", "to zero"):
         table.add_column(col, justify="right", no_wrap=True)
     for c in converted:

@@ -7,9 +7,10 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from cli.common import console, fmt, json_option, print_json
 from kvbridge.conformance import WriterReport, identify_writer
-from kvbridge.dump import Dump, entry_stats, read_dump
+from kvbridge.dump import CHECKSUM, Dump, dump_stats, open_dump, read_dump
+
+from .common import LARGE_FILE_BYTES, byte_progress, console, err_console, fmt, json_option, print_json
 
 
 def identify_writers(dump: Dump, source: Dump) -> dict[str, WriterReport]:
@@ -33,39 +34,50 @@ def histogram_text(hist: dict[int, int]) -> str:
     return "  ".join(f"2^{k}:{c}" for k, c in sorted(hist.items()))
 
 
-@click.command("inspect", short_help="Show what a dump holds: layouts, tokens, NaN/saturation, scales.")
-@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.command("inspect", short_help="Show what a dump holds: layouts, tokens, checksums, NaN, scales.")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option(
     "--source",
     metavar="SRC",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="A dump of the source values (latents or bf16 pages, same entry names): name the writer of each entry.",
 )
 @json_option
 def command(file: Path, source: Path | None, as_json: bool) -> None:
-    """Show each entry of dump FILE: layout, pages, tokens, scale, dialect, NaN and saturation counts.
+    """Show each entry of dump FILE: layout, pages, tokens, scale, dialect, non-finite and saturation counts.
 
-    NaN counts E4M3 codes 0x7F/0xFF, UE8M0 0xFF and bf16 NaNs; "sat" counts E4M3 codes at +-448.
-    Per-tile layouts also get a histogram of their tile scale exponents. With --source, each
-    entry's bytes are compared with every encoder (dialect, bf16-first or fp32 input, scale)
-    applied to the source values, and the exact matches are listed.
+    Reads in chunks (bounded memory) and verifies each entry's checksum (version-2 files).
+    "NaN/Inf" counts decoded values that are not finite (what convert refuses); the JSON also
+    counts the codes per format (E4M3 0x7F/0xFF, UE8M0 0xFF, bf16 NaN and Inf). "sat" counts
+    E4M3 codes at +-448 of per-tensor layouts (values clipped at the scale); per-tile layouts
+    store each tile's maximum at 448 by design, so they show "-" and a histogram of their tile
+    scale exponents instead. With --source, each entry's bytes are compared with every encoder
+    (dialect, bf16-first or fp32 input, scale) applied to the source values, and the exact
+    matches are listed.
     """
-    dump = read_dump(file)
-    stats = [entry_stats(e) for e in dump]
-    writers = identify_writers(dump, read_dump(source)) if source is not None else {}
+    with open_dump(file) as fh:
+        visible = fh.data_bytes >= LARGE_FILE_BYTES and err_console.is_terminal and not as_json
+        with byte_progress(visible) as bar:
+            task = bar.add_task(f"reading {file.name}", total=fh.data_bytes)
+            stats = dump_stats(fh, on_progress=lambda done, total: bar.update(task, completed=done, total=total))
+        version, attrs = fh.version, fh.attrs
+    writers = identify_writers(read_dump(file), read_dump(source)) if source is not None else {}
+    checksums = CHECKSUM if version >= 2 else None
     if as_json:
         for s in stats:
             if s["name"] in writers:
                 s["writer"] = writers[s["name"]].to_dict()
-        print_json({"file": str(file), "version": dump.version, "attrs": dump.attrs, "entries": stats})
+        print_json({"file": str(file), "version": version, "checksums": checksums, "attrs": attrs, "entries": stats})
         return
-    table = Table(title=f"{file} (kvbridge dump v{dump.version})", box=None, pad_edge=False, header_style="bold")
-    table.add_column("entry", no_wrap=True)
-    table.add_column("layout / dialect", no_wrap=True)
-    for col in ("pages×P", "tokens", "scale", "amax", "NaN", "sat"):
+    integrity = f"{CHECKSUM} verified" if checksums else "version 1: no checksums"
+    table = Table(title=f"{file}\n(kvbridge dump v{version}, {integrity})", box=None, pad_edge=False,
+                  header_style="bold")
+    table.add_column("entry", overflow="fold")
+    table.add_column("layout / dialect", overflow="fold")
+    for col in ("pages×P", "tokens", "scale", "amax", "NaN/Inf", "sat"):
         table.add_column(col, justify="right", no_wrap=True)
     for s in stats:
-        nan = sum(s["nan"].values())
+        bad = s["nonfinite_values"]
         layout = s["layout"] or f"latents {s['dtype']}"
         table.add_row(
             s["name"],
@@ -74,11 +86,11 @@ def command(file: Path, source: Path | None, as_json: bool) -> None:
             str(s["num_tokens"]),
             fmt(s["scale"]),
             fmt(s["abs_max"]),
-            f"[red]{nan}[/red]" if nan else "0",
-            str(s["saturated"]) + (f" +{s['inf']} inf" if s["inf"] else ""),
+            f"[red]{bad}[/red]" if bad else "0",
+            "-" if s["saturated"] is None else str(s["saturated"]),
         )
     console.print(table)
-    for key, value in sorted(dump.attrs.items()):
+    for key, value in sorted(attrs.items()):
         console.print(f"  [dim]{key}[/dim]: {value}")
     hists = [(s["name"], s["scale_exponents"]) for s in stats if s["scale_exponents"] is not None]
     if hists:

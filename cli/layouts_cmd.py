@@ -6,8 +6,9 @@ import click
 from rich import box
 from rich.table import Table
 
-from cli.common import console, json_option, print_json
 from kvbridge.layouts import Layout, all_layouts
+
+from .common import console, json_option, print_json
 
 EXAMPLE_PAGE_SIZES = (2, 64, 256)
 

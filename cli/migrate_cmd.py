@@ -8,7 +8,6 @@ import click
 from rich import box
 from rich.table import Table
 
-from cli.common import console, json_option, print_json
 from kvbridge.engines import parse_engine
 from kvbridge.errors import KVBridgeError
 from kvbridge.migration import (
@@ -19,7 +18,10 @@ from kvbridge.migration import (
     plan_migration,
     source_request,
 )
+from kvbridge.migration.plan import MAX_TOKENS
 from kvbridge.topology import get_model
+
+from .common import console, json_option, print_json
 
 DEFAULT_LINK_GBPS = 40.0
 
@@ -55,10 +57,11 @@ def _plan_options(fn):
         callback=_model_name,
         help="Preset name or a Hugging Face config.json path.",
     )(fn)
-    fn = click.option("--tokens", type=click.IntRange(min=1), required=True, help="Request length in tokens.")(fn)
+    fn = click.option("--tokens", type=click.IntRange(min=1, max=MAX_TOKENS), required=True,
+                      help="Request length in tokens.")(fn)
     fn = click.option(
         "--draft-tokens",
-        type=click.IntRange(min=0),
+        type=click.IntRange(min=0, max=MAX_TOKENS),
         default=0,
         show_default=True,
         help="MTP draft slots kept beyond the SWA window.",

@@ -7,21 +7,26 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from cli.common import console, json_option, print_json
 from kvbridge.conformance import run_conformance
+
+from .common import console, json_option, parse_device, print_json
 
 
 @click.command("verify", short_help="Run the conformance fixtures; pass/fail per layout and dialect.")
-@click.argument("path", required=False, type=click.Path(file_okay=False, path_type=Path))
+@click.argument("path", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option(
-    "--device", default="cpu", show_default=True, help="Run the checks on this torch device (cuda: the GPU kernels)."
+    "--device",
+    default="cpu",
+    show_default=True,
+    callback=parse_device,
+    help="Run the checks on this torch device (cuda: the GPU kernels).",
 )
 @json_option
 @click.pass_context
 def command(ctx: click.Context, path: Path | None, device: str, as_json: bool) -> None:
     """Check kvbridge's codecs byte-for-byte against the reference vectors in PATH.
 
-    PATH defaults to the source checkout's fixtures/ directory. Runs FlashMLA's MODEL1
+    PATH defaults to the fixtures installed with kvbridge. Runs FlashMLA's MODEL1
     encoder/dequantizer vectors (P = 2, 64, 256), TensorRT-LLM's per-tensor FP8 writer/reader at
     each scale, the dialect zero-tile scale bytes (114 / 105 / 92), and FlashMLA's sparse-decode
     outputs (within FlashMLA's own tolerances), and the indexer-key pages written by SGLang's

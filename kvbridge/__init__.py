@@ -1,42 +1,72 @@
-"""kvbridge: byte-exact DeepSeek-V4 KV-cache layouts, transcoding and migration between engines."""
+"""kvbridge: byte-exact DeepSeek-V4 KV-cache layouts, transcoding and migration between engines.
 
-from kvbridge.api import LossReport, auto_scale, decode, encode, transcode
-from kvbridge.attention import sparse_decode
-from kvbridge.conformance import identify_writer, run_conformance
-from kvbridge.dump import Dump, DumpEntry, read_dump, write_dump
-from kvbridge.errors import DumpFormatError, InputError, KVBridgeError, LayoutError, NonFiniteError
-from kvbridge.layouts import Field, Layout, all_layouts, get_layout, register
-from kvbridge.migration import migrate_local, plan_migration
-from kvbridge.paged import gather_transcode, transcode_slots
+The public names below are imported on first use (``kvbridge.encode`` loads torch then), so
+that ``import kvbridge`` itself, and ``kvbridge --help``, stay cheap. The numba JIT cache
+location is set here, before anything can import numba (see ``kvbridge.jitcache``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from kvbridge import jitcache
+
+jitcache.configure()
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Dump",
-    "DumpEntry",
-    "DumpFormatError",
-    "Field",
-    "InputError",
-    "KVBridgeError",
-    "Layout",
-    "LayoutError",
-    "LossReport",
-    "NonFiniteError",
-    "__version__",
-    "all_layouts",
-    "auto_scale",
-    "decode",
-    "encode",
-    "gather_transcode",
-    "get_layout",
-    "identify_writer",
-    "migrate_local",
-    "plan_migration",
-    "read_dump",
-    "register",
-    "run_conformance",
-    "sparse_decode",
-    "transcode",
-    "transcode_slots",
-    "write_dump",
-]
+#: Public name -> module that defines it.
+_EXPORTS = {
+    "LossReport": "kvbridge.api",
+    "auto_scale": "kvbridge.api",
+    "decode": "kvbridge.api",
+    "encode": "kvbridge.api",
+    "transcode": "kvbridge.api",
+    "sparse_decode": "kvbridge.attention",
+    "identify_writer": "kvbridge.conformance",
+    "run_conformance": "kvbridge.conformance",
+    "Dump": "kvbridge.dump",
+    "DumpEntry": "kvbridge.dump",
+    "read_dump": "kvbridge.dump",
+    "write_dump": "kvbridge.dump",
+    "DumpFormatError": "kvbridge.errors",
+    "InputError": "kvbridge.errors",
+    "KVBridgeError": "kvbridge.errors",
+    "LayoutError": "kvbridge.errors",
+    "NonFiniteError": "kvbridge.errors",
+    "Field": "kvbridge.layouts",
+    "Layout": "kvbridge.layouts",
+    "all_layouts": "kvbridge.layouts",
+    "get_layout": "kvbridge.layouts",
+    "register": "kvbridge.layouts",
+    "migrate_local": "kvbridge.migration",
+    "plan_migration": "kvbridge.migration",
+    "gather_transcode": "kvbridge.paged",
+    "transcode_slots": "kvbridge.paged",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:
+    from kvbridge.api import LossReport, auto_scale, decode, encode, transcode  # noqa: F401
+    from kvbridge.attention import sparse_decode  # noqa: F401
+    from kvbridge.conformance import identify_writer, run_conformance  # noqa: F401
+    from kvbridge.dump import Dump, DumpEntry, read_dump, write_dump  # noqa: F401
+    from kvbridge.errors import DumpFormatError, InputError, KVBridgeError, LayoutError, NonFiniteError  # noqa: F401
+    from kvbridge.layouts import Field, Layout, all_layouts, get_layout, register  # noqa: F401
+    from kvbridge.migration import migrate_local, plan_migration  # noqa: F401
+    from kvbridge.paged import gather_transcode, transcode_slots  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvbridge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from kvbridge import nonfinite
 from kvbridge import numerics as nx
 from kvbridge.codecs import HEAD_DIM, reciprocal_f32
 from kvbridge.errors import InputError, NonFiniteError
@@ -22,6 +23,15 @@ from kvbridge.reference import check_finite
 NonFinitePolicy = Literal["error", "zero", "saturate"]
 NONFINITE_POLICIES = ("error", "zero", "saturate")
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_num_tokens(num_tokens: object) -> int | None:
+    """``num_tokens`` as given when it is None or a non-negative int, else ``InputError``."""
+    if num_tokens is None:
+        return None
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise InputError(f"num_tokens must be a non-negative integer or None, got {repr(num_tokens)[:40]}")
+    return num_tokens
 
 
 def _check_latents(x: torch.Tensor) -> None:
@@ -36,7 +46,7 @@ def _check_latents(x: torch.Tensor) -> None:
 def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
     """Return ``x`` (fp32, or bf16 passed through unchanged) with NaN/Inf handled per ``policy``
     (see ``encode``); any replacement is done, and returned, in fp32."""
-    if policy not in NONFINITE_POLICIES:
+    if not isinstance(policy, str) or policy not in NONFINITE_POLICIES:
         raise InputError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {policy!r}")
     from kvbridge import fastpath
 
@@ -74,7 +84,7 @@ def _check_scale(scale: float | None, layout: Layout, what: str = "scale") -> fl
 def _check_dialect(dialect: str | None, layout: Layout) -> str | None:
     if dialect is None:
         return layout.default_dialect
-    if dialect not in layout.dialects:
+    if not isinstance(dialect, str) or dialect not in layout.dialects:
         if not layout.dialects:
             raise InputError(f"layout {layout.name} has no encoder dialects; got dialect={dialect!r}")
         raise InputError(
@@ -88,6 +98,13 @@ def auto_scale(x: torch.Tensor) -> float:
 
     The scale is nudged up by fp32 ulps until amax * fp32(1/s) <= 448. All-zero input gives 1.0.
     """
+    from kvbridge import fastpath
+
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        raise InputError(f"x must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    x = x.detach()
+    if x.numel() and not fastpath.all_finite(x.float()):
+        raise NonFiniteError("x holds NaN or Inf: no finite scale avoids saturating it")
     amax = float(x.abs().max()) if x.numel() else 0.0
     if amax == 0.0:
         return 1.0
@@ -119,6 +136,7 @@ def encode(
     """
     lay = get_layout(layout)
     _check_latents(x)
+    x = x.detach()  # encoding is not differentiable: an input that requires grad is read as values
     lay.check_page_size(page_size)
     d = _check_dialect(dialect, lay)
     xf = _apply_nonfinite(x if x.dtype == torch.bfloat16 else x.float(), nonfinite)  # bf16: no fp32 copy
@@ -148,6 +166,7 @@ def decode(
     lay = get_layout(layout)
     lay.check_page_size(page_size)
     lay.check_pages(pages, page_size)
+    num_tokens = _check_num_tokens(num_tokens)
     s = _check_scale(scale, lay)
     from kvbridge import fastpath
 
@@ -272,10 +291,13 @@ def transcode(
     written, and it is returned. Arguments are checked before ``out`` is touched, but a source
     found to hold NaN/Inf while converting may leave ``out`` partly written.
     """
+    if not isinstance(report, bool):
+        raise InputError(f"report must be True or False, got {type(report).__name__}")
     src = get_layout(src_layout)
     dst = get_layout(dst_layout)
     src.check_page_size(src_page_size)
     dps = src_page_size if dst_page_size is None else dst.check_page_size(dst_page_size)
+    num_tokens = _check_num_tokens(num_tokens)
     n = src.token_count(pages, src_page_size, num_tokens)
     s_in = _check_scale(src_scale, src, "src_scale")
     auto = dst_scale == "auto"
@@ -292,6 +314,7 @@ def transcode(
                 f"{src.name} -> {dst.name} is a byte move that keeps the source's scales; "
                 f"dialect={dialect!r} would not be applied"
             )
+        nonfinite.check_pages(pages, src, src_page_size, n)  # nothing is decoded: scan the stored codes
         out = fastpath.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
         if not report:
             return out

@@ -384,6 +384,9 @@ def sparse_decode(
         topk_length=topk_length, extra_topk_length=extra_topk_length, attn_sink=attn_sink,
         softmax_scale=softmax_scale, scale=scale, extra_scale=extra_scale,
     )
+    if q.shape[0] == 0:  # an empty batch: empty outputs, nothing to attend
+        b, s_q, h_q, d = q.shape
+        return q.new_zeros((b, s_q, h_q, d), dtype=torch.bfloat16), q.new_zeros((b, h_q, s_q), dtype=torch.float32)
     if backend == "reference":
         return reference_decode(args)
     from kvbridge import flashmla_backend

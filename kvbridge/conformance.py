@@ -94,14 +94,17 @@ class ConformanceReport:
 
 
 def default_fixtures_dir() -> Path:
-    """The repository's ``fixtures/`` next to the (editable-installed) package; error if absent."""
-    path = Path(__file__).resolve().parent.parent / "fixtures"
-    if not (path / MODEL1_FIXTURE).is_file():
-        raise InputError(
-            f"no conformance fixtures found at {path} (kvbridge is not run from a source checkout); "
-            "pass the directory holding model1_reference.safetensors and trtllm_fp8_reference.safetensors"
-        )
-    return path
+    """The golden fixtures: ``kvbridge/fixtures`` of an installed wheel, else the source checkout's
+    ``fixtures/`` (a source tree or an editable install); error if neither holds them."""
+    here = Path(__file__).resolve().parent
+    candidates = (here / "fixtures", here.parent / "fixtures")
+    for path in candidates:
+        if (path / MODEL1_FIXTURE).is_file():
+            return path
+    raise InputError(
+        f"no conformance fixtures found in {' or '.join(map(str, candidates))}; "
+        "pass the directory holding model1_reference.safetensors and trtllm_fp8_reference.safetensors"
+    )
 
 
 def byte_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, str]:

@@ -1,45 +1,65 @@
 """kvbridge dump files: KV-cache pools (or raw latents) on disk, one safetensors file per request.
 
 A dump is a safetensors file whose ``__metadata__`` carries the kvbridge header (see
-``docs/format.md``): ``format`` = ``kvbridge-dump``, ``version`` = ``1`` and ``entries``, a JSON
-list describing each tensor (``layer.{i}.{role}``): its kind (``pages`` of a registered layout,
-or raw ``latents`` ``[num_tokens, 512]``), layout, page size, token count, per-tensor scale,
-encoder dialect and compress ratio. ``read_dump`` validates all of it and raises
-``DumpFormatError`` with a one-line message; ``write_dump`` writes atomically (temp file in the
-same directory, then ``os.replace``).
+``docs/format.md``): ``format`` = ``kvbridge-dump``, ``version`` (``2``; ``1`` still reads) and
+``entries``, a JSON list describing each tensor (``layer.{i}.{role}``): its kind (``pages`` of a
+registered layout, or raw ``latents`` ``[num_tokens, 512]``), layout, page size, token count,
+per-tensor scale, encoder dialect, compress ratio and (version 2) the CRC-32 of its bytes.
+
+Reading validates every header field and raises ``DumpFormatError`` with a one-line message
+naming the file and the entry; data is read with ``pread`` (no memory map: a file truncated
+under a reader is an error, not SIGBUS), in chunks, each entry's checksum verified as it is
+read. Writing streams entries in order into kvbridge's own temp file
+``.{name}.kvbridge-partial`` next to the output (locked, space reserved first), rewrites the
+header with the checksums, fsyncs and renames it in place: nothing half-written looks valid.
+The bytes are a function of the content only (header keys in a fixed order).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
 import re
+import stat
 import struct
-import uuid
-from collections.abc import Callable, Iterable, Sequence
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from kvbridge.api import LossReport, auto_scale, count_saturated, decode, encode, measure_loss, transcode
+from kvbridge import fastpath, nonfinite
+from kvbridge.api import LossReport, auto_scale, count_saturated, decode, encode, is_byte_move, transcode
 from kvbridge.codecs import HEAD_DIM
-from kvbridge.errors import DumpFormatError, InputError, KVBridgeError
+from kvbridge.errors import DumpFormatError, DumpWriteError, InputError, KVBridgeError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout
 
 FORMAT_NAME = "kvbridge-dump"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
+#: The per-tensor checksum of version 2: CRC-32 (zlib / gzip / PNG polynomial) of the tensor's
+#: bytes as stored, written as 8 lowercase hex digits (``zlib.crc32(data)``).
+CHECKSUM = "crc32"
 KINDS = ("pages", "latents")
 #: safetensors dtype names accepted for raw latents, and the torch dtype each maps to.
 LATENT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _DTYPE_NAMES = {torch.uint8: "U8", **{v: k for k, v in LATENT_DTYPES.items()}}
+_TORCH_DTYPES = {"U8": torch.uint8, **LATENT_DTYPES}
+#: Bytes per element of every safetensors dtype (a foreign dtype is still measured right).
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
 _ROLE_PATTERN = re.compile(r"[a-z][a-z0-9_]*\Z")
-_ENTRY_KEYS = {
+_CRC_PATTERN = re.compile(r"[0-9a-f]{8}\Z")
+_META_KEYS = (
     "name",
     "layer",
     "role",
@@ -50,10 +70,19 @@ _ENTRY_KEYS = {
     "scale",
     "dialect",
     "compress_ratio",
-}
+)
+_ENTRY_KEYS = set(_META_KEYS)
 _REQUIRED_KEYS = ("name", "layer", "role", "kind", "num_tokens")
 #: safetensors headers larger than this are taken as a foreign file, not a dump.
 _MAX_HEADER_BYTES = 100 * 2**20
+#: Largest layer index, token count or dimension a header may state (beyond: not a real cache).
+_MAX_INT = 2**48
+#: Source bytes read per chunk when streaming an entry.
+CHUNK_BYTES = 32 * 2**20
+#: Suffix of the temp file a dump is written into (``.{name}.kvbridge-partial``).
+PARTIAL_SUFFIX = ".kvbridge-partial"
+
+ProgressFn = Callable[[int, int], None]
 
 
 def entry_name(layer: int, role: str) -> str:
@@ -65,57 +94,77 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _short(v: Any) -> str:
+    """``repr`` of a header value, cut to 40 characters (a 5000-digit number is not echoed)."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _fp32_scale(v: Any) -> float | None:
+    """``v`` as its fp32 value when it is a positive finite fp32 number, else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        s = float(torch.tensor(float(v), dtype=torch.float32))
+    except (OverflowError, RuntimeError):
+        return None
+    return s if math.isfinite(s) and s > 0 else None
+
+
 def entry_problem(meta: dict, dtype: str, shape: Sequence[int]) -> str | None:
     """What is wrong with one entry's metadata given its tensor's dtype name and shape (None: fine).
 
     ``meta`` is the entry's header dict; ``dtype`` a safetensors dtype name (``U8``, ``BF16``...).
     """
-    unknown = sorted(set(meta) - _ENTRY_KEYS)
+    unknown = sorted(str(k) for k in set(meta) - _ENTRY_KEYS)
     if unknown:
-        return f"unknown key(s) {', '.join(map(repr, unknown))}"
+        return f"unknown key(s) {', '.join(map(_short, unknown))}"
     missing = [k for k in _REQUIRED_KEYS if k not in meta]
     if missing:
         return f"missing required key(s) {', '.join(map(repr, missing))}"
     layer, role, kind, n = meta["layer"], meta["role"], meta["kind"], meta["num_tokens"]
-    if not _is_int(layer) or layer < 0:
-        return f"layer must be a non-negative integer, got {layer!r}"
+    if not _is_int(layer) or not 0 <= layer <= _MAX_INT:
+        return f"layer must be a non-negative integer, got {_short(layer)}"
     if not isinstance(role, str) or not _ROLE_PATTERN.match(role):
-        return f"role must match [a-z][a-z0-9_]*, got {role!r}"
+        return f"role must match [a-z][a-z0-9_]*, got {_short(role)}"
     if meta["name"] != entry_name(layer, role):
         return (
-            f"name {meta['name']!r} does not match layer {layer} and role {role!r} (want {entry_name(layer, role)!r})"
+            f"name {_short(meta['name'])} does not match layer {layer} and role {role!r} "
+            f"(want {entry_name(layer, role)!r})"
         )
     ratio = meta.get("compress_ratio")
-    if ratio is not None and (not _is_int(ratio) or ratio < 0):
-        return f"compress_ratio must be a non-negative integer or null, got {ratio!r}"
-    if not _is_int(n) or n < 0:
-        return f"num_tokens must be a non-negative integer, got {n!r}"
+    if ratio is not None and (not _is_int(ratio) or not 0 <= ratio <= _MAX_INT):
+        return f"compress_ratio must be a non-negative integer or null, got {_short(ratio)}"
+    if not _is_int(n) or not 0 <= n <= _MAX_INT:
+        return f"num_tokens must be a non-negative integer, got {_short(n)}"
     if len(shape) != 2:
         return f"tensor must be 2-D, got shape {list(shape)}"
     if kind == "latents":
         for key in ("layout", "page_size", "scale", "dialect"):
             if meta.get(key) is not None:
-                return f"{key} must be null for a latents entry, got {meta[key]!r}"
+                return f"{key} must be null for a latents entry, got {_short(meta[key])}"
         if dtype not in LATENT_DTYPES:
             return f"latents must be {', '.join(LATENT_DTYPES)}, got dtype {dtype}"
         if shape[1] != HEAD_DIM or shape[0] != n:
             return f"latents shape {list(shape)} does not match [num_tokens={n}, {HEAD_DIM}]"
         return None
     if kind != "pages":
-        return f"kind must be one of {', '.join(KINDS)}, got {kind!r}"
+        return f"kind must be one of {', '.join(KINDS)}, got {_short(kind)}"
     return _pages_problem(meta, dtype, shape)
 
 
 def _pages_problem(meta: dict, dtype: str, shape: Sequence[int]) -> str | None:
     name, p, n = meta.get("layout"), meta.get("page_size"), meta["num_tokens"]
     if not isinstance(name, str):
-        return f"layout must be a layout name, got {name!r}"
+        return f"layout must be a layout name, got {_short(name)}"
     try:
         lay = get_layout(name)
     except KVBridgeError as exc:
         return str(exc)
-    if not _is_int(p) or p < 1:
-        return f"page_size must be a positive integer, got {p!r}"
+    try:
+        lay.check_page_size(p)
+    except KVBridgeError as exc:
+        return str(exc)
     if dtype != "U8":
         return f"{lay.name} pages must be uint8 (U8), got dtype {dtype}"
     want = lay.page_bytes(p)
@@ -126,15 +175,14 @@ def _pages_problem(meta: dict, dtype: str, shape: Sequence[int]) -> str | None:
     scale, dialect = meta.get("scale"), meta.get("dialect")
     if lay.per_tensor_scale:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            return f"{lay.name} needs a per-tensor scale (a positive finite number), got {scale!r}"
-        s32 = float(torch.tensor(float(scale), dtype=torch.float32))
-        if not (math.isfinite(s32) and s32 > 0):
-            return f"scale must be a positive finite fp32 number, got {scale!r}"
+            return f"{lay.name} needs a per-tensor scale (a positive finite number), got {_short(scale)}"
+        if _fp32_scale(scale) is None:
+            return f"scale must be a positive finite fp32 number, got {_short(scale)}"
     elif scale is not None:
-        return f"scale must be null for {lay.name} (it has per-tile scales), got {scale!r}"
-    if dialect is not None and dialect not in lay.dialects:
+        return f"scale must be null for {lay.name} (it has per-tile scales), got {_short(scale)}"
+    if dialect is not None and (not isinstance(dialect, str) or dialect not in lay.dialects):
         allowed = ", ".join(lay.dialects) or "none"
-        return f"dialect {dialect!r} does not apply to {lay.name} (allowed: {allowed}, or null)"
+        return f"dialect {_short(dialect)} does not apply to {lay.name} (allowed: {allowed}, or null)"
     return None
 
 
@@ -173,12 +221,12 @@ class DumpEntry:
             object.__setattr__(self, "num_tokens", self.data.shape[0])
         if self.scale is None and self.layout is not None and get_layout(self.layout).per_tensor_scale:
             object.__setattr__(self, "scale", 1.0)
-        elif isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool):
+        elif _fp32_scale(self.scale) is not None:
             # the scale is an fp32 number (TensorRT-LLM's kv_cache_scaling_factor): store it exactly
-            object.__setattr__(self, "scale", float(torch.tensor(float(self.scale), dtype=torch.float32)))
+            object.__setattr__(self, "scale", _fp32_scale(self.scale))
         problem = entry_problem(self.metadata(), dtype, list(self.data.shape))
         if problem:
-            raise InputError(f"dump entry {self.name}: {problem}")
+            raise InputError(f"dump entry {entry_name(self.layer, self.role)}: {problem}")
 
     @property
     def name(self) -> str:
@@ -216,12 +264,14 @@ class DumpEntry:
 
 @dataclass
 class Dump:
-    """A dump's entries (in file order), extra string attributes, and the file it came from."""
+    """A dump's entries (in file order), extra string attributes, the file it came from, and
+    (version 2) each entry's verified CRC-32 by name."""
 
     entries: list[DumpEntry]
     attrs: dict[str, str] = field(default_factory=dict)
     version: int = FORMAT_VERSION
     path: Path | None = None
+    checksums: dict[str, int] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -244,110 +294,299 @@ class Dump:
         return {e.name: e.latents() for e in self.entries}
 
 
+# ------------------------------------------------------------------------------------ reading
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One entry as its header describes it: validated metadata, dtype, shape, where its bytes are."""
+
+    meta: dict
+    dtype: str
+    shape: tuple[int, int]
+    offset: int  # byte offset of the tensor data in the file
+    nbytes: int
+    crc32: int | None  # version 2: the stored checksum; version 1: None
+
+    @property
+    def name(self) -> str:
+        return self.meta["name"]
+
+    @property
+    def layout(self) -> Layout | None:
+        return None if self.meta["kind"] == "latents" else get_layout(self.meta["layout"])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.meta["num_tokens"]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.shape[0] if self.shape[0] else 0
+
+
 def _fail(path: Path, message: str) -> DumpFormatError:
     return DumpFormatError(f"{path}: {message}")
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
-    """Parse the safetensors header of ``path``; return it and the byte count of tensor data."""
+def _tensor_info(path: Path, name: Any, info: Any) -> tuple[str, tuple[int, ...], int, int]:
+    """Validated ``(dtype, shape, begin, end)`` of one safetensors header entry."""
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise _fail(path, f"malformed safetensors header entry for tensor {_short(name)}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    ok_shape = isinstance(shape, list) and all(_is_int(d) and 0 <= d <= _MAX_INT for d in shape)
+    ok_offsets = isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+    if not (isinstance(dtype, str) and dtype in _DTYPE_BYTES and ok_shape and ok_offsets):
+        raise _fail(path, f"malformed safetensors header entry for tensor {_short(name)}")
+    begin, end = offsets
+    want = math.prod(shape) * _DTYPE_BYTES[dtype]
+    if not 0 <= begin <= end or end - begin != want:
+        raise _fail(path, f"tensor {_short(name)}: data_offsets {_short(offsets)} do not hold {dtype} {shape}")
+    return dtype, tuple(shape), begin, end
+
+
+def _parse_json(raw: bytes | str, path: Path, what: str) -> Any:
     try:
-        size = path.stat().st_size
-        with path.open("rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise _fail(path, f"not a safetensors file (only {size} bytes)")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > _MAX_HEADER_BYTES:
-                raise _fail(path, "not a safetensors file (its first 8 bytes are not a plausible header length)")
-            if 8 + hlen > size:
-                raise _fail(path, f"truncated: the {hlen}-byte header does not fit in the file's {size} bytes")
-            raw = fh.read(hlen)
-    except FileNotFoundError:
-        raise DumpFormatError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise DumpFormatError(f"{path}: is a directory, not a dump file") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise _fail(path, "not a safetensors file (header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise _fail(path, "not a safetensors file (header is not a JSON object)")
-    data_bytes = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError, or a 5000-digit number
+        raise _fail(path, f"{what} is not valid JSON") from None
+
+
+class DumpFile:
+    """An open dump: its validated header, and its entries' bytes read on demand with ``pread``.
+
+    Use as a context manager (or call ``close``). ``entries`` are ``EntryInfo`` in file order.
+    Every read checks that the file has not changed size or modification time since it was opened.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
         try:
-            begin, end = info["data_offsets"]
-            data_bytes = max(data_bytes, int(end))
-        except (KeyError, TypeError, ValueError):
-            raise _fail(path, f"malformed safetensors header entry for tensor {name!r}") from None
-    have = size - 8 - hlen
-    if have < data_bytes:
-        raise _fail(path, f"truncated: header promises {data_bytes} bytes of tensor data, file holds {have}")
-    if have > data_bytes:
-        raise _fail(path, f"{have - data_bytes} unexpected trailing bytes after the tensor data")
-    return header, data_bytes
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise DumpFormatError(f"{self.path}: no such file") from None
+        except IsADirectoryError:
+            raise DumpFormatError(f"{self.path}: is a directory, not a dump file") from None
+        except OSError as exc:
+            raise DumpFormatError(f"{self.path}: cannot be read ({exc.strerror})") from None
+        try:
+            st = os.fstat(self._fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise DumpFormatError(f"{self.path}: is a directory, not a dump file")
+            self._stamp = (st.st_size, st.st_mtime_ns)
+            self._parse(st.st_size)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    # -- header
+    def _parse(self, size: int) -> None:
+        path = self.path
+        head = self._pread(0, min(8, size)) if size else b""
+        if len(head) < 8:
+            raise _fail(path, f"not a safetensors file (only {size} bytes)")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > _MAX_HEADER_BYTES:
+            raise _fail(path, "not a safetensors file (its first 8 bytes are not a plausible header length)")
+        if 8 + hlen > size:
+            raise _fail(path, f"truncated: the {hlen}-byte header does not fit in the file's {size} bytes")
+        raw = self._pread(8, hlen)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _fail(path, "not a safetensors file (header is not JSON)") from None
+        try:
+            header = json.loads(text)
+        except (ValueError, RecursionError):
+            raise _fail(path, "not a safetensors file (header is not JSON)") from None
+        if not isinstance(header, dict):
+            raise _fail(path, "not a safetensors file (header is not a JSON object)")
+        tensors = {}
+        for name, info in header.items():
+            if name != "__metadata__":
+                tensors[name] = _tensor_info(path, name, info)
+        spans = sorted((b, e, n) for n, (_, _, b, e) in tensors.items())
+        at = 0
+        for begin, end, name in spans:
+            if begin != at:
+                raise _fail(path, f"tensor {_short(name)}: data_offsets leave a gap or overlap at byte {at}")
+            at = end
+        have = size - 8 - hlen
+        if have < at:
+            raise _fail(path, f"truncated: header promises {at} bytes of tensor data, file holds {have}")
+        if have > at:
+            raise _fail(path, f"{have - at} unexpected trailing bytes after the tensor data")
+        self.data_bytes = at
+        self.version, metas, self.attrs = self._kvbridge_header(header.get("__metadata__"))
+        self.entries = self._entry_infos(metas, tensors, 8 + hlen)
+
+    def _kvbridge_header(self, meta: Any) -> tuple[int, list[dict], dict[str, str]]:
+        path = self.path
+        if meta is None:
+            meta = {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise _fail(path, "malformed safetensors header: __metadata__ must map strings to strings")
+        if "format" not in meta:
+            raise _fail(
+                path, "not a kvbridge dump (a safetensors file without the kvbridge header: no 'format' metadata)"
+            )
+        if meta["format"] != FORMAT_NAME:
+            raise _fail(path, f"not a kvbridge dump (format is {_short(meta['format'])}, expected {FORMAT_NAME!r})")
+        version = meta.get("version")
+        if version is None:
+            raise _fail(path, "kvbridge header has no 'version'")
+        if version not in {str(v) for v in SUPPORTED_VERSIONS}:
+            readable = " and ".join(map(str, SUPPORTED_VERSIONS))
+            raise _fail(path, f"unsupported dump version {_short(version)} (this kvbridge reads versions {readable})")
+        if "entries" not in meta:
+            raise _fail(path, "kvbridge header has no 'entries'")
+        entries = _parse_json(meta["entries"], path, "kvbridge header 'entries'")
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise _fail(path, "kvbridge header 'entries' must be a JSON list of objects")
+        attrs = {k: v for k, v in meta.items() if k not in ("format", "version", "entries")}
+        return int(version), entries, attrs
+
+    def _entry_infos(self, metas: list[dict], tensors: dict, data_start: int) -> list[EntryInfo]:
+        path = self.path
+        infos: list[EntryInfo] = []
+        listed: set[str] = set()
+        for i, raw_meta in enumerate(metas):
+            meta = dict(raw_meta)
+            name = meta.get("name")
+            if not isinstance(name, str):
+                raise _fail(path, f"entry {i} has no name")
+            if name in listed:
+                raise _fail(path, f"entry {name!r} is listed twice")
+            if name not in tensors:
+                raise _fail(path, f"entry {name!r} is listed in the header but the file has no such tensor")
+            crc = meta.pop(CHECKSUM, None)
+            if self.version >= 2:
+                if not isinstance(crc, str) or not _CRC_PATTERN.match(crc):
+                    raise _fail(path, f"entry {name}: '{CHECKSUM}' must be 8 lowercase hex digits, got {_short(crc)}")
+            elif crc is not None:
+                raise _fail(path, f"entry {name}: unknown key(s) '{CHECKSUM}' (version 1 has no checksums)")
+            dtype, shape, begin, end = tensors[name]
+            problem = entry_problem(meta, dtype, shape)
+            if problem:
+                raise _fail(path, f"entry {name}: {problem}")
+            listed.add(name)
+            info = EntryInfo(meta, dtype, (shape[0], shape[1]), data_start + begin, end - begin,
+                             None if crc is None else int(crc, 16))
+            infos.append(info)
+        extra = sorted(set(tensors) - listed)
+        if extra:
+            raise _fail(path, f"tensor {_short(extra[0])} is not listed in the kvbridge header")
+        return infos
+
+    # -- data
+    def _pread(self, offset: int, nbytes: int, into: memoryview | None = None) -> bytes | memoryview:
+        buf = memoryview(bytearray(nbytes)) if into is None else into
+        done = 0
+        while done < nbytes:
+            got = os.preadv(self._fd, [buf[done:]], offset + done)
+            if got == 0:
+                raise _fail(self.path, f"changed while being read: ended at byte {offset + done}")
+            done += got
+        return bytes(buf) if into is None else buf
+
+    def check_unchanged(self) -> None:
+        """Raise ``DumpFormatError`` when the file's size or modification time changed since opened."""
+        st = os.fstat(self._fd)
+        if (st.st_size, st.st_mtime_ns) != self._stamp:
+            raise _fail(self.path, f"changed while being read (was {self._stamp[0]} bytes, now {st.st_size})")
+
+    def read_rows(self, info: EntryInfo, start: int, stop: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``info``'s tensor, freshly read (no checksum check), into the
+        first rows of ``into`` when given (a contiguous tensor of the entry's dtype and row size)."""
+        rows = max(0, stop - start)
+        if into is None:
+            out = torch.empty((rows, info.shape[1]), dtype=_TORCH_DTYPES.get(info.dtype, torch.uint8))
+        else:
+            out = into[:rows]
+        nbytes = rows * info.row_bytes
+        if nbytes:
+            self.check_unchanged()
+            view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+            self._pread(info.offset + start * info.row_bytes, nbytes, into=view)
+        return out
+
+    def iter_rows(self, info: EntryInfo, rows_per_chunk: int, *, reuse: bool = False
+                  ) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(first_row, rows)`` chunks covering every row of ``info`` in order; after the last one
+        the CRC-32 of all the bytes read is checked against the stored one (version 2). The next
+        chunk is read (and its CRC computed) on a helper thread while the caller works on this one.
+        ``reuse``: chunks are read into two buffers in turn (no fresh memory per chunk), so a chunk is
+        valid only until the next one is asked for."""
+        step = max(1, rows_per_chunk)
+        starts = range(0, info.shape[0], step)
+        crc = 0
+        dtype = _TORCH_DTYPES.get(info.dtype, torch.uint8)
+        buffers = [torch.empty((min(step, info.shape[0]), info.shape[1]), dtype=dtype) for _ in range(2)] if (
+            reuse and starts) else None
+
+        def read(start: int, i: int) -> torch.Tensor:
+            nonlocal crc
+            into = None if buffers is None else buffers[i % 2]
+            rows = self.read_rows(info, start, min(info.shape[0], start + step), into=into)
+            crc = zlib.crc32(rows.view(torch.uint8).numpy(), crc)  # in order: one worker
+            return rows
+
+        with ThreadPoolExecutor(1, thread_name_prefix="kvbridge-read") as pool:
+            ahead = pool.submit(read, starts[0], 0) if starts else None
+            for i, start in enumerate(starts):
+                rows = ahead.result()
+                ahead = pool.submit(read, starts[i + 1], i + 1) if i + 1 < len(starts) else None
+                yield start, rows
+        self.check_checksum(info, crc)
+
+    def check_checksum(self, info: EntryInfo, crc: int) -> None:
+        """Raise ``DumpFormatError`` naming the entry unless ``crc`` is its stored checksum."""
+        if info.crc32 is not None and crc != info.crc32:
+            raise _fail(
+                self.path,
+                f"entry {info.name}: checksum mismatch (stored {CHECKSUM} {info.crc32:08x}, data has {crc:08x}): "
+                "the file is corrupted",
+            )
+
+    def load(self, info: EntryInfo) -> DumpEntry:
+        """The whole entry in memory, its checksum verified."""
+        data = self.read_rows(info, 0, info.shape[0])
+        self.check_checksum(info, zlib.crc32(data.view(torch.uint8).numpy()))
+        m = info.meta
+        kwargs = {k: m.get(k) for k in ("layout", "page_size", "num_tokens", "scale", "dialect", "compress_ratio")}
+        try:
+            return DumpEntry(m["layer"], m["role"], data, **kwargs)
+        except InputError as exc:
+            raise _fail(self.path, str(exc)) from None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> DumpFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def _parse_header(path: Path, header: dict) -> tuple[int, list[dict], dict[str, str]]:
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict) or "format" not in meta:
-        raise _fail(path, "not a kvbridge dump (a safetensors file without the kvbridge header: no 'format' metadata)")
-    if meta["format"] != FORMAT_NAME:
-        raise _fail(path, f"not a kvbridge dump (format is {meta['format']!r}, expected {FORMAT_NAME!r})")
-    version = meta.get("version")
-    if version is None:
-        raise _fail(path, "kvbridge header has no 'version'")
-    if version not in {str(v) for v in SUPPORTED_VERSIONS}:
-        raise _fail(path, f"unsupported dump version {version!r} (this kvbridge reads version {FORMAT_VERSION})")
-    if "entries" not in meta:
-        raise _fail(path, "kvbridge header has no 'entries'")
-    try:
-        entries = json.loads(meta["entries"])
-    except json.JSONDecodeError:
-        raise _fail(path, "kvbridge header 'entries' is not valid JSON") from None
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise _fail(path, "kvbridge header 'entries' must be a JSON list of objects")
-    attrs = {k: v for k, v in meta.items() if k not in ("format", "version", "entries")}
-    return int(version), entries, attrs
+def open_dump(path: str | os.PathLike) -> DumpFile:
+    """Open and validate dump ``path`` (header only; entries are read on demand)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    return DumpFile(path)
 
 
 def read_dump(path: str | os.PathLike) -> Dump:
-    """Read and validate a dump file; every inconsistency raises ``DumpFormatError``."""
-    path = Path(path)
-    header, _ = _read_header(path)
-    version, metas, attrs = _parse_header(path, header)
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    listed = []
-    for i, meta in enumerate(metas):
-        name = meta.get("name")
-        if not isinstance(name, str):
-            raise _fail(path, f"entry {i} has no name")
-        if name in listed:
-            raise _fail(path, f"entry {name!r} is listed twice")
-        if name not in tensors:
-            raise _fail(path, f"entry {name!r} is listed in the header but the file has no such tensor")
-        info = tensors[name]
-        problem = entry_problem(meta, info.get("dtype"), info.get("shape", []))
-        if problem:
-            raise _fail(path, f"entry {name}: {problem}")
-        listed.append(name)
-    extra = sorted(set(tensors) - set(listed))
-    if extra:
-        raise _fail(path, f"tensor {extra[0]!r} is not listed in the kvbridge header")
-    entries = []
-    try:
-        with safe_open(str(path), "pt") as fh:
-            for meta in metas:
-                kwargs = {
-                    k: meta.get(k) for k in ("layout", "page_size", "num_tokens", "scale", "dialect", "compress_ratio")
-                }
-                entries.append(DumpEntry(meta["layer"], meta["role"], fh.get_tensor(meta["name"]), **kwargs))
-    except SafetensorError as exc:
-        raise _fail(path, f"unreadable safetensors data ({exc})") from None
-    except InputError as exc:
-        raise _fail(path, str(exc)) from None
-    return Dump(entries, attrs=attrs, version=version, path=path)
+    """Read and validate a whole dump file (checksums verified); every problem raises ``DumpFormatError``."""
+    with open_dump(path) as fh:
+        entries = [fh.load(info) for info in fh.entries]
+        checksums = {i.name: i.crc32 for i in fh.entries if i.crc32 is not None}
+        return Dump(entries, attrs=fh.attrs, version=fh.version, path=fh.path, checksums=checksums)
+
+
+# ------------------------------------------------------------------------------------ writing
 
 
 def _new_file_mode() -> int:
@@ -357,6 +596,272 @@ def _new_file_mode() -> int:
     return 0o666 & ~umask
 
 
+def partial_path(path: str | os.PathLike) -> Path:
+    """The temp file a dump at ``path`` is written into: ``.{name}.kvbridge-partial`` beside it."""
+    path = Path(path)
+    return path.parent / f".{path.name}{PARTIAL_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """What an entry will hold before its bytes exist: header dict, safetensors dtype, shape."""
+
+    meta: dict
+    dtype: str
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * _DTYPE_BYTES[self.dtype]
+
+
+def _header_bytes(specs: Sequence[EntrySpec], attrs: dict[str, str], crcs: Sequence[int]) -> bytes:
+    """The safetensors header (length prefix included, padded with spaces to 8 bytes)."""
+    from kvbridge import __version__
+
+    metas = [{**{k: s.meta.get(k) for k in _META_KEYS}, CHECKSUM: f"{c:08x}"} for s, c in zip(specs, crcs, strict=True)]
+    metadata = {"created_by": f"kvbridge {__version__}", **attrs}
+    metadata.update(format=FORMAT_NAME, version=str(FORMAT_VERSION), entries=json.dumps(metas, separators=(",", ":")))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    at = 0
+    for s in specs:
+        header[s.meta["name"]] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [at, at + s.nbytes]}
+        at += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class DumpWriter:
+    """Streams a dump into its temp file and commits it atomically.
+
+    ``DumpWriter(path, overwrite=..., reserve=bytes)`` checks the output at once, before any
+    conversion work: ``path`` is not a directory, it does not exist (unless ``overwrite``), the
+    directory exists and is writable, no other kvbridge process is writing it (the temp file is
+    created and locked; a stale one left by a killed process is taken over) and ``reserve``
+    bytes fit on the disk (they are allocated). Then ``begin(specs, attrs)``, ``write(rows)``
+    for each entry's rows in order, ``commit()``; any failure, or leaving the ``with`` block
+    with an exception (Ctrl-C included), removes the temp file.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, reserve: int = 0):
+        if not isinstance(path, (str, os.PathLike)):
+            raise InputError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        self.path = Path(path)
+        self.overwrite = bool(overwrite)
+        self.tmp = partial_path(self.path)
+        self._fd = -1
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-write")
+        self._pending: deque[Future] = deque()
+        if self.path.is_dir():
+            raise InputError(f"output {self.path} is a directory")
+        self._check_exists()
+        parent = self.path.parent
+        if not parent.is_dir():
+            raise InputError(f"output directory {parent} does not exist")
+        self._open_temp()
+        try:
+            self._reserve(reserve)
+        except BaseException:
+            self.abort()
+            raise
+        self._specs: list[EntrySpec] = []
+        self._crcs: list[int] = []
+        self._entry = -1
+        self._left = 0
+
+    def _check_exists(self) -> None:
+        if not self.overwrite and os.path.lexists(self.path):
+            raise InputError(f"output {self.path} exists; pass overwrite=True (CLI: --force) to replace it")
+
+    def _io_error(self, exc: OSError, doing: str = "write") -> DumpWriteError:
+        return DumpWriteError(f"could not {doing} {self.path}: {exc.strerror or exc}")
+
+    def _open_temp(self) -> None:
+        for _ in range(8):
+            try:
+                fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                try:
+                    fd = os.open(self.tmp, os.O_RDWR | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue  # the other writer just finished: try again
+                except OSError as exc:
+                    raise self._io_error(exc, "create a temp file for") from None
+            except OSError as exc:
+                raise self._io_error(exc, "create a temp file for") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise DumpWriteError(
+                    f"another kvbridge process is writing {self.path} (its temp file {self.tmp.name} is locked)"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.tmp).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # locked a temp file that its writer had just committed: start over
+                os.close(fd)
+                continue
+            self._fd = fd
+            os.ftruncate(fd, 0)  # a stale temp file of a killed process: taken over
+            self._check_exists()  # re-checked under the lock: exactly one of two racing writers wins
+            return
+        raise DumpWriteError(f"could not create a temp file for {self.path}: it keeps changing")
+
+    def _reserve(self, nbytes: int) -> None:
+        try:
+            vfs = os.statvfs(self.tmp.parent)
+        except OSError:
+            return
+        free = vfs.f_bavail * vfs.f_frsize
+        if nbytes > free:
+            raise DumpWriteError(
+                f"not enough space for {self.path}: it needs {nbytes} bytes, {free} are free in {self.tmp.parent}"
+            )
+        if nbytes:
+            try:
+                os.posix_fallocate(self._fd, 0, nbytes)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise self._io_error(exc) from None
+                # filesystems without fallocate: the free-space check above stands
+
+    def begin(self, specs: Sequence[EntrySpec], attrs: dict[str, str] | None = None) -> None:
+        """Write the header for ``specs`` (checksums filled in by ``commit``)."""
+        attrs = dict(attrs or {})
+        reserved = {"format", "version", "entries"} & set(attrs)
+        if reserved or not all(isinstance(k, str) and isinstance(v, str) for k, v in attrs.items()):
+            raise InputError(f"attrs must map str to str and not use {', '.join(sorted(reserved)) or 'reserved keys'}")
+        names = [s.meta["name"] for s in specs]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise InputError(f"dump entries: {dup!r} appears twice")
+        self._specs, self._attrs = list(specs), attrs
+        self._crcs = [0] * len(specs)
+        self._write(_header_bytes(self._specs, attrs, self._crcs))
+        self._next_entry()
+
+    def _next_entry(self) -> None:
+        self._entry += 1
+        while self._entry < len(self._specs) and self._specs[self._entry].nbytes == 0:
+            self._entry += 1
+        self._left = self._specs[self._entry].nbytes if self._entry < len(self._specs) else 0
+
+    def _write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            raise self._io_error(exc) from None
+
+    def write(self, rows: torch.Tensor) -> int:
+        """Append ``rows`` (the next bytes of the current entry, in order); returns bytes written."""
+        t = rows.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+        n = t.numel()
+        if n == 0:
+            return 0
+        if n > self._left:
+            raise InputError(f"dump writer: {n} bytes given, the current entry has {self._left} left")
+        while len(self._pending) >= 2:  # at most two chunks in flight
+            self._pending.popleft().result()
+        entry = self._entry
+
+        def job() -> None:  # the closure keeps ``t`` alive until written
+            arr = t.numpy()
+            self._crcs[entry] = zlib.crc32(arr, self._crcs[entry])
+            self._write(arr)
+
+        self._pending.append(self._pool.submit(job))
+        self._left -= n
+        if self._left == 0:
+            self._next_entry()
+        return n
+
+    def _drain(self) -> None:
+        """Wait for the chunks in flight (their write errors are raised here)."""
+        while self._pending:
+            self._pending.popleft().result()
+
+    def commit(self) -> Path:
+        """Fill in the checksums, fsync and move the temp file to ``path``; returns ``path``."""
+        if self._entry < len(self._specs):
+            raise InputError(f"dump writer: entry {self._specs[self._entry].meta['name']} is incomplete")
+        try:
+            self._drain()
+            size = os.lseek(self._fd, 0, os.SEEK_CUR)
+            os.ftruncate(self._fd, size)  # drop what the reservation allocated beyond the data
+            os.lseek(self._fd, 0, os.SEEK_SET)
+            self._write(_header_bytes(self._specs, self._attrs, self._crcs))
+            os.fchmod(self._fd, _new_file_mode())  # the dump gets the usual umask mode
+            os.fsync(self._fd)
+            if self.overwrite:
+                os.replace(self.tmp, self.path)
+            else:
+                try:
+                    os.link(self.tmp, self.path)  # fails if path appeared meanwhile: never replaces
+                except FileExistsError:
+                    raise InputError(f"output {self.path} exists; pass overwrite=True (CLI: --force)") from None
+                except OSError as exc:
+                    if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                        raise
+                    self._check_exists()  # a filesystem without hard links: check, then rename
+                    os.rename(self.tmp, self.path)
+                else:
+                    os.unlink(self.tmp)
+            self._sync_dir()
+        except OSError as exc:
+            self.abort()
+            raise self._io_error(exc) from None
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self._fd)
+        self._fd = -1
+        self._pool.shutdown(wait=True)
+        return self.path
+
+    def _sync_dir(self) -> None:
+        try:
+            fd = os.open(self.path.parent, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def abort(self) -> None:
+        """Remove the temp file (the output is untouched)."""
+        for job in self._pending:
+            job.cancel()
+        self._pool.shutdown(wait=True)
+        self._pending.clear()
+        if self._fd >= 0:
+            try:
+                if os.fstat(self._fd).st_ino == os.stat(self.tmp).st_ino:
+                    os.unlink(self.tmp)
+            except OSError:
+                pass
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> DumpWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._fd >= 0:
+            self.abort()
+
+
+def _estimate_bytes(specs: Sequence[EntrySpec], attrs: dict[str, str]) -> int:
+    return sum(s.nbytes for s in specs) + len(_header_bytes(specs, attrs, [0] * len(specs)))
+
+
 def write_dump(
     path: str | os.PathLike,
     entries: Dump | Iterable[DumpEntry],
@@ -364,181 +869,458 @@ def write_dump(
     overwrite: bool = False,
     attrs: dict[str, str] | None = None,
 ) -> Path:
-    """Write ``entries`` to ``path`` atomically (temp file in the same directory + ``os.replace``).
+    """Write ``entries`` as a version-2 dump at ``path``, atomically (see ``DumpWriter``).
 
     Refuses an existing ``path`` unless ``overwrite``. ``attrs`` adds free-form string
-    attributes to the header (a ``Dump``'s own ``attrs`` are kept).
+    attributes to the header (a ``Dump``'s own ``attrs`` are kept). The same entries and
+    attributes always give the same bytes.
     """
-    path = Path(path)
+    if isinstance(entries, torch.Tensor) or not isinstance(entries, (Dump, Iterable)):
+        raise InputError(f"entries must be a Dump or DumpEntry objects, got {type(entries).__name__}")
     items = list(entries)
+    bad = next((e for e in items if not isinstance(e, DumpEntry)), None)
+    if bad is not None:
+        raise InputError(f"entries must be DumpEntry objects, got {type(bad).__name__}")
+    if attrs is not None and not isinstance(attrs, dict):
+        raise InputError(f"attrs must be a dict of str to str, got {type(attrs).__name__}")
     extra = dict(entries.attrs) if isinstance(entries, Dump) else {}
     extra.update(attrs or {})
-    names = [e.name for e in items]
+    specs = [EntrySpec(e.metadata(), _DTYPE_NAMES[e.data.dtype], tuple(e.data.shape)) for e in items]
+    names = [s.meta["name"] for s in specs]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise InputError(f"dump entries: {dup!r} appears twice")
     reserved = {"format", "version", "entries"} & set(extra)
     if reserved or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
         raise InputError(f"attrs must map str to str and not use {', '.join(sorted(reserved)) or 'reserved keys'}")
-    if path.exists() and not overwrite:
-        raise InputError(f"output {path} exists; pass overwrite=True (CLI: --force) to replace it")
-    if not path.parent.is_dir():
-        raise InputError(f"output directory {path.parent} does not exist")
-    from kvbridge import __version__
-
-    metadata = {
-        "format": FORMAT_NAME,
-        "version": str(FORMAT_VERSION),
-        "entries": json.dumps([e.metadata() for e in items]),
-        "created_by": f"kvbridge {__version__}",
-        **extra,
-    }
-    tensors: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    for e in items:
-        t = e.data.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in storages:  # safetensors refuses tensors sharing memory (e.g. slices of one pool)
-            t = t.clone()
-        storages.add(t.untyped_storage().data_ptr())
-        tensors[e.name] = t
-    # A fresh hidden name in the same directory: same filesystem, so os.replace is atomic.
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.chmod(tmp, _new_file_mode())  # save_file creates 0600; give the dump the usual umask mode
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except SafetensorError as exc:  # safetensors reports I/O failures (disk full, no permission) this way
-        tmp.unlink(missing_ok=True)
-        raise OSError(f"could not write {path}: {exc}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    with DumpWriter(path, overwrite=overwrite, reserve=_estimate_bytes(specs, extra)) as out:
+        out.begin(specs, extra)
+        for e in items:
+            rows = e.data.detach()
+            step = max(1, CHUNK_BYTES // max(1, rows[0].numel() * rows.element_size())) if rows.shape[0] else 1
+            for start in range(0, rows.shape[0], step):
+                out.write(rows[start : start + step])
+        return out.commit()
 
 
-def _bf16_bits(raw: torch.Tensor) -> torch.Tensor:
-    pairs = raw.reshape(*raw.shape[:-1], raw.shape[-1] // 2, 2).to(torch.int32)
-    return pairs[..., 0] | (pairs[..., 1] << 8)
+# ------------------------------------------------------------------------------ statistics
+
+
+class _StatsAccumulator:
+    """Byte-level and decoded-value statistics of an entry, accumulated chunk by chunk."""
+
+    def __init__(self, layout: Layout | None):
+        self.layout = layout
+        self.nan: dict[str, int] = {}
+        self.inf = 0
+        self.at_max = 0
+        self.nonfinite = 0
+        self.abs_max = 0.0
+        self.histogram: dict[int, int] | None = None
+        if layout is not None and any(f.format == "ue8m0" for f in layout.fields):
+            self.histogram = {}
+
+    def add_values(self, values: torch.Tensor) -> None:
+        top, bad = nonfinite.value_stats(values)
+        self.abs_max = max(self.abs_max, top)
+        self.nonfinite += bad
+
+    def add_latents(self, raw: torch.Tensor) -> None:
+        self.nan["latents"] = self.nan.get("latents", 0) + int(torch.isnan(raw).sum())
+        self.inf += int(torch.isinf(raw).sum())
+        self.add_values(raw.float())
+
+    def add_pages(self, pages: torch.Tensor, page_size: int, num_tokens: int) -> None:
+        """Count the stored codes of the first ``num_tokens`` tokens of ``pages`` (native kernel)."""
+        c = nonfinite.code_stats(pages, self.layout, page_size, num_tokens)
+        formats = {f.format for f in self.layout.fields}
+        if "e4m3" in formats:
+            self.nan["e4m3"] = self.nan.get("e4m3", 0) + c.e4m3_nan
+            self.at_max += c.e4m3_at_max
+        if "ue8m0" in formats:
+            self.nan["ue8m0"] = self.nan.get("ue8m0", 0) + c.ue8m0[0xFF]
+            for byte, count in enumerate(c.ue8m0[:0xFF]):
+                if count:
+                    self.histogram[byte - 127] = self.histogram.get(byte - 127, 0) + count
+        if "bf16" in formats:
+            self.nan["bf16"] = self.nan.get("bf16", 0) + c.bf16_nan
+            self.inf += c.bf16_inf
+
+    def result(self) -> dict:
+        per_tensor = self.layout is not None and self.layout.per_tensor_scale
+        return {
+            "abs_max": self.abs_max,
+            "nan": self.nan,
+            "inf": self.inf,
+            "nonfinite_values": self.nonfinite,
+            "saturated": self.at_max if per_tensor else None,
+            "e4m3_at_max": self.at_max,
+            "scale_exponents": None if self.histogram is None else dict(sorted(self.histogram.items())),
+        }
+
+
+def _stats_head(meta: dict, num_pages: int | None, nbytes: int) -> dict:
+    return {**{k: meta.get(k) for k in _META_KEYS}, "num_pages": num_pages, "nbytes": nbytes}
 
 
 def entry_stats(entry: DumpEntry) -> dict:
     """Byte-level statistics of an entry's first ``num_tokens`` tokens.
 
     ``nan``: NaN codes per field format (E4M3 0x7F/0xFF, UE8M0 0xFF, bf16 NaN); ``inf``: bf16
-    infinities; ``saturated``: E4M3 codes at +-448 (0x7E/0xFE); ``scale_exponents``: histogram
-    {k: count} of the UE8M0 tile scales 2^k (per-tile layouts only); ``abs_max``: the largest
-    finite |decoded value|.
+    infinities; ``nonfinite_values``: decoded values that are NaN or Inf (what an encoder
+    refuses; a huge scale can overflow finite codes); ``saturated``: E4M3 codes at +-448
+    (0x7E/0xFE) of per-tensor layouts, where they mean clipping (None for per-tile layouts,
+    whose tile maxima are stored at 448 by design; ``e4m3_at_max`` counts them for every
+    layout); ``scale_exponents``: histogram {k: count} of the UE8M0 tile scales 2^k
+    (per-tile layouts only); ``abs_max``: the largest finite |decoded value|.
     """
-    stats: dict[str, Any] = {
-        **entry.metadata(),
-        "num_pages": entry.num_pages,
-        "nbytes": entry.data.numel() * entry.data.element_size(),
-    }
-    values = entry.latents()
-    finite = values[torch.isfinite(values)]
-    stats["abs_max"] = float(finite.abs().max()) if finite.numel() else 0.0
+    stats = _stats_head(entry.metadata(), entry.num_pages, entry.data.numel() * entry.data.element_size())
     if entry.layout is None:
         stats["dtype"] = str(entry.data.dtype).removeprefix("torch.")
-        stats.update(
-            nan={"latents": int(torch.isnan(values).sum())},
-            inf=int(torch.isinf(values).sum()),
-            saturated=0,
-            scale_exponents=None,
-        )
-        return stats
-    lay = get_layout(entry.layout)
-    records = lay.pages_to_records(entry.data, entry.page_size, entry.num_tokens)
-    nan: dict[str, int] = {}
-    inf = saturated = 0
-    histogram: dict[int, int] | None = None
-    for f in lay.fields:
-        raw = records[:, f.offset : f.offset + f.nbytes]
-        if f.format == "e4m3":
-            mag = raw & 0x7F
-            nan["e4m3"] = nan.get("e4m3", 0) + int((mag == 0x7F).sum())
-            saturated += int((mag == 0x7E).sum())
-        elif f.format == "ue8m0":
-            nan["ue8m0"] = nan.get("ue8m0", 0) + int((raw == 0xFF).sum())
-            exps, counts = torch.unique(raw[raw != 0xFF].to(torch.int64) - 127, return_counts=True)
-            histogram = {int(k): int(c) for k, c in zip(exps, counts, strict=True)}
-        elif f.format == "bf16":
-            bits = _bf16_bits(raw)
-            exp_all_ones = (bits & 0x7F80) == 0x7F80
-            nan["bf16"] = nan.get("bf16", 0) + int((exp_all_ones & ((bits & 0x7F) != 0)).sum())
-            inf += int((exp_all_ones & ((bits & 0x7F) == 0)).sum())
-    stats.update(nan=nan, inf=inf, saturated=saturated, scale_exponents=histogram)
+    acc = _StatsAccumulator(None if entry.layout is None else get_layout(entry.layout))
+    if entry.layout is None:
+        acc.add_latents(entry.data)
+    else:
+        acc.add_pages(entry.data, entry.page_size, entry.num_tokens)
+        acc.add_values(entry.latents())
+    stats.update(acc.result())
     return stats
+
+
+def _tokens_per_chunk(row_tokens: int, row_bytes: int, multiple: int = 1) -> int:
+    """Tokens per streamed chunk: about ``CHUNK_BYTES`` of source, a multiple of ``row_tokens`` and ``multiple``."""
+    step = math.lcm(row_tokens, multiple)
+    rows_per_step = step // row_tokens
+    steps = max(1, CHUNK_BYTES // max(1, rows_per_step * row_bytes))
+    return step * steps
+
+
+def dump_stats(fh: DumpFile, on_progress: ProgressFn | None = None) -> list[dict]:
+    """``entry_stats`` of every entry of open dump ``fh``, streamed in chunks (bounded memory),
+    with each entry's ``checksum``: ``"ok"`` (verified) or None (a version-1 file has none).
+    ``on_progress(done_bytes, total_bytes)`` follows the bytes read."""
+    out, done = [], 0
+    for info in fh.entries:
+        lay = info.layout
+        stats = _stats_head(info.meta, None if lay is None else info.shape[0], info.nbytes)
+        if lay is None:
+            stats["dtype"] = str(_TORCH_DTYPES[info.dtype]).removeprefix("torch.")
+        acc = _StatsAccumulator(lay)
+        p = 1 if lay is None else info.meta["page_size"]
+        n = info.num_tokens
+        chunk_tokens = _tokens_per_chunk(p, info.row_bytes)
+        for row0, rows in fh.iter_rows(info, chunk_tokens // p):
+            t0 = row0 * p
+            k = min(n - t0, rows.shape[0] * p)
+            if k > 0 and lay is None:
+                acc.add_latents(rows[:k])
+            elif k > 0:
+                acc.add_pages(rows, p, k)
+                acc.add_values(decode(rows, lay, page_size=p, num_tokens=k, scale=info.meta.get("scale")))
+            done += rows.numel() * rows.element_size()
+            if on_progress is not None:
+                on_progress(done, fh.data_bytes)
+        stats.update(acc.result())
+        stats["checksum"] = None if info.crc32 is None else "ok"
+        out.append(stats)
+    return out
+
+
+# ------------------------------------------------------------------------------ conversion
 
 
 @dataclass
 class ConvertedEntry:
-    """What ``convert_dump`` did to one entry: its name and the transcode's loss report."""
+    """What ``convert_dump`` did to one entry: its name and the loss report (None when skipped)."""
 
     name: str
-    report: LossReport
+    report: LossReport | None
 
 
-def convert_entry(
-    entry: DumpEntry,
+@dataclass
+class _LossAccumulator:
+    """A ``LossReport`` built chunk by chunk (max, sums and counts over every chunk)."""
+
+    src_layout: str
+    dst_layout: str
+    dst_scale: float | None
+    byte_move: bool
+    num_tokens: int = 0
+    equal: bool = True
+    src_amax: float = 0.0
+    max_abs: float = 0.0
+    sum_sq: float = 0.0
+    saturated: int = 0
+    flushed: int = 0
+    nope_max: float = 0.0
+    rope_max: float = 0.0
+
+    def add(self, src: torch.Tensor, dst: torch.Tensor, saturated: int) -> None:
+        self.num_tokens += src.shape[0]
+        if not src.numel():
+            return
+        inf = float("inf")
+        self.src_amax = max(self.src_amax, nonfinite.value_stats(src)[0])  # src is finite (checked)
+        self.saturated += saturated
+        if torch.equal(src, dst):  # the common lossless chunk: every error is 0
+            return
+        self.equal = False
+        err = dst - src
+        self.max_abs = max(self.max_abs, float(torch.linalg.vector_norm(err, inf)))
+        self.sum_sq += float(torch.linalg.vector_norm(err, 2, dtype=torch.float64)) ** 2
+        self.flushed += int(((src != 0) & (dst == 0)).sum())
+        self.nope_max = max(self.nope_max, float(torch.linalg.vector_norm(err[:, :448], inf)))
+        self.rope_max = max(self.rope_max, float(torch.linalg.vector_norm(err[:, 448:], inf)))
+
+    def report(self) -> LossReport:
+        values = self.num_tokens * HEAD_DIM
+        return LossReport(
+            src_layout=self.src_layout,
+            dst_layout=self.dst_layout,
+            num_tokens=self.num_tokens,
+            lossless=self.equal,
+            byte_move=self.byte_move,
+            dst_scale=self.dst_scale,
+            max_abs_error=self.max_abs,
+            max_rel_error=self.max_abs / self.src_amax if self.src_amax > 0 else 0.0,
+            rms_error=math.sqrt(self.sum_sq / values) if values else 0.0,
+            saturated=self.saturated,
+            flushed_to_zero=self.flushed,
+            nope_max_abs_error=self.nope_max,
+            rope_max_abs_error=self.rope_max,
+        )
+
+
+@dataclass
+class EntryPlan:
+    """How one entry converts: source and destination geometry, scales, byte move or re-encode."""
+
+    info: EntryInfo
+    src: Layout | None  # None: raw latents
+    src_page_size: int
+    dst: Layout
+    dst_page_size: int
+    src_scale: float | None  # None: per-tile source or latents
+    dst_scale: float | str | None  # a number, "auto" (settled by the first pass), or None (per-tile)
+    byte_move: bool
+    dialect: str | None  # the encoder dialect (None for byte moves)
+    out_dialect: str | None  # the dialect recorded in the output header
+
+    @property
+    def num_tokens(self) -> int:
+        return self.info.num_tokens
+
+    @property
+    def out_shape(self) -> tuple[int, int]:
+        return (self.dst.num_pages(self.num_tokens, self.dst_page_size), self.dst.page_bytes(self.dst_page_size))
+
+    def spec(self) -> EntrySpec:
+        m = self.info.meta
+        meta = {
+            **m,
+            "kind": "pages",
+            "layout": self.dst.name,
+            "page_size": self.dst_page_size,
+            "scale": self.dst_scale if self.dst.per_tensor_scale else None,
+            "dialect": self.out_dialect,
+        }
+        return EntrySpec(meta, "U8", self.out_shape)
+
+
+def plan_convert(
+    fh: DumpFile,
     to_layout: str | Layout,
     *,
     page_size: int | None = None,
     dialect: str | None = None,
     scale: float | str | None = None,
-) -> tuple[DumpEntry, LossReport]:
-    """Convert one entry to ``to_layout``; ``page_size`` defaults to the entry's (required for latents)."""
+) -> list[EntryPlan]:
+    """Check the conversion of every entry of open dump ``fh`` before any work; ``InputError``
+    (naming the entry) for an option that does not apply. ``scale="auto"`` keeps the source's
+    scale where that is a byte move (lossless); otherwise a first pass over the entry takes s = 1
+    if that reproduces every value, else the smallest scale with no saturation."""
     dst = get_layout(to_layout)
-    if entry.layout is None:
-        if page_size is None:
-            raise InputError(f"entry {entry.name} holds raw latents: page_size is needed to encode it")
-        p = page_size
-        values = entry.data.float()
-        s = auto_scale(values) if scale == "auto" else scale
-        pages = encode(values, dst, page_size=p, dialect=dialect, scale=s)
-        s_out = (
-            (1.0 if s is None else float(torch.tensor(float(s), dtype=torch.float32))) if dst.per_tensor_scale else None
-        )
-        back = decode(pages, dst, page_size=p, num_tokens=entry.num_tokens, scale=s_out)
-        d = dialect or dst.default_dialect
-        rep = measure_loss(
-            values,
-            back,
-            src_layout="latents",
-            dst_layout=dst.name,
-            dst_scale=s_out,
-            byte_move=False,
-            saturated=count_saturated(values, dst, d, s_out or 1.0),
-        )
-    else:
-        p = entry.page_size if page_size is None else page_size
-        pages, rep = transcode(
-            entry.data,
-            entry.layout,
-            dst,
-            src_page_size=entry.page_size,
-            dst_page_size=p,
-            num_tokens=entry.num_tokens,
-            src_scale=entry.scale,
-            dst_scale=scale,
-            dialect=dialect,
-            report=True,
-        )
-        d = entry.dialect if rep.byte_move else (dialect or dst.default_dialect)
-    out = DumpEntry(
-        entry.layer,
-        entry.role,
-        pages,
-        dst.name,
-        p,
-        entry.num_tokens,
-        rep.dst_scale if dst.per_tensor_scale else None,
-        d,
-        entry.compress_ratio,
+    if page_size is not None:
+        dst.check_page_size(page_size)
+    if scale is not None and scale != "auto":
+        if not dst.per_tensor_scale:
+            raise InputError(f"{dst.name} has per-tile scales; a destination scale applies to per-tensor layouts")
+        if _fp32_scale(scale) is None:
+            raise InputError(f"scale must be a positive finite fp32 number or 'auto', got {_short(scale)}")
+    if scale == "auto" and not dst.per_tensor_scale:
+        raise InputError(f"scale='auto' applies only to per-tensor layouts, not {dst.name}")
+    if dialect is not None and dialect not in dst.dialects:
+        allowed = ", ".join(dst.dialects) or "none"
+        raise InputError(f"dialect {_short(dialect)} does not apply to {dst.name} (allowed: {allowed})")
+    plans = []
+    for info in fh.entries:
+        src = info.layout
+        if src is None and page_size is None:
+            raise InputError(f"entry {info.name} holds raw latents: page_size is needed to encode it")
+        sp = 1 if src is None else info.meta["page_size"]
+        dp = sp if page_size is None else page_size
+        s_in = _fp32_scale(info.meta.get("scale"))  # None: per-tile source (or latents)
+        if dst.per_tensor_scale:
+            if scale == "auto" and s_in is not None and is_byte_move(src, dst, s_in, s_in):
+                s_out: float | str | None = s_in  # a lossless byte move exists: keep it
+            else:
+                s_out = 1.0 if scale is None else scale if scale == "auto" else _fp32_scale(scale)
+        else:
+            s_out = None
+        move = src is not None and s_out != "auto" and is_byte_move(src, dst, s_in or 1.0, s_out or 1.0)
+        if move and dialect is not None:
+            raise InputError(
+                f"entry {info.name}: {src.name} -> {dst.name} is a byte move that keeps the source's scales; "
+                f"dialect {dialect!r} would not be applied"
+            )
+        d = None if move else (dialect or dst.default_dialect)
+        out_dialect = info.meta.get("dialect") if move else d
+        plans.append(EntryPlan(info, src, sp, dst, dp, s_in, s_out, move, d, out_dialect))
+    return plans
+
+
+def _nonfinite_error(fh: DumpFile, plan: EntryPlan, count: int, token: int, where: str) -> NonFiniteError:
+    return NonFiniteError(
+        f"{fh.path}: entry {plan.info.name}: {count} non-finite value(s) in the source; first at token {token}{where}"
     )
-    return out, rep
+
+
+class _Converter:
+    """Streams one planned entry through the conversion, chunk by chunk, into a writer."""
+
+    def __init__(self, fh: DumpFile, plan: EntryPlan, out: DumpWriter, report: bool, progress: Callable[[int], None]):
+        self.fh, self.plan, self.out, self.report, self.progress = fh, plan, out, report, progress
+        p = plan
+        self.chunk_tokens = _tokens_per_chunk(p.src_page_size, p.info.row_bytes, p.dst_page_size)
+        self._outputs: list[torch.Tensor] = []
+        self._turn = 0
+
+    def _out_buffer(self, k: int) -> torch.Tensor:
+        """Destination pages for a chunk of ``k`` tokens: three buffers in turn, so that the one
+        handed out is never among the (at most two) chunks the writer still has in flight."""
+        p = self.plan
+        if not self._outputs:
+            shape = (p.dst.num_pages(min(self.chunk_tokens, p.num_tokens), p.dst_page_size), p.out_shape[1])
+            self._outputs = [torch.empty(shape, dtype=torch.uint8) for _ in range(3)]
+        self._turn += 1
+        return self._outputs[self._turn % 3][: p.dst.num_pages(k, p.dst_page_size)]
+
+    def _values(self, rows: torch.Tensor, k: int) -> torch.Tensor:
+        p = self.plan
+        if p.src is None:
+            return rows[:k].float()
+        return decode(rows, p.src, page_size=p.src_page_size, num_tokens=k, scale=p.src_scale)
+
+    def _chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(first_token, tokens, rows)`` of each chunk holding tokens (trailing pages: checksum only)."""
+        p = self.plan
+        for row0, rows in self.fh.iter_rows(p.info, self.chunk_tokens // p.src_page_size, reuse=True):
+            self.progress(rows.numel() * rows.element_size())
+            t0 = row0 * p.src_page_size
+            k = min(p.num_tokens - t0, rows.shape[0] * p.src_page_size)
+            if k > 0:
+                yield t0, k, rows
+
+    def settle_auto_scale(self) -> None:
+        """``scale="auto"`` where no byte move applies (first pass): s = 1 when it reproduces every
+        value (a lossless path, e.g. back to the TensorRT-LLM FP8 a MODEL1 dump came from), else
+        the smallest scale with no saturation."""
+        p = self.plan
+        if p.dst_scale != "auto":
+            return
+        amax, exact_at_1 = 0.0, True
+        for t0, k, rows in self._chunks():
+            values = self._values(rows, k)
+            self._check_finite(values, t0)
+            amax = max(amax, nonfinite.value_stats(values)[0])
+            if exact_at_1:  # stops at the first chunk that s = 1 does not reproduce
+                trial = encode(values, p.dst, page_size=p.dst_page_size, dialect=p.dialect, scale=1.0)
+                exact_at_1 = torch.equal(decode(trial, p.dst, page_size=p.dst_page_size, num_tokens=k, scale=1.0),
+                                         values)
+        p.dst_scale = 1.0 if exact_at_1 else auto_scale(torch.tensor([amax]))
+
+    def _check_finite(self, values: torch.Tensor, t0: int) -> None:
+        if fastpath.all_finite(values):
+            return
+        bad = ~torch.isfinite(values)
+        if bool(bad.any()):
+            token, dim = (int(v) for v in bad.nonzero()[0])
+            raise _nonfinite_error(self.fh, self.plan, int(bad.sum()), t0 + token, f", dim {dim}")
+
+    def run(self) -> LossReport | None:
+        p = self.plan
+        scale = p.dst_scale if p.dst.per_tensor_scale else None
+        acc = _LossAccumulator(p.src.name if p.src else "latents", p.dst.name, scale, p.byte_move)
+        bad: nonfinite.Scan | None = None
+        for t0, k, rows in self._chunks():
+            if p.byte_move:
+                scan = nonfinite.scan_pages(rows, p.src, p.src_page_size, k)
+                if scan.count and bad is None:
+                    bad = nonfinite.Scan(scan.count, t0 + scan.first_token, scan.first_field)
+                elif scan.count:
+                    bad = nonfinite.Scan(bad.count + scan.count, bad.first_token, bad.first_field)
+                if bad is not None:
+                    continue  # keep scanning for the exact count; nothing more is written
+                pages = transcode(rows, p.src, p.dst, src_page_size=p.src_page_size, dst_page_size=p.dst_page_size,
+                                  num_tokens=k, src_scale=p.src_scale, dst_scale=scale, out=self._out_buffer(k))
+                acc.num_tokens += k
+            elif self.report or p.src is None:
+                values = self._values(rows, k)
+                self._check_finite(values, t0)
+                pages = encode(values, p.dst, page_size=p.dst_page_size, dialect=p.dialect, scale=scale)
+                if self.report:
+                    back = decode(pages, p.dst, page_size=p.dst_page_size, num_tokens=k, scale=scale)
+                    acc.add(values, back, count_saturated(values, p.dst, p.dialect, scale or 1.0))
+            else:
+                try:
+                    pages = transcode(rows, p.src, p.dst, src_page_size=p.src_page_size,
+                                      dst_page_size=p.dst_page_size, num_tokens=k, src_scale=p.src_scale,
+                                      dst_scale=scale, dialect=p.dialect, out=self._out_buffer(k))
+                except NonFiniteError:
+                    self._check_finite(self._values(rows, k), t0)
+                    raise
+            self.progress(self.out.write(pages))
+        if bad is not None:
+            raise _nonfinite_error(self.fh, p, bad.count, bad.first_token, f", field {bad.first_field!r} (byte scan)")
+        return acc.report() if self.report else None
+
+
+def convert_open_dump(
+    fh: DumpFile,
+    plans: list[EntryPlan],
+    dst: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    report: bool = True,
+    on_progress: ProgressFn | None = None,
+) -> list[ConvertedEntry]:
+    """Run ``plans`` (from ``plan_convert(fh, ...)``) and write dump ``dst`` atomically.
+
+    The output is checked (and its space reserved) before any conversion work; entries stream
+    through in chunks of about ``CHUNK_BYTES``, so memory stays bounded whatever their size.
+    ``on_progress(done_bytes, total_bytes)`` counts the bytes read (twice for an ``auto`` scale's
+    first pass) and written. Nothing is written unless every entry converts.
+    """
+    specs = [p.spec() for p in plans]
+    total = sum(p.info.nbytes * (2 if p.dst_scale == "auto" else 1) for p in plans)
+    total += sum(s.nbytes for s in specs)
+    done = 0
+
+    def progress(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if on_progress is not None:
+            on_progress(done, total)
+
+    with DumpWriter(dst, overwrite=overwrite, reserve=_estimate_bytes(specs, fh.attrs)) as out:
+        converters = [_Converter(fh, p, out, report, progress) for p in plans]
+        for c in converters:
+            c.settle_auto_scale()
+        out.begin([p.spec() for p in plans], fh.attrs)
+        results = [ConvertedEntry(c.plan.info.name, c.run()) for c in converters]
+        fh.check_unchanged()
+        out.commit()
+    return results
 
 
 def convert_dump(
@@ -550,39 +1332,85 @@ def convert_dump(
     dialect: str | None = None,
     scale: float | str | None = None,
     overwrite: bool = False,
-    on_entry: Callable[[int, int, DumpEntry], None] | None = None,
+    report: bool = True,
+    on_progress: ProgressFn | None = None,
 ) -> list[ConvertedEntry]:
     """Convert every entry of dump ``src`` to ``to_layout`` and write dump ``dst`` atomically.
 
-    ``scale`` is the destination per-tensor scale (``"auto"``: per entry, no saturation).
-    ``on_entry(done, total, entry)`` is called after each entry is converted (for progress display).
-    Nothing is written unless every entry converts.
+    ``scale`` is the destination per-tensor scale (``"auto"``: the source's own where that is a
+    lossless byte move, else s = 1 where that reproduces every value, else per entry the smallest
+    with no saturation). ``report=False`` skips
+    the loss report (the fused transcode runs; each ``ConvertedEntry.report`` is None).
+    Streams in bounded memory; see ``convert_open_dump`` for ``on_progress``.
     """
-    dst_path = Path(dst)
-    if dst_path.exists() and not overwrite:
-        raise InputError(f"output {dst_path} exists; pass overwrite=True (CLI: --force) to replace it")
-    dump = read_dump(src)
-    converted, reports = [], []
-    for done, entry in enumerate(dump, start=1):
-        out, rep = convert_entry(entry, to_layout, page_size=page_size, dialect=dialect, scale=scale)
-        converted.append(out)
-        reports.append(ConvertedEntry(entry.name, rep))
-        if on_entry is not None:
-            on_entry(done, len(dump), entry)
-    write_dump(dst_path, Dump(converted, attrs=dump.attrs), overwrite=overwrite)
-    return reports
+    with open_dump(src) as fh:
+        plans = plan_convert(fh, to_layout, page_size=page_size, dialect=dialect, scale=scale)
+        return convert_open_dump(fh, plans, dst, overwrite=overwrite, report=report, on_progress=on_progress)
+
+
+def convert_entry(
+    entry: DumpEntry,
+    to_layout: str | Layout,
+    *,
+    page_size: int | None = None,
+    dialect: str | None = None,
+    scale: float | str | None = None,
+) -> tuple[DumpEntry, LossReport]:
+    """Convert one in-memory entry to ``to_layout``; ``page_size`` defaults to the entry's (required for latents)."""
+    dst = get_layout(to_layout)
+    if entry.layout is None:
+        if page_size is None:
+            raise InputError(f"entry {entry.name} holds raw latents: page_size is needed to encode it")
+        values = entry.data.float()
+        s = auto_scale(values) if scale == "auto" else scale
+        pages = encode(values, dst, page_size=page_size, dialect=dialect, scale=s)
+        s_out = (_fp32_scale(s) or 1.0) if dst.per_tensor_scale else None
+        back = decode(pages, dst, page_size=page_size, num_tokens=entry.num_tokens, scale=s_out)
+        d = dialect or dst.default_dialect
+        acc = _LossAccumulator("latents", dst.name, s_out, False)
+        acc.add(values, back, count_saturated(values, dst, d, s_out or 1.0))
+        rep, p = acc.report(), page_size
+    else:
+        p = entry.page_size if page_size is None else page_size
+        src = get_layout(entry.layout)
+        if scale == "auto" and is_byte_move(src, dst, entry.scale or 1.0, entry.scale or 1.0):
+            scale = entry.scale
+        elif scale == "auto" and dst.per_tensor_scale:  # s = 1 where it is lossless (as plan_convert)
+            trial = transcode(entry.data, src, dst, src_page_size=entry.page_size, dst_page_size=p,
+                              num_tokens=entry.num_tokens, src_scale=entry.scale, dst_scale=1.0, dialect=dialect,
+                              report=True)
+            scale = 1.0 if trial[1].lossless else scale
+        pages, rep = transcode(
+            entry.data, src, dst, src_page_size=entry.page_size, dst_page_size=p, num_tokens=entry.num_tokens,
+            src_scale=entry.scale, dst_scale=scale, dialect=dialect, report=True,
+        )
+        d = entry.dialect if rep.byte_move else (dialect or dst.default_dialect)
+    out = DumpEntry(entry.layer, entry.role, pages, dst.name, p, entry.num_tokens,
+                    rep.dst_scale if dst.per_tensor_scale else None, d, entry.compress_ratio)
+    return out, rep
 
 
 __all__ = [
+    "CHECKSUM",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "ConvertedEntry",
     "Dump",
     "DumpEntry",
+    "DumpFile",
+    "DumpWriter",
+    "EntryInfo",
+    "EntryPlan",
+    "EntrySpec",
     "convert_dump",
     "convert_entry",
+    "convert_open_dump",
+    "dump_stats",
     "entry_name",
     "entry_stats",
+    "open_dump",
+    "partial_path",
+    "plan_convert",
     "read_dump",
     "write_dump",
 ]

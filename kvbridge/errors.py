@@ -19,3 +19,7 @@ class NonFiniteError(InputError):
 
 class DumpFormatError(KVBridgeError, ValueError):
     """A dump file that is truncated, foreign, or inconsistent with its own metadata."""
+
+
+class DumpWriteError(KVBridgeError, OSError):
+    """A dump could not be written (no permission, no space, output exists or is being written)."""

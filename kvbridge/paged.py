@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbridge import fastpath, reference
+from kvbridge import fastpath, nonfinite, reference
 from kvbridge.api import _check_dialect, _check_scale, is_byte_move
 from kvbridge.errors import InputError, LayoutError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout
@@ -46,6 +46,17 @@ def _check_slots(slots: object, what: str, pool: torch.Tensor, pool_name: str) -
     if slots.device != pool.device:
         raise InputError(f"{what} is on {slots.device}, {pool_name} on {pool.device}")
     return slots
+
+
+def _first_nonfinite_code(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor) -> int | None:
+    """Position in ``slots`` of the first token whose stored bytes hold a NaN/Inf code (byte moves
+    decode nothing, so the codes are scanned; see ``kvbridge.nonfinite``)."""
+    for start in range(0, slots.numel(), reference.CHUNK_TOKENS):
+        part = slots[start : start + reference.CHUNK_TOKENS]
+        scan = nonfinite.scan_records(reference.records_at(pages, layout, page_size, part), layout)
+        if scan.count:
+            return start + scan.first_token
+    return None
 
 
 def _first_out_of_range(slots: torch.Tensor, capacity: int, allow_invalid: bool) -> int | None:
@@ -141,6 +152,10 @@ def transcode_slots(
     if src_slots.numel() == 0:
         return dst_pages
     src_slots, dst_slots = src_slots.contiguous(), dst_slots.contiguous()
+    if byte_move:
+        bad = _first_nonfinite_code(src_pages, src, src_page_size, src_slots)
+        if bad is not None:
+            _raise_nonfinite_slot(src_slots, bad)
     if not byte_move:  # a first pass, so that nothing is written when any source token is bad
         flags = fastpath.nonfinite_flags(src_pages, src, src_page_size, src_slots, s_in)
         if bool(flags.any()):
@@ -195,12 +210,26 @@ def gather_transcode(
     d = None if byte_move else _check_dialect(dialect, dst)
     capacity = pool.shape[0] * page_size
     flat = indices.reshape(-1)
+    if byte_move:
+        bad = _first_out_of_range(flat, capacity, allow_invalid=True)
+        if bad is not None:
+            _raise_out_of_range(indices, bad, capacity)
+        _check_gathered_codes(pool, src, page_size, flat, indices)
     scratch, flags = fastpath.gather_transcode(pool, src, page_size, flat.contiguous(), s_in, d, byte_move,
                                                out_page_size, dst)
     _raise_flags(flags, indices, capacity)
     positions = torch.arange(flat.numel(), dtype=torch.int32, device=pool.device)
     remapped = torch.where(flat >= 0, positions, torch.full_like(positions, -1)).view(indices.shape)
     return scratch, remapped
+
+
+def _check_gathered_codes(pool: torch.Tensor, layout: Layout, page_size: int, flat: torch.Tensor,
+                          indices: torch.Tensor) -> None:
+    """Raise ``NonFiniteError`` when a valid entry of ``indices`` names a token with NaN/Inf codes."""
+    valid = (flat >= 0).nonzero()[:, 0]
+    bad = _first_nonfinite_code(pool, layout, page_size, flat[valid])
+    if bad is not None:
+        _raise_nonfinite_index(indices, int(valid[bad]))
 
 
 def _index_text(indices: torch.Tensor, k: int) -> str:

@@ -64,7 +64,9 @@ def test_inspect_table_and_json(trtllm_dump: Path, tmp_path: Path):
     m1[1, 0] = 0x7F  # token 2's first nope byte: an E4M3 NaN
     path = write_dump(tmp_path / "m1.safetensors", [DumpEntry(0, "swa", m1, "model1", 2, 3, dialect="flashmla")])
     stats = json.loads(run("inspect", path, "--json").output)["entries"][0]
-    assert stats["nan"]["e4m3"] == 1 and stats["saturated"] == 64
+    assert stats["nan"]["e4m3"] == 1 and stats["e4m3_at_max"] == 64
+    assert stats["saturated"] is None  # per-tile: codes at 448 are each tile's maximum, not clipping
+    assert stats["nonfinite_values"] == 1 and stats["checksum"] == "ok"
     assert stats["scale_exponents"] == {"-8": 1, "-13": 20}
     table = run("inspect", path).output
     assert "tile scale exponents" in table and "2^-13:20" in table
@@ -77,7 +79,7 @@ def test_inspect_rejects_truncated_foreign_and_missing_files(trtllm_dump: Path, 
     foreign = tmp_path / "notes.txt"
     foreign.write_text("hello, this is not a dump\n" * 3)
     one_line_error(run("inspect", foreign), 1, "not a safetensors file")
-    one_line_error(run("inspect", tmp_path / "missing.safetensors"), 1, "no such file")
+    one_line_error(run("inspect", tmp_path / "missing.safetensors"), 2, "does not exist")  # as for convert
 
 
 def test_convert_to_model1_and_back_with_loss_report(trtllm_dump: Path, tmp_path: Path):
@@ -185,11 +187,12 @@ def test_verify_passes_on_the_repository_fixtures():
 
 
 def test_verify_fails_with_exit_1_on_a_bad_fixture_dir(tmp_path: Path):
+    # a device or directory that does not exist is a usage error (exit 2), as for bench and convert
     if not torch.cuda.is_available():
-        one_line_error(run("verify", "--device", "cuda"), 1, "CUDA is not available")
-    one_line_error(run("verify", "--device", "tpu9"), 1, "device must be a torch device")
+        one_line_error(run("verify", "--device", "cuda"), 2, "no CUDA device is available")
+    one_line_error(run("verify", "--device", "tpu9"), 2, "not a torch device")
     one_line_error(run("verify", tmp_path), 1, "not found")
-    one_line_error(run("verify", tmp_path / "absent"), 1, "does not exist")
+    one_line_error(run("verify", tmp_path / "absent"), 2, "does not exist")
 
 
 def test_demo_runs_and_keeps_files_in_workdir(tmp_path: Path):

@@ -35,6 +35,31 @@ def random_pool(layout: str, num_pages: int, page_size: int, seed: int) -> torch
     return torch.randint(0, 256, size, dtype=torch.uint8, generator=g)
 
 
+def finite_codes(pool: torch.Tensor, layout: str, page_size: int) -> torch.Tensor:
+    """``pool`` with every NaN/Inf code made finite (E4M3 0x7F -> 0x7E, UE8M0 0xFF -> 0xFE, bf16
+    exponent all ones -> a smaller exponent); every other byte, pad included, is kept."""
+    lay = get_layout(layout)
+    rec = lay.pages_to_records(pool, page_size).clone()
+    for f in lay.fields:
+        raw = rec[:, f.offset : f.offset + f.nbytes]
+        if f.format == "e4m3":
+            raw[(raw & 0x7F) == 0x7F] ^= 1
+        elif f.format == "ue8m0":
+            raw[raw == 0xFF] = 0xFE
+        elif f.format == "bf16":
+            lo, hi = raw[:, 0::2], raw[:, 1::2]
+            lo[((hi & 0x7F) == 0x7F) & ((lo & 0x80) == 0x80)] &= 0x7F
+            raw[:, 0::2] = lo
+        rec[:, f.offset : f.offset + f.nbytes] = raw
+    out = pool.clone()
+    out.view(-1)[record_positions(layout, page_size, pool.shape[0], torch.arange(rec.shape[0]))] = (
+        lay.records_to_pages(rec, page_size).view(-1)[
+            record_positions(layout, page_size, pool.shape[0], torch.arange(rec.shape[0]))
+        ]
+    )
+    return out
+
+
 def record_positions(layout: str, page_size: int, num_pages: int, slots: torch.Tensor) -> torch.Tensor:
     """Boolean mask over ``pages.view(-1)`` of the bytes the records at ``slots`` occupy."""
     lay = get_layout(layout)
@@ -93,7 +118,7 @@ def test_transcode_slots_writes_converted_tokens_and_nothing_else(
 @pytest.mark.parametrize(("src", "dst", "scale"), [(MODEL1, FOOTER, None), (FOOTER, MODEL1, None), (TRT, TRT, 0.25),
                                                    ("bf16", "bf16", None)])
 def test_transcode_slots_byte_move_copies_records_including_pad(src, dst, scale):
-    pool = random_pool(src, 3, 61, seed=4)  # random bytes: NaN codes and pad bytes too are copied as is
+    pool = finite_codes(random_pool(src, 3, 61, seed=4), src, 61)  # random bytes: pad bytes too are copied as is
     src_slots = torch.tensor([0, 60, 61, 182, 100], dtype=torch.int64)
     dst_slots = torch.tensor([7, 0, 127, 64, 63], dtype=torch.int32)
     out = torch.zeros(2, get_layout(dst).page_bytes(64), dtype=torch.uint8)
@@ -103,6 +128,25 @@ def test_transcode_slots_byte_move_copies_records_including_pad(src, dst, scale)
     assert torch.equal(get_layout(dst).pages_to_records(out, 64)[dst_slots.long()], src_rec)
     untouched = ~record_positions(dst, 64, 2, dst_slots.long())
     assert not bool(out.view(-1)[untouched].any())
+
+
+@pytest.mark.parametrize(("src", "dst", "scale"), [(MODEL1, FOOTER, None), (TRT, TRT, 0.25), ("bf16", "bf16", None)])
+def test_byte_moves_refuse_nonfinite_codes(src, dst, scale):
+    """A byte move decodes nothing: the stored NaN/Inf codes are scanned and refused, by slot or index."""
+    pool = finite_codes(random_pool(src, 3, 61, seed=4), src, 61)
+    at = get_layout(src).field_offset("nope", 5, 61)  # token 66 = page 1, row 5
+    pool[1, at : at + 2] = 0xFF  # an E4M3 NaN pair, or a bf16 NaN
+    out = torch.zeros(2, get_layout(dst).page_bytes(64), dtype=torch.uint8)
+    with pytest.raises(NonFiniteError, match=r"src_slots\[2\] = slot 66"):
+        kb.transcode_slots(pool, src, out, dst, src_page_size=61, dst_page_size=64,
+                           src_slots=torch.tensor([0, 1, 66]), dst_slots=torch.tensor([0, 1, 2]),
+                           src_scale=scale, dst_scale=scale)
+    assert not bool(out.any())
+    with pytest.raises(NonFiniteError, match="first at token 66, field 'nope'"):
+        kb.transcode(pool, src, dst, src_page_size=61, dst_page_size=64, src_scale=scale, dst_scale=scale)
+    if src == MODEL1:
+        with pytest.raises(NonFiniteError, match=r"indices\[0, 1\] = 66"):
+            kb.gather_transcode(pool, src, page_size=61, indices=torch.tensor([[3, 66]]))
 
 
 def test_transcode_slots_identity_equals_whole_pool_transcode():
@@ -188,11 +232,12 @@ def test_transcode_slots_nonfinite_source_raises_and_writes_nothing():
     with pytest.raises(NonFiniteError, match=r"src_slots\[1\] = slot 5 decodes to non-finite values"):
         kb.transcode_slots(**args)
     assert torch.equal(args["dst_pages"], before)
-    # The same NaN is copied as is by a byte move (nothing is decoded).
+    # A byte move decodes nothing, but the stored NaN code is found by the byte scan all the same.
     out = torch.zeros_like(pool)
-    kb.transcode_slots(pool, TRT, out, TRT, src_page_size=4, dst_page_size=4, src_slots=torch.tensor([5]),
-                       dst_slots=torch.tensor([5]))
-    assert out[1, 512 + 9] == 0x7F
+    with pytest.raises(NonFiniteError, match=r"src_slots\[0\] = slot 5"):
+        kb.transcode_slots(pool, TRT, out, TRT, src_page_size=4, dst_page_size=4, src_slots=torch.tensor([5]),
+                           dst_slots=torch.tensor([5]))
+    assert not bool(out.any())
 
 
 # ---------------------------------------------------------------- gather_transcode

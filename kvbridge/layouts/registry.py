@@ -69,6 +69,10 @@ class Segment(NamedTuple):
     scale_offset: int
 
 
+#: Largest tokens per page accepted anywhere (engines use 2..256; a page must fit in memory).
+MAX_PAGE_SIZE = 2**20
+
+
 @dataclass(frozen=True)
 class Field:
     """One field of a token record: ``nbytes`` bytes at byte ``offset`` of the record.
@@ -280,8 +284,8 @@ class Layout:
         return self.record_bytes == other.record_bytes and self.segments == other.segments
 
     def check_page_size(self, page_size: int) -> int:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise LayoutError(f"page_size must be a positive integer, got {page_size!r}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise LayoutError(f"page_size must be a positive integer (at most {MAX_PAGE_SIZE}), got {page_size!r:.40}")
         return page_size
 
     def page_bytes(self, page_size: int) -> int:
@@ -358,6 +362,8 @@ def get_layout(name: str | Layout) -> Layout:
     """Look a layout up by name or alias (a ``Layout`` is returned as is)."""
     if isinstance(name, Layout):
         return name
+    if not isinstance(name, str):
+        raise LayoutError(f"layout must be a layout name or a Layout, got {type(name).__name__} {name!r:.60}")
     key = _ALIASES.get(name, name)
     try:
         return _REGISTRY[key]

@@ -274,6 +274,28 @@ def publish(plan: MigrationPlan, payload: Payload, dst: EnginePools) -> RequestT
     return tables
 
 
+def check_block_tables(plan: MigrationPlan, tables: object, what: str) -> None:
+    """Refuse block tables that are not ``{name: [page id, ...]}`` with every table the plan's
+    source needs, page ids integers >= 0 (or -1: released), no page named twice in a table."""
+    if not isinstance(tables, dict):
+        raise InputError(f"{what} must map block-table names to lists of page ids, got {type(tables).__name__}")
+    for name in plan.table_lengths("src"):
+        if name not in tables:
+            raise InputError(f"{what} has no block table {name!r} (it has: {', '.join(map(str, tables)) or 'none'})")
+        table = tables[name]
+        if isinstance(table, (str, bytes)) or not isinstance(table, (list, tuple)):
+            raise InputError(f"{what}[{name!r}] must be a list of page ids, got {type(table).__name__}")
+        seen: dict[int, int] = {}
+        for i, page in enumerate(table):
+            if isinstance(page, bool) or not isinstance(page, int):
+                raise InputError(f"{what}[{name!r}][{i}] is {repr(page)[:40]}, not an integer page id")
+            if page < -1:
+                raise InputError(f"{what}[{name!r}][{i}] is {page}: page ids are >= 0, or -1 for a released block")
+            if page >= 0 and page in seen:
+                raise InputError(f"{what}[{name!r}] names page {page} twice (indices {seen[page]} and {i})")
+            seen[page] = i
+
+
 def check_pools(plan: MigrationPlan, pools: EnginePools, side: str) -> None:
     """Refuse pools of another engine profile or model than ``plan``'s ``side`` (``src``/``dst``)."""
     profile = plan.src if side == "src" else plan.dst
@@ -321,6 +343,12 @@ def migrate_local(plan: MigrationPlan, src: EnginePools, src_tables: RequestTabl
     """
     if convert_on not in ("sender", "receiver"):
         raise InputError(f"convert_on must be 'sender' or 'receiver', got {convert_on!r}")
+    if not isinstance(plan, MigrationPlan):
+        raise InputError(f"plan must be a MigrationPlan (see plan_migration), got {type(plan).__name__}")
+    for pools, side in ((src, "src"), (dst, "dst")):
+        if not isinstance(pools, EnginePools):
+            raise InputError(f"{side} must be EnginePools, got {type(pools).__name__}")
+    check_block_tables(plan, src_tables, "src_tables")
     check_pools(plan, dst, "dst")
     t0 = time.perf_counter()
     payload = pack(plan, src, src_tables, convert=convert_on == "sender", loss_report=loss_report)

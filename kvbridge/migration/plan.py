@@ -264,6 +264,10 @@ class MigrationPlan:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
+#: Longest request a plan accepts (16x DeepSeek-V4's 1M-token context; block tables stay in memory).
+MAX_TOKENS = 2**24
+
+
 def plan_migration(
     src: str | EngineProfile,
     dst: str | EngineProfile,
@@ -279,10 +283,14 @@ def plan_migration(
     a ``config.json`` path or a ``ModelTopology``. ``draft_tokens`` widens the SWA tail by
     the MTP draft length. ``include_mtp`` moves the MTP layers' caches too.
     """
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise InputError(f"num_tokens must be a positive integer, got {num_tokens!r}")
-    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 0:
-        raise InputError(f"draft_tokens must be a non-negative integer, got {draft_tokens!r}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 1 <= num_tokens <= MAX_TOKENS:
+        raise InputError(f"num_tokens must be a positive integer up to {MAX_TOKENS:,}, got {repr(num_tokens)[:40]}")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 0 <= draft_tokens <= MAX_TOKENS:
+        raise InputError(
+            f"draft_tokens must be a non-negative integer up to {MAX_TOKENS:,}, got {repr(draft_tokens)[:40]}"
+        )
+    if not isinstance(model, (str, ModelTopology)):
+        raise InputError(f"model must be a preset name, a config.json path or a ModelTopology, got {repr(model)[:40]}")
     src_p, dst_p = parse_engine(src), parse_engine(dst)
     topo = get_model(model)
     check_pair(src_p, dst_p, topo, include_mtp)

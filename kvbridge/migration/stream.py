@@ -88,13 +88,15 @@ class RequestAssembly:
         self.convert_s = 0.0
         self.verify_s = 0.0
 
-    def add(self, indices: Sequence[int], payload: Payload) -> None:
-        """Verify and (if needed) convert the payload of transfers ``indices``."""
+    def add(self, indices: Sequence[int], payload: Payload, *, verified: bool = False) -> None:
+        """Verify (unless the transport already did) and, if needed, convert the payload of transfers
+        ``indices``."""
         sub = group_plan(self.plan, indices)
         if any(self.records[i] is not None for i in indices):
             raise MigrationError("a layer group arrived twice")
         t0 = time.perf_counter()
-        verify(sub, dataclasses.replace(payload, fingerprint=sub.fingerprint()))
+        if not verified:
+            verify(sub, dataclasses.replace(payload, fingerprint=sub.fingerprint()))
         t1 = time.perf_counter()
         side = "sender" if payload.converted else "receiver"
         if self.converted_on not in (None, side):

@@ -225,3 +225,13 @@ def run_command(
         kv = "lossless" if report.kv_lossless else f"max abs error {report.kv_max_abs_error:g}"
         loss = f"KV {kv}; indexer max abs error {report.indexer_max_abs_error:g}"
     console.print(f"payload {_mib(report.payload_bytes)} MiB in {report.transfers} transfers; {loss}")
+
+
+def _register_network_commands() -> None:
+    from cli.migrate_net_cmd import COMMANDS
+
+    for cmd in COMMANDS:
+        command.add_command(cmd)
+
+
+_register_network_commands()

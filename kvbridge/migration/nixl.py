@@ -68,7 +68,6 @@ from kvbridge.migration.execute import (
 from kvbridge.migration.plan import MigrationPlan, Transfer
 from kvbridge.migration.pools import EnginePools, RequestTables, _runs
 from kvbridge.migration.stream import RequestAssembly, check_groups, layer_groups, pack_group
-from kvbridge.topology import ModelTopology
 
 #: Seconds an agent process gets to start (spawn + imports + UCX backend), and to answer a call.
 AGENT_START_S = 60.0
@@ -1008,8 +1007,3 @@ def send_request(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *
     with NixlSender(host, port, timeout=timeout) as sender:
         return sender.send_request(plan, src, tables, **kwargs)
 
-
-def model_for(info: dict, model: ModelTopology) -> ModelTopology:
-    """``model`` cut to the sender's layer count when the sender announced fewer layers."""
-    n = info.get("num_layers")
-    return model.with_layers(n) if isinstance(n, int) and 0 < n < model.num_layers else model

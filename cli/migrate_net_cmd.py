@@ -54,7 +54,7 @@ def _model(ctx: click.Context, param: click.Parameter, value: str) -> str:
 
 def _address(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, int]:
     try:
-        host, port = parse_address(value, default_port=DEFAULT_PORT)
+        host, port = parse_address(value, default_port=DEFAULT_PORT, listen=param.name == "listen")
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     return host, port

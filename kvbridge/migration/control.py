@@ -163,14 +163,17 @@ class Listener:
         self.sock.close()
 
 
-def parse_address(text: str, default_port: int | None = None) -> tuple[str, int]:
-    """``host:port`` (or ``[v6]:port``) -> (host, port); ``ValueError`` with a readable message."""
+def parse_address(text: str, default_port: int | None = None, *, listen: bool = False) -> tuple[str, int]:
+    """``host:port`` (or ``[v6]:port``) -> (host, port); ``ValueError`` with a readable message.
+
+    ``listen`` allows port 0 (any free port)."""
     host, sep, port = text.rpartition(":")
     if not sep:
         if default_port is None:
             raise ValueError(f"expected HOST:PORT, got {text!r}")
         host, port = text, str(default_port)
     host = host.strip("[]") or "127.0.0.1"
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {text!r}")
+    low = 0 if listen else 1
+    if not port.isdigit() or not low <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT with a port in {low}..65535, got {text!r}")
     return host, int(port)

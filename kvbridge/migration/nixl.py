@@ -884,10 +884,23 @@ class _Connection:
     def post(self, g: int, pieces: Sequence[Piece], header: dict) -> None:
         """Post group ``g``'s WRITE of staged ``pieces``, then complete the previous group."""
         local, remote = _descriptors(pieces, self.base, self.regions)
-        self.agent.call(f"posting group {g + 1}", "write", g, local, remote, self.remote,
-                        f"kvb:{self.request_id}:{g}".encode())
-        self._complete()
+        try:
+            self.agent.call(f"posting group {g + 1}", "write", g, local, remote, self.remote,
+                            f"kvb:{self.request_id}:{g}".encode())
+            self._complete()
+        except TransferError:
+            self._raise_peer_error()
+            raise
         self.pending = (g, sum(p[3] for p in pieces), header)
+
+    def _raise_peer_error(self) -> None:
+        """After a failure on this side: raise the receiver's own error instead, if it sent one."""
+        try:
+            message, _ = self.chan.recv(min(self.deadline, time.monotonic() + 2.0), "the receiver's error")
+        except KVBridgeError:
+            return
+        if message.get("type") in ("error", "refuse"):
+            raise MigrationError(str(message.get("error", "the receiver gave no reason"))) from None
 
     def _complete(self) -> None:
         if self.pending is None:
@@ -908,8 +921,12 @@ class _Connection:
             self.progress(self.sent, self.total)
 
     def finish(self) -> dict:
-        self._complete()
-        self.chan.send({"type": "done"}, deadline=self.deadline)
+        try:
+            self._complete()
+            self.chan.send({"type": "done"}, deadline=self.deadline)
+        except TransferError:
+            self._raise_peer_error()
+            raise
         result, _ = self.chan.expect("result", self.deadline, "the receiver's verdict")
         self._drop()
         return dict(result.get("summary", {}))

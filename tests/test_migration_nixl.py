@@ -1,0 +1,434 @@
+"""NIXL migration between real processes over loopback (UCX, DRAM to DRAM), and its faults.
+
+Two receiver processes serve for the whole module: one with SGLang pools, one with
+TensorRT-LLM FP8 pools (tokens_per_block 128). Sender processes send them, in order:
+
+- receiver A (SGLang): TensorRT-LLM -> SGLang converted on the receiver (staging buffer), the
+  same converted on the sender (page-index writes into A's pools), a request for a different
+  plan, a page corrupted in flight, a non-kvbridge peer, a sender killed mid-request, a sender
+  that stalls past A's timeout, and a last good request: A keeps serving after every fault;
+- receiver B (TensorRT-LLM): SGLang -> TensorRT-LLM converted on each side.
+
+The request is 3000 tokens of DeepSeek-V4-Flash cut to 4 layers (+ MTP), streamed one layer
+per group. Every process runs under a hard deadline and every receive under its own timeout.
+The CLI test runs `kvbridge migrate serve` / `send` as processes: a dump sent either way is
+written exactly as `kvbridge convert` writes it, and a refused request shows in exit codes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as tmp
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from kvbridge import indexer as ix
+from kvbridge.errors import KVBridgeError
+from kvbridge.migration import EnginePools, gather_records, plan_migration, source_request
+from kvbridge.migration import nixl as nx
+from kvbridge.topology import FLASH
+
+pytestmark = pytest.mark.skipif(not nx.nixl_available(), reason="needs the nixl extra: pip install 'kvbridge[nixl]'")
+
+MODEL = FLASH.with_layers(4)
+TOKENS = 3000
+TRTLLM, SGLANG = "trtllm:fp8:tpb=128", "sglang"
+RECV_TIMEOUT_S = 40.0
+STALL_TIMEOUT_S = 6.0
+#: Receiver A's requests, in order, and the timeout it gives each.
+A_SCENARIOS = ["fwd-receiver", "fwd-sender", "other-plan", "corrupt", "foreign", "killed", "stalled", "after-faults"]
+B_SCENARIOS = ["rev-receiver", "rev-sender"]
+STEP_TIMEOUT_S = 120
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _plan(src: str, dst: str):
+    return plan_migration(src, dst, MODEL, TOKENS)
+
+
+def _pools(engine: str) -> EnginePools:
+    cap = plan_migration(engine, engine, MODEL, TOKENS).held_pages("dst")
+    return EnginePools.create(engine, MODEL, {k: v + 3 for k, v in cap.items()}, seed=5)
+
+
+def _receiver_main(engine: str, timeouts: list[float], addr_q, done_q, out_dir: str, tag: str) -> None:
+    dst = _pools(engine)
+
+    def plan_for(info: dict):
+        return plan_migration(info["src"], engine, MODEL, int(info["num_tokens"]))
+
+    with nx.NixlReceiver(dst, plan=plan_for) as rx:
+        addr_q.put(rx.address)
+        for k, timeout in enumerate(timeouts):
+            before = dst.num_free()
+            meta: dict[str, str] = {"free_before": json.dumps(before)}
+            tensors = {}
+            try:
+                got = rx.receive(timeout=timeout, accept_timeout=STEP_TIMEOUT_S)
+                assert got is not None and got.report is not None and got.tables is not None
+                meta.update(tables=json.dumps(got.tables), report=json.dumps(got.report.to_dict()))
+                tensors = {f"{layer}.{role.value}": t.clone() for (layer, role), t in dst.pools.items()}
+                for t in dst.pools.values():
+                    t.zero_()
+                dst.release(got.tables)
+            except KVBridgeError as exc:
+                meta["error"] = f"{type(exc).__name__}: {exc}"
+                meta["all_zero"] = str(not any(bool(t.any()) for t in dst.pools.values()))
+            meta["free_after"] = json.dumps(dst.num_free())
+            save_file(tensors, f"{out_dir}/{tag}{k}.safetensors", metadata=meta)
+            done_q.put((tag, k))
+
+
+def _send(addr, src: str, dst: str, seed: int, convert_on: str, sender: nx.NixlSender | None = None) -> dict:
+    plan = _plan(src, dst)
+    pools, tables = source_request(plan, spare_pages=2, seed=seed)
+    own = sender is None
+    sender = sender or nx.NixlSender(*addr, timeout=RECV_TIMEOUT_S)
+    try:
+        return sender.send_request(plan, pools, tables, convert_on=convert_on)
+    finally:
+        if own:
+            sender.close()
+
+
+def _sender_main(addr_a, addr_b, result_q) -> None:
+    """Good requests both ways, a different plan, and a corrupted page, from one reused sender per peer."""
+    results = {}
+    with nx.NixlSender(*addr_a, timeout=RECV_TIMEOUT_S) as to_a, nx.NixlSender(*addr_b, timeout=RECV_TIMEOUT_S) as to_b:
+        results["fwd-receiver"] = _send(addr_a, TRTLLM, SGLANG, 11, "receiver", to_a)
+        results["fwd-sender"] = _send(addr_a, TRTLLM, SGLANG, 12, "sender", to_a)
+        results["rev-receiver"] = _send(addr_b, SGLANG, TRTLLM, 13, "receiver", to_b)
+        results["rev-sender"] = _send(addr_b, SGLANG, TRTLLM, 14, "sender", to_b)
+        try:
+            _send(addr_a, TRTLLM, "vllm", 15, "receiver", to_a)  # A serves SGLang: a different plan
+            results["other-plan"] = "no error"
+        except KVBridgeError as exc:
+            results["other-plan"] = f"{type(exc).__name__}: {exc}"
+        post = nx._Connection.post
+
+        def corrupting_post(self, g, pieces, header):
+            if g == 2:  # one bit of group 3 flips after its checksums were taken, before the wire
+                self.staged[pieces[0][0] + 5] ^= 0x10
+            return post(self, g, pieces, header)
+
+        nx._Connection.post = corrupting_post
+        try:
+            _send(addr_a, TRTLLM, SGLANG, 16, "sender", to_a)
+            results["corrupt"] = "no error"
+        except KVBridgeError as exc:
+            results["corrupt"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            nx._Connection.post = post
+    result_q.put(results)
+
+
+def _stalling_sender_main(addr, started) -> None:
+    plan = _plan(TRTLLM, SGLANG)
+    pools, tables = source_request(plan, spare_pages=2, seed=17)
+    sender = nx.NixlSender(*addr, timeout=300)
+    stream = sender.start_request(plan, pools, tables, convert_on="sender")
+    for _ in range(3):  # the third call completes group 2: groups 1 and 2 reach the receiver
+        stream.send_group()
+    started.set()
+    time.sleep(300)  # killed here by the test, mid-request
+
+
+def _last_sender_main(addr, result_q) -> None:
+    result_q.put(_send(addr, TRTLLM, SGLANG, 18, "sender"))
+
+
+def _wait(q, what: str, timeout: float = STEP_TIMEOUT_S):
+    try:
+        return q.get(timeout=timeout)
+    except Exception:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nixl")
+    ctx = tmp.get_context("spawn")
+    addr_q, done_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    timeouts_a = [STALL_TIMEOUT_S if s == "stalled" else RECV_TIMEOUT_S for s in A_SCENARIOS]
+    procs = [ctx.Process(target=_receiver_main, args=(SGLANG, timeouts_a, addr_q, done_q, str(out), "A")),
+             ctx.Process(target=_receiver_main, args=(TRTLLM, [RECV_TIMEOUT_S] * 2, addr_q, done_q, str(out), "B"))]
+    procs[0].start()
+    addr_a = _wait(addr_q, "receiver A")
+    procs[1].start()
+    addr_b = _wait(addr_q, "receiver B")
+    done: set[tuple[str, int]] = set()
+
+    def wait_done(tag: str, k: int) -> None:
+        while (tag, k) not in done:
+            done.add(_wait(done_q, f"receiver {tag} request {k}"))
+
+    info: dict = {}
+    try:
+        sender = ctx.Process(target=_sender_main, args=(addr_a, addr_b, result_q))
+        procs.append(sender)
+        sender.start()
+        info["sender"] = _wait(result_q, "the sender's results", 4 * STEP_TIMEOUT_S)
+        wait_done("A", 3)
+        with socket.create_connection(addr_a, timeout=30) as s:  # a foreign peer
+            s.sendall(b"GET / HTTP/1.1\r\nHost: kvbridge\r\n\r\n")
+            s.settimeout(30)
+            info["foreign_reply"] = s.recv(1 << 16)
+        wait_done("A", 4)
+        for mode in ("killed", "stalled"):
+            started = ctx.Event()
+            p = ctx.Process(target=_stalling_sender_main, args=(addr_a, started))
+            procs.append(p)
+            p.start()
+            assert started.wait(STEP_TIMEOUT_S), f"{mode} sender never started"
+            info[f"{mode}_at"] = time.monotonic()
+            if mode == "killed":
+                p.kill()
+            wait_done("A", A_SCENARIOS.index(mode))
+            info[f"{mode}_after_s"] = time.monotonic() - info[f"{mode}_at"]
+            p.kill()
+        last = ctx.Process(target=_last_sender_main, args=(addr_a, result_q))
+        procs.append(last)
+        last.start()
+        info["last"] = _wait(result_q, "the last sender")
+        wait_done("A", len(A_SCENARIOS) - 1)
+        wait_done("B", len(B_SCENARIOS) - 1)
+        for p in procs[:2]:
+            p.join(30)
+        info["exitcodes"] = [p.exitcode for p in procs[:2]]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return out, info
+
+
+def _load(out: Path, tag: str, name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    k = (A_SCENARIOS if tag == "A" else B_SCENARIOS).index(name)
+    path = out / f"{tag}{k}.safetensors"
+    with safe_open(str(path), "pt") as fh:
+        meta = fh.metadata()
+    return load_file(str(path)), meta
+
+
+def _expected_records(t, src_records: torch.Tensor) -> torch.Tensor:
+    """What the reference codecs write at the destination for the source entries."""
+    if t.src.kind == "kv":
+        values = t.src.layout.codec.decode(src_records, scale=t.src.scale or 1.0)
+        return t.dst.layout.codec.encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
+    if t.src.kind == "indexer":
+        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer), t.dst.indexer, t.dst.dialect)
+    return src_records
+
+
+def _check_request(out: Path, tag: str, name: str, pair: tuple[str, str], seed: int, converted_on: str) -> dict:
+    tensors, meta = _load(out, tag, name)
+    assert "error" not in meta, meta.get("error")
+    plan = _plan(*pair)
+    tables = json.loads(meta["tables"])
+    report = json.loads(meta["report"])
+    assert report["converted_on"] == converted_on
+    assert report["payload_bytes"] == sum(t.dst_bytes if converted_on == "sender" else t.src_bytes
+                                          for t in plan.transfers)
+    src, src_tables = source_request(plan, spare_pages=2, seed=seed)
+    claimed = {name: {i for i in ids if i >= 0} for name, ids in tables.items()}
+    for t in plan.transfers:
+        pool = tensors[f"{t.spec.layer}.{t.spec.role.value}"]
+        want = _expected_records(t, gather_records(src.pool(t.spec), t.src, src_tables[t.src.table], t.first, t.count))
+        got = gather_records(pool, t.dst, tables[t.dst.table], t.first, t.count)
+        assert torch.equal(got, want), f"layer {t.spec.layer} {t.spec.role.value}"
+        outside = [i for i in range(pool.shape[0]) if i not in claimed[t.dst.table]]
+        assert not bool(pool[outside].any()), "bytes written outside the request's pages"
+    return report
+
+
+def test_receivers_exit_cleanly(results):
+    _, info = results
+    assert info["exitcodes"] == [0, 0]
+
+
+def test_trtllm_to_sglang_converted_on_receiver_bytes_match_reference(results):
+    out, info = results
+    report = _check_request(out, "A", "fwd-receiver", (TRTLLM, SGLANG), 11, "receiver")
+    assert report["kv_lossless"] is True  # per-tensor E4M3 at scale 1 -> MODEL1 loses nothing
+    assert info["sender"]["fwd-receiver"]["payload_bytes"] == report["payload_bytes"]
+
+
+def test_trtllm_to_sglang_converted_on_sender_written_by_page_index(results):
+    out, _ = results
+    _check_request(out, "A", "fwd-sender", (TRTLLM, SGLANG), 12, "sender")
+
+
+@pytest.mark.parametrize(("name", "seed", "side"), [("rev-receiver", 13, "receiver"), ("rev-sender", 14, "sender")])
+def test_sglang_to_trtllm_both_sides_bytes_match_reference(results, name, seed, side):
+    out, _ = results
+    report = _check_request(out, "B", name, (SGLANG, TRTLLM), seed, side)
+    # MODEL1 -> per-tensor E4M3 at scale 1 cannot hold the 2^-12-scaled tokens exactly.
+    assert report["kv_lossless"] is False and report["kv_max_abs_error"] > 0
+
+
+def _check_refused(out: Path, name: str) -> str:
+    _, meta = _load(out, "A", name)
+    error = meta.get("error", "no error")
+    assert "\n" not in error
+    assert meta["free_after"] == meta["free_before"], "pages stayed claimed"
+    assert meta["all_zero"] == "True", "bytes of a failed request stayed in the pools"
+    return error
+
+
+def test_different_plan_is_refused_on_both_sides(results):
+    out, info = results
+    error = _check_refused(out, "other-plan")
+    assert error.startswith("MigrationError: refused request "), error
+    assert "plan fingerprints differ" in error and "vllm" in error
+    assert info["sender"]["other-plan"].startswith("MigrationError: refused request ")
+
+
+def test_page_corrupted_in_flight_is_detected_and_nothing_is_claimed(results):
+    out, info = results
+    error = _check_refused(out, "corrupt")
+    assert error.startswith("ChecksumError: checksum mismatch in layer 2 "), error
+    assert "destination page run" in error and error.endswith("nothing was published")
+    assert info["sender"]["corrupt"].startswith("MigrationError: checksum mismatch in layer 2 ")
+
+
+def test_non_kvbridge_peer_is_refused_with_one_line(results):
+    out, info = results
+    error = _check_refused(out, "foreign")
+    assert re.match(r"MigrationError: refused 127\.0\.0\.1:\d+: not a kvbridge migration peer \(it sent b'G'\)",
+                    error), error
+    assert b"not a kvbridge migration peer" in info["foreign_reply"]
+
+
+def test_sender_killed_mid_request_is_a_transfer_error(results):
+    out, info = results
+    error = _check_refused(out, "killed")
+    assert error.startswith("TransferError: 127.0.0.1:") and "closed the connection before group 3/5" in error, error
+    assert info["killed_after_s"] < RECV_TIMEOUT_S  # noticed at once, not at the timeout
+
+
+def test_stalled_sender_is_a_transfer_error_within_the_timeout(results):
+    out, info = results
+    error = _check_refused(out, "stalled")
+    assert error.startswith("TransferError: timed out waiting for group 3/5"), error
+    assert info["stalled_after_s"] < STALL_TIMEOUT_S + 10
+
+
+def test_receiver_keeps_serving_after_every_fault(results):
+    out, info = results
+    _check_request(out, "A", "after-faults", (TRTLLM, SGLANG), 18, "sender")
+    assert info["last"]["converted_on"] == "sender"
+
+
+def test_descriptors_merge_adjacent_pages():
+    """A run of whole, adjacent destination pages without padding is one descriptor."""
+    plan = _plan(SGLANG, TRTLLM)
+    t = next(t for t in plan.transfers if t.spec.role.value == "compress" and t.spec.ratio == 4)
+    pages = -(-t.count // t.dst.page_size)
+    chunks = [c for c, _ in nx._pool_chunks(t, list(range(pages)), pages)]
+    local, remote = nx._descriptors(nx._pieces_of(chunks, 0), 1 << 20, {nx._pool_key(t): 1 << 30})
+    assert t.dst.page_bytes == t.dst.page_size * t.dst.record_bytes and t.dst.split is None
+    assert len(chunks) == pages and local.shape == (1, 3) and remote.shape == (1, 3)
+    assert int(local[0, 1]) == int(remote[0, 1]) == t.count * t.dst.record_bytes
+    scattered = [c for c, _ in nx._pool_chunks(t, list(range(pages))[::-1], pages)]
+    assert nx._descriptors(nx._pieces_of(scattered, 0), 0, {nx._pool_key(t): 0})[0].shape == (pages, 3)
+
+
+# --- the two commands -------------------------------------------------------------------------
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cli.main", *args]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def _start_serve(*args: str) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen(_cli("migrate", "serve", "--listen", "127.0.0.1:0", *args), cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline() if proc.stderr else ""
+    match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+    if not match:
+        proc.kill()
+        raise AssertionError(f"serve did not start: {line!r}")
+    return proc, int(match.group(1))
+
+
+def _safetensors_parts(path: Path) -> tuple[dict, bytes]:
+    """(header as JSON, data bytes): safetensors writes its metadata map in a per-process order."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def _make_dump(path: Path) -> None:
+    import kvbridge
+    from kvbridge.dump import DumpEntry, write_dump
+
+    gen = torch.Generator().manual_seed(3)
+    entries = []
+    for layer in range(3):
+        for role, n, ratio in (("swa", 300, None), ("compress", 75, 4)):
+            x = torch.randn(n, 512, generator=gen).bfloat16().float()
+            x[::7] *= 2.0**-12
+            pages = kvbridge.encode(x, "trtllm-fp8", page_size=64, scale=1.0)
+            entries.append(DumpEntry(layer, role, pages, "trtllm-fp8", 64, n, 1.0, None, ratio))
+    entries.append(DumpEntry(9, "latent", torch.randn(100, 512, generator=gen).bfloat16()))
+    write_dump(path, entries, attrs={"model": "deepseek-v4-flash", "request": "r1"})
+
+
+def test_cli_dump_to_dump_reproduces_convert_bytes_and_refusals_show_in_exit_codes(tmp_path):
+    from cli.main import cli
+
+    src, reference, out = tmp_path / "in.safetensors", tmp_path / "ref.safetensors", tmp_path / "out"
+    out.mkdir()
+    _make_dump(src)
+    ran = CliRunner().invoke(cli, ["convert", str(src), str(reference), "--to", "flashmla-model1",
+                                   "--page-size", "64"])
+    assert ran.exit_code == 0, ran.output
+    serve, port = _start_serve("--to", "flashmla-model1", "--page-size", "64", "--out", str(out),
+                               "--engine", "sglang", "--layers", "4", "--max-requests", "4", "--json")
+    try:
+        peer = f"127.0.0.1:{port}"
+        sends = [
+            _cli("migrate", "send", str(src), "--peer", peer),
+            _cli("migrate", "send", str(src), "--peer", peer, "--to", "flashmla-model1", "--page-size", "64",
+                 "--convert-on", "sender", "--name", "sender.safetensors"),
+            _cli("migrate", "send", "--peer", peer, "--from", TRTLLM, "--to", SGLANG, "--layers", "4",
+                 "--tokens", str(TOKENS), "--json"),
+            _cli("migrate", "send", "--peer", peer, "--from", TRTLLM, "--to", "vllm", "--layers", "4",
+                 "--tokens", str(TOKENS)),
+        ]
+        done = [subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+                for cmd in sends]
+        stdout, stderr = serve.communicate(timeout=STEP_TIMEOUT_S)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait(5)
+    assert [d.returncode for d in done] == [0, 0, 0, 1], [d.stderr for d in done]
+    assert done[3].stderr.count("\n") == 1 and "plan fingerprints differ" in done[3].stderr
+    assert json.loads(done[2].stdout)["receiver"]["converted_on"] == "receiver"
+    assert serve.returncode == 1  # one of its four requests failed
+    lines = [json.loads(line) for line in stdout.splitlines()]
+    assert [line["kind"] for line in lines] == ["dump", "dump", "request", "error"]
+    assert "plan fingerprints differ" in lines[3]["error"] and stderr.count("MigrationError") == 1
+    want = _safetensors_parts(reference)
+    for name in ("in.safetensors", "sender.safetensors"):
+        got = _safetensors_parts(out / name)
+        assert got[0] == want[0], name  # same header: entries, attrs, tensor offsets
+        assert got[1] == want[1], name  # same tensor bytes

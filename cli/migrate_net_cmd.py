@@ -152,8 +152,9 @@ def serve_command(listen: tuple[str, int], transport: str, engine: str | None, m
     topo = _topology(model, layers)
     dst = None
     if engine is not None:
+        # +1 page per table: a shorter request's window can straddle one more page boundary
         cap = plan_migration(engine, engine, topo, max_tokens).held_pages("dst")
-        dst = EnginePools.create(engine, topo, cap)
+        dst = EnginePools.create(engine, topo, {name: n + 1 for name, n in cap.items()})
 
     def plan_for(info: dict):
         return plan_migration(info["src"], engine, topo, int(info["num_tokens"]),

@@ -9,8 +9,10 @@ TensorRT-LLM FP8 pools (tokens_per_block 128). Sender processes send them, in or
   that stalls past A's timeout, and a last good request: A keeps serving after every fault;
 - receiver B (TensorRT-LLM): SGLang -> TensorRT-LLM converted on each side.
 
-The request is 3000 tokens of DeepSeek-V4-Flash cut to 4 layers (+ MTP), streamed one layer
-per group. Every process runs under a hard deadline and every receive under its own timeout.
+The request is 1100 tokens of DeepSeek-V4-Flash cut to 4 layers (+ MTP), streamed one layer
+per group: ratios [0, 0, 4, 128] + [0], so 275 C4 entries and indexer keys, 8 C128 entries,
+compressor state of both ratios, and a 128-token SWA window across a page boundary (1024) in
+both engines. Every process runs under a hard deadline and every receive under its own timeout.
 The CLI test runs `kvbridge migrate serve` / `send` as processes: a dump sent either way is
 written exactly as `kvbridge convert` writes it, and a refused request shows in exit codes.
 """
@@ -43,7 +45,7 @@ from kvbridge.topology import FLASH
 pytestmark = pytest.mark.skipif(not nx.nixl_available(), reason="needs the nixl extra: pip install 'kvbridge[nixl]'")
 
 MODEL = FLASH.with_layers(4)
-TOKENS = 3000
+TOKENS = 1100
 TRTLLM, SGLANG = "trtllm:fp8:tpb=128", "sglang"
 RECV_TIMEOUT_S = 40.0
 STALL_TIMEOUT_S = 6.0
@@ -70,7 +72,7 @@ def _receiver_main(engine: str, timeouts: list[float], addr_q, done_q, out_dir: 
         return plan_migration(info["src"], engine, MODEL, int(info["num_tokens"]))
 
     with nx.NixlReceiver(dst, plan=plan_for) as rx:
-        addr_q.put(rx.address)
+        addr_q.put((tag, rx.address))
         for k, timeout in enumerate(timeouts):
             before = dst.num_free()
             meta: dict[str, str] = {"free_before": json.dumps(before)}
@@ -134,19 +136,24 @@ def _sender_main(addr_a, addr_b, result_q) -> None:
     result_q.put(results)
 
 
-def _stalling_sender_main(addr, started) -> None:
+def _fault_sender_main(addr, go, started, result_q, mode: str) -> None:
+    """Ready (request built, agent started) before ``go``; then a good request, or one that stops
+    after group 3 is posted: the test kills it there ("killed") or lets it hang ("stalled")."""
     plan = _plan(TRTLLM, SGLANG)
-    pools, tables = source_request(plan, spare_pages=2, seed=17)
-    sender = nx.NixlSender(*addr, timeout=300)
+    pools, tables = source_request(plan, spare_pages=2, seed=18 if mode == "last" else 17)
+    sender = nx.NixlSender(*addr, timeout=300 if mode != "last" else RECV_TIMEOUT_S)
+    sender.warm_up(sum(t.dst_bytes for t in plan.transfers))
+    started.set()
+    go.wait(4 * STEP_TIMEOUT_S)
+    if mode == "last":
+        result_q.put(sender.send_request(plan, pools, tables, convert_on="sender"))
+        sender.close()
+        return
     stream = sender.start_request(plan, pools, tables, convert_on="sender")
     for _ in range(3):  # the third call completes group 2: groups 1 and 2 reach the receiver
         stream.send_group()
-    started.set()
+    result_q.put(mode)
     time.sleep(300)  # killed here by the test, mid-request
-
-
-def _last_sender_main(addr, result_q) -> None:
-    result_q.put(_send(addr, TRTLLM, SGLANG, 18, "sender"))
 
 
 def _wait(q, what: str, timeout: float = STEP_TIMEOUT_S):
@@ -164,10 +171,10 @@ def results(tmp_path_factory):
     timeouts_a = [STALL_TIMEOUT_S if s == "stalled" else RECV_TIMEOUT_S for s in A_SCENARIOS]
     procs = [ctx.Process(target=_receiver_main, args=(SGLANG, timeouts_a, addr_q, done_q, str(out), "A")),
              ctx.Process(target=_receiver_main, args=(TRTLLM, [RECV_TIMEOUT_S] * 2, addr_q, done_q, str(out), "B"))]
-    procs[0].start()
-    addr_a = _wait(addr_q, "receiver A")
-    procs[1].start()
-    addr_b = _wait(addr_q, "receiver B")
+    for p in procs:
+        p.start()
+    addrs = dict(_wait(addr_q, "a receiver's address") for _ in procs)
+    addr_a, addr_b = addrs["A"], addrs["B"]
     done: set[tuple[str, int]] = set()
 
     def wait_done(tag: str, k: int) -> None:
@@ -176,9 +183,14 @@ def results(tmp_path_factory):
 
     info: dict = {}
     try:
-        sender = ctx.Process(target=_sender_main, args=(addr_a, addr_b, result_q))
-        procs.append(sender)
-        sender.start()
+        procs.append(ctx.Process(target=_sender_main, args=(addr_a, addr_b, result_q)))
+        faults = {}
+        for mode in ("killed", "stalled", "last"):  # start now, send later: their start-up overlaps the rest
+            go, started, q = ctx.Event(), ctx.Event(), ctx.Queue()
+            faults[mode] = (ctx.Process(target=_fault_sender_main, args=(addr_a, go, started, q, mode)), go, started, q)
+            procs.append(faults[mode][0])
+        for p in procs[2:]:
+            p.start()
         info["sender"] = _wait(result_q, "the sender's results", 4 * STEP_TIMEOUT_S)
         wait_done("A", 3)
         with socket.create_connection(addr_a, timeout=30) as s:  # a foreign peer
@@ -187,21 +199,19 @@ def results(tmp_path_factory):
             info["foreign_reply"] = s.recv(1 << 16)
         wait_done("A", 4)
         for mode in ("killed", "stalled"):
-            started = ctx.Event()
-            p = ctx.Process(target=_stalling_sender_main, args=(addr_a, started))
-            procs.append(p)
-            p.start()
-            assert started.wait(STEP_TIMEOUT_S), f"{mode} sender never started"
+            p, go, started, q = faults[mode]
+            assert started.wait(STEP_TIMEOUT_S), f"{mode} sender never got ready"
+            go.set()
+            assert _wait(q, f"the {mode} sender's third group") == mode
             info[f"{mode}_at"] = time.monotonic()
             if mode == "killed":
                 p.kill()
             wait_done("A", A_SCENARIOS.index(mode))
             info[f"{mode}_after_s"] = time.monotonic() - info[f"{mode}_at"]
             p.kill()
-        last = ctx.Process(target=_last_sender_main, args=(addr_a, result_q))
-        procs.append(last)
-        last.start()
-        info["last"] = _wait(result_q, "the last sender")
+        p, go, started, q = faults["last"]
+        go.set()
+        info["last"] = _wait(q, "the last sender")
         wait_done("A", len(A_SCENARIOS) - 1)
         wait_done("B", len(B_SCENARIOS) - 1)
         for p in procs[:2]:

@@ -11,6 +11,7 @@ caller's deadline, and a closed or reset connection is a ``TransferError``.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import struct
 import time
@@ -92,6 +93,14 @@ class Channel:
         if message["type"] != kind:
             raise MigrationError(f"{self.peer} sent {message['type']!r} where {what} ({kind!r}) was due")
         return message, blob
+
+    def readable(self, timeout: float) -> bool:
+        """Whether a message (or the peer's close) is waiting, after at most ``timeout`` seconds."""
+        try:
+            ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
+        except (OSError, ValueError):
+            return True  # the next read reports what broke
+        return bool(ready)
 
     def close(self) -> None:
         try:

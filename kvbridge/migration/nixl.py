@@ -34,10 +34,12 @@ that grows to the largest request. DRAM only in this version.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import sys
 import time
 import uuid
 import zlib
@@ -105,7 +107,7 @@ def _agent_main(conn, name: str) -> None:
         try:
             from nixl._api import nixl_agent, nixl_agent_config
 
-            agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+            agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         except Exception as exc:
             conn.send(("err", f"cannot start a NIXL agent ({_first_line(exc)}); install it with "
                               "pip install 'kvbridge[nixl]'"))
@@ -159,24 +161,46 @@ def _agent_op(agent, regions: dict, xfers: dict, op: str, args: tuple) -> Any:
         xid, timeout = args
         handle = xfers[xid]
         deadline = time.monotonic() + timeout
+        pause = 1e-5
         while True:
             state = agent.check_xfer_state(handle)
             if state != "PROC":
                 break
             if time.monotonic() > deadline:
                 return "PROC"
-            time.sleep(0.0002)
+            time.sleep(pause)
+            pause = min(2 * pause, 2e-3)
         agent.release_xfer_handle(xfers.pop(xid))
         return state
     if op == "notifs":
         (timeout,) = args
         deadline = time.monotonic() + timeout
+        pause = 1e-5
         while True:
             got = agent.get_new_notifs()
             if any(got.values()) or time.monotonic() > deadline:
                 return [m for msgs in got.values() for m in msgs]
-            time.sleep(0.0005)
+            time.sleep(pause)
+            pause = min(2 * pause, 2e-3)
     raise ValueError(f"unknown agent command {op!r}")
+
+
+@contextlib.contextmanager
+def _main_hidden():
+    """Start a spawned child without re-running the user's ``__main__`` (the agent needs nothing from
+    it, and a script without an ``if __name__ == "__main__"`` guard would run again in the child)."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        for k in saved:
+            if k == "__spec__":
+                main.__spec__ = None
+            else:
+                del main.__dict__[k]
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
 
 
 class _Agent:
@@ -187,7 +211,8 @@ class _Agent:
         self.name = name
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_agent_main, args=(child, name), daemon=True, name=f"kvbridge-nixl-{name}")
-        self.proc.start()
+        with _main_hidden():
+            self.proc.start()
         child.close()
         self._reply(AGENT_START_S, "starting")
         self.addresses: dict[str, int] = {}
@@ -563,26 +588,32 @@ class _Session:
         self.chan.send({"type": "accept", "agent": agent.name, "regions": addr, **extra}, mine,
                        deadline=self.deadline)
 
-    def _wait_notif(self, tag: bytes) -> None:
+    def _groups(self, hello: dict):
+        """Yield (g, group header) once group g's data landed: its header arrived and its notification
+        was seen. The agent is polled meanwhile (it has no progress thread: polling is what moves
+        the data on this side), the connection watched for a dead sender."""
         agent = self.rx.agent
         assert agent is not None
-        while tag not in self.notifs:
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransferError(f"timed out waiting for NIXL data of {tag.decode()} from {self.chan.peer}; "
-                                    "nothing was published")
-            got = agent.call("waiting for notifications", "notifs", min(0.2, remaining),
-                             timeout=min(0.2, remaining) + AGENT_CALL_S)
-            self.notifs.update(got)
-
-    def _groups(self, hello: dict):
-        """Yield (g, group header) once group g's data landed (header received and notification seen)."""
         groups = hello["groups"]
         for g in range(len(groups)):
-            head, _ = self.chan.expect("group", self.deadline, f"group {g + 1}/{len(groups)}'s checksums")
-            if head.get("g") != g:
-                raise MigrationError(f"{self.chan.peer} sent group {head.get('g')} where group {g} was due")
-            self._wait_notif(f"kvb:{hello['request_id']}:{g}".encode())
+            what = f"group {g + 1}/{len(groups)}'s checksums"
+            tag = f"kvb:{hello['request_id']}:{g}".encode()
+            head = None
+            while head is None or tag not in self.notifs:
+                remaining = self.deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferError(f"timed out waiting for {what} from {self.chan.peer}; nothing was published")
+                if head is None and self.chan.readable(0.0):
+                    head, _ = self.chan.expect("group", self.deadline, what)
+                    if head.get("g") != g:
+                        raise MigrationError(f"{self.chan.peer} sent group {head.get('g')} where group {g} was due")
+                    continue
+                if tag not in self.notifs:
+                    step = min(0.05, remaining)
+                    self.notifs.update(agent.call("waiting for notifications", "notifs", step,
+                                                  timeout=step + AGENT_CALL_S))
+                else:
+                    self.chan.readable(min(0.05, remaining))
             yield g, head
 
     def _check(self, chunks: Sequence[_Chunk], crcs: Sequence[int], what: Callable[[int], str]) -> None:
@@ -769,6 +800,11 @@ class NixlSender:
             self.staging = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
             self.agent.register("staging", self.staging)
         return self.agent
+
+    def warm_up(self, nbytes: int = 0) -> None:
+        """Start the agent process now, with a staging buffer of ``nbytes`` registered (otherwise the
+        first send starts it: a second or two)."""
+        self._ensure(nbytes)
 
     def close(self) -> None:
         if self.agent is not None:

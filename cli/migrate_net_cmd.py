@@ -140,14 +140,12 @@ def serve_command(listen: tuple[str, int], transport: str, engine: str | None, m
         raise click.UsageError("--to needs --out, the directory received dumps are written to")
     if dialect is not None and to_layout is not None and dialect not in to_layout.dialects:
         raise click.BadParameter(f"{dialect!r} does not apply to {to_layout.name}", param_hint="--dialect")
-    if transport == "gloo":
-        from cli.migrate_gloo import serve_gloo
-
-        serve = serve_gloo
-    else:
+    if transport == "gloo" and (engine is None or to_layout is not None):
+        raise click.UsageError("--transport gloo receives requests (--engine); dumps travel over nixl")
+    if transport == "nixl":
         _require_nixl()
-        serve = None
-    from kvbridge.migration.nixl import DumpTarget, NixlReceiver
+    from kvbridge.migration.nixl import DumpTarget, NixlReceiver, Received
+    from kvbridge.migration.transport import GlooServer
 
     topo = _topology(model, layers)
     dst = None
@@ -161,20 +159,32 @@ def serve_command(listen: tuple[str, int], transport: str, engine: str | None, m
                               draft_tokens=int(info.get("draft_tokens", 0)),
                               include_mtp=bool(info.get("include_mtp", True)))
 
-    target = None if to_layout is None else DumpTarget(to_layout.name, page_size, dialect, scale)
-    if serve is not None:
-        serve(dst, plan_for if engine else None, target, out_dir, force, listen, timeout, max_requests, loss_report,
-              as_json)
-        return
+    if transport == "gloo":
+        assert dst is not None
+        server = GlooServer(dst, plan=plan_for, host=listen[0], port=listen[1], loss_report=loss_report)
+
+        def receive() -> Received | None:
+            got = server.receive(timeout=timeout, accept_timeout=1.0)
+            if got is None:
+                return None
+            peer, rid, tables, report = got
+            return Received("request", peer, rid, report=report, tables=tables, payload_bytes=report.payload_bytes,
+                            wire_s=report.wire_s)
+    else:
+        target = None if to_layout is None else DumpTarget(to_layout.name, page_size, dialect, scale)
+        server = NixlReceiver(dst, plan=plan_for if engine else None, host=listen[0], port=listen[1],
+                              dump_target=target, dump_dir=out_dir, overwrite=force, loss_report=loss_report)
+
+        def receive() -> Received | None:
+            return server.receive(timeout=timeout, accept_timeout=1.0)
+
     failures = served = 0
-    receiver = NixlReceiver(dst, plan=plan_for if engine else None, host=listen[0], port=listen[1],
-                            dump_target=target, dump_dir=out_dir, overwrite=force, loss_report=loss_report)
     try:
-        host, port = receiver.address
-        err_console.print(f"kvbridge migrate serve: listening on {host}:{port} (nixl)", highlight=False)
+        host, port = server.address
+        err_console.print(f"kvbridge migrate serve: listening on {host}:{port} ({transport})", highlight=False)
         while max_requests is None or served < max_requests:
             try:
-                received = receiver.receive(timeout=timeout, accept_timeout=1.0)
+                received = receive()
             except KVBridgeError as exc:
                 served += 1
                 failures += 1
@@ -189,12 +199,12 @@ def serve_command(listen: tuple[str, int], transport: str, engine: str | None, m
                 click.echo(_describe(received))
             sys.stdout.flush()
             if received.tables is not None and dst is not None:
-                _release(dst, received.tables, received)
+                _release(dst, received.tables)
     except KeyboardInterrupt:
         err_console.print("interrupted", highlight=False)
         sys.exit(130)
     finally:
-        receiver.close()
+        server.close()
     if failures:
         raise Failure(f"{failures} of {served} requests failed")
 
@@ -206,7 +216,7 @@ def _report_failure(exc: KVBridgeError, as_json: bool) -> None:
     err_console.print(f"{type(exc).__name__}: {line}", highlight=False, soft_wrap=True)
 
 
-def _release(dst: EnginePools, tables: dict, received) -> None:
+def _release(dst: EnginePools, tables: dict) -> None:
     """A serving sink: zero and return the request's pages after reporting it."""
     for (layer, role), pool in dst.pools.items():
         st = dst.profile.storage(next(c for c in dst.model.all_caches(dst.include_mtp)
@@ -294,10 +304,11 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
             bar.update(task, completed=done, total=total)
 
         if transport == "gloo":
-            from cli.migrate_gloo import send_gloo
+            from kvbridge.migration.transport import send_request_tcp
 
-            summary = send_gloo(plan, pools, tables, peer, convert_on, layers_per_group, timeout, loss_report,
-                                progress)
+            summary = send_request_tcp(plan, pools, tables, host=peer[0], port=peer[1], convert_on=convert_on,
+                                       layers_per_group=layers_per_group, timeout=timeout, progress=progress,
+                                       loss_report=loss_report)
         else:
             _require_nixl()
             from kvbridge.migration.nixl import NixlSender

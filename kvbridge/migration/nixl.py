@@ -69,7 +69,7 @@ from kvbridge.migration.execute import (
 )
 from kvbridge.migration.plan import MigrationPlan, Transfer
 from kvbridge.migration.pools import EnginePools, RequestTables, _runs
-from kvbridge.migration.stream import RequestAssembly, check_groups, layer_groups, pack_group
+from kvbridge.migration.stream import RequestAssembly, check_groups, layer_groups, pack_group, request_info
 
 #: Seconds an agent process gets to start (spawn + imports + UCX backend), and to answer a call.
 AGENT_START_S = 60.0
@@ -372,13 +372,6 @@ class DumpTarget:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def request_info(plan: MigrationPlan) -> dict[str, Any]:
-    """What a receiver needs to rebuild ``plan`` with its own engine and model."""
-    return {"src": plan.src.spec, "dst": plan.dst.spec, "model": plan.model.name,
-            "num_layers": plan.model.num_layers, "num_tokens": plan.num_tokens,
-            "draft_tokens": plan.draft_tokens, "include_mtp": plan.include_mtp}
 
 
 def _entry_info(e: DumpEntry) -> dict[str, Any]:

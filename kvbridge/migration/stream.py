@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -31,6 +32,13 @@ from kvbridge.migration.execute import (
 )
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables
+
+
+def request_info(plan: MigrationPlan) -> dict[str, Any]:
+    """What a receiver needs to rebuild ``plan`` with its own engine and model (sent in the handshake)."""
+    return {"src": plan.src.spec, "dst": plan.dst.spec, "model": plan.model.name,
+            "num_layers": plan.model.num_layers, "num_tokens": plan.num_tokens,
+            "draft_tokens": plan.draft_tokens, "include_mtp": plan.include_mtp}
 
 
 def layer_groups(plan: MigrationPlan, layers_per_group: int = 1) -> list[list[int]]:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from kvbridge.api import LossReport
-from kvbridge.errors import InputError
+from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.execute import (
     ConvertSide,
     MigrationError,
@@ -43,7 +43,7 @@ from kvbridge.migration.execute import (
 )
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables
-from kvbridge.migration.stream import RequestAssembly, check_groups, layer_groups, pack_group
+from kvbridge.migration.stream import RequestAssembly, check_groups, layer_groups, pack_group, request_info
 
 MAGIC = 0x4B5642_4D494732  # "KVB" "MIG2": the layer-group protocol
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -90,16 +90,37 @@ def _json_tensor(data: dict, device: torch.device | str) -> torch.Tensor:
 
 
 class _Link:
-    """One direction of a transfer: point-to-point sends or receives under one deadline."""
+    """One direction of a transfer: point-to-point sends or receives under one deadline.
+
+    ``group`` may also be a process group made outside ``init_process_group`` (as
+    ``GlooServer`` makes one per request); ``peer`` is then its rank in that group.
+    """
 
     def __init__(self, peer: int, group: dist.ProcessGroup | None, deadline: float, device: torch.device | str):
         self.peer, self.group, self.deadline, self.device = peer, group, deadline, device
+        self.direct = group is not None and not _registered(group)
 
     def send(self, tensor: torch.Tensor, what: str) -> None:
-        _wait(dist.isend(tensor, self.peer, group=self.group), what, self.peer, self.deadline)
+        if self.direct:
+            work = self.group.send([tensor], self.peer, 0)
+        else:
+            work = dist.isend(tensor, self.peer, group=self.group)
+        _wait(work, what, self.peer, self.deadline)
 
     def recv(self, tensor: torch.Tensor, what: str) -> None:
-        _wait(dist.irecv(tensor, self.peer, group=self.group), what, self.peer, self.deadline)
+        if self.direct:
+            work = self.group.recv([tensor], self.peer, 0)
+        else:
+            work = dist.irecv(tensor, self.peer, group=self.group)
+        _wait(work, what, self.peer, self.deadline)
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` belongs to this process's ``torch.distributed`` world."""
+    try:
+        return dist.is_initialized() and group in dist.distributed_c10d._world.pg_group_ranks
+    except AttributeError:
+        return False
 
 
 class GlooSender:
@@ -331,3 +352,121 @@ def receive_request(plan: MigrationPlan, dst: EnginePools, *, src_rank: int, gro
     report = assembly.report(wire_s=t1 - t0 - assembly.convert_s - assembly.verify_s,
                              publish_s=time.perf_counter() - t1)
     return tables, report
+
+
+# ---------------------------------------------------------------------------------------------
+# Without a process group: a kvbridge control channel, then a two-rank gloo group per request
+
+
+def _pair_group(store: dist.Store, request_id: str, rank: int, timeout: float) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"kvbridge/{request_id}", store), rank, 2,
+                                 timedelta(seconds=max(1.0, timeout)))
+
+
+class GlooServer:
+    """Decode side for ``kvbridge migrate serve --transport gloo``: listens on ``host:port``; per
+    request, a kvbridge handshake over TCP (plan fingerprint), then a two-rank gloo group formed
+    through a store this side hosts, then ``receive_request`` (streamed, verified, published at
+    the end). ``plan`` is the plan or a callable building it from the sender's request info."""
+
+    def __init__(self, dst: EnginePools, *, plan: MigrationPlan | Callable[[dict], MigrationPlan],
+                 host: str = "127.0.0.1", port: int = 0, loss_report: bool = True):
+        from kvbridge.migration.control import Listener
+
+        self.dst, self.plan, self.loss_report = dst, plan, loss_report
+        self.listener = Listener(host, port)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.listener.host, self.listener.port
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def receive(self, *, timeout: float = 60.0, accept_timeout: float | None = None
+                ) -> tuple[str, str, RequestTables, MigrationReport] | None:
+        """(peer, request id, tables, report) of one request, or None after ``accept_timeout`` s idle."""
+        timeout = _check_timeout(timeout)
+        chan = self.listener.accept(accept_timeout)
+        if chan is None:
+            return None
+        deadline = time.monotonic() + timeout
+        try:
+            chan.accept_handshake(deadline)
+            hello, _ = chan.expect("hello", deadline, "the sender's hello")
+            rid = str(hello.get("request_id", "?"))[:64]
+            if hello.get("kind") != "request" or hello.get("transport") != "gloo":
+                raise MigrationError(f"refused request {rid} from {chan.peer}: this receiver takes requests over "
+                                     f"gloo, the sender offers a {hello.get('kind')} over {hello.get('transport')}")
+            try:
+                plan = self.plan(hello["request"]) if callable(self.plan) else self.plan
+            except KVBridgeError as exc:
+                raise MigrationError(f"refused request {rid} from {chan.peer}: cannot plan it here ({exc})") from None
+            if hello.get("fingerprint") != plan.fingerprint():
+                req = hello.get("request", {})
+                raise MigrationError(
+                    f"refused request {rid} from {chan.peer}: the sender's plan ({req.get('src')} -> "
+                    f"{req.get('dst')}, {req.get('model')}) differs from this receiver's ({plan.src.spec} -> "
+                    f"{plan.dst.spec}, {plan.model.name}); plan fingerprints differ")
+            remaining = max(1.0, deadline - time.monotonic())
+            store = dist.TCPStore(self.listener.host, 0, 2, True, timedelta(seconds=remaining), wait_for_workers=False)
+            chan.send({"type": "accept", "store_port": store.port}, deadline=deadline)
+            group = _pair_group(store, rid, 1, remaining)
+            tables, report = receive_request(plan, self.dst, src_rank=0, group=group,
+                                             timeout=max(0.01, deadline - time.monotonic()),
+                                             loss_report=self.loss_report)
+            try:
+                chan.send({"type": "result", "ok": True, "summary": report.to_dict()}, deadline=deadline)
+            except TransferError:
+                pass  # published; the sender went away before hearing it
+            return chan.peer, rid, tables, report
+        except KVBridgeError as exc:
+            try:
+                chan.send({"type": "error", "error": str(exc).splitlines()[0]}, deadline=time.monotonic() + 1.0)
+            except KVBridgeError:
+                pass
+            raise
+        except RuntimeError as exc:  # gloo failing to form the group (peer gone, timeout)
+            raise TransferError(f"could not form a gloo group with {chan.peer} ({_reason(exc)}); "
+                                "nothing was published") from None
+        finally:
+            chan.close()
+
+
+def send_request_tcp(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, host: str, port: int,
+                     convert_on: ConvertSide = "receiver", layers_per_group: int = 1, timeout: float = 60.0,
+                     progress: Progress | None = None, loss_report: bool = True,
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+    """Prefill side for a ``GlooServer``: handshake, form the gloo pair, stream the request; returns the
+    receiver's report (a dict), or raises its error."""
+    import uuid
+
+    from kvbridge import __version__
+    from kvbridge.migration.control import Channel
+
+    deadline = time.monotonic() + _check_timeout(timeout)
+    rid = uuid.uuid4().hex[:16]
+    chan = Channel.connect(host, port, deadline)
+    try:
+        chan.send({"type": "hello", "kvbridge": __version__, "transport": "gloo", "kind": "request",
+                   "request_id": rid, "request": request_info(plan), "fingerprint": plan.fingerprint(),
+                   "convert_on": convert_on}, deadline=deadline)
+        accept, _ = chan.expect("accept", deadline, "the receiver's accept")
+        remaining = max(1.0, deadline - time.monotonic())
+        try:
+            store = dist.TCPStore(host, int(accept["store_port"]), 2, False, timedelta(seconds=remaining))
+            group = _pair_group(store, rid, 0, remaining)
+        except RuntimeError as exc:
+            raise TransferError(f"could not form a gloo group with {host}:{port} ({_reason(exc)})") from None
+        try:
+            send_request(plan, src, tables, dst_rank=1, group=group, convert_on=convert_on,
+                         layers_per_group=layers_per_group, chunk_bytes=chunk_bytes,
+                         timeout=max(0.01, deadline - time.monotonic()), progress=progress, loss_report=loss_report)
+        except TransferError:
+            if chan.readable(1.0):
+                chan.expect("result", deadline, "the receiver's verdict")  # raises the receiver's error
+            raise
+        result, _ = chan.expect("result", deadline, "the receiver's verdict")
+        return dict(result.get("summary", {}))
+    finally:
+        chan.close()

@@ -326,4 +326,57 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
                f"{summary.get('converted_on')}; wire {summary.get('wire_s', 0.0):.3f} s)")
 
 
-COMMANDS = (serve_command, send_command)
+@click.command("bench")
+@click.option("--tokens", type=click.IntRange(min=1), default=131072, show_default=True, help="Request length.")
+@click.option("--model", default="deepseek-v4-flash", show_default=True, callback=_model)
+@click.option("--from", "src", default="trtllm:fp8:tpb=128", show_default=True, callback=_engine)
+@click.option("--to", "dst", default="sglang", show_default=True, callback=_engine)
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Timed runs; medians.")
+@click.option("--gloo/--no-gloo", default=True, show_default=True, help="Time the gloo path too.")
+@click.option("--request/--no-request", default=True, show_default=True,
+              help="Time a whole kvbridge request over NIXL too (no conversion: --to -> --to).")
+@json_option
+def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo: bool, request: bool,
+                  as_json: bool) -> None:
+    """NIXL pages/s and GB/s for one request's destination bytes, next to a memory copy of the same
+    bytes, CRC-32 over them, and the gloo path, in one run (GB = 1e9 B)."""
+    _require_nixl()
+    from kvbridge.migration.bench import bench_transports
+
+    with err_console.status("benchmarking") as status:
+        res = bench_transports(tokens=tokens, model=model, src=src, dst=dst, repeat=repeat, gloo=gloo,
+                               request=request, progress=lambda what: status.update(f"benchmarking: {what}"))
+    if as_json:
+        click.echo(json.dumps(res, indent=2))
+        return
+    from rich.table import Table
+
+    from cli.common import console
+
+    req = res["request"]
+    console.print(f"{req['model']}, {req['tokens']:,} tokens, {req['src']} -> {req['dst']}: {req['bytes']:,} B in "
+                  f"{req['page_chunks']:,} destination page chunks, {req['layers']} layers; "
+                  f"{res['machine']['cpu']}, {res['date']}; medians of {res['repeat']}", highlight=False)
+    table = Table(box=None, header_style="bold")
+    for col in ("path", "seconds", "GB/s", "pages/s", "x np.copyto"):
+        table.add_column(col, justify="right" if col != "path" else "left")
+    base = res["memcpy"]["np_copyto"]["seconds"]
+    rows = [("np.copyto (contiguous)", res["memcpy"]["np_copyto"]),
+            ("torch copy_ (contiguous)", res["memcpy"]["torch_copy_"]),
+            ("zlib.crc32 per page chunk", res["crc32"]),
+            (f"NIXL, one WRITE ({res['nixl']['one_write']['descriptors']:,} descriptors)", res["nixl"]["one_write"]),
+            (f"NIXL, one WRITE per layer ({res['nixl']['per_layer']['writes']})", res["nixl"]["per_layer"])]
+    if "gloo" in res:
+        rows.append((f"gloo send/recv ({res['gloo']['message_bytes'] >> 20} MiB messages)", res["gloo"]))
+    if "request_over_nixl" in res:
+        rows.append((f"kvbridge request over NIXL ({res['request_over_nixl']['plan']})", res["request_over_nixl"]))
+    for name, row in rows:
+        pages = row.get("pages_per_s")
+        table.add_row(name, f"{row['seconds']:.4f}", f"{row['GB_per_s']:.2f}",
+                      "-" if pages is None else f"{pages:,.0f}", f"{row['seconds'] / base:.2f}")
+    console.print(table)
+    if not res["nixl"]["bytes_exact"]:
+        raise Failure("NIXL moved bytes that differ from the staged ones")
+
+
+COMMANDS = (serve_command, send_command, bench_command)

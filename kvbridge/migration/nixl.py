@@ -1010,15 +1010,19 @@ class RequestStream:
         for i, rec, rows, sums in zip(idx, payload.records, payload.chunks, payload.checksums, strict=True):
             t, off = self.plan.transfers[i], int(self.bases[i])
             if self.convert:  # destination records, by page index into the receiver's pools
+                # staged part by part (one copy each: bytes [lo, hi) of every record, in entry order)
+                count = rec.shape[0]
+                for lo, hi in _pieces(t.dst.record_bytes, t.dst.split):
+                    part = staged[off + count * lo : off + count * hi]
+                    torch.from_numpy(part).view(count, hi - lo).copy_(rec[:, lo:hi])
                 dst_tables = self.conn.tables
                 for chunk, parts in _pool_chunks(t, dst_tables[t.dst.table], _remote_pool_pages(dst_tables, t)):
-                    begin = off
-                    for r0, n, lo, hi in parts:
-                        piece = rec[r0 : r0 + n, lo:hi].contiguous().numpy().reshape(-1)
-                        staged[off : off + piece.size] = piece
-                        off += piece.size
-                    pieces.extend(_pieces_of([chunk], begin))
-                    crcs.append(zlib.crc32(staged[begin:off]))
+                    crc = 0
+                    for (key, roff, n), (r0, _, lo, hi) in zip(chunk.segments, parts, strict=True):
+                        local = off + count * lo + r0 * (hi - lo)
+                        pieces.append((local, key, roff, n))
+                        crc = zlib.crc32(staged[local : local + n], crc)
+                    crcs.append(crc)
             else:  # source records, into the receiver's staging buffer (the sender's CRC-32 per source page)
                 staged[off : off + rec.numel()] = rec.reshape(-1).numpy()
                 pieces.extend(_pieces_of(_staging_chunks(rows, t.src.record_bytes, off), off))

@@ -77,8 +77,10 @@ def _receiver_main(engine: str, timeouts: list[float], addr_q, done_q, out_dir: 
             before = dst.num_free()
             meta: dict[str, str] = {"free_before": json.dumps(before)}
             tensors = {}
+            verified: list[tuple[int, int]] = []
             try:
-                got = rx.receive(timeout=timeout, accept_timeout=STEP_TIMEOUT_S)
+                got = rx.receive(timeout=timeout, accept_timeout=STEP_TIMEOUT_S,
+                                 on_group=lambda done, total, seen=verified: seen.append((done, total)))
                 assert got is not None and got.report is not None and got.tables is not None
                 meta.update(tables=json.dumps(got.tables), report=json.dumps(got.report.to_dict()))
                 tensors = {f"{layer}.{role.value}": t.clone() for (layer, role), t in dst.pools.items()}
@@ -89,6 +91,7 @@ def _receiver_main(engine: str, timeouts: list[float], addr_q, done_q, out_dir: 
                 meta["error"] = f"{type(exc).__name__}: {exc}"
                 meta["all_zero"] = str(not any(bool(t.any()) for t in dst.pools.values()))
             meta["free_after"] = json.dumps(dst.num_free())
+            meta["verified"] = json.dumps(verified)
             save_file(tensors, f"{out_dir}/{tag}{k}.safetensors", metadata=meta)
             done_q.put((tag, k))
 
@@ -247,6 +250,8 @@ def _check_request(out: Path, tag: str, name: str, pair: tuple[str, str], seed: 
     tensors, meta = _load(out, tag, name)
     assert "error" not in meta, meta.get("error")
     plan = _plan(*pair)
+    groups = MODEL.num_layers + MODEL.num_mtp_layers
+    assert json.loads(meta["verified"]) == [[g, groups] for g in range(1, groups + 1)]  # one layer at a time
     tables = json.loads(meta["tables"])
     report = json.loads(meta["report"])
     assert report["converted_on"] == converted_on
@@ -326,6 +331,8 @@ def test_sender_killed_mid_request_is_a_transfer_error(results):
     out, info = results
     error = _check_refused(out, "killed")
     assert error.startswith("TransferError: 127.0.0.1:") and "closed the connection before group 3/5" in error, error
+    _, meta = _load(out, "A", "killed")
+    assert json.loads(meta["verified"]) == [[1, 5], [2, 5]]  # streamed: verified while the sender still ran
     assert info["killed_after_s"] < RECV_TIMEOUT_S  # noticed at once, not at the timeout
 
 

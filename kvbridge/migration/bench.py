@@ -239,30 +239,44 @@ def _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat: int) 
         rx.close()
 
 
+def _request_receiver(engine: str, model: str, tokens: int, addr_q, out_q) -> None:
+    from kvbridge.migration import nixl as nx
+
+    plan = plan_migration(engine, engine, model, tokens)
+    with nx.NixlReceiver(destination_pools(plan, seed=3), plan=plan) as rx:
+        rx._ensure_agent()
+        addr_q.put(rx.address)
+        try:
+            got = rx.receive(timeout=600, accept_timeout=600)
+            out_q.put(None if got is None else got.to_dict()["report"])
+        except Exception as exc:  # reported by the parent
+            out_q.put(f"{type(exc).__name__}: {exc}")
+
+
 def _bench_request(nx, engine: str, model: str, tokens: int) -> dict:
-    """A whole request ``engine`` -> ``engine`` over NIXL (no conversion), receiver in a thread."""
+    """A whole request ``engine`` -> ``engine`` over NIXL (no conversion) to a receiver process;
+    timed from the first group's packing to the receiver's verdict."""
     plan = plan_migration(engine, engine, model, tokens)
     src, tables = source_request(plan, seed=2)
-    dst = destination_pools(plan, seed=3)
-    got: dict = {}
-    with nx.NixlReceiver(dst, plan=plan) as rx, nx.NixlSender(*rx.address, timeout=300) as tx:
-        rx._ensure_agent()
-        tx.warm_up(sum(t.dst_bytes for t in plan.transfers))
-
-        def serve() -> None:
-            try:
-                got["received"] = rx.receive(timeout=300, accept_timeout=300)
-            except Exception as exc:  # reported below
-                got["error"] = exc
-
-        thread = threading.Thread(target=serve)
-        thread.start()
-        t0 = time.perf_counter()
-        summary = tx.send_request(plan, src, tables, convert_on="sender", loss_report=False)
-        seconds = time.perf_counter() - t0
-        thread.join()
-    if "error" in got:
-        raise got["error"]
+    ctx = mp.get_context("spawn")
+    addr_q, out_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_request_receiver, args=(engine, model, tokens, addr_q, out_q))
+    with nx._main_hidden():
+        proc.start()
+    try:
+        host, port = addr_q.get(timeout=600)
+        with nx.NixlSender(host, port, timeout=600) as tx:
+            tx.warm_up(sum(t.dst_bytes for t in plan.transfers))
+            t0 = time.perf_counter()
+            summary = tx.send_request(plan, src, tables, convert_on="sender", loss_report=False)
+            seconds = time.perf_counter() - t0
+        report = out_q.get(timeout=600)
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    if not isinstance(report, dict):
+        raise RuntimeError(f"the benchmark's receiver failed: {report}")
     nbytes = summary["payload_bytes"]
     return {**_rate(nbytes, seconds), "bytes": nbytes, "plan": f"{plan.src.spec} -> {plan.dst.spec}",
             "receiver_wire_s": summary["wire_s"], "receiver_publish_s": summary["publish_s"]}

@@ -40,6 +40,7 @@ from kvbridge import indexer as ix
 from kvbridge.errors import KVBridgeError
 from kvbridge.migration import EnginePools, gather_records, plan_migration, source_request
 from kvbridge.migration import nixl as nx
+from kvbridge.migration.control import MAGIC, PROTOCOL_VERSION
 from kvbridge.topology import FLASH
 
 pytestmark = pytest.mark.skipif(not nx.nixl_available(), reason="needs the nixl extra: pip install 'kvbridge[nixl]'")
@@ -50,7 +51,8 @@ TRTLLM, SGLANG = "trtllm:fp8:tpb=128", "sglang"
 RECV_TIMEOUT_S = 40.0
 STALL_TIMEOUT_S = 6.0
 #: Receiver A's requests, in order, and the timeout it gives each.
-A_SCENARIOS = ["fwd-receiver", "fwd-sender", "other-plan", "corrupt", "foreign", "killed", "stalled", "after-faults"]
+A_SCENARIOS = ["fwd-receiver", "fwd-sender", "other-plan", "corrupt", "foreign", "malformed", "killed", "stalled",
+               "after-faults"]
 B_SCENARIOS = ["rev-receiver", "rev-sender"]
 STEP_TIMEOUT_S = 120
 REPO = Path(__file__).resolve().parents[1]
@@ -201,6 +203,12 @@ def results(tmp_path_factory):
             s.settimeout(30)
             info["foreign_reply"] = s.recv(1 << 16)
         wait_done("A", 4)
+        with socket.create_connection(addr_a, timeout=30) as s:  # kvbridge's magic, then a hello missing its fields
+            body = json.dumps({"type": "hello", "kind": "request"}).encode()
+            s.sendall(MAGIC + struct.pack(">H", PROTOCOL_VERSION) + struct.pack(">II", len(body), 0) + body)
+            s.settimeout(30)
+            info["malformed_reply"] = s.recv(1 << 16)
+        wait_done("A", 5)
         for mode in ("killed", "stalled"):
             p, go, started, q = faults[mode]
             assert started.wait(STEP_TIMEOUT_S), f"{mode} sender never got ready"
@@ -325,6 +333,14 @@ def test_non_kvbridge_peer_is_refused_with_one_line(results):
     assert re.match(r"MigrationError: refused 127\.0\.0\.1:\d+: not a kvbridge migration peer \(it sent b'G'\)",
                     error), error
     assert b"not a kvbridge migration peer" in info["foreign_reply"]
+
+
+def test_malformed_hello_is_refused_with_one_line(results):
+    out, info = results
+    error = _check_refused(out, "malformed")
+    assert error.startswith("MigrationError: refused request ? from 127.0.0.1:"), error
+    assert "malformed control message (KeyError" in error
+    assert b"malformed control message" in info["malformed_reply"]
 
 
 def test_sender_killed_mid_request_is_a_transfer_error(results):

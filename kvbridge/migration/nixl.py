@@ -522,6 +522,11 @@ class NixlReceiver:
         session = _Session(self, chan, deadline, on_group)
         try:
             return session.run()
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a malformed message
+            error = MigrationError(f"refused request {session.request_id} from {chan.peer}: malformed control "
+                                   f"message ({type(exc).__name__}: {_first_line(exc)})")
+            session.fail(error)
+            raise error from None
         except BaseException as exc:
             session.fail(exc)
             raise

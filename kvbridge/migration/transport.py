@@ -429,6 +429,8 @@ class GlooServer:
         except RuntimeError as exc:  # gloo failing to form the group (peer gone, timeout)
             raise TransferError(f"could not form a gloo group with {chan.peer} ({_reason(exc)}); "
                                 "nothing was published") from None
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a malformed message
+            raise MigrationError(f"refused {chan.peer}: malformed control message ({type(exc).__name__})") from None
         finally:
             chan.close()
 

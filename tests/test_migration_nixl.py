@@ -465,3 +465,56 @@ def test_cli_dump_to_dump_reproduces_convert_bytes_and_refusals_show_in_exit_cod
         got = _safetensors_parts(out / name)
         assert got[0] == want[0], name  # same header: entries, attrs, tensor offsets
         assert got[1] == want[1], name  # same tensor bytes
+
+
+def _doomed_receiver_main(addr_q) -> None:
+    dst = _pools(SGLANG)
+    with nx.NixlReceiver(dst, plan=_plan(TRTLLM, SGLANG)) as rx:
+        addr_q.put(rx.address)
+        rx.receive(timeout=STEP_TIMEOUT_S, accept_timeout=STEP_TIMEOUT_S)  # killed by the test meanwhile
+
+
+def _orphaned_sender_main(addr_q, ready, go, out) -> None:
+    plan = _plan(TRTLLM, SGLANG)
+    pools, tables = source_request(plan, spare_pages=2, seed=19)
+    sender = nx.NixlSender(*addr_q.get(timeout=STEP_TIMEOUT_S), timeout=RECV_TIMEOUT_S)
+    stream = sender.start_request(plan, pools, tables, convert_on="sender")
+    stream.send_group()
+    stream.send_group()
+    ready.set()
+    go.wait(STEP_TIMEOUT_S)
+    try:
+        for _ in stream.groups[2:]:
+            stream.send_group()
+        stream.close()
+        out.put("no error")
+    except KVBridgeError as exc:
+        stream.abort()
+        out.put(f"{type(exc).__name__}: {exc}")
+    sender.close()
+    # a normal interpreter exit follows: NIXL lives in the (ended) agent process, not here
+
+
+def test_sender_survives_a_receiver_that_dies_mid_request():
+    ctx = tmp.get_context("spawn")
+    addr_q, out = ctx.Queue(), ctx.Queue()
+    ready, go = ctx.Event(), ctx.Event()
+    receiver = ctx.Process(target=_doomed_receiver_main, args=(addr_q,))
+    sender = ctx.Process(target=_orphaned_sender_main, args=(addr_q, ready, go, out))
+    receiver.start()
+    sender.start()
+    try:
+        assert ready.wait(STEP_TIMEOUT_S), "the sender never got going"
+        receiver.kill()
+        receiver.join(10)
+        go.set()
+        error = _wait(out, "the sender's error")
+        sender.join(STEP_TIMEOUT_S)
+    finally:
+        for p in (receiver, sender):
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert error.startswith("TransferError: ") and "\n" not in error, error
+    assert "nothing was published" in error
+    assert sender.exitcode == 0  # the sender's own process did not die of the agent

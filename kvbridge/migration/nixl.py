@@ -922,10 +922,17 @@ class _Connection:
             self.agent.call(f"posting group {g + 1}", "write", g, local, remote, self.remote,
                             f"kvb:{self.request_id}:{g}".encode())
             self._complete()
-        except TransferError:
+        except TransferError as exc:
             self._raise_peer_error()
-            raise
+            self._raise_lost(exc)
         self.pending = (g, sum(p[3] for p in pieces), header)
+
+    def _raise_lost(self, exc: TransferError) -> None:
+        text = str(exc)
+        if "nothing was published" in text:
+            raise exc
+        raise TransferError(f"{text} (sending to {self.chan.peer}); the receiver died, gave up or the link broke; "
+                            "nothing was published") from None
 
     def _raise_peer_error(self) -> None:
         """After a failure on this side: raise the receiver's own error instead, if it sent one."""
@@ -958,9 +965,9 @@ class _Connection:
         try:
             self._complete()
             self.chan.send({"type": "done"}, deadline=self.deadline)
-        except TransferError:
+        except TransferError as exc:
             self._raise_peer_error()
-            raise
+            self._raise_lost(exc)
         result, _ = self.chan.expect("result", self.deadline, "the receiver's verdict")
         self._drop()
         return dict(result.get("summary", {}))

@@ -888,22 +888,26 @@ class _Connection:
 
     def __init__(self, sender: NixlSender, hello: dict, nbytes: int, progress: Progress | None):
         self.deadline = time.monotonic() + sender.timeout
-        self.agent = sender._ensure(nbytes)
-        self.staged = sender.staging.numpy()
-        self.base = self.agent.addresses["staging"]
-        self.total, self.sent, self.progress = nbytes, 0, progress
-        self.request_id = uuid.uuid4().hex[:16]
-        hello = {"type": "hello", "kvbridge": __version__, "transport": "nixl", "request_id": self.request_id,
-                 **hello}
-        meta = self.agent.call("reading this agent's metadata", "metadata")
-        self.chan = Channel.connect(sender.host, sender.port, self.deadline)
+        self.chan = Channel.connect(sender.host, sender.port, self.deadline)  # fail fast when nobody listens
         self.remote: str | None = None
         try:
+            self.agent = sender._ensure(nbytes)
+            self.staged = sender.staging.numpy()
+            self.base = self.agent.addresses["staging"]
+            self.total, self.sent, self.progress = nbytes, 0, progress
+            self.request_id = uuid.uuid4().hex[:16]
+            hello = {"type": "hello", "kvbridge": __version__, "transport": "nixl", "request_id": self.request_id,
+                     **hello}
+            meta = self.agent.call("reading this agent's metadata", "metadata")
             self.chan.send(hello, meta, deadline=self.deadline)
             accept, their_meta = self.chan.expect("accept", self.deadline, "the receiver's accept")
             self.regions = {k: int(v[0]) for k, v in accept["regions"].items()}
             self.tables = accept.get("tables")
             self.remote = self.agent.call("adding the receiver's agent", "add_remote", their_meta)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            self.chan.close()
+            raise MigrationError(f"{self.chan.peer} sent a malformed accept ({type(exc).__name__}); is it a "
+                                 "kvbridge receiver of this version?") from None
         except BaseException:
             self.chan.close()
             raise

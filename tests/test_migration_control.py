@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from kvbridge.migration import MigrationError, TransferError
 from kvbridge.migration.control import MAGIC, MAX_JSON_BYTES, PROTOCOL_VERSION, Channel, Listener, parse_address
@@ -143,3 +144,19 @@ def test_parse_address(text, listen, want):
 def test_parse_address_refuses_bad_ports(text):
     with pytest.raises(ValueError, match="expected HOST:PORT"):
         parse_address(text)
+
+
+def test_nixl_receiver_refuses_pools_it_cannot_register():
+    from kvbridge.errors import InputError
+    from kvbridge.migration import EnginePools, plan_migration
+    from kvbridge.migration.nixl import NixlReceiver
+    from kvbridge.topology import FLASH, Role
+
+    model = FLASH.with_layers(4)
+    cap = plan_migration("sglang", "sglang", model, 1100).held_pages("dst")
+    pools = EnginePools.create("sglang", model, cap)
+    swa = pools.pools[(0, Role.SWA)]
+    strided = torch.zeros(swa.shape[0], swa.shape[1] * 2, dtype=torch.uint8)[:, ::2]
+    pools.pools[(0, Role.SWA)] = strided
+    with pytest.raises(InputError, match="pool of layer 0 swa must be a contiguous CPU tensor"):
+        NixlReceiver(pools, plan=plan_migration("trtllm", "sglang", model, 1100))

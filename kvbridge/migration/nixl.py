@@ -455,6 +455,12 @@ class NixlReceiver:
             raise InputError("dump_target needs dump_dir, the directory received dumps are written to")
         if dump_dir is not None and not Path(dump_dir).is_dir():
             raise InputError(f"dump directory {dump_dir} does not exist")
+        if dst is not None:
+            for (layer, role), t in dst.pools.items():
+                if t.device.type != "cpu" or not t.is_contiguous():
+                    raise InputError(f"pool of layer {layer} {role.value} must be a contiguous CPU tensor for NIXL "
+                                     f"(this version registers DRAM only), got {t.device} "
+                                     f"{'contiguous' if t.is_contiguous() else 'strided'}")
         self.dst, self.plan = dst, plan
         self.dump_target, self.overwrite, self.loss_report = dump_target, overwrite, loss_report
         self.dump_dir = None if dump_dir is None else Path(dump_dir)

@@ -377,6 +377,33 @@ def test_descriptors_merge_adjacent_pages():
     assert int(local[0, 1]) == int(remote[0, 1]) == t.count * t.dst.record_bytes
     scattered = [c for c, _ in nx._pool_chunks(t, list(range(pages))[::-1], pages)]
     assert nx._descriptors(nx._pieces_of(scattered, 0), 0, {nx._pool_key(t): 0})[0].shape == (pages, 3)
+    # block-split MODEL1 pages (SGLang): both parts of a whole page are one piece (padding separates
+    # pages); a partly filled last page is two, one per part
+    t = next(t for t in _plan(TRTLLM, SGLANG).transfers if t.spec.role.value == "compress" and t.spec.ratio == 4)
+    pages = -(-t.count // t.dst.page_size)
+    runs = nx._pool_chunks(t, list(range(pages)), pages)
+    local, _ = nx._descriptors(nx._pieces_of([c for c, _ in runs], 0), 0, {nx._pool_key(t): 0})
+    assert t.dst.split is not None and len(runs) == pages and t.count % t.dst.page_size
+    assert local.shape == (pages + 1, 3)
+
+
+def test_staged_runs_land_as_the_destination_pool_holds_them():
+    """What the sender stages for a run is byte for byte what the page holds once the run is written."""
+    from kvbridge.migration.pools import scatter_records
+
+    plan = _plan(TRTLLM, SGLANG)
+    for t in plan.transfers:
+        pool_pages = 8 + len(t.table_slots(t.dst))
+        table = list(range(pool_pages - 1, -1, -1))[: len(t.table_slots(t.dst)) + t.first // t.dst.page_size]
+        rec = torch.randint(0, 256, (t.count, t.dst.record_bytes), dtype=torch.uint8)
+        pool = torch.zeros(pool_pages, t.dst.page_bytes, dtype=torch.uint8)
+        scatter_records(pool, t.dst, table, t.first, rec)
+        runs = nx._pool_chunks(t, table, pool_pages)
+        staged = torch.zeros(t.dst_bytes, dtype=torch.uint8).numpy()
+        nx._stage_runs(staged, 0, rec, runs, t.dst.page_size)
+        flat = pool.reshape(-1).numpy()
+        for off, _, roff, n in nx._pieces_of([c for c, _ in runs], 0):
+            assert (staged[off : off + n] == flat[roff : roff + n]).all(), f"layer {t.spec.layer} {t.spec.role.value}"
 
 
 # --- the two commands -------------------------------------------------------------------------

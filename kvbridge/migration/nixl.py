@@ -307,6 +307,32 @@ def _pool_chunks(t: Transfer, table: Sequence[int], num_pages: int
     return out
 
 
+def _stage_runs(staged: np.ndarray, off: int, rec: torch.Tensor, runs: list, page_size: int) -> None:
+    """Stage records ``rec`` as their destination page runs (``_pool_chunks``), run after run from
+    ``off``: each run's record parts back to back, as they lie in the page, so a whole page is one
+    contiguous piece on both sides. Whole-page runs are copied together, one copy per part."""
+    width = rec.shape[1]
+    i = 0
+    while i < len(runs):
+        j = i
+        while j < len(runs) and runs[j][1][0][1] == page_size:  # whole pages: rows [0, P)
+            j += 1
+        r0 = runs[i][1][0][0]
+        if j > i:
+            m = j - i
+            block = torch.from_numpy(staged[off + r0 * width : off + (r0 + m * page_size) * width]).view(m, -1)
+            src = rec[r0 : r0 + m * page_size].view(m, page_size, width)
+            for _, _, lo, hi in runs[i][1]:
+                block[:, page_size * lo : page_size * hi].view(m, page_size, hi - lo).copy_(src[:, :, lo:hi])
+            i = j
+        else:
+            n = runs[i][1][0][1]
+            base = off + r0 * width
+            for _, _, lo, hi in runs[i][1]:
+                torch.from_numpy(staged[base + n * lo : base + n * hi]).view(n, hi - lo).copy_(rec[r0 : r0 + n, lo:hi])
+            i += 1
+
+
 def _staging_chunks(rows: Sequence[int], record_bytes: int, base: int) -> list[_Chunk]:
     out, offset = [], base
     for n in rows:
@@ -1032,19 +1058,14 @@ class RequestStream:
         for i, rec, rows, sums in zip(idx, payload.records, payload.chunks, payload.checksums, strict=True):
             t, off = self.plan.transfers[i], int(self.bases[i])
             if self.convert:  # destination records, by page index into the receiver's pools
-                # staged part by part (one copy each: bytes [lo, hi) of every record, in entry order)
-                count = rec.shape[0]
-                for lo, hi in _pieces(t.dst.record_bytes, t.dst.split):
-                    part = staged[off + count * lo : off + count * hi]
-                    torch.from_numpy(part).view(count, hi - lo).copy_(rec[:, lo:hi])
                 dst_tables = self.conn.tables
-                for chunk, parts in _pool_chunks(t, dst_tables[t.dst.table], _remote_pool_pages(dst_tables, t)):
-                    crc = 0
-                    for (key, roff, n), (r0, _, lo, hi) in zip(chunk.segments, parts, strict=True):
-                        local = off + count * lo + r0 * (hi - lo)
-                        pieces.append((local, key, roff, n))
-                        crc = zlib.crc32(staged[local : local + n], crc)
-                    crcs.append(crc)
+                runs = _pool_chunks(t, dst_tables[t.dst.table], _remote_pool_pages(dst_tables, t))
+                _stage_runs(staged, off, rec, runs, t.dst.page_size)
+                for chunk, parts in runs:
+                    base = off + parts[0][0] * t.dst.record_bytes
+                    pieces.extend((base + n * lo, key, roff, size)
+                                  for (key, roff, size), (_, n, lo, _) in zip(chunk.segments, parts, strict=True))
+                    crcs.append(zlib.crc32(staged[base : base + chunk.nbytes]))
             else:  # source records, into the receiver's staging buffer (the sender's CRC-32 per source page)
                 staged[off : off + rec.numel()] = rec.reshape(-1).numpy()
                 pieces.extend(_pieces_of(_staging_chunks(rows, t.src.record_bytes, off), off))

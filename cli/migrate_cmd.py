@@ -99,6 +99,12 @@ def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> 
             _mib(row["src_page_bytes"]),
             _mib(row["dst_page_bytes"]),
         )
+    for side, prof in (("from", plan.src), ("to", plan.dst)):
+        console.print(f"[bold]{side}[/bold] {prof.spec} ({prof.version})")
+        for c in prof.choices:
+            console.print(f"  {c.option}={c.value} ({'given' if c.given else 'default'}; {c.source})")
+        for role, where in prof.sources.items():
+            console.print(f"  {role}: {where}")
     console.print(table)
     for role, names in conversions.items():
         console.print(f"  {role}: {'; '.join(sorted(names))}")
@@ -224,6 +230,8 @@ def run_command(
     else:
         kv = "lossless" if report.kv_lossless else f"max abs error {report.kv_max_abs_error:g}"
         loss = f"KV {kv}; indexer max abs error {report.indexer_max_abs_error:g}"
+        if report.state_max_abs_error is not None:
+            loss += f"; state max abs error {report.state_max_abs_error:g} (fp32 -> bf16)"
     console.print(f"payload {_mib(report.payload_bytes)} MiB in {report.transfers} transfers; {loss}")
 
 

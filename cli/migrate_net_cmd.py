@@ -150,9 +150,7 @@ def serve_command(listen: tuple[str, int], transport: str, engine: str | None, m
     topo = _topology(model, layers)
     dst = None
     if engine is not None:
-        # +1 page per table: a shorter request's window can straddle one more page boundary
-        cap = plan_migration(engine, engine, topo, max_tokens).held_pages("dst")
-        dst = EnginePools.create(engine, topo, {name: n + 1 for name, n in cap.items()})
+        dst = EnginePools.create(engine, topo, _capacity(engine, topo, max_tokens))
 
     def plan_for(info: dict):
         return plan_migration(info["src"], engine, topo, int(info["num_tokens"]),
@@ -209,6 +207,22 @@ def serve_command(listen: tuple[str, int], transport: str, engine: str | None, m
         raise Failure(f"{failures} of {served} requests failed")
 
 
+def _capacity(engine: str, topo, max_tokens: int) -> dict[str, int]:
+    """Pages per block table that hold any one request of up to ``max_tokens`` tokens.
+
+    Compressed tables grow with the length; windowed and state tables peak at lengths just short
+    of a page or ratio boundary (all powers of two up to 512), so the last 512 lengths cover them."""
+    from kvbridge.migration.plan import request_table_lengths, window_released
+
+    prof = parse_engine(engine)
+    cap: dict[str, int] = {}
+    for n in range(max(1, max_tokens - 512), max_tokens + 1):
+        released = window_released(prof, topo, n, 0)
+        for name, length in request_table_lengths(prof, topo, n).items():
+            cap[name] = max(cap.get(name, 0), length - min(released.get(name, 0), length))
+    return cap
+
+
 def _report_failure(exc: KVBridgeError, as_json: bool) -> None:
     line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if as_json:
@@ -218,12 +232,13 @@ def _report_failure(exc: KVBridgeError, as_json: bool) -> None:
 
 def _release(dst: EnginePools, tables: dict) -> None:
     """A serving sink: zero and return the request's pages after reporting it."""
-    for (layer, role), pool in dst.pools.items():
-        st = dst.profile.storage(next(c for c in dst.model.all_caches(dst.include_mtp)
-                                      if c.layer == layer and c.role == role))
-        ids = [i for i in tables.get(st.table, []) if i >= 0]
-        if ids:
-            pool[ids] = 0
+    from kvbridge.migration.nixl import _tensor_tables
+
+    for spec in dst.model.all_caches(dst.include_mtp):
+        for tensor, name in _tensor_tables(dst.storage(spec), dst.pool(spec)):
+            ids = [i for i in tables.get(name, []) if i >= 0]
+            if ids:
+                tensor[ids] = 0
     dst.release(tables)
 
 
@@ -330,7 +345,7 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
 @click.option("--tokens", type=click.IntRange(min=1), default=131072, show_default=True, help="Request length.")
 @click.option("--model", default="deepseek-v4-flash", show_default=True, callback=_model)
 @click.option("--from", "src", default="trtllm:fp8:tpb=128", show_default=True, callback=_engine)
-@click.option("--to", "dst", default="sglang", show_default=True, callback=_engine)
+@click.option("--to", "dst", default="vllm", show_default=True, callback=_engine)
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Timed runs; medians.")
 @click.option("--gloo/--no-gloo", default=True, show_default=True, help="Time the gloo path too.")
 @click.option("--request/--no-request", default=True, show_default=True,

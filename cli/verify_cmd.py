@@ -24,31 +24,34 @@ def command(ctx: click.Context, path: Path | None, device: str, as_json: bool) -
     PATH defaults to the source checkout's fixtures/ directory. Runs FlashMLA's MODEL1
     encoder/dequantizer vectors (P = 2, 64, 256), TensorRT-LLM's per-tensor FP8 writer/reader at
     each scale, the dialect zero-tile scale bytes (114 / 105 / 92), and FlashMLA's sparse-decode
-    outputs (within FlashMLA's own tolerances). Exit 1 on any failure.
+    outputs (within FlashMLA's own tolerances), and the indexer-key pages written by SGLang's
+    and vLLM's own writers, reported per engine. Exit 1 on any failure.
     """
     report = run_conformance(path, device=device)
     if as_json:
         print_json(report.to_dict())
     else:
-        groups: dict[tuple[str, str, str], list] = {}
+        groups: dict[tuple[str, str, str, str], list] = {}
         for r in report.results:
-            groups.setdefault((r.layout, r.dialect or "-", r.check), []).append(r)
+            groups.setdefault((r.engine or "kvbridge codecs", r.layout, r.dialect or "-", r.check), []).append(r)
         table = Table(
             title=f"conformance: {report.fixtures_dir} on {report.device}",
             box=None,
             pad_edge=False,
             header_style="bold",
         )
+        table.add_column("engine", no_wrap=True)
         table.add_column("layout", no_wrap=True)
         table.add_column("dialect", no_wrap=True)
         table.add_column("check", overflow="fold")
         table.add_column("cases", overflow="fold")
         table.add_column("result", no_wrap=True)
-        for (layout, dialect, check), rows in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        for (engine, layout, dialect, check), rows in sorted(groups.items(), key=lambda kv: kv[0][:2]):
             ok = sum(r.passed for r in rows)
             colour = "green" if ok == len(rows) else "red"
             cases = ", ".join(r.case for r in rows)
             table.add_row(
+                engine,
                 layout,
                 dialect,
                 check,
@@ -58,6 +61,12 @@ def command(ctx: click.Context, path: Path | None, device: str, as_json: bool) -
         console.print(table)
         for r in report.failures:
             console.print(f"[red]FAIL[/red] {r.layout} {r.dialect or ''} {r.case} {r.check}: {r.detail}")
+        engines: dict[str, list] = {}
+        for r in report.results:
+            engines.setdefault(r.engine or "kvbridge codecs", []).append(r)
+        for engine, rows in engines.items():
+            ok = sum(r.passed for r in rows)
+            console.print(f"{engine}: {ok}/{len(rows)} checks passed")
         total, failed = len(report.results), len(report.failures)
         colour = "green" if not failed else "red"
         console.print(f"[{colour}]{total - failed}/{total} checks passed[/{colour}]")

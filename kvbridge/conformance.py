@@ -2,7 +2,8 @@
 
 ``run_conformance`` replays the fixture files of ``fixtures/`` (FlashMLA's MODEL1 encoder and
 dequantizer at P = 2, 64, 256; TensorRT-LLM's per-tensor FP8 writer and reader at each scale)
-plus the dialect zero-tile scale bytes of spec section 4 (114 / 105 / 92), comparing bytes with
+plus the dialect zero-tile scale bytes of spec section 4 (114 / 105 / 92) and the indexer-key
+pages and records written by SGLang's and vLLM's own writers (fixtures/README.md), comparing bytes with
 ``torch.equal``, and FlashMLA's sparse-decode reference outputs through ``sparse_decode``
 (reference backend) within FlashMLA's own test tolerances (spec section 6; fp32 accumulation
 order differs, so these are not bitwise). ``identify_writer`` says which encoder (dialect, input precision, scale)
@@ -27,6 +28,25 @@ from kvbridge.layouts import Layout, get_layout
 MODEL1_FIXTURE = "model1_reference.safetensors"
 TRTLLM_FIXTURE = "trtllm_fp8_reference.safetensors"
 DECODE_FIXTURE = "model1_decode_reference.safetensors"
+SGLANG_INDEXER_FIXTURE = "sglang_indexer_reference.safetensors"
+VLLM_INDEXER_FIXTURE = "vllm_indexer_reference.safetensors"
+DERIVED_INDEXER_FIXTURE = "derived_indexer_reference.safetensors"
+SGLANG_STATE_FIXTURE = "sglang_state_addressing_reference.safetensors"
+CROSS_INDEXER_FIXTURE = "cross_indexer_reference.safetensors"
+DEEPGEMM_INDEXER_FIXTURE = "deepgemm_indexer_reference.safetensors"
+#: Engine of each destination rule in the cross-writer fixture.
+_RULE_ENGINE = {"sglang": "SGLang 0.5.23", "sglang-triton": "SGLang 0.5.23", "sglang-rne": "SGLang 0.5.23",
+                "sglang-rocm": "SGLang 0.5.23",
+                "vllm": "vLLM 0.33.0", "vllm-ue8m0": "vLLM 0.33.0", "trtllm": "TensorRT-LLM main",
+                "deepgemm": "DeepGEMM"}
+#: Writers that cannot run on a CPU, re-implemented from their source outside kvbridge (derived, not golden).
+DERIVED_INDEXER_WRITERS = (
+    ("TensorRT-LLM main", "fp8", "trtllm", "compressorKernels.cu postProcessScatterKernel kFP8Blockwise"),
+    ("TensorRT-LLM main", "fp4", "trtllm", "compressorKernels.cu postProcessScatterKernel kMXFP4Blockwise"),
+    ("SGLang 0.5.23", "fp8", "sglang", "store.cuh fused_store_indexer_cache"),
+    ("SGLang 0.5.23", "fp4", "sglang", "fused_norm_rope_v2.cuh forward_fp4 (C4 pools)"),
+    ("vLLM 0.33.0", "fp4", "vllm", "_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn"),
+)
 #: Scale byte of an all-zero tile per dialect, as stated in spec section 4 (not derived from the encoder).
 ZERO_TILE_SCALE_BYTE = {"flashmla": 114, "amax-1e-4": 105, "amax-1e-8": 92}
 #: Odd page size (FlashMLA's tests use 61) for the re-paging round trip check.
@@ -43,6 +63,7 @@ class CheckResult:
     check: str
     passed: bool
     detail: str
+    engine: str = ""
 
 
 @dataclass
@@ -255,6 +276,175 @@ def dialect_checks(device: torch.device) -> list[CheckResult]:
     return results
 
 
+#: (engine version, fixture file, format, rule, writer function the fixture was made with).
+INDEXER_WRITERS = (
+    ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp4", "sglang-triton",
+     "quantize_fp4_indexer_tensor(rne=False) + store_fp4_index_k_cache"),
+    ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp4", "sglang-rne", "quantize_fp4_indexer_tensor(rne=True)"),
+    ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp8", "sglang-rocm", "triton_fused_store_indexer"),
+    ("vLLM 0.33.0", VLLM_INDEXER_FIXTURE, "fp8", "vllm", "_fused_kv_compress_norm_rope_insert_indexer_attn"),
+    ("vLLM 0.33.0", VLLM_INDEXER_FIXTURE, "fp8", "vllm-ue8m0",
+     "_fused_kv_compress_norm_rope_insert_indexer_attn(MX_SCALE)"),
+)
+
+
+def page_records(pages: torch.Tensor, slots: torch.Tensor, page_size: int, split: int, record_bytes: int
+                 ) -> torch.Tensor:
+    """Records of the keys at ``slots`` of block-planar indexer pages (values at ``row * split``,
+    scales at ``page_size * split + row * (record_bytes - split)``); page stride = ``pages.shape[1]``."""
+    page, row = slots // page_size, slots % page_size
+    cols = torch.arange(split, device=pages.device)
+    tail = torch.arange(record_bytes - split, device=pages.device)
+    values = pages[page.unsqueeze(1), row.unsqueeze(1) * split + cols]
+    scales = pages[page.unsqueeze(1), page_size * split + row.unsqueeze(1) * (record_bytes - split) + tail]
+    return torch.cat([values, scales], dim=1)
+
+
+def indexer_checks(root: Path, device: torch.device) -> list[CheckResult]:
+    """Indexer-key bytes written by SGLang's and vLLM's own writers: encode = their records and pages."""
+    from kvbridge import indexer as ix
+
+    results = []
+    loaded = {name: _load(root / name, device) for name in (SGLANG_INDEXER_FIXTURE, VLLM_INDEXER_FIXTURE)}
+    for engine, name, fmt_name, rule, writer in INDEXER_WRITERS:
+        tensors, info = loaded[name]
+        fmt = ix.indexer_format(fmt_name)
+        p = int(info["page_size"])
+        key = f"{fmt_name}.{rule}"
+        layout = f"indexer-{fmt_name}"
+        if name == SGLANG_INDEXER_FIXTURE:
+            keys, slots = tensors["keys"], tensors["slots"]
+            want_records = tensors.get(f"{key}.records")
+        else:
+            keys, slots = tensors[f"{key}.page_keys"], tensors[f"{key}.slots"]
+            want_records = None
+        got = ix.encode_keys(keys, fmt, rule)
+        pages = tensors[f"{key}.pages"]
+        have = page_records(pages, slots.long(), p, fmt.split, fmt.record_bytes)
+        results.append(CheckResult(layout, rule, f"P={p}, {pages.shape[1]} B pages", f"page bytes = {writer}",
+                                   *byte_diff(got, have), engine=engine))
+        if name == VLLM_INDEXER_FIXTURE:
+            keys, want_records = tensors[f"{key}.keys"], tensors[f"{key}.records"]
+            got = ix.encode_keys(keys, fmt, rule)
+        if want_records is not None:
+            results.append(CheckResult(layout, rule, f"{keys.shape[0]} keys", f"records = {writer}",
+                                       *byte_diff(got, want_records), engine=engine))
+    return results
+
+
+def deepgemm_checks(path: Path, device: torch.device) -> list[CheckResult]:
+    """DeepGEMM's own quantizers (``deep_gemm/utils/math.py``, run on CPU): fp8 and fp4 key records."""
+    from kvbridge import indexer as ix
+
+    tensors, _ = _load(path, device)
+    results = []
+    for fmt_name, writer in (("fp8", "per_token_cast_to_fp8(gran_k=128)"),
+                             ("fp4", "per_token_cast_to_fp4(use_ue8m0, gran_k=32)")):
+        got = ix.encode_keys(tensors["keys"], ix.indexer_format(fmt_name), "deepgemm")
+        results.append(CheckResult(f"indexer-{fmt_name}", "deepgemm", f"{got.shape[0]} keys", f"records = {writer}",
+                                   *byte_diff(got, tensors[f"{fmt_name}.deepgemm.records"]), engine="DeepGEMM"))
+    return results
+
+
+def derived_indexer_checks(path: Path, device: torch.device) -> list[CheckResult]:
+    """Indexer records of the writers that need a GPU, from an independent re-implementation (derived)."""
+    from kvbridge import indexer as ix
+
+    tensors, _ = _load(path, device)
+    keys = tensors["keys"]
+    results = []
+    for engine, fmt_name, rule, writer in DERIVED_INDEXER_WRITERS:
+        got = ix.encode_keys(keys, ix.indexer_format(fmt_name), rule)
+        results.append(CheckResult(f"indexer-{fmt_name}", rule, f"{keys.shape[0]} keys (derived)",
+                                   f"records = {writer}", *byte_diff(got, tensors[f"{fmt_name}.{rule}.records"]),
+                                   engine=engine))
+    return results
+
+
+def indexer_source_records(root: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The indexer records of every fixture writer, by ``fmt.rule`` (the sources of the cross-writer cases)."""
+    sg, _ = _load(root / SGLANG_INDEXER_FIXTURE, device)
+    vl, _ = _load(root / VLLM_INDEXER_FIXTURE, device)
+    dv, _ = _load(root / DERIVED_INDEXER_FIXTURE, device)
+    return {
+        "fp4.sglang-triton": sg["fp4.sglang-triton.records"], "fp4.sglang-rne": sg["fp4.sglang-rne.records"],
+        "fp4.sglang": dv["fp4.sglang.records"],
+        "fp4.trtllm": dv["fp4.trtllm.records"], "fp8.trtllm": dv["fp8.trtllm.records"],
+        "fp8.sglang": dv["fp8.sglang.records"], "fp8.vllm": vl["fp8.vllm.records"],
+        "fp8.vllm-ue8m0": vl["fp8.vllm-ue8m0.records"],
+        **{k.removesuffix(".records"): v for k, v in _load(root / DEEPGEMM_INDEXER_FIXTURE, device)[0].items()
+           if k != "keys"},
+    }
+
+
+def cross_indexer_checks(root: Path, device: torch.device) -> list[CheckResult]:
+    """Converted keys = what the destination engine's own writer wrote from the source's decoded values.
+
+    Each case is a source writer's records, decoded and re-written by SGLang's or vLLM's writer
+    (golden), or by the independent re-implementation of a GPU-only writer (keys ``derived:...``),
+    see ``fixtures/README.md``; kvbridge's conversion must give the same bytes.
+    """
+    from kvbridge import indexer as ix
+
+    sources = indexer_source_records(root, device)
+    tensors, _ = _load(root / CROSS_INDEXER_FIXTURE, device)
+    results = []
+    for key in sorted(tensors):
+        derived = key.startswith("derived:")
+        src, dst = key.removeprefix("derived:").split("->")
+        (src_fmt, src_rule), (dst_fmt, dst_rule) = src.split(".", 1), dst.split(".", 1)
+        got, _ = ix.transcode_keys(sources[src], ix.indexer_format(src_fmt), ix.indexer_format(dst_fmt), dst_rule,
+                                   src_rule)
+        case = f"from {src}" + (" (derived)" if derived else "")
+        results.append(CheckResult(f"indexer-{dst_fmt}", dst_rule, case, "converted = engine writer",
+                                   *byte_diff(got, tensors[key]), engine=_RULE_ENGINE[dst_rule]))
+    return results
+
+
+def state_addressing_checks(path: Path, device: torch.device) -> list[CheckResult]:
+    """SGLang's compressor-state rows (its pool's own translate functions) = kvbridge's addressing.
+
+    Each live position's record is scattered through kvbridge's storage of the SGLang profile and
+    the flat row it lands in (page * ring + row) is compared with SGLang's state_loc.
+    """
+    from kvbridge.engines import parse_engine
+    from kvbridge.migration.pools import scatter_records
+    from kvbridge.topology import FLASH, Role
+
+    tensors, cases = _load(path, device)
+    results = []
+    for name, info in cases.items():
+        ring = int(info["ring"])
+        if info["kind"] == "page-ring":
+            draft = ":draft=1" if ring == 16 else ""
+            profile = parse_engine(f"sglang:swa={info['swa_page']}{draft}")
+            spec = next(c for c in FLASH.caches(2) if c.role == Role.INDEXER_STATE)
+        else:
+            profile = parse_engine("sglang:draft=1" if ring == 256 else "sglang")
+            spec = next(c for c in FLASH.caches(3) if c.role == Role.STATE)
+        st = profile.storage(spec)
+        positions = tensors[f"{name}.positions"].long().cpu()
+        table = [int(t) for t in tensors[f"{name}.table"]]
+        first, n = int(positions[0]), positions.numel()
+        records = torch.zeros(n, st.record_bytes, dtype=torch.uint8)
+        records[:, :8] = (positions + 1).view(-1, 1).view(torch.uint8)  # a label per position (never 0)
+        pool = torch.zeros(max(table) + 1, st.page_bytes, dtype=torch.uint8)
+        scatter_records(pool, st, table, first, records)
+        rows = pool[:, : st.page_size * st.record_bytes].reshape(-1, st.record_bytes)[:, :8].contiguous()
+        labels = rows.view(torch.int64).view(-1)
+        got = torch.full((n,), -1, dtype=torch.int64)
+        for flat in labels.nonzero().view(-1).tolist():
+            got[int(labels[flat]) - 1 - first] = flat
+        want = tensors[f"{name}.state_loc"].long().cpu()
+        ok = torch.equal(got, want)
+        bad = got != want
+        detail = f"{n} rows equal" if ok else f"rows {got[bad][:4].tolist()} != SGLang's {want[bad][:4].tolist()}"
+        results.append(CheckResult(f"state-{st.fmt}", None, f"{name} ({st.addressing})",
+                                   "rows = CompressStatePool.translate_from_*_to_state_loc", ok, detail,
+                                   engine="SGLang 0.5.23"))
+    return results
+
+
 def run_conformance(
     fixtures_dir: str | os.PathLike | None = None, device: str | torch.device = "cpu"
 ) -> ConformanceReport:
@@ -276,6 +466,11 @@ def run_conformance(
         *trtllm_checks(root / TRTLLM_FIXTURE, dev),
         *dialect_checks(dev),
         *decode_checks(root / DECODE_FIXTURE, dev),
+        *indexer_checks(root, dev),
+        *deepgemm_checks(root / DEEPGEMM_INDEXER_FIXTURE, dev),
+        *derived_indexer_checks(root / DERIVED_INDEXER_FIXTURE, dev),
+        *state_addressing_checks(root / SGLANG_STATE_FIXTURE, dev),
+        *cross_indexer_checks(root, dev),
     ]
     return ConformanceReport(str(root), str(dev), results)
 
@@ -377,12 +572,47 @@ def identify_writer(
     return WriterReport(lay.name, n, candidates)
 
 
+#: Engine writer behind each indexer rule.
+INDEXER_RULE_WRITERS = {
+    "trtllm": "TensorRT-LLM indexer writer", "sglang": "SGLang CUDA (C4 pools)",
+    "sglang-triton": "SGLang Triton quantize_fp4_indexer_tensor", "sglang-rocm": "SGLang ROCm store",
+    "sglang-rne": "SGLang Triton fp4 with rne=True", "deepgemm": "DeepGEMM reference",
+    "vllm": "vLLM", "vllm-ue8m0": "vLLM on SM100 (UE8M0 scales)",
+}
+
+
+def identify_indexer_writer(pages: torch.Tensor, fmt: str, keys: torch.Tensor, *, page_size: int,
+                            slots: torch.Tensor | None = None) -> WriterReport:
+    """Which engine's indexer writer reproduces block-planar indexer ``pages`` (uint8
+    ``[num_pages, page_bytes]``) from the source ``keys`` ``[N, dim]`` stored at ``slots``
+    (default 0..N-1). Every rule of the format is tried; all bytes of each key are compared."""
+    from kvbridge import indexer as ix
+
+    f = ix.indexer_format(fmt, keys.shape[1] if isinstance(keys, torch.Tensor) and keys.dim() == 2 else 128)
+    if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or pages.dim() != 2 \
+            or pages.shape[1] < page_size * f.record_bytes:
+        raise InputError(f"{fmt} indexer pages must be uint8 [num_pages, >= {page_size * f.record_bytes}]")
+    n = keys.shape[0]
+    slots = torch.arange(n) if slots is None else slots.long()
+    if slots.shape != (n,) or (n and (int(slots.min()) < 0 or int(slots.max()) >= pages.shape[0] * page_size)):
+        raise InputError(f"slots must be {n} indices into {pages.shape[0]} pages of {page_size} keys")
+    have = page_records(pages, slots.to(pages.device), page_size, f.split, f.record_bytes)
+    candidates = []
+    for rule in f.rules:
+        got = ix.encode_keys(keys, f, rule).to(pages.device)
+        differing = int((got != have).sum())
+        candidates.append(WriterCandidate(f"{rule}: {INDEXER_RULE_WRITERS[rule]}", rule, "as given", None,
+                                          differing == 0, differing))
+    return WriterReport(f"indexer-{fmt}", n, candidates)
+
+
 __all__ = [
     "CheckResult",
     "ConformanceReport",
     "WriterCandidate",
     "WriterReport",
     "default_fixtures_dir",
+    "identify_indexer_writer",
     "identify_writer",
     "run_conformance",
 ]

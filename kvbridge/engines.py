@@ -1,15 +1,18 @@
 """Engine pool profiles: how TensorRT-LLM, SGLang and vLLM store a DeepSeek-V4 request's caches.
 
-A profile says, for every cache of ``kvbridge.topology``, which storage format it uses and
-how an entry index (token position for SWA and state roles, compressed-token index for
-COMPRESS and INDEXER) maps to a page through a named block table of the request:
+A profile names the engine version its facts were read from and, for every cache role, the
+storage format, the writer rule, the addressing and the source file. An entry index (token
+position for SWA and state roles, compressed-token index for COMPRESS and INDEXER) maps to a
+page through a named block table of the request:
 
-- paged: entry e is at page ``table[e // P]``, row ``e % P`` (P = entries per page);
-- ring: the request owns one page of ``P`` rows (``table[0]``) and entry e is at row ``e % P``.
+- ``paged``: entry e is at page ``table[e // P]``, row ``e % P`` (P = entries per page);
+- ``ring``: the request owns one page of ``P`` rows (``table[0]``) and entry e is at row ``e % P``;
+- ``page-ring``: a page of ``P`` rows belongs to each block of ``span`` positions of another
+  table (SGLang's ratio-4 compressor state follows its SWA pages): entry e is at page
+  ``table[e // span]``, row ``e % P``.
 
-A table entry -1 marks a released block (TensorRT-LLM drops SWA blocks out of the window).
-Profiles are written from spec sections 3-5 (facts read in the engines' code); each cites its
-source. Where an engine's choice was not found in its code, the comment says it is assumed.
+A table entry -1 marks a released block (engines drop windowed blocks out of the window).
+Options a profile cannot honour raise ``InputError`` with a one-line reason.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from kvbridge.indexer import IndexerFormat, indexer_format
 from kvbridge.layouts import Layout, get_layout
 from kvbridge.topology import CacheSpec, Role
 
-Addressing = Literal["paged", "ring"]
+Addressing = Literal["paged", "ring", "page-ring"]
+#: Bytes per compressor-state value.
+STATE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,10 @@ class Storage:
     ``split`` is None, else block-split (bytes ``[0, split)`` of row t at ``t * split``, the
     rest at ``page_size * split + t * (record_bytes - split)``); pages are ``page_bytes`` long.
     ``kind`` is ``kv`` (``fmt`` = layout name), ``indexer`` (``fmt`` = fp8/fp4) or ``state``
-    (``fmt`` = fp32 rows).
+    (``fmt`` = fp32/bf16 ``[kv | score]`` rows). ``span``: positions per table entry of a
+    ``page-ring`` storage. ``separate_pools``: the two record parts (state: kv and score) live in
+    two pool tensors, ``[n, P * split]`` and ``[n, P * (record_bytes - split)]``, the second
+    addressed by block table ``score_table`` when it is set (else by ``table`` too).
     """
 
     kind: Literal["kv", "indexer", "state"]
@@ -46,6 +54,9 @@ class Storage:
     addressing: Addressing
     dialect: str | None = None  # the engine writer's dialect (kv) or scale rule (indexer)
     scale: float | None = None  # per-tensor scale (trtllm-fp8 only)
+    span: int | None = None
+    separate_pools: bool = False
+    score_table: str | None = None
 
     @property
     def layout(self) -> Layout:
@@ -58,32 +69,69 @@ class Storage:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """One setting of a profile: its value, whether it was given or defaulted, and where it comes from."""
+
+    option: str
+    value: str
+    given: bool
+    source: str
+
+
+@dataclass(frozen=True)
 class EngineProfile:
-    """One engine's storage of DeepSeek-V4 caches.
+    """One engine version's storage of DeepSeek-V4 caches.
 
     ``swa_page``: tokens per SWA page. ``compressed_tokens_per_page``: full tokens one
-    compressed page covers (a ratio-r page holds that / r entries). ``state_addressing``:
-    ``paged`` (position-addressed blocks of ``swa_page`` rows) or ``ring``.
+    compressed page covers (a ratio-r page holds that / r entries). ``state``: per ratio, the
+    addressing, rows per page (ring or block) and table of the compressor state.
+    ``page_align``: block strides are rounded up to a multiple of this many bytes (vLLM).
+    ``draft_tokens``: speculative-decoding draft length the engine runs with (0: none).
+    ``swa_send_page``: an engine whose PD sends whole SWA pages from the window's page start
+    (SGLang) wants the SWA tokens of that page too. ``score_has_ape``: the stored compressor
+    score already includes the positional bias (vLLM, TensorRT-LLM add it when saving a row;
+    SGLang stores the raw score and adds it when compressing).
     """
 
     engine: str
+    version: str
     spec: str
     kv_layout: str
     swa_page: int
     compressed_tokens_per_page: int
     indexer_fmt: str
     indexer_rule: str
-    state_addressing: Addressing
     swa_dialect: str | None
     compress_dialect: str | None
     kv_scale: float | None
+    state_dtype: str
+    state: dict[int, tuple[Addressing, int, str]]
     tables: dict[Role, str] = field(default_factory=dict)
-    source: str = ""
+    sources: dict[str, str] = field(default_factory=dict)
+    choices: tuple[Choice, ...] = ()
+    page_align: int = 1
+    draft_tokens: int = 0
+    separate_state_pools: bool = False
+    swa_send_page: bool = False
+    online_c128: bool = False
+    score_has_ape: bool = True
+
+    @property
+    def source(self) -> str:
+        return "; ".join(f"{k}: {v}" for k, v in self.sources.items())
 
     def table_name(self, spec: CacheSpec) -> str:
         """The block table addressing ``spec``'s cache (shared by all layers of that role/ratio)."""
+        if spec.role in (Role.STATE, Role.INDEXER_STATE):
+            table = self.state[spec.ratio][2]
+            if table in ("swa", "full"):
+                return table
+            return f"{'indexer_' if spec.role == Role.INDEXER_STATE else ''}{table}{spec.ratio}"
         base = self.tables[spec.role]
         return base if spec.role == Role.SWA or base == "full" else f"{base}{spec.ratio}"
+
+    def _align(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_align) * self.page_align
 
     def storage(self, spec: CacheSpec) -> Storage:
         """Storage of one layer's cache."""
@@ -92,140 +140,261 @@ class EngineProfile:
             lay = get_layout(self.kv_layout)
             p = self.swa_page if spec.role == Role.SWA else self.compressed_tokens_per_page // spec.ratio
             dialect = self.swa_dialect if spec.role == Role.SWA else self.compress_dialect
-            return Storage("kv", lay.name, lay.record_bytes, lay.split, p, lay.page_bytes(p), table, "paged",
-                           dialect, self.kv_scale if lay.per_tensor_scale else None)
+            return Storage("kv", lay.name, lay.record_bytes, lay.split, p, self._align(lay.page_bytes(p)), table,
+                           "paged", dialect, self.kv_scale if lay.per_tensor_scale else None)
         if spec.role == Role.INDEXER:
             fmt = indexer_format(self.indexer_fmt, spec.width)
             p = self.compressed_tokens_per_page // spec.ratio
-            return Storage("indexer", fmt.name, fmt.record_bytes, fmt.split, p, fmt.page_bytes(p), table, "paged",
-                           self.indexer_rule)
-        row = 4 * spec.width
-        p = spec.window if self.state_addressing == "ring" else self.swa_page
-        assert p is not None
-        return Storage("state", "fp32", row, None, p, p * row, table, self.state_addressing)
+            return Storage("indexer", fmt.name, fmt.record_bytes, fmt.split, p, self._align(fmt.page_bytes(p)), table,
+                           "paged", self.indexer_rule)
+        addressing, rows, _ = self.state[spec.ratio]
+        if self.online_c128 and spec.ratio == 128:
+            row = 3 * (spec.width // 2) * STATE_DTYPE_BYTES[self.state_dtype]
+            return Storage("state", f"online-{self.state_dtype}", row, None, 1, row, table, "ring")
+        row = spec.width * STATE_DTYPE_BYTES[self.state_dtype]
+        split = row // 2 if self.separate_state_pools else None
+        span = self.swa_page if addressing == "page-ring" else None
+        score_table = f"{table}_score" if self.separate_state_pools else None
+        return Storage("state", self.state_dtype, row, split, rows, self._align(rows * row), table, addressing,
+                       span=span, separate_pools=self.separate_state_pools, score_table=score_table)
+
+    def swa_first(self, first: int) -> int:
+        """First SWA token this engine holds for a window starting at ``first`` (its page start when
+        it sends whole pages)."""
+        return first // self.swa_page * self.swa_page if self.swa_send_page else first
 
     def to_dict(self) -> dict:
         return {
             "engine": self.engine,
+            "version": self.version,
             "spec": self.spec,
             "kv_layout": self.kv_layout,
             "swa_page": self.swa_page,
             "compressed_tokens_per_page": self.compressed_tokens_per_page,
             "indexer": f"{self.indexer_fmt} ({self.indexer_rule})",
-            "state_addressing": self.state_addressing,
+            "state": {str(r): {"addressing": a, "rows": n, "table": t, "dtype": self.state_dtype}
+                      for r, (a, n, t) in self.state.items()},
             "swa_dialect": self.swa_dialect,
             "compress_dialect": self.compress_dialect,
             "kv_scale": self.kv_scale,
-            "source": self.source,
+            "draft_tokens": self.draft_tokens,
+            "choices": [{"option": c.option, "value": c.value, "given": c.given, "source": c.source}
+                        for c in self.choices],
+            "sources": dict(self.sources),
         }
 
 
+SGLANG_VERSION = "SGLang 0.5.23"
+VLLM_VERSION = "vLLM 0.33.0"
+TRTLLM_VERSION = "TensorRT-LLM main (late 2026)"
+
 _TRTLLM_KV = {
-    # option -> (layout, SWA writer dialect, COMPRESS writer dialect); spec 3.1, 3.2, 3.4.
+    # option -> (layout, SWA writer dialect, COMPRESS writer dialect)
     "fp8": ("trtllm-fp8", "swa", "compress"),
     "fp8-ds-mla": ("trtllm-fp8-ds-mla", "amax-1e-8", "amax-1e-8"),
     "bf16": ("bf16", None, None),
 }
 
 
-def _options(parts: list[str], allowed: tuple[str, ...], spec: str) -> dict[str, str]:
-    opts: dict[str, str] = {}
-    for part in parts:
-        key, sep, value = part.partition("=")
-        if not sep or key not in allowed:
-            raise InputError(f"engine spec {spec!r}: unknown option {part!r}; options: {', '.join(allowed)}")
-        opts[key] = value
-    return opts
+class _Options:
+    """Parsed ``key=value`` options of one engine spec; records each choice and its source."""
+
+    def __init__(self, parts: list[str], allowed: tuple[str, ...], spec: str) -> None:
+        self.spec = spec
+        self.given: dict[str, str] = {}
+        self.choices: list[Choice] = []
+        for part in parts:
+            key, sep, value = part.partition("=")
+            if not sep or key not in allowed:
+                raise InputError(f"engine spec {spec!r}: unknown option {part!r}; options: {', '.join(allowed)}")
+            self.given[key] = value
+
+    def pick(self, key: str, default: str, choices: tuple[str, ...], source: str) -> str:
+        value = self.given.get(key, default)
+        if value not in choices:
+            raise InputError(f"engine spec {self.spec!r}: {key} must be one of {', '.join(choices)}, got {value!r}")
+        self.choices.append(Choice(key, value, key in self.given, source))
+        return value
+
+    def integer(self, key: str, default: int, lo: int, hi: int, source: str) -> int:
+        raw = self.given.get(key, str(default))
+        if not raw.isdigit() or not lo <= int(raw) <= hi:
+            raise InputError(f"engine spec {self.spec!r}: {key} must be an integer in {lo}..{hi}, got {raw!r}")
+        self.choices.append(Choice(key, raw, key in self.given, source))
+        return int(raw)
 
 
-def _int_option(opts: dict[str, str], key: str, default: int, choices: tuple[int, ...], spec: str) -> int:
-    raw = opts.get(key, str(default))
-    if not raw.isdigit() or int(raw) not in choices:
-        raise InputError(f"engine spec {spec!r}: {key} must be one of {', '.join(map(str, choices))}, got {raw!r}")
-    return int(raw)
+def _refuse_fnuz(opts: _Options, engine: str) -> None:
+    flavour = opts.pick("e4m3", "fn", ("fn", "fnuz"), "E4M3 flavour of the KV and indexer pools")
+    if flavour == "fnuz":
+        raise InputError(f"{engine} with float8_e4m3fnuz pools (ROCm gfx942: max 240, other exponent bias) is not "
+                         "supported: kvbridge's layouts store OCP float8_e4m3fn bytes, which those pools misread")
 
 
-def trtllm(kv: str = "fp8", tokens_per_block: int = 128, indexer: str = "fp4", scale: float = 1.0) -> EngineProfile:
-    """TensorRT-LLM PyTorch backend (spec 3.2, 3.4, 5).
+_SG = "sglang/"
 
-    Per-role block tables (one per role and ratio); blocks hold ``tokens_per_block`` tokens,
-    compressed blocks ``tokens_per_block / r`` entries; SWA blocks out of the window are
-    released (-1). Indexer: fp4 by default (68 B), or fp8 with scale amax/448 (132 B).
-    The windowed COMPRESSOR_* roles are modelled as position-addressed blocks like SWA.
+
+def sglang(spec: str = "sglang") -> EngineProfile:
+    """SGLang 0.5.23 DeepSeekV4TokenToKVPool.
+
+    Options: ``swa=256|128`` (page size: 256, 128 on NPU / older builds; compressed and indexer
+    pages hold page / r entries and share the request's page table), ``idx=fp8|fp4``,
+    ``draft=N`` (``num_draft_tokens``: compressor-state rings of 16 / 256 rows),
+    ``state=fp32|bf16`` (``SGLANG_DSV4_COMPRESS_STATE_DTYPE``), ``online=0|1``
+    (``SGLANG_OPT_USE_ONLINE_COMPRESS``), ``e4m3=fn`` (``fnuz`` refused).
     """
+    _, *parts = spec.split(":")
+    opts = _Options(parts, ("swa", "idx", "draft", "state", "online", "e4m3"), spec)
+    page = int(opts.pick("swa", "256", ("256", "128", "64"), "page size (DSV4PoolConfigurator forces 256; NPU 128)"))
+    if page < 128:
+        raise InputError(f"engine spec {spec!r}: swa={page} gives ratio-128 pages of {page / 128:g} entries; "
+                         "SGLang's compressed pools need page // 128 >= 1")
+    idx = opts.pick("idx", "fp8", ("fp8", "fp4"), "enable_deepseek_v4_fp4_indexer")
+    draft = opts.integer("draft", 0, 0, 64, "speculative num_draft_tokens (0: no speculative decoding)")
+    dtype = opts.pick("state", "fp32", ("fp32", "bf16"), "SGLANG_DSV4_COMPRESS_STATE_DTYPE")
+    online = opts.pick("online", "0", ("0", "1"), "SGLANG_OPT_USE_ONLINE_COMPRESS") == "1"
+    _refuse_fnuz(opts, "SGLang")
+    if online and draft:
+        raise InputError(f"engine spec {spec!r}: SGLang's online ratio-128 compressor does not support "
+                         "speculative decoding (draft > 0) without SGLANG_EXPERIMENTAL_ONLINE_C128_MTP")
+    ring4, ring128 = (16, 256) if draft else (8, 128)
+    mem = _SG + "srt/mem_cache/deepseek_v4_memory_pool.py"
+    return EngineProfile(
+        engine="sglang", version=SGLANG_VERSION,
+        spec=f"sglang:swa={page}:idx={idx}" + (f":draft={draft}" if draft else "")
+        + (f":state={dtype}" if dtype != "fp32" else "") + (":online=1" if online else ""),
+        kv_layout="flashmla-model1", swa_page=page, compressed_tokens_per_page=page,
+        indexer_fmt=idx, indexer_rule="sglang",
+        swa_dialect="amax-1e-4", compress_dialect="amax-1e-4", kv_scale=None, state_dtype=dtype,
+        state={4: ("page-ring", ring4, "swa"), 128: ("ring", 1 if online else ring128, "state")},
+        tables={Role.SWA: "swa", Role.COMPRESS: "full", Role.INDEXER: "full"},
+        sources={
+            "kv": f"{mem} DeepSeekV4TokenToKVPool; "
+                  f"{_SG}kernels/jit/csrc/deepseek_v4/store.cuh FusedStoreCacheFlashMLAKernel",
+            "indexer": f"{_SG}kernels/jit/csrc/deepseek_v4/fused_norm_rope_v2.cuh FusedNormRopeKernel::"
+                       + ("forward" if idx == "fp8" else "forward_fp4")
+                       + f" (via {_SG}srt/layers/attention/dsv4/compressor_v2.py compress_norm_rope_store)",
+            "state": f"{_SG}srt/mem_cache/deepseek_v4_compress_state.py CompressStatePool "
+                     "(ratio 4 page-scoped: translate_from_swa_loc_to_state_loc; ratio 128 request-scoped); "
+                     f"{mem} get_compress_state_ring_size; raw scores, APE added when compressing "
+                     f"({_SG}kernels/jit/csrc/deepseek_v4/c4_v2.cuh)",
+            "pd": f"{mem} get_state_buf_infos (ratio-4 state travels with the SWA pages)",
+        },
+        choices=tuple(opts.choices), draft_tokens=draft, swa_send_page=True, online_c128=online,
+        score_has_ape=False,
+    )
+
+
+_VL = "vllm/"
+_VLLM_KV = {
+    # kv option -> (layout, SWA dialect, COMPRESS dialect, page alignment, GPU families that run it).
+    # FlashInfer's per-tensor FP8 compressed rows are e4m3(clamp(bf16(x) * (1 / 1.0))) (its cutedsl
+    # compressor): the ``swa`` dialect at scale 1. Its SWA rows come from a compiled op whose source
+    # is not in the wheel; kvbridge assumes the same rule there.
+    "fp8_ds_mla": ("flashmla-model1", "amax-1e-4", "amax-1e-4", 576, ("sm90", "sm100", "sm120")),
+    "flashinfer": ("trtllm-fp8", "swa", "swa", 512, ("sm100", "sm120")),
+    "flashinfer-bf16": ("bf16", None, None, 512, ("sm100",)),
+}
+
+
+def vllm(spec: str = "vllm") -> EngineProfile:
+    """vLLM 0.33.0 DeepSeek-V4 (models/deepseek_v4).
+
+    Options: ``block=256`` (``--block-size``, a multiple of 64: compressed blocks hold
+    block / r entries), ``idx=fp8|fp4``, ``gpu=sm90|sm100|sm120``,
+    ``kv=fp8_ds_mla|flashinfer|flashinfer-bf16|v41`` (``flashinfer``: 512-B per-tensor FP8 rows of
+    ``FLASHINFER_MLA_SPARSE_DSV4`` on SM10x / SM120, ``flashinfer-bf16`` its bf16 rows on SM10x;
+    ``v41`` refused), ``draft=N`` (recorded; no storage change was found for it), ``e4m3=fn``.
+    SWA blocks of 64 tokens; compressor state fp32 in
+    position-paged blocks of 4 (ratio 4) / 8 (ratio 128) positions; blocks aligned to 576 B
+    (``fp8_ds_mla``) or 512 B.
+    """
+    _, *parts = spec.split(":")
+    opts = _Options(parts, ("block", "idx", "gpu", "kv", "draft", "e4m3"), spec)
+    block = opts.integer("block", 256, 64, 4096, "--block-size (recipes use 256)")
+    if block % 64:
+        raise InputError(f"engine spec {spec!r}: block must be a multiple of 64, got {block}")
+    idx = opts.pick("idx", "fp8", ("fp8", "fp4"), "indexer cache dtype")
+    gpu = opts.pick("gpu", "sm90", ("sm90", "sm100", "sm120"), "GPU family (mqa_logits_use_mx_scales on sm100)")
+    kv = opts.pick("kv", "fp8_ds_mla", (*_VLLM_KV, "v41"), "attention backend / cache layout")
+    draft = opts.integer("draft", 0, 0, 64, "num_speculative_tokens (0: none)")
+    _refuse_fnuz(opts, "vLLM")
+    if kv == "v41":
+        raise InputError(f"engine spec {spec!r}: vLLM's DeepSeek-V4.1 528-B MXFP8 records are not supported by "
+                         "kvbridge yet")
+    layout, swa_d, comp_d, align, gpus = _VLLM_KV[kv]
+    if gpu not in gpus:
+        raise InputError(f"engine spec {spec!r}: vLLM runs kv={kv} on {', '.join(gpus)} only, not {gpu}")
+    rule = ("vllm-ue8m0" if gpu == "sm100" else "vllm") if idx == "fp8" else "vllm"
+    return EngineProfile(
+        engine="vllm", version=VLLM_VERSION,
+        spec=f"vllm:block={block}:idx={idx}:gpu={gpu}:kv={kv}" + (f":draft={draft}" if draft else ""),
+        kv_layout=layout, swa_page=64, compressed_tokens_per_page=block,
+        indexer_fmt=idx, indexer_rule=rule,
+        swa_dialect=swa_d, compress_dialect=comp_d, kv_scale=1.0 if layout == "trtllm-fp8" else None,
+        state_dtype="fp32",
+        state={4: ("paged", 4, "state"), 128: ("paged", 8, "state")},
+        tables={Role.SWA: "swa", Role.COMPRESS: "compress", Role.INDEXER: "compress"},
+        sources={
+            "kv": f"{_VL}models/deepseek_v4/attention.py (MLAAttentionSpec, alignment 576 / 512)",
+            "indexer": f"{_VL}models/deepseek_v4/common/ops/fused_compress_quant_cache.py "
+                       + ("_fused_kv_compress_norm_rope_insert_indexer_attn" if idx == "fp8" else
+                          "_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn")
+                       + (f"; {_VL}utils/deep_gemm.py mqa_logits_use_mx_scales" if gpu == "sm100" else ""),
+            "state": f"{_VL}models/deepseek_v4/compressor.py CompressorStateCache (block_size 4 / 8, "
+                     "SlidingWindowMLASpec); score + ape[position % ratio] saved "
+                     f"({_VL}models/deepseek_v4/common/ops/save_partial_states.py)",
+        },
+        choices=tuple(opts.choices), page_align=align, draft_tokens=draft,
+    )
+
+
+def trtllm(spec: str = "trtllm") -> EngineProfile:
+    """TensorRT-LLM PyTorch backend (main, late 2026; facts from the project's engine-storage notes).
+
+    ``trtllm[:fp8|fp8-ds-mla|bf16]`` KV dtype, options ``tpb=128|256`` (tokens_per_block),
+    ``idx=fp4|fp8``, ``scale=S`` (per-tensor FP8 scale), ``draft=N`` (``max_draft_len``),
+    ``state=fp32|bf16``. Per-role block tables (one per role and ratio); compressor kv and
+    score are separate pools with block tables of their own (``state4`` / ``state4_score``, ...),
+    paged by position like SWA (blocks of tokens_per_block rows).
+    """
+    _, *parts = spec.split(":")
+    kv = "fp8"
+    if parts and "=" not in parts[0]:
+        kv = parts.pop(0)
     if kv not in _TRTLLM_KV:
         raise InputError(f"TensorRT-LLM KV dtype must be one of {', '.join(_TRTLLM_KV)}, got {kv!r}")
+    opts = _Options(parts, ("tpb", "idx", "scale", "draft", "state"), spec)
+    tpb = int(opts.pick("tpb", "128", ("128", "256"), "kv_cache_config tokens_per_block"))
+    idx = opts.pick("idx", "fp4", ("fp4", "fp8"), "indexer cache dtype (fp4 default)")
+    raw = opts.given.get("scale", "1.0")
+    try:
+        scale = float(raw)
+    except ValueError:
+        raise InputError(f"engine spec {spec!r}: scale must be a number, got {raw!r}") from None
+    if not scale > 0 or scale == float("inf"):
+        raise InputError(f"engine spec {spec!r}: scale must be positive and finite, got {scale}")
+    opts.choices.append(Choice("scale", f"{scale:g}", "scale" in opts.given, "kv_cache_scaling_factor (default 1.0)"))
+    draft = opts.integer("draft", 0, 0, 64, "max_draft_len (0: no MTP)")
+    dtype = opts.pick("state", "fp32", ("fp32", "bf16"), "compressor state dtype")
     layout, swa_dialect, compress_dialect = _TRTLLM_KV[kv]
-    tpb = tokens_per_block
     return EngineProfile(
-        engine="trtllm",
-        spec=f"trtllm:{kv}:tpb={tpb}:idx={indexer}",
-        kv_layout=layout,
-        swa_page=tpb,
-        compressed_tokens_per_page=tpb,
-        indexer_fmt=indexer,
-        indexer_rule="ue8m0" if indexer == "fp4" else "amax",
-        state_addressing="paged",
-        swa_dialect=swa_dialect,
-        compress_dialect=compress_dialect,
-        kv_scale=scale if layout == "trtllm-fp8" else None,
-        tables={Role.SWA: "swa", Role.COMPRESS: "compress", Role.INDEXER: "indexer",
-                Role.STATE: "state", Role.INDEXER_STATE: "indexer_state"},
-        source="TensorRT-LLM KvCacheManager (tokens_per_block, per-role block tables, kv_cache_config.dtype); "
-               "spec 3.2/3.4/5",
-    )
-
-
-def sglang(swa_page: int = 256, indexer: str = "fp8") -> EngineProfile:
-    """SGLang DeepSeekV4TokenToKVPool (spec 3.3, 5; DSV4PoolConfigurator).
-
-    MODEL1 pools (KVLayout.V4), writer dialect amax-1e-4 (its V4 store kernel). The request's
-    full page table (256 tokens a page) addresses the C4 (64 entries), C4 indexer (64) and
-    C128 (2) pools; SWA pages (256, older builds 128) have their own table. Indexer fp8 with a
-    per-key fp32 scale max(amax, 1e-4)/448. Compressor state: a per-request ring of 8 (C4)
-    or 128 (C128) fp32 rows, row = position % ring.
-    """
-    return EngineProfile(
-        engine="sglang",
-        spec=f"sglang:swa={swa_page}:idx={indexer}",
-        kv_layout="flashmla-model1",
-        swa_page=swa_page,
-        compressed_tokens_per_page=256,
-        indexer_fmt=indexer,
-        indexer_rule="amax-1e-4" if indexer == "fp8" else "ue8m0",
-        state_addressing="ring",
-        swa_dialect="amax-1e-4",
-        compress_dialect="amax-1e-4",
-        kv_scale=None,
-        tables={Role.SWA: "swa", Role.COMPRESS: "full", Role.INDEXER: "full",
-                Role.STATE: "state", Role.INDEXER_STATE: "indexer_state"},
-        source="SGLang mem_cache DeepSeekV4TokenToKVPool / DSV4PoolConfigurator (page_size 256, c4 ring 8); spec 3.3/5",
-    )
-
-
-def vllm(indexer: str = "fp8") -> EngineProfile:
-    """vLLM fp8_ds_mla (spec 3.3, 5).
-
-    MODEL1 pools, writer dialect amax-1e-4; SWA blocks of 64 tokens, compressed blocks of
-    256 / r entries, one block table per KV-cache group (SWA, C4, C128). Assumed, not read
-    in vLLM's code: the indexer keys share the C4 group's table with SGLang's fp8 format and
-    rule, and the compressor state is a per-request ring as in SGLang.
-    """
-    return EngineProfile(
-        engine="vllm",
-        spec=f"vllm:idx={indexer}",
-        kv_layout="flashmla-model1",
-        swa_page=64,
-        compressed_tokens_per_page=256,
-        indexer_fmt=indexer,
-        indexer_rule="amax-1e-4" if indexer == "fp8" else "ue8m0",
-        state_addressing="ring",
-        swa_dialect="amax-1e-4",
-        compress_dialect="amax-1e-4",
-        kv_scale=None,
-        tables={Role.SWA: "swa", Role.COMPRESS: "compress", Role.INDEXER: "compress",
-                Role.STATE: "state", Role.INDEXER_STATE: "indexer_state"},
-        source="vLLM v1 DeepseekV4 / fp8_ds_mla KV-cache specs (block_size 64, compressed 256 / r); spec 3.3/5",
+        engine="trtllm", version=TRTLLM_VERSION,
+        spec=f"trtllm:{kv}:tpb={tpb}:idx={idx}" + (f":scale={scale:g}" if scale != 1.0 else "")
+        + (f":draft={draft}" if draft else "") + (f":state={dtype}" if dtype != "fp32" else ""),
+        kv_layout=layout, swa_page=tpb, compressed_tokens_per_page=tpb,
+        indexer_fmt=idx, indexer_rule="trtllm",
+        swa_dialect=swa_dialect, compress_dialect=compress_dialect,
+        kv_scale=scale if layout == "trtllm-fp8" else None, state_dtype=dtype,
+        state={4: ("paged", tpb, "state"), 128: ("paged", tpb, "state")},
+        tables={Role.SWA: "swa", Role.COMPRESS: "compress", Role.INDEXER: "indexer"},
+        sources={
+            "kv": "tensorrt_llm KvCacheManager (tokens_per_block, per-role block tables, kv_cache_config.dtype)",
+            "indexer": "tensorrt_llm indexer cache (fp8: amax/448 via reciprocal; fp4: kMXFP4Blockwise)",
+            "state": "tensorrt_llm compressorKernels.cu / compressor.py (COMPRESSOR_KV and COMPRESSOR_SCORE pools; "
+                     "APE baked into the stored score)",
+        },
+        choices=tuple(opts.choices), draft_tokens=draft, separate_state_pools=True,
     )
 
 
@@ -233,36 +402,13 @@ ENGINES = ("trtllm", "sglang", "vllm")
 
 
 def parse_engine(spec: str | EngineProfile) -> EngineProfile:
-    """Parse an engine spec: ``trtllm[:fp8|fp8-ds-mla|bf16][:tpb=128|256][:idx=fp4|fp8][:scale=S]``,
-    ``sglang[:swa=256|128][:idx=fp8|fp4]``, ``vllm[:idx=fp8|fp4]``."""
+    """Parse an engine spec (see ``trtllm``, ``sglang`` and ``vllm`` for each engine's options)."""
     if isinstance(spec, EngineProfile):
         return spec
     if not isinstance(spec, str) or not spec:
         raise InputError(f"engine spec must be a non-empty string, got {spec!r}")
-    engine, *parts = spec.split(":")
-    if engine == "trtllm":
-        kv = "fp8"
-        if parts and "=" not in parts[0]:
-            kv = parts.pop(0)
-        opts = _options(parts, ("tpb", "idx", "scale"), spec)
-        tpb = _int_option(opts, "tpb", 128, (128, 256), spec)
-        idx = opts.get("idx", "fp4")
-        if idx not in ("fp4", "fp8"):
-            raise InputError(f"engine spec {spec!r}: idx must be fp4 or fp8, got {idx!r}")
-        try:
-            scale = float(opts.get("scale", "1.0"))
-        except ValueError:
-            raise InputError(f"engine spec {spec!r}: scale must be a number, got {opts['scale']!r}") from None
-        if not scale > 0 or scale == float("inf"):
-            raise InputError(f"engine spec {spec!r}: scale must be positive and finite, got {scale}")
-        return trtllm(kv, tpb, idx, scale)
-    if engine in ("sglang", "vllm"):
-        opts = _options(parts, ("swa", "idx") if engine == "sglang" else ("idx",), spec)
-        idx = opts.get("idx", "fp8")
-        if idx not in ("fp4", "fp8"):
-            raise InputError(f"engine spec {spec!r}: idx must be fp8 or fp4, got {idx!r}")
-        if engine == "vllm":
-            return vllm(idx)
-        return sglang(_int_option(opts, "swa", 256, (128, 256), spec), idx)
-    raise InputError(f"unknown engine {engine!r} in spec {spec!r}; engines: {', '.join(ENGINES)}")
-
+    engine = spec.split(":")[0]
+    builders = {"trtllm": trtllm, "sglang": sglang, "vllm": vllm}
+    if engine not in builders:
+        raise InputError(f"unknown engine {engine!r} in spec {spec!r}; engines: {', '.join(ENGINES)}")
+    return builders[engine](spec)

@@ -1,19 +1,41 @@
-"""Indexer-key codecs (INDEXER_COMPRESS cache of ratio-4 layers, spec section 5).
+"""Indexer-key codecs (INDEXER_COMPRESS cache of ratio-4 layers): one encoder per engine writer.
 
 A key is ``D`` values (``index_head_dim`` = 128). Two storage formats, each a record of
 ``record_bytes`` stored **block-planar** in a page of P keys (all value rows first, then all
-scale rows, no padding), i.e. value bytes of key t at ``t * split``, its scale bytes at
+scale rows), i.e. value bytes of key t at ``t * split``, its scale bytes at
 ``P * split + t * (record_bytes - split)``:
 
-- ``fp8``: D E4M3 bytes, then one little-endian fp32 scale (D = 128: 132 B). Writer rules:
-  ``amax`` (TensorRT-LLM): scale = fp32(amax) / 448; ``amax-1e-4`` (SGLang):
-  scale = fp32(max(amax, 1e-4)) / 448. Value byte = e4m3(x / scale) (fp32 division, RNE,
-  saturating). An all-zero key under ``amax`` has scale 0 and value bytes 0 (kvbridge's
-  choice: the rule itself would divide 0 by 0). Decode: fp32(e4m3) * scale.
-- ``fp4`` (TensorRT-LLM's default indexer cache): D/2 bytes of E2M1 pairs (even element in
-  the low nibble), then D/32 UE8M0 scales, one per 32 values, scale = 2^ceil(log2(amax/6))
-  (rule ``ue8m0``; an all-zero block gets 2^-127, byte 0). Value code = E2M1 RNE of
-  x / scale, saturating at 6. Decode: e2m1 value * scale (exact). D = 128: 68 B.
+- ``fp8``: D E4M3 bytes, then a 4-byte scale (D = 128: 132 B): a little-endian fp32, or (rule
+  ``vllm-ue8m0``, vLLM on SM100) four UE8M0 bytes, one per 32 values. Decode: fp32(e4m3) * scale.
+- ``fp4``: D/2 bytes of E2M1 pairs (even element in the low nibble), then D/32 UE8M0 scales,
+  one per 32 values (D = 128: 68 B). Decode: e2m1 value * 2^(byte - 127) (exact).
+
+Writer rules, as each engine's code computes them (amax = max |x| of the key or 32-block; every
+product and quotient is one fp32 operation; E4M3 is round-to-nearest-even, saturating):
+
+| rule | fp8 scale | fp8 value |
+|---|---|---|
+| ``trtllm`` | amax / 448 | e4m3(x * fl(448 / amax)) |
+| ``sglang``, ``deepgemm`` | max(amax, 1e-4) / 448 | e4m3(x * fl(1 / scale)) |
+| ``sglang-rocm`` | max(amax, 1e-8) / 448 | e4m3(x * fl(1 / scale)) |
+| ``vllm``, ``vllm-ue8m0`` | 2^ceil(log2(max(amax_bf16, 1e-4) * fl(1/448))) | e4m3(bf16(x) * 2^-e) |
+
+| rule | fp4 scale exponent e | codes of x * 2^-e | all-zero block |
+|---|---|---|---|
+| ``trtllm`` | ceil(log2(max(amax, 6 * 2^-126) * fl(1/6))) | nearest-even, sign kept (-0) | byte 1 |
+| ``vllm`` | as ``trtllm``, from bf16(x) | as ``trtllm`` | byte 1 |
+| ``sglang`` (its C4 pools) | ceil(log2(max(amax, 1e-4) / 6)) | ties to the smaller magnitude, no -0 | byte 112 |
+| ``sglang-triton`` | ceil(log2(max(amax / 6, 1e-4))) | ties to the smaller magnitude, no -0 | byte 114 |
+| ``sglang-rne`` | as ``sglang-triton`` | nearest-even, no -0 | byte 114 |
+| ``deepgemm`` | ceil(log2(max(amax, 1e-4) / 6)) | ties to the smaller magnitude, no -0 | byte 112 |
+
+SGLang writes its ratio-4 (C4) fp4 keys in its fused norm-RoPE kernel (the ``sglang`` rule, the
+bytes of ``deepgemm``); its Triton ``quantize_fp4_indexer_tensor`` (``sglang-triton``,
+``sglang-rne`` with ``rne=True``) serves its low-ratio pools.
+
+An all-zero key under fp8 ``trtllm`` gets scale 0.0 and value bytes 0 (TensorRT-LLM multiplies
+by 1 when amax is 0). ``trtllm`` and ``sglang*`` quantize the values as given (fp32); ``vllm*``
+round them to bf16 first, as vLLM's fused writer does.
 """
 
 from __future__ import annotations
@@ -27,10 +49,8 @@ from kvbridge.api import encode
 from kvbridge.errors import InputError
 
 FP4_BLOCK = 32
-#: E2M1 magnitude of codes 0..7.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-#: (threshold, inclusive) between code k and k+1: ties go to the even code.
-_E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+#: E2M1 magnitude of codes 0..7 (the exact-arithmetic module holds the codecs).
+E2M1_VALUES = nx.E2M1_VALUES
 
 
 @dataclass(frozen=True)
@@ -54,13 +74,18 @@ class IndexerFormat:
         return page_size * self.record_bytes
 
 
-FP8_RULES = ("amax", "amax-1e-4")
-FP4_RULES = ("ue8m0",)
+#: Writer rules per format (see the module docstring); ``deepgemm`` writes the bytes of ``sglang``.
+FP8_RULES = ("trtllm", "sglang", "sglang-rocm", "deepgemm", "vllm", "vllm-ue8m0")
+FP4_RULES = ("trtllm", "vllm", "sglang", "sglang-triton", "sglang-rne", "deepgemm")
+#: fp8 rules whose scale is stored as four UE8M0 bytes instead of an fp32.
+UE8M0_SCALE_RULES = ("vllm-ue8m0",)
 
 
 def indexer_format(name: str, dim: int = 128) -> IndexerFormat:
     """The ``fp8`` or ``fp4`` format for keys of ``dim`` values."""
     if name == "fp8":
+        if dim % FP4_BLOCK:
+            raise InputError(f"fp8 indexer keys need dim a multiple of {FP4_BLOCK}, got {dim}")
         return IndexerFormat("fp8", dim, FP8_RULES)
     if name == "fp4":
         if dim % FP4_BLOCK:
@@ -79,7 +104,7 @@ def _e4m3_bytes(y: torch.Tensor) -> torch.Tensor:
 
     ``trtllm-fp8`` with dialect ``compress`` stores e4m3(x) of each value with no scaling, so
     encoding the values as rows of 512 gives the same bytes as ``numerics.e4m3_encode`` and
-    runs on the fastest exact path for the device.
+    uses the fastest exact path for the device.
     """
     flat = y.reshape(-1)
     if flat.numel() == 0:
@@ -102,38 +127,52 @@ def _f32_from_le_bytes(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float32).view(-1)
 
 
-def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> E2M1 codes (uint8 0..15, sign in bit 3), RNE, saturating at 6, signed zero kept.
-
-    The code of |x| is the number of rounding thresholds below it; at a threshold the tie
-    goes to the even code (up at 0.75, 1.75 and 3.5, down at the others). fp32 compares are exact.
-    """
-    mag = x.abs()
-    thresholds = torch.tensor([t for t, _ in _E2M1_STEPS], dtype=torch.float32, device=x.device)
-    code = torch.bucketize(mag, thresholds, out_int32=True).to(torch.uint8)  # thresholds strictly below |x|
-    for t, inclusive in _E2M1_STEPS:
-        if inclusive:
-            code += (mag == t).to(torch.uint8)
-    sign = (x.contiguous().view(torch.int32) < 0).to(torch.uint8) << 3
-    return code | sign
+def _f32(value: float, device: torch.device) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
-def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (0..15) -> fp32."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
-    return table[codes.to(torch.int64)]
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values rounded to bf16 (nearest-even), as fp32."""
+    return (nx.bf16_round(x) << 16).to(torch.int32).view(torch.float32)
 
 
-def fp4_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """Exact ceil(log2(amax / 6)) of fp32 ``amax`` as int64, clamped to [-127, 127] (0 -> -127).
+def fp8_scales(xf: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, multiplier)`` fp32 ``[N]`` of each key under an fp8 rule: value = e4m3(x * multiplier)."""
+    dev = xf.device
+    amax = xf.abs().amax(dim=1) if xf.shape[0] else torch.zeros(0, device=dev)
+    if rule == "trtllm":
+        scale = amax / _f32(nx.E4M3_MAX, dev)
+        mult = torch.where(amax > 0, _f32(nx.E4M3_MAX, dev) / torch.where(amax > 0, amax, 1.0),
+                           torch.zeros_like(amax))
+        return scale, mult
+    if rule in ("sglang", "deepgemm", "sglang-rocm"):
+        floor = 1e-8 if rule == "sglang-rocm" else 1e-4
+        scale = amax.clamp(min=_f32(floor, dev)) / _f32(nx.E4M3_MAX, dev)
+        return scale, _f32(1.0, dev) / scale
+    exp = nx.ceil_log2(amax.clamp(min=_f32(1e-4, dev)) * _f32(1.0 / nx.E4M3_MAX, dev))
+    return nx.pow2(exp).to(dev), nx.pow2(-exp).to(dev)
 
-    amax = m * 2^e with m in [0.5, 1) (frexp, exact in fp64) and 6 = 0.75 * 2^3, so the
-    result is e - 3, plus one when m > 0.75.
-    """
-    m, e = torch.frexp(amax.double())
-    k = e.to(torch.int64) - 3 + (m > 0.75).to(torch.int64)
-    k = torch.where(amax > 0, k, torch.full_like(k, -127))
-    return k.clamp(min=-127, max=127)
+
+def fp4_exponents(blocks: torch.Tensor, rule: str) -> torch.Tensor:
+    """UE8M0 scale exponent (int64) of each 32-value block ``[..., 32]`` under an fp4 rule."""
+    dev = blocks.device
+    amax = blocks.abs().amax(dim=-1)
+    if rule in ("trtllm", "vllm"):
+        q = amax.clamp(min=_f32(6.0 * 2.0**-126, dev)) * _f32(1.0 / 6.0, dev)
+        return nx.ceil_log2(q).clamp(min=-127, max=127)
+    if rule in ("sglang-triton", "sglang-rne"):
+        return nx.ceil_log2((amax / _f32(6.0, dev)).clamp(min=_f32(1e-4, dev))).clamp(min=-126, max=127)
+    return nx.ceil_log2(amax.clamp(min=_f32(1e-4, dev)) / _f32(6.0, dev)).clamp(min=-127, max=127)
+
+
+_FP4_CODES = {
+    "trtllm": nx.e2m1_encode_rne_signed_zero,
+    "vllm": nx.e2m1_encode_rne_signed_zero,
+    "sglang": nx.e2m1_encode_threshold,
+    "sglang-triton": nx.e2m1_encode_threshold,
+    "sglang-rne": nx.e2m1_encode_rne_no_negative_zero,
+    "deepgemm": nx.e2m1_encode_threshold,
+}
 
 
 def _check_keys(x: torch.Tensor, fmt: IndexerFormat) -> torch.Tensor:
@@ -147,51 +186,67 @@ def _check_keys(x: torch.Tensor, fmt: IndexerFormat) -> torch.Tensor:
 
 
 def encode_keys(x: torch.Tensor, fmt: IndexerFormat, rule: str) -> torch.Tensor:
-    """Keys ``[N, D]`` (any float dtype, finite) -> records uint8 ``[N, record_bytes]``."""
+    """Keys ``[N, D]`` (any float dtype, finite) -> records uint8 ``[N, record_bytes]`` by ``rule``'s writer."""
     _check_rule(fmt, rule)
-    xf = _check_keys(x, fmt)
+    xf = _check_keys(x, fmt).contiguous()
     n = xf.shape[0]
+    if rule.startswith("vllm"):
+        xf = _bf16(xf)  # vLLM rounds the rotated key to bf16 before quantizing
     if fmt.name == "fp8":
-        amax = xf.abs().amax(dim=1) if n else torch.zeros(0)
-        floor = 1e-4 if rule == "amax-1e-4" else 0.0
-        scale = amax.clamp(min=floor) / torch.tensor(nx.E4M3_MAX, dtype=torch.float32)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        values = _e4m3_bytes(xf / safe.unsqueeze(1))
+        scale, mult = fp8_scales(xf, rule)
+        values = _e4m3_bytes(xf * mult.unsqueeze(1))
+        if rule in UE8M0_SCALE_RULES:
+            if fmt.dim != 128:
+                raise InputError("UE8M0 fp8 indexer scales are defined for 128-value keys only")
+            exp = nx.ceil_log2(scale) if n else torch.zeros(0, dtype=torch.int64, device=xf.device)
+            return torch.cat([values, nx.ue8m0_byte(exp).unsqueeze(1).expand(n, 4)], dim=1)
         return torch.cat([values, _f32_le_bytes(scale)], dim=1)
     blocks = xf.reshape(n, fmt.dim // FP4_BLOCK, FP4_BLOCK)
-    exp = fp4_scale_exponent(blocks.abs().amax(dim=-1))
-    codes = e2m1_encode(blocks * nx.pow2(-exp).unsqueeze(-1)).reshape(n, fmt.dim)
+    exp = fp4_exponents(blocks, rule)
+    codes = _FP4_CODES[rule](blocks * nx.pow2(-exp).unsqueeze(-1)).reshape(n, fmt.dim)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return torch.cat([packed, nx.ue8m0_byte(exp)], dim=1)
 
 
-def decode_keys(records: torch.Tensor, fmt: IndexerFormat) -> torch.Tensor:
-    """Records uint8 ``[N, record_bytes]`` -> fp32 keys ``[N, D]``."""
+def decode_keys(records: torch.Tensor, fmt: IndexerFormat, rule: str | None = None) -> torch.Tensor:
+    """Records uint8 ``[N, record_bytes]`` -> fp32 keys ``[N, D]``.
+
+    ``rule`` matters only for fp8 scales stored as UE8M0 bytes (``vllm-ue8m0``).
+    """
     if not isinstance(records, torch.Tensor) or records.dtype != torch.uint8 or records.dim() != 2 \
             or records.shape[1] != fmt.record_bytes:
         raise InputError(f"{fmt.name} indexer records must be uint8 [num_keys, {fmt.record_bytes}]")
+    if rule is not None:
+        _check_rule(fmt, rule)
     n = records.shape[0]
     if fmt.name == "fp8":
+        values = nx.e4m3_decode(records[:, : fmt.dim])
+        if rule in UE8M0_SCALE_RULES:
+            if fmt.dim != 128:
+                raise InputError("UE8M0 fp8 indexer scales are defined for 128-value keys only")
+            exp = records[:, fmt.dim :].to(torch.int64) - 127
+            per_block = nx.pow2(exp.clamp(min=-127)).to(records.device)
+            return (values.view(n, 4, FP4_BLOCK) * per_block.unsqueeze(-1)).view(n, fmt.dim)
         scale = _f32_from_le_bytes(records[:, fmt.dim :])
-        return nx.e4m3_decode(records[:, : fmt.dim]) * scale.unsqueeze(1)
+        return values * scale.unsqueeze(1)
     packed = records[:, : fmt.split]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, fmt.dim)
     exp = records[:, fmt.split :].to(torch.int64) - 127
-    values = e2m1_decode(codes).reshape(n, fmt.dim // FP4_BLOCK, FP4_BLOCK)
+    values = nx.e2m1_to_f32(codes).reshape(n, fmt.dim // FP4_BLOCK, FP4_BLOCK)
     return (values * nx.pow2(exp).unsqueeze(-1)).reshape(n, fmt.dim)
 
 
 def transcode_keys(
-    records: torch.Tensor, src: IndexerFormat, dst: IndexerFormat, dst_rule: str
+    records: torch.Tensor, src: IndexerFormat, dst: IndexerFormat, dst_rule: str, src_rule: str | None = None
 ) -> tuple[torch.Tensor, float]:
-    """Convert indexer records between formats; returns ``(records, max_abs_error)``.
+    """Convert indexer records between formats and writers; returns ``(records, max_abs_error)``.
 
-    fp8 -> fp8 is decoded and rescaled by the destination's rule (a byte copy when the
-    re-encoding reproduces the same bytes); fp4 -> fp8 decodes exactly then quantizes;
-    fp8 -> fp4 quantizes the decoded values. The error is measured on the decoded values.
+    The source records are decoded (``src_rule`` names how their scale is stored) and the
+    values quantized by the destination writer's rule, as that engine would have written them
+    from those values. The error is measured on the decoded values.
     """
-    values = decode_keys(records, src)
+    values = decode_keys(records, src, src_rule)
     out = encode_keys(values, dst, dst_rule)
-    back = decode_keys(out, dst)
+    back = decode_keys(out, dst, dst_rule)
     err = float((back - values).abs().max()) if values.numel() else 0.0
     return out, err

@@ -148,3 +148,65 @@ def bf16_from_bytes(b: torch.Tensor) -> torch.Tensor:
     bits = (pairs[..., 0] | (pairs[..., 1] << 8)) << 16
     bits = torch.where(bits >= 2**31, bits - 2**32, bits)
     return bits.to(torch.int32).view(torch.float32)
+
+
+# --- E2M1 (fp4) codes for the indexer-key writers --------------------------------------------
+# A code is 4 bits: sign in bit 3, magnitude index 0..7 of E2M1_VALUES. The writers differ in how
+# a value exactly between two magnitudes rounds and whether a negative value rounding to 0 keeps
+# its sign; each rule below is one of them. fp32 magnitudes compare as their integer bit patterns.
+
+#: E2M1 magnitude of codes 0..7.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: fp32 bit patterns of the midpoints between consecutive magnitudes (0.25, 0.75, ..., 5.0).
+_E2M1_MIDPOINT_BITS = (0x3E800000, 0x3F400000, 0x3FA00000, 0x3FE00000, 0x40200000, 0x40600000, 0x40A00000)
+
+
+def _e2m1_codes(x: torch.Tensor, *, ties_to_even: bool, negative_zero: bool) -> torch.Tensor:
+    """E2M1 codes (uint8) of finite fp32 ``x``, saturating at 6.
+
+    The magnitude index counts the midpoints below |x|; a value on a midpoint goes to the even
+    index with ``ties_to_even`` (up at 0.75, 1.75, 3.5), else to the smaller magnitude.
+    """
+    bits = f32_bits(x)
+    mag = bits & 0x7FFFFFFF
+    code = torch.zeros_like(mag)
+    for k, mid in enumerate(_E2M1_MIDPOINT_BITS):
+        up = (mag >= mid) if ties_to_even and k % 2 == 1 else (mag > mid)
+        code += up.to(torch.int64)
+    negative = (bits >> 31) == 1
+    if not negative_zero:
+        negative &= code != 0
+    return (code | (negative.to(torch.int64) << 3)).to(torch.uint8)
+
+
+def e2m1_encode_rne_signed_zero(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 round-to-nearest-even, sign always kept (-0.0 and small negatives -> 0x8)."""
+    return _e2m1_codes(x, ties_to_even=True, negative_zero=True)
+
+
+def e2m1_encode_rne_no_negative_zero(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 round-to-nearest-even; a value rounding to magnitude 0 gets code 0 (no -0)."""
+    return _e2m1_codes(x, ties_to_even=True, negative_zero=False)
+
+
+def e2m1_encode_threshold(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 by thresholds: ties go to the smaller magnitude (toward zero); no -0."""
+    return _e2m1_codes(x, ties_to_even=False, negative_zero=False)
+
+
+def e2m1_to_f32(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (0..15, uint8) -> fp32 values (exact)."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    return table[codes.to(torch.int64)]
+
+
+def ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(x)) of positive finite fp32 ``x`` as int64, from its bits (subnormals included)."""
+    bits = f32_bits(x) & 0x7FFFFFFF
+    exp = bits >> 23
+    mant = bits & 0x7FFFFF
+    lead = sum(((mant >> k) > 0).to(torch.int64) for k in range(1, 23))  # top bit of a subnormal mantissa
+    is_pow2_sub = mant == (torch.ones_like(lead) << lead)
+    sub = lead - 149 + (~is_pow2_sub).to(torch.int64)
+    normal = exp - 127 + (mant != 0).to(torch.int64)
+    return torch.where(exp == 0, sub, normal)

@@ -1,12 +1,13 @@
-"""DeepSeek-V4 cache topology as data: which caches each layer holds (spec section 5).
+"""DeepSeek-V4 cache topology as data: which caches each layer holds.
 
 Every layer has an SWA cache (one 512-wide token vector per token, last ``sliding_window``
 tokens). A layer of compress ratio ``r`` in {4, 128} adds a COMPRESS cache (one 512-wide
-compressed token per ``r`` tokens, all of them) and the fp32 running state of its
-compressor (``[kv | score]`` rows, one per token of the unfinished window). Ratio-4
-layers (CSA) also hold INDEXER_COMPRESS keys (``index_head_dim`` values per compressed
-token) and their own indexer-compressor state. Ratio 4 compresses overlapping windows
-(2r tokens), so its compressor rows are ``2 * dim`` wide and its state ring is 2r = 8 rows.
+compressed token per ``r`` tokens, all of them) and the running state of its compressor
+(``[kv | score]`` rows, one per token of the unfinished window; each engine stores and
+addresses them its own way, see ``kvbridge.engines``). Ratio-4 layers (CSA) also hold
+INDEXER_COMPRESS keys (``index_head_dim`` values per compressed token) and their own
+indexer-compressor state. Ratio 4 compresses overlapping windows (2r tokens), so its
+compressor rows are ``2 * dim`` wide and its window is 2r = 8 positions.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ class CacheSpec:
     """One cache of one layer.
 
     ``width`` is values per entry: 512 for KV roles, ``index_head_dim`` for indexer keys,
-    fp32 values per ``[kv | score]`` row for state roles. ``window`` is the number of most
-    recent tokens a windowed role keeps (SWA: sliding window; state: ring rows), None when
-    every entry is kept.
+    values per ``[kv | score]`` row for state roles. ``window`` is the number of most
+    recent tokens a windowed role keeps (SWA: sliding window; state: the compressor window),
+    None when every entry is kept.
     """
 
     layer: int
@@ -100,7 +101,7 @@ class ModelTopology:
 
     @staticmethod
     def state_ring(ratio: int) -> int:
-        """Compressor-state rows kept for ratio ``r``: 2r with overlap (r = 4), else r."""
+        """Compressor window for ratio ``r`` in positions: 2r with overlap (r = 4), else r."""
         return 2 * ratio if ratio == 4 else ratio
 
     def caches(self, layer: int) -> tuple[CacheSpec, ...]:
@@ -154,10 +155,10 @@ def _alternating(num_layers: int) -> tuple[int, ...]:
 # num_attention_heads 64, head_dim 512, qk_rope_head_dim 64, index_head_dim 128,
 # sliding_window 128, compress_ratios [0, 0, 4, 128, ..., 4, 0]); spec section 5.
 FLASH = ModelTopology("deepseek-v4-flash", 43, 1, _alternating(43) + (0,), num_attention_heads=64)
-# DeepSeek-V4-Pro: 61 layers, 128 heads (spec section 5). The spec does not list its ratios;
-# this preset assumes Flash's pattern (0, 0, then 4/128 alternating); load the real
-# config.json with ``from_hf_config`` where it differs.
-PRO = ModelTopology("deepseek-v4-pro", 61, 1, _alternating(61) + (0,), num_attention_heads=128)
+# DeepSeek-V4-Pro: HF config.json (num_hidden_layers 61, num_nextn_predict_layers 1,
+# num_attention_heads 128, index_topk 1024, compress_ratios [128, 128, 4, 128, 4, ..., 128, 4, 0]):
+# no SWA-only layer; ratio 4 on layers 2, 4, ..., 60 (30), ratio 128 on 0, 1, 3, ..., 59 (31).
+PRO = ModelTopology("deepseek-v4-pro", 61, 1, (128, 128) + _alternating(61)[2:] + (0,), num_attention_heads=128)
 
 PRESETS: dict[str, ModelTopology] = {FLASH.name: FLASH, PRO.name: PRO}
 

@@ -47,6 +47,22 @@ def test_every_fixture_check_passes(report):
         (c, f"sparse decode {w} ~ FlashMLA ref") for c in ("c0 (P=64)", "c1 (P=64+2)") for w in ("out", "lse")
     }
     assert report.to_dict()["num_failed"] == 0
+    writers = [r for r in report.results if r.layout.startswith("indexer") and r.check != "converted = engine writer"]
+    golden = {(r.engine, r.layout, r.dialect) for r in writers if "derived" not in r.case}
+    assert golden == {("SGLang 0.5.23", "indexer-fp4", "sglang-triton"), ("SGLang 0.5.23", "indexer-fp4", "sglang-rne"),
+                      ("SGLang 0.5.23", "indexer-fp8", "sglang-rocm"), ("vLLM 0.33.0", "indexer-fp8", "vllm"),
+                      ("vLLM 0.33.0", "indexer-fp8", "vllm-ue8m0"), ("DeepGEMM", "indexer-fp8", "deepgemm"),
+                      ("DeepGEMM", "indexer-fp4", "deepgemm")}
+    derived = {(r.engine, r.layout, r.dialect) for r in writers if "derived" in r.case}
+    assert derived == {("TensorRT-LLM main", "indexer-fp8", "trtllm"), ("TensorRT-LLM main", "indexer-fp4", "trtllm"),
+                       ("SGLang 0.5.23", "indexer-fp8", "sglang"), ("SGLang 0.5.23", "indexer-fp4", "sglang"),
+                       ("vLLM 0.33.0", "indexer-fp4", "vllm")}
+    # every fixture writer's records converted into every other writer: 10 sources x (7 golden + 5 derived)
+    cross = [r for r in report.results if r.check == "converted = engine writer"]
+    assert len(cross) == 120 and len({r.case for r in cross}) == 20
+    state = {r.case for r in report.results if r.layout.startswith("state")}
+    assert state == {f"c4.swa{p}.ring{n} (page-ring)" for p in (256, 128) for n in (8, 16)} | {
+        "c128.ring128 (ring)", "c128.ring256 (ring)"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -64,6 +80,12 @@ def test_a_corrupted_fixture_fails_with_the_first_differing_byte(tmp_path: Path)
         "model1_reference.safetensors",
         "trtllm_fp8_reference.safetensors",
         "model1_decode_reference.safetensors",
+        "sglang_indexer_reference.safetensors",
+        "vllm_indexer_reference.safetensors",
+        "derived_indexer_reference.safetensors",
+        "sglang_state_addressing_reference.safetensors",
+        "cross_indexer_reference.safetensors",
+        "deepgemm_indexer_reference.safetensors",
     ):
         shutil.copy(FIXTURES / name, tmp_path / name)
     from safetensors import safe_open
@@ -154,3 +176,22 @@ def test_identify_ignores_pad_bytes_and_checks_arguments():
         identify_writer(pages, lay, x[:, :448], page_size=8)
     with pytest.raises(InputError, match="exceeds"):
         identify_writer(pages, lay, x, page_size=8, num_tokens=6)
+
+
+def test_identify_indexer_writer_names_the_engine():
+    from safetensors.torch import load_file
+
+    from kvbridge.conformance import identify_indexer_writer
+
+    sg = load_file(str(FIXTURES / "sglang_indexer_reference.safetensors"))
+    report = identify_indexer_writer(sg["fp4.sglang-triton.pages"], "fp4", sg["keys"], page_size=64,
+                                     slots=sg["slots"])
+    assert report.matches == ["sglang-triton: SGLang Triton quantize_fp4_indexer_tensor"]
+    vl = load_file(str(FIXTURES / "vllm_indexer_reference.safetensors"))
+    report = identify_indexer_writer(vl["fp8.vllm-ue8m0.pages"], "fp8", vl["fp8.vllm-ue8m0.page_keys"], page_size=64,
+                                     slots=vl["fp8.vllm-ue8m0.slots"])
+    assert report.matches == ["vllm-ue8m0: vLLM on SM100 (UE8M0 scales)"]
+    rocm = identify_indexer_writer(sg["fp8.sglang-rocm.pages"], "fp8", sg["keys"], page_size=64, slots=sg["slots"])
+    assert rocm.matches == ["sglang-rocm: SGLang ROCm store"]
+    with pytest.raises(InputError, match="slots must be"):
+        identify_indexer_writer(sg["fp4.sglang-rne.pages"], "fp4", sg["keys"], page_size=64, slots=sg["slots"][:3])

@@ -29,6 +29,8 @@ from kvbridge.migration import (
     source_request,
     verify,
 )
+from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
+from kvbridge.migration.pools import pool_tensors, table_of
 from kvbridge.topology import FLASH, Role
 
 MODEL = FLASH.with_layers(4)
@@ -43,24 +45,39 @@ def _expected(t, src_records: torch.Tensor) -> torch.Tensor:
         values = t.src.layout.codec.decode(src_records, scale=t.src.scale or 1.0)
         return t.dst.layout.codec.encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
     if t.src.kind == "indexer" and t.conversion != "byte copy":
-        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer), t.dst.indexer, t.dst.dialect)
+        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer, t.src.dialect), t.dst.indexer, t.dst.dialect)
+    if t.src.kind == "state" and t.src.fmt != t.dst.fmt:
+        return state_rows_from_f32(state_rows_to_f32(src_records, t.src.fmt), t.dst.fmt)
     return src_records
+
+
+def _flat(pools) -> dict:
+    """Every pool tensor of an ``EnginePools`` (kv and score pools of a state role separately)."""
+    return {(k, i): t for k, v in pools.pools.items() for i, t in enumerate(pool_tensors(v))}
 
 
 def _check(plan, src, src_tables, dst, dst_tables) -> None:
     for t in plan.transfers:
-        want = _expected(t, gather_records(src.pool(t.spec), t.src, src_tables[t.src.table], t.first, t.count))
-        got = gather_records(dst.pool(t.spec), t.dst, dst_tables[t.dst.table], t.first, t.count)
+        want = _expected(t, gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count))
+        got = gather_records(dst.pool(t.spec), t.dst, table_of(dst_tables, t.dst), t.first, t.count)
         assert torch.equal(got, want), f"{plan.src.spec} -> {plan.dst.spec}: layer {t.spec.layer} {t.spec.role.value}"
 
 
 PAIRS = [
-    ("trtllm:fp8:tpb=128", "sglang"),
+    ("trtllm:fp8:tpb=128", "vllm"),
     ("trtllm:fp8:tpb=256:idx=fp8:scale=0.5", "vllm"),
-    ("sglang:swa=128", "trtllm:fp8-ds-mla:tpb=128"),
+    ("vllm", "trtllm:fp8-ds-mla:tpb=128"),
     ("vllm", "trtllm:bf16:tpb=256:idx=fp4"),
-    ("trtllm:bf16:tpb=128", "sglang:idx=fp4"),
-    ("sglang", "vllm"),
+    ("trtllm:bf16:tpb=128", "vllm:idx=fp4"),
+    ("sglang", "sglang:swa=128:idx=fp4"),
+    # speculative decoding (rings of 16 / 256) and bf16 state, both ways
+    ("sglang:draft=3:state=bf16", "sglang"),
+    ("sglang", "sglang:draft=2:state=bf16:idx=fp4"),
+    # vLLM's fp32 blocks of 4 / 8 positions and SM100 UE8M0 indexer scales, TensorRT-LLM's bf16 state
+    ("vllm:gpu=sm100:idx=fp8", "trtllm:state=bf16"),
+    ("trtllm:fp8:tpb=256:state=bf16:draft=1", "vllm:gpu=sm100"),
+    ("vllm:kv=flashinfer:gpu=sm100:block=512", "trtllm:fp8-ds-mla:tpb=128:idx=fp8"),
+    ("sglang:online=1", "sglang:online=1:idx=fp4"),
 ]
 
 
@@ -79,7 +96,7 @@ def test_local_migration_bytes_match_reference(src_spec, dst_spec):
 
 
 def test_sender_side_conversion_gives_the_same_bytes():
-    plan = plan_migration("sglang", "trtllm:fp8:tpb=128", MODEL, TOKENS)
+    plan = plan_migration("vllm", "trtllm:fp8:tpb=128", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=4)
     results = []
     for side in ("sender", "receiver"):
@@ -87,7 +104,7 @@ def test_sender_side_conversion_gives_the_same_bytes():
         tables, report = migrate_local(plan, src, src_tables, dst, convert_on=side)
         assert report.converted_on == side and report.payload_bytes == (
             plan.totals()["all"]["dst_bytes" if side == "sender" else "src_bytes"])
-        results.append((tables, {k: v.clone() for k, v in dst.pools.items()}, report))
+        results.append((tables, {k: v.clone() for k, v in _flat(dst).items()}, report))
     assert results[0][0] == results[1][0]
     assert all(torch.equal(results[0][1][k], results[1][1][k]) for k in results[0][1])
     # MODEL1 -> per-tensor FP8 at scale 1: small tiles lose bits, the report says so.
@@ -95,20 +112,23 @@ def test_sender_side_conversion_gives_the_same_bytes():
 
 
 def test_windowed_blocks_are_released_and_unclaimed_pages_stay_zero():
-    plan = plan_migration("sglang", "trtllm:fp8:tpb=128", MODEL, TOKENS)
+    plan = plan_migration("vllm", "trtllm:fp8:tpb=128", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=5)
     dst = destination_pools(plan, spare_pages=2)
     tables, _ = migrate_local(plan, src, src_tables, dst)
     assert tables["swa"][:4] == [-1] * 4 and min(tables["swa"][4:]) >= 0  # tokens 572..699 in blocks 4, 5
     assert tables["state4"][:5] == [-1] * 5  # ratio-4 state rows 696..699 live in block 5
+    assert tables["state4_score"][:5] == [-1] * 5 and tables["state4_score"][5] >= 0  # the score pool's own table
     for t in plan.transfers:
-        held = {i for i in tables[t.dst.table] if i >= 0}
-        pool = dst.pool(t.spec)
-        assert not any(bool(pool[i].any()) for i in range(pool.shape[0]) if i not in held)
+        parts = pool_tensors(dst.pool(t.spec))
+        names = [t.dst.table, t.dst.score_table] if t.dst.score_table else [t.dst.table] * len(parts)
+        for pool, name in zip(parts, names, strict=True):
+            held = {i for i in tables[name] if i >= 0}
+            assert not any(bool(pool[i].any()) for i in range(pool.shape[0]) if i not in held)
 
 
 def test_corrupted_chunk_is_refused_and_nothing_is_claimed():
-    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=6)
     payload = pack(plan, src, src_tables, convert=False)
     k = next(i for i, t in enumerate(plan.transfers) if t.spec.role == Role.INDEXER)
@@ -117,12 +137,12 @@ def test_corrupted_chunk_is_refused_and_nothing_is_claimed():
     before = dst.num_free()
     with pytest.raises(ChecksumError, match=r"layer 2 indexer_compress, source page chunk 1 \(crc32"):
         verify(plan, payload)
-    assert dst.num_free() == before and not any(bool(p.any()) for p in dst.pools.values())
+    assert dst.num_free() == before and not any(bool(p.any()) for p in _flat(dst).values())
 
 
 def test_payload_for_another_plan_and_unconverted_publish_are_refused():
-    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
-    other = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS + 1)
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
+    other = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS + 1)
     src, src_tables = source_request(plan, seed=7)
     payload = pack(plan, src, src_tables, convert=False)
     with pytest.raises(MigrationError, match="plan fingerprints differ"):
@@ -135,21 +155,22 @@ def test_payload_for_another_plan_and_unconverted_publish_are_refused():
 
 
 def test_full_destination_claims_nothing():
-    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=8)
     dst = destination_pools(plan)
-    dst.free["full"] = dst.free["full"][:1]  # another request holds the rest
+    dst.free["compress4"] = dst.free["compress4"][:1]  # another request holds the rest
     before = dst.num_free()
-    with pytest.raises(InputError, match="block table 'full' of sglang:swa=256:idx=fp8 has 1 free pages"):
+    with pytest.raises(InputError, match="block table 'compress4' of vllm:block=256:idx=fp8:gpu=sm90:kv=fp8_ds_mla "
+                                         "has 1 free pages"):
         migrate_local(plan, src, src_tables, dst)
     assert dst.num_free() == before
 
 
 def test_pools_of_another_profile_and_released_source_pages_are_refused():
-    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=9)
-    with pytest.raises(InputError, match="dst pools are vllm:idx=fp8"):
-        migrate_local(plan, src, src_tables, destination_pools(plan_migration("sglang", "vllm", MODEL, TOKENS)))
+    with pytest.raises(InputError, match="dst pools are sglang:swa=256:idx=fp8"):
+        migrate_local(plan, src, src_tables, destination_pools(plan_migration("sglang", "sglang", MODEL, TOKENS)))
     with pytest.raises(InputError, match="convert_on must be 'sender' or 'receiver'"):
         migrate_local(plan, src, src_tables, destination_pools(plan), convert_on="middle")  # type: ignore[arg-type]
     broken = dict(src_tables, swa=[-1] * len(src_tables["swa"]))
@@ -158,12 +179,13 @@ def test_pools_of_another_profile_and_released_source_pages_are_refused():
 
 
 def test_cli_run_json():
-    result = CliRunner().invoke(cli, ["migrate", "run", "--from", "trtllm:fp8:tpb=128", "--to", "sglang",
+    result = CliRunner().invoke(cli, ["migrate", "run", "--from", "trtllm:fp8:tpb=128", "--to", "vllm",
                                       "--tokens", "300", "--layers", "3", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["kv_lossless"] is True and data["transfers"] == 4 + 4  # 4 SWA caches, layer 2's four caches
-    assert len(data["tables"]["swa"]) == 2 and min(data["tables"]["swa"]) >= 0  # window 172..299
+    # window 172..299 in vLLM's SWA blocks 2..4 of 64 tokens; blocks 0 and 1 are released
+    assert data["tables"]["swa"][:2] == [-1, -1] and min(data["tables"]["swa"][2:]) >= 0
 
 
 def test_skipping_the_loss_report_writes_the_same_bytes():
@@ -173,25 +195,25 @@ def test_skipping_the_loss_report_writes_the_same_bytes():
     for measure in (True, False):
         dst = destination_pools(plan, seed=2)
         _, report = migrate_local(plan, src, src_tables, dst, loss_report=measure)
-        pools.append(dst.pools)
+        pools.append(_flat(dst))
         if not measure:
             assert report.loss == [] and report.kv_lossless is None and report.indexer_max_abs_error is None
     assert all(torch.equal(pools[0][k], pools[1][k]) for k in pools[0])
 
 
 def test_wrapping_engine_owned_pool_tensors():
-    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", MODEL, TOKENS)
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
     src, src_tables = source_request(plan, seed=12)
     owned = destination_pools(plan, spare_pages=1)
-    wrapped = EnginePools.wrap("sglang", MODEL, owned.pools)
+    wrapped = EnginePools.wrap("vllm", MODEL, owned.pools)
     assert wrapped.num_free() == {k: n for k, n in owned.pages_per_table.items()}
     tables, _ = migrate_local(plan, src, src_tables, wrapped)
     _check(plan, src, src_tables, wrapped, tables)
     assert wrapped.pools[(0, Role.SWA)].data_ptr() == owned.pools[(0, Role.SWA)].data_ptr()  # written in place
     bad = dict(owned.pools)
     bad[(2, Role.INDEXER)] = bad[(2, Role.INDEXER)][:, :-1]
-    with pytest.raises(InputError, match=r"pool of layer 2 indexer_compress must be uint8 \[num_pages, 8448\]"):
-        EnginePools.wrap("sglang", MODEL, bad)
+    with pytest.raises(InputError, match=r"pool of layer 2 indexer_compress must be uint8 \[num_pages, 8640\]"):
+        EnginePools.wrap("vllm", MODEL, bad)
     del bad[(2, Role.INDEXER)]
     with pytest.raises(InputError, match="pool of layer 2 indexer_compress is missing"):
-        EnginePools.wrap("sglang", MODEL, bad)
+        EnginePools.wrap("vllm", MODEL, bad)

@@ -1,13 +1,14 @@
 """NIXL migration between real processes over loopback (UCX, DRAM to DRAM), and its faults.
 
-Two receiver processes serve for the whole module: one with SGLang pools, one with
+Two receiver processes serve for the whole module: one with vLLM pools, one with
 TensorRT-LLM FP8 pools (tokens_per_block 128). Sender processes send them, in order:
 
-- receiver A (SGLang): TensorRT-LLM -> SGLang converted on the receiver (staging buffer), the
+- receiver A (vLLM): TensorRT-LLM -> vLLM converted on the receiver (staging buffer), the
   same converted on the sender (page-index writes into A's pools), a request for a different
   plan, a page corrupted in flight, a non-kvbridge peer, a sender killed mid-request, a sender
   that stalls past A's timeout, and a last good request: A keeps serving after every fault;
-- receiver B (TensorRT-LLM): SGLang -> TensorRT-LLM converted on each side.
+- receiver B (TensorRT-LLM): vLLM -> TensorRT-LLM converted on each side (its compressor state
+  lands in separate kv and score pools with block tables of their own).
 
 The request is 1100 tokens of DeepSeek-V4-Flash cut to 4 layers (+ MTP), streamed one layer
 per group: ratios [0, 0, 4, 128] + [0], so 275 C4 entries and indexer keys, 8 C128 entries,
@@ -41,13 +42,15 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.migration import EnginePools, gather_records, plan_migration, source_request
 from kvbridge.migration import nixl as nx
 from kvbridge.migration.control import MAGIC, PROTOCOL_VERSION
+from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
+from kvbridge.migration.pools import pool_tensors, table_of
 from kvbridge.topology import FLASH
 
 pytestmark = pytest.mark.skipif(not nx.nixl_available(), reason="needs the nixl extra: pip install 'kvbridge[nixl]'")
 
 MODEL = FLASH.with_layers(4)
 TOKENS = 1100
-TRTLLM, SGLANG = "trtllm:fp8:tpb=128", "sglang"
+TRTLLM, VLLM = "trtllm:fp8:tpb=128", "vllm"
 RECV_TIMEOUT_S = 40.0
 STALL_TIMEOUT_S = 6.0
 #: Receiver A's requests, in order, and the timeout it gives each.
@@ -85,13 +88,15 @@ def _receiver_main(engine: str, timeouts: list[float], addr_q, done_q, out_dir: 
                                  on_group=lambda done, total, seen=verified: seen.append((done, total)))
                 assert got is not None and got.report is not None and got.tables is not None
                 meta.update(tables=json.dumps(got.tables), report=json.dumps(got.report.to_dict()))
-                tensors = {f"{layer}.{role.value}": t.clone() for (layer, role), t in dst.pools.items()}
-                for t in dst.pools.values():
-                    t.zero_()
+                tensors = {f"{layer}.{role.value}.{i}": t.clone() for (layer, role), v in dst.pools.items()
+                           for i, t in enumerate(pool_tensors(v))}
+                for v in dst.pools.values():
+                    for t in pool_tensors(v):
+                        t.zero_()
                 dst.release(got.tables)
             except KVBridgeError as exc:
                 meta["error"] = f"{type(exc).__name__}: {exc}"
-                meta["all_zero"] = str(not any(bool(t.any()) for t in dst.pools.values()))
+                meta["all_zero"] = str(not any(bool(t.any()) for v in dst.pools.values() for t in pool_tensors(v)))
             meta["free_after"] = json.dumps(dst.num_free())
             meta["verified"] = json.dumps(verified)
             save_file(tensors, f"{out_dir}/{tag}{k}.safetensors", metadata=meta)
@@ -114,12 +119,12 @@ def _sender_main(addr_a, addr_b, result_q) -> None:
     """Good requests both ways, a different plan, and a corrupted page, from one reused sender per peer."""
     results = {}
     with nx.NixlSender(*addr_a, timeout=RECV_TIMEOUT_S) as to_a, nx.NixlSender(*addr_b, timeout=RECV_TIMEOUT_S) as to_b:
-        results["fwd-receiver"] = _send(addr_a, TRTLLM, SGLANG, 11, "receiver", to_a)
-        results["fwd-sender"] = _send(addr_a, TRTLLM, SGLANG, 12, "sender", to_a)
-        results["rev-receiver"] = _send(addr_b, SGLANG, TRTLLM, 13, "receiver", to_b)
-        results["rev-sender"] = _send(addr_b, SGLANG, TRTLLM, 14, "sender", to_b)
+        results["fwd-receiver"] = _send(addr_a, TRTLLM, VLLM, 11, "receiver", to_a)
+        results["fwd-sender"] = _send(addr_a, TRTLLM, VLLM, 12, "sender", to_a)
+        results["rev-receiver"] = _send(addr_b, VLLM, TRTLLM, 13, "receiver", to_b)
+        results["rev-sender"] = _send(addr_b, VLLM, TRTLLM, 14, "sender", to_b)
         try:
-            _send(addr_a, TRTLLM, "vllm", 15, "receiver", to_a)  # A serves SGLang: a different plan
+            _send(addr_a, TRTLLM, "vllm:idx=fp4", 15, "receiver", to_a)  # A serves vllm (fp8 keys): another plan
             results["other-plan"] = "no error"
         except KVBridgeError as exc:
             results["other-plan"] = f"{type(exc).__name__}: {exc}"
@@ -132,7 +137,7 @@ def _sender_main(addr_a, addr_b, result_q) -> None:
 
         nx._Connection.post = corrupting_post
         try:
-            _send(addr_a, TRTLLM, SGLANG, 16, "sender", to_a)
+            _send(addr_a, TRTLLM, VLLM, 16, "sender", to_a)
             results["corrupt"] = "no error"
         except KVBridgeError as exc:
             results["corrupt"] = f"{type(exc).__name__}: {exc}"
@@ -144,7 +149,7 @@ def _sender_main(addr_a, addr_b, result_q) -> None:
 def _fault_sender_main(addr, go, started, result_q, mode: str) -> None:
     """Ready (request built, agent started) before ``go``; then a good request, or one that stops
     after group 3 is posted: the test kills it there ("killed") or lets it hang ("stalled")."""
-    plan = _plan(TRTLLM, SGLANG)
+    plan = _plan(TRTLLM, VLLM)
     pools, tables = source_request(plan, spare_pages=2, seed=18 if mode == "last" else 17)
     sender = nx.NixlSender(*addr, timeout=300 if mode != "last" else RECV_TIMEOUT_S)
     sender.warm_up(sum(t.dst_bytes for t in plan.transfers))
@@ -174,7 +179,7 @@ def results(tmp_path_factory):
     ctx = tmp.get_context("spawn")
     addr_q, done_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     timeouts_a = [STALL_TIMEOUT_S if s == "stalled" else RECV_TIMEOUT_S for s in A_SCENARIOS]
-    procs = [ctx.Process(target=_receiver_main, args=(SGLANG, timeouts_a, addr_q, done_q, str(out), "A")),
+    procs = [ctx.Process(target=_receiver_main, args=(VLLM, timeouts_a, addr_q, done_q, str(out), "A")),
              ctx.Process(target=_receiver_main, args=(TRTLLM, [RECV_TIMEOUT_S] * 2, addr_q, done_q, str(out), "B"))]
     for p in procs:
         p.start()
@@ -247,10 +252,14 @@ def _load(out: Path, tag: str, name: str) -> tuple[dict[str, torch.Tensor], dict
 def _expected_records(t, src_records: torch.Tensor) -> torch.Tensor:
     """What the reference codecs write at the destination for the source entries."""
     if t.src.kind == "kv":
+        if t.conversion == "byte move":
+            return src_records
         values = t.src.layout.codec.decode(src_records, scale=t.src.scale or 1.0)
         return t.dst.layout.codec.encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
-    if t.src.kind == "indexer":
-        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer), t.dst.indexer, t.dst.dialect)
+    if t.src.kind == "indexer" and t.conversion != "byte copy":
+        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer, t.src.dialect), t.dst.indexer, t.dst.dialect)
+    if t.src.kind == "state" and t.src.fmt != t.dst.fmt:
+        return state_rows_from_f32(state_rows_to_f32(src_records, t.src.fmt), t.dst.fmt)
     return src_records
 
 
@@ -266,14 +275,18 @@ def _check_request(out: Path, tag: str, name: str, pair: tuple[str, str], seed: 
     assert report["payload_bytes"] == sum(t.dst_bytes if converted_on == "sender" else t.src_bytes
                                           for t in plan.transfers)
     src, src_tables = source_request(plan, spare_pages=2, seed=seed)
+    shapes = _pools(pair[1])
     claimed = {name: {i for i in ids if i >= 0} for name, ids in tables.items()}
     for t in plan.transfers:
-        pool = tensors[f"{t.spec.layer}.{t.spec.role.value}"]
-        want = _expected_records(t, gather_records(src.pool(t.spec), t.src, src_tables[t.src.table], t.first, t.count))
-        got = gather_records(pool, t.dst, tables[t.dst.table], t.first, t.count)
-        assert torch.equal(got, want), f"layer {t.spec.layer} {t.spec.role.value}"
-        outside = [i for i in range(pool.shape[0]) if i not in claimed[t.dst.table]]
-        assert not bool(pool[outside].any()), "bytes written outside the request's pages"
+        key = f"{t.spec.layer}.{t.spec.role.value}"
+        parts = tuple(tensors[f"{key}.{i}"] for i in range(len(pool_tensors(shapes.pool(t.spec)))))
+        pool = parts if len(parts) > 1 else parts[0]
+        src_rec = gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count)
+        got = gather_records(pool, t.dst, table_of(tables, t.dst), t.first, t.count)
+        assert torch.equal(got, _expected_records(t, src_rec)), f"layer {t.spec.layer} {t.spec.role.value}"
+        for tensor, name in nx._tensor_tables(t.dst, pool):
+            outside = [i for i in range(tensor.shape[0]) if i not in claimed[name]]
+            assert not bool(tensor[outside].any()), "bytes written outside the request's pages"
     return report
 
 
@@ -282,22 +295,22 @@ def test_receivers_exit_cleanly(results):
     assert info["exitcodes"] == [0, 0]
 
 
-def test_trtllm_to_sglang_converted_on_receiver_bytes_match_reference(results):
+def test_trtllm_to_vllm_converted_on_receiver_bytes_match_reference(results):
     out, info = results
-    report = _check_request(out, "A", "fwd-receiver", (TRTLLM, SGLANG), 11, "receiver")
+    report = _check_request(out, "A", "fwd-receiver", (TRTLLM, VLLM), 11, "receiver")
     assert report["kv_lossless"] is True  # per-tensor E4M3 at scale 1 -> MODEL1 loses nothing
     assert info["sender"]["fwd-receiver"]["payload_bytes"] == report["payload_bytes"]
 
 
-def test_trtllm_to_sglang_converted_on_sender_written_by_page_index(results):
+def test_trtllm_to_vllm_converted_on_sender_written_by_page_index(results):
     out, _ = results
-    _check_request(out, "A", "fwd-sender", (TRTLLM, SGLANG), 12, "sender")
+    _check_request(out, "A", "fwd-sender", (TRTLLM, VLLM), 12, "sender")
 
 
 @pytest.mark.parametrize(("name", "seed", "side"), [("rev-receiver", 13, "receiver"), ("rev-sender", 14, "sender")])
-def test_sglang_to_trtllm_both_sides_bytes_match_reference(results, name, seed, side):
+def test_vllm_to_trtllm_both_sides_bytes_match_reference(results, name, seed, side):
     out, _ = results
-    report = _check_request(out, "B", name, (SGLANG, TRTLLM), seed, side)
+    report = _check_request(out, "B", name, (VLLM, TRTLLM), seed, side)
     # MODEL1 -> per-tensor E4M3 at scale 1 cannot hold the 2^-12-scaled tokens exactly.
     assert report["kv_lossless"] is False and report["kv_max_abs_error"] > 0
 
@@ -315,7 +328,7 @@ def test_different_plan_is_refused_on_both_sides(results):
     out, info = results
     error = _check_refused(out, "other-plan")
     assert error.startswith("MigrationError: refused request "), error
-    assert "plan fingerprints differ" in error and "vllm" in error
+    assert "plan fingerprints differ" in error and "idx=fp4" in error
     assert info["sender"]["other-plan"].startswith("MigrationError: refused request ")
 
 
@@ -361,49 +374,53 @@ def test_stalled_sender_is_a_transfer_error_within_the_timeout(results):
 
 def test_receiver_keeps_serving_after_every_fault(results):
     out, info = results
-    _check_request(out, "A", "after-faults", (TRTLLM, SGLANG), 18, "sender")
+    _check_request(out, "A", "after-faults", (TRTLLM, VLLM), 18, "sender")
     assert info["last"]["converted_on"] == "sender"
 
 
 def test_descriptors_merge_adjacent_pages():
     """A run of whole, adjacent destination pages without padding is one descriptor."""
-    plan = _plan(SGLANG, TRTLLM)
+    plan = _plan(VLLM, TRTLLM)
     t = next(t for t in plan.transfers if t.spec.role.value == "compress" and t.spec.ratio == 4)
     pages = -(-t.count // t.dst.page_size)
-    chunks = [c for c, _ in nx._pool_chunks(t, list(range(pages)), pages)]
-    local, remote = nx._descriptors(nx._pieces_of(chunks, 0), 1 << 20, {nx._pool_key(t): 1 << 30})
+    key = nx._pool_keys(t)[0]
+    chunks = [c for c, _ in nx._pool_chunks(t, {t.dst.table: list(range(pages))}, [pages])]
+    local, remote = nx._descriptors(nx._pieces_of(chunks, 0), 1 << 20, {key: 1 << 30})
     assert t.dst.page_bytes == t.dst.page_size * t.dst.record_bytes and t.dst.split is None
     assert len(chunks) == pages and local.shape == (1, 3) and remote.shape == (1, 3)
     assert int(local[0, 1]) == int(remote[0, 1]) == t.count * t.dst.record_bytes
-    scattered = [c for c, _ in nx._pool_chunks(t, list(range(pages))[::-1], pages)]
-    assert nx._descriptors(nx._pieces_of(scattered, 0), 0, {nx._pool_key(t): 0})[0].shape == (pages, 3)
-    # block-split MODEL1 pages (SGLang): both parts of a whole page are one piece (padding separates
+    scattered = [c for c, _ in nx._pool_chunks(t, {t.dst.table: list(range(pages))[::-1]}, [pages])]
+    assert nx._descriptors(nx._pieces_of(scattered, 0), 0, {key: 0})[0].shape == (pages, 3)
+    # block-split MODEL1 pages (vLLM): both parts of a whole page are one piece (padding separates
     # pages); a partly filled last page is two, one per part
-    t = next(t for t in _plan(TRTLLM, SGLANG).transfers if t.spec.role.value == "compress" and t.spec.ratio == 4)
+    t = next(t for t in _plan(TRTLLM, VLLM).transfers if t.spec.role.value == "compress" and t.spec.ratio == 4)
     pages = -(-t.count // t.dst.page_size)
-    runs = nx._pool_chunks(t, list(range(pages)), pages)
-    local, _ = nx._descriptors(nx._pieces_of([c for c, _ in runs], 0), 0, {nx._pool_key(t): 0})
+    runs = nx._pool_chunks(t, {t.dst.table: list(range(pages))}, [pages])
+    local, _ = nx._descriptors(nx._pieces_of([c for c, _ in runs], 0), 0, {nx._pool_keys(t)[0]: 0})
     assert t.dst.split is not None and len(runs) == pages and t.count % t.dst.page_size
     assert local.shape == (pages + 1, 3)
 
 
-def test_staged_runs_land_as_the_destination_pool_holds_them():
-    """What the sender stages for a run is byte for byte what the page holds once the run is written."""
+@pytest.mark.parametrize("pair", [(TRTLLM, VLLM), (VLLM, TRTLLM)])
+def test_staged_runs_land_as_the_destination_pool_holds_them(pair):
+    """What the sender stages for a run is byte for byte what the pool holds once the run is written
+    (scattered page ids; TensorRT-LLM's compressor state in separate kv and score pools)."""
     from kvbridge.migration.pools import scatter_records
 
-    plan = _plan(TRTLLM, SGLANG)
+    plan = _plan(*pair)
+    pools = _pools(pair[1])
+    tables = pools.claim(plan.table_lengths("dst"), plan.released("dst"))
+    assert any(t.dst.separate_pools for t in plan.transfers) == (pair[1] == TRTLLM)
     for t in plan.transfers:
-        pool_pages = 8 + len(t.table_slots(t.dst))
-        table = list(range(pool_pages - 1, -1, -1))[: len(t.table_slots(t.dst)) + t.first // t.dst.page_size]
+        pool = pools.pool(t.spec)
         rec = torch.randint(0, 256, (t.count, t.dst.record_bytes), dtype=torch.uint8)
-        pool = torch.zeros(pool_pages, t.dst.page_bytes, dtype=torch.uint8)
-        scatter_records(pool, t.dst, table, t.first, rec)
-        runs = nx._pool_chunks(t, table, pool_pages)
+        scatter_records(pool, t.dst, table_of(tables, t.dst), t.first, rec)
+        runs = nx._pool_chunks(t, tables, [x.shape[0] for x in pool_tensors(pool)])
         staged = torch.zeros(t.dst_bytes, dtype=torch.uint8).numpy()
         nx._stage_runs(staged, 0, rec, runs, t.dst.page_size)
-        flat = pool.reshape(-1).numpy()
-        for off, _, roff, n in nx._pieces_of([c for c, _ in runs], 0):
-            assert (staged[off : off + n] == flat[roff : roff + n]).all(), f"layer {t.spec.layer} {t.spec.role.value}"
+        memory = dict(zip(nx._pool_keys(t), (x.reshape(-1).numpy() for x in pool_tensors(pool)), strict=True))
+        for off, key, roff, n in nx._pieces_of([c for c, _ in runs], 0):
+            assert (staged[off : off + n] == memory[key][roff : roff + n]).all(), f"{t.spec.layer} {t.spec.role}"
 
 
 # --- the two commands -------------------------------------------------------------------------
@@ -461,16 +478,16 @@ def test_cli_dump_to_dump_reproduces_convert_bytes_and_refusals_show_in_exit_cod
                                    "--page-size", "64"])
     assert ran.exit_code == 0, ran.output
     serve, port = _start_serve("--to", "flashmla-model1", "--page-size", "64", "--out", str(out),
-                               "--engine", "sglang", "--layers", "4", "--max-requests", "4", "--json")
+                               "--engine", "vllm", "--layers", "4", "--max-requests", "4", "--json")
     try:
         peer = f"127.0.0.1:{port}"
         sends = [
             _cli("migrate", "send", str(src), "--peer", peer),
             _cli("migrate", "send", str(src), "--peer", peer, "--to", "flashmla-model1", "--page-size", "64",
                  "--convert-on", "sender", "--name", "sender.safetensors"),
-            _cli("migrate", "send", "--peer", peer, "--from", TRTLLM, "--to", SGLANG, "--layers", "4",
+            _cli("migrate", "send", "--peer", peer, "--from", TRTLLM, "--to", VLLM, "--layers", "4",
                  "--tokens", str(TOKENS), "--json"),
-            _cli("migrate", "send", "--peer", peer, "--from", TRTLLM, "--to", "vllm", "--layers", "4",
+            _cli("migrate", "send", "--peer", peer, "--from", TRTLLM, "--to", "vllm:idx=fp4", "--layers", "4",
                  "--tokens", str(TOKENS)),
         ]
         done = [subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
@@ -495,14 +512,14 @@ def test_cli_dump_to_dump_reproduces_convert_bytes_and_refusals_show_in_exit_cod
 
 
 def _doomed_receiver_main(addr_q) -> None:
-    dst = _pools(SGLANG)
-    with nx.NixlReceiver(dst, plan=_plan(TRTLLM, SGLANG)) as rx:
+    dst = _pools(VLLM)
+    with nx.NixlReceiver(dst, plan=_plan(TRTLLM, VLLM)) as rx:
         addr_q.put(rx.address)
         rx.receive(timeout=STEP_TIMEOUT_S, accept_timeout=STEP_TIMEOUT_S)  # killed by the test meanwhile
 
 
 def _orphaned_sender_main(addr_q, ready, go, out) -> None:
-    plan = _plan(TRTLLM, SGLANG)
+    plan = _plan(TRTLLM, VLLM)
     pools, tables = source_request(plan, spare_pages=2, seed=19)
     sender = nx.NixlSender(*addr_q.get(timeout=STEP_TIMEOUT_S), timeout=RECV_TIMEOUT_S)
     stream = sender.start_request(plan, pools, tables, convert_on="sender")

@@ -1,8 +1,11 @@
 """Migration plan: entries per role, page ranges, byte totals, and the ``kvbridge migrate plan`` command.
 
-The 128K-token Flash numbers are computed here by hand from the spec's formulas (sections 3
-and 5), independently of kvbridge's profiles: 44 layers with SWA (43 + MTP), 21 ratio-4 and 20
-ratio-128 layers; TensorRT-LLM FP8 at tokens_per_block 128 with its fp4 indexer -> SGLang MODEL1.
+The 128K-token Flash numbers are computed here by hand from the layouts' formulas,
+independently of kvbridge's profiles: 44 layers with SWA (43 + MTP), 21 ratio-4 and 20
+ratio-128 layers; TensorRT-LLM FP8 at tokens_per_block 128 with its fp4 indexer -> vLLM
+fp8_ds_mla (block size 256). The destination used to be SGLang; that pair is now refused
+(SGLang stores compressor scores without the positional bias, the others with it), so the
+numbers are vLLM's: SWA blocks of 64, every block stride rounded up to 576 B.
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ from kvbridge.topology import FLASH, Role
 
 L = 131072
 SWA_LAYERS, C4_LAYERS, C128_LAYERS = 44, 21, 20
-MODEL1_PAGE = {2: 1728, 64: 37440, 256: 149760}  # ceil(P * 584 / 576) * 576, spec 3.3
+MODEL1_PAGE = {2: 1728, 64: 37440, 256: 149760}  # ceil(P * 584 / 576) * 576
+
+
+def _align576(n: int) -> int:
+    return -(-n // 576) * 576
 
 
 def _hand_totals_128k() -> dict[str, dict[str, int]]:
@@ -31,8 +38,8 @@ def _hand_totals_128k() -> dict[str, dict[str, int]]:
         "swa": {
             "layers": SWA_LAYERS, "entries": SWA_LAYERS * swa,
             "src_bytes": SWA_LAYERS * swa * 512, "dst_bytes": SWA_LAYERS * swa * 584,
-            # the window is TensorRT-LLM block 1023 (128 tokens) and SGLang SWA page 511 (256 tokens)
-            "src_page_bytes": SWA_LAYERS * 128 * 512, "dst_page_bytes": SWA_LAYERS * MODEL1_PAGE[256],
+            # the window is TensorRT-LLM block 1023 (128 tokens) and vLLM SWA blocks 2046, 2047 (64 tokens)
+            "src_page_bytes": SWA_LAYERS * 128 * 512, "dst_page_bytes": SWA_LAYERS * 2 * MODEL1_PAGE[64],
         },
         "compress": {
             "layers": C4_LAYERS + C128_LAYERS, "entries": C4_LAYERS * c4 + C128_LAYERS * c128,
@@ -40,23 +47,25 @@ def _hand_totals_128k() -> dict[str, dict[str, int]]:
             "dst_bytes": (C4_LAYERS * c4 + C128_LAYERS * c128) * 584,
             # TensorRT-LLM compressed blocks: 32 (r=4) and 1 (r=128) entries of 512 B
             "src_page_bytes": C4_LAYERS * (c4 // 32) * 32 * 512 + C128_LAYERS * c128 * 512,
-            # SGLang: C4 pages of 64 entries, C128 pages of 2
+            # vLLM: compressed blocks of 256 / r entries: 64 (r=4), 2 (r=128)
             "dst_page_bytes": C4_LAYERS * (c4 // 64) * MODEL1_PAGE[64] + C128_LAYERS * (c128 // 2) * MODEL1_PAGE[2],
         },
         "compressor_state": {
             "layers": C4_LAYERS, "entries": C4_LAYERS * state4,
             "src_bytes": C4_LAYERS * state4 * row, "dst_bytes": C4_LAYERS * state4 * row,
-            "src_page_bytes": C4_LAYERS * 128 * row, "dst_page_bytes": C4_LAYERS * 8 * row,
+            # vLLM: one block of 4 positions (32,768 B, 576-aligned)
+            "src_page_bytes": C4_LAYERS * 128 * row, "dst_page_bytes": C4_LAYERS * _align576(4 * row),
         },
         "indexer_compress": {
             "layers": C4_LAYERS, "entries": C4_LAYERS * c4,
             "src_bytes": C4_LAYERS * c4 * 68, "dst_bytes": C4_LAYERS * c4 * 132,
-            "src_page_bytes": C4_LAYERS * (c4 // 32) * 32 * 68, "dst_page_bytes": C4_LAYERS * (c4 // 64) * 64 * 132,
+            "src_page_bytes": C4_LAYERS * (c4 // 32) * 32 * 68,
+            "dst_page_bytes": C4_LAYERS * (c4 // 64) * _align576(64 * 132),
         },
         "indexer_compressor_state": {
             "layers": C4_LAYERS, "entries": C4_LAYERS * state4,
             "src_bytes": C4_LAYERS * state4 * idx_row, "dst_bytes": C4_LAYERS * state4 * idx_row,
-            "src_page_bytes": C4_LAYERS * 128 * idx_row, "dst_page_bytes": C4_LAYERS * 8 * idx_row,
+            "src_page_bytes": C4_LAYERS * 128 * idx_row, "dst_page_bytes": C4_LAYERS * _align576(4 * idx_row),
         },
     }
 
@@ -70,32 +79,40 @@ def test_hand_computed_numbers_are_what_the_docs_state():
     assert HAND_128K_ALL["src_bytes"] == 413_343_744
     assert HAND_128K_ALL["dst_bytes"] == 508_809_216
     assert HAND_128K["compress"]["dst_page_bytes"] == 420_249_600
+    assert HAND_128K["indexer_compress"]["dst_page_bytes"] == 92_897_280
+    assert HAND_128K_ALL["dst_page_bytes"] == 517_312_512
 
 
-def test_flash_128k_trtllm_fp8_to_sglang_matches_hand_computed_sizes():
-    plan = plan_migration("trtllm:fp8:tpb=128", "sglang", "deepseek-v4-flash", L)
+def test_flash_128k_trtllm_fp8_to_vllm_matches_hand_computed_sizes():
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", "deepseek-v4-flash", L)
     totals = plan.totals()
     assert totals.pop("all") == HAND_128K_ALL
     assert totals == HAND_128K  # compressor state of ratio 128 is empty at L % 128 == 0
 
 
 def test_cli_plan_json_matches_hand_computed_sizes():
-    result = CliRunner().invoke(cli, ["migrate", "plan", "--from", "trtllm:fp8:tpb=128", "--to", "sglang",
+    result = CliRunner().invoke(cli, ["migrate", "plan", "--from", "trtllm:fp8:tpb=128", "--to", "vllm",
                                       "--model", "deepseek-v4-flash", "--tokens", str(L), "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["totals"]["all"] == HAND_128K_ALL
     assert data["src"]["spec"] == "trtllm:fp8:tpb=128:idx=fp4" and data["dst"]["kv_layout"] == "flashmla-model1"
+    assert data["dst"]["version"] == "vLLM 0.33.0"
     assert data["wire_seconds"]["src_payload"] == pytest.approx(413_343_744 / 40e9)
 
 
 def test_cli_plan_table_and_transfers():
-    result = CliRunner().invoke(cli, ["migrate", "plan", "--from", "trtllm:fp8:tpb=128", "--to", "sglang",
+    result = CliRunner().invoke(cli, ["migrate", "plan", "--from", "trtllm:fp8:tpb=128", "--to", "vllm",
                                       "--tokens", "3000", "--transfers"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "indexer_compress: requantize fp4 -> fp8 (amax-1e-4)" in result.output
+    assert "indexer_compress: requantize fp4 -> fp8 (vllm)" in result.output
     assert "[2872, 3000)" in result.output  # the SWA tail of every layer
     assert "wire time at 40 GB/s" in result.output
+    # every choice of both profiles, given or default, with where it comes from
+    assert "from trtllm:fp8:tpb=128:idx=fp4 (TensorRT-LLM main" in result.output
+    assert "tpb=128 (given; kv_cache_config tokens_per_block)" in result.output
+    assert "block=256 (default; --block-size (recipes use 256))" in result.output
+    assert "compressor.py CompressorStateCache" in result.output
 
 
 @pytest.mark.parametrize(
@@ -103,6 +120,8 @@ def test_cli_plan_table_and_transfers():
     [
         (["--from", "trtllm:fp9", "--to", "sglang", "--tokens", "8"], 2, "KV dtype must be one of"),
         (["--from", "trtllm:tpb=64", "--to", "sglang", "--tokens", "8"], 2, "tpb must be one of 128, 256"),
+        (["--from", "sglang:e4m3=fnuz", "--to", "vllm", "--tokens", "8"], 2, "float8_e4m3fnuz"),
+        (["--from", "vllm:kv=v41", "--to", "sglang", "--tokens", "8"], 2, "528-B MXFP8"),
         (["--from", "sglang", "--to", "tgi", "--tokens", "8"], 2, "unknown engine 'tgi'"),
         (["--from", "sglang", "--to", "vllm", "--tokens", "8", "--model", "v5"], 2, "unknown model 'v5'"),
         (["--from", "sglang", "--to", "vllm", "--tokens", "0"], 2, "0 is not in the range"),
@@ -141,21 +160,28 @@ def test_page_ranges_follow_each_engines_geometry():
     assert c128.count == 23 and c128.src.page_size == 2 and c128.dst.page_size == 2
     assert c128.table_slots(c128.dst) == list(range(12))
     state = by_key[(2, Role.STATE)]
-    assert state.dst.addressing == "ring" and state.table_slots(state.dst) == [0]
+    # vLLM: fp32 state in blocks of 4 positions (ratio 4) / 8 (ratio 128) through its own tables
+    assert (state.first, state.count) == (2996, 4)  # L % 4 == 0: the previous window only
+    assert state.dst.addressing == "paged" and state.dst.page_size == 4 and state.table_slots(state.dst) == [749]
     assert state.src.table == "state4" and state.table_slots(state.src) == [11]
-    assert plan.table_lengths("src") == {"swa": 12, "compress4": 12, "state4": 12, "indexer4": 12,
-                                         "indexer_state4": 12, "compress128": 12, "state128": 12}
-    assert plan.table_lengths("dst") == {"swa": 47, "compress4": 12, "state4": 1, "indexer_state4": 1,
-                                         "compress128": 12, "state128": 1}
+    # TensorRT-LLM: the compressor's score pools have block tables of their own
+    assert plan.table_lengths("src") == {"swa": 12, "compress4": 12, "state4": 12, "state4_score": 12, "indexer4": 12,
+                                         "indexer_state4": 12, "indexer_state4_score": 12, "compress128": 12,
+                                         "state128": 12, "state128_score": 12}
+    assert plan.table_lengths("dst") == {"swa": 47, "compress4": 12, "state4": 750, "indexer_state4": 750,
+                                         "compress128": 12, "state128": 375}
 
 
 def test_byte_move_and_requantize_names():
     plan = plan_migration("vllm", "trtllm:fp8-ds-mla:tpb=256:idx=fp8", FLASH.with_layers(3), 1000)
     names = {t.spec.role: t.conversion for t in plan.transfers}
     assert names[Role.SWA] == "byte move" and names[Role.COMPRESS] == "byte move"
-    assert names[Role.INDEXER] == "requantize fp8 -> fp8 (amax)"
-    same = plan_migration("sglang", "vllm", FLASH.with_layers(3), 1000)
+    assert names[Role.INDEXER] == "requantize fp8 -> fp8 (trtllm)"
+    same = plan_migration("sglang", "sglang:swa=128", FLASH.with_layers(3), 1000)
     assert {t.conversion for t in same.transfers if t.spec.role == Role.INDEXER} == {"byte copy"}
+    # vLLM's fp8 writer (power-of-two scale from bf16 keys) is not TensorRT-LLM's: its keys are re-quantized
+    other = plan_migration("trtllm:idx=fp8", "vllm", FLASH.with_layers(3), 1000)
+    assert {t.conversion for t in other.transfers if t.spec.role == Role.INDEXER} == {"requantize fp8 -> fp8 (vllm)"}
 
 
 def test_plan_argument_errors_and_fingerprint():
@@ -163,6 +189,6 @@ def test_plan_argument_errors_and_fingerprint():
         plan_migration("sglang", "vllm", FLASH, 0)
     with pytest.raises(InputError, match="draft_tokens must be a non-negative integer"):
         plan_migration("sglang", "vllm", FLASH, 10, draft_tokens=-1)
-    a = plan_migration("sglang", "vllm", FLASH, 1000)
-    assert a.fingerprint() == plan_migration("sglang", "vllm", "deepseek-v4-flash", 1000).fingerprint()
-    assert a.fingerprint() != plan_migration("sglang", "vllm", FLASH, 1001).fingerprint()
+    a = plan_migration("trtllm", "vllm", FLASH, 1000)
+    assert a.fingerprint() == plan_migration("trtllm", "vllm", "deepseek-v4-flash", 1000).fingerprint()
+    assert a.fingerprint() != plan_migration("trtllm", "vllm", FLASH, 1001).fingerprint()

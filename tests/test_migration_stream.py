@@ -26,7 +26,7 @@ from kvbridge.topology import FLASH
 
 MODEL = FLASH.with_layers(4)
 TOKENS = 1100
-PAIR = ("trtllm:fp8:tpb=128", "sglang")
+PAIR = ("trtllm:fp8:tpb=128", "vllm")
 TIMEOUT_S = 30.0
 JOIN_S = 120
 
@@ -174,7 +174,7 @@ def _client(port_q, out) -> None:
     summary = tr.send_request_tcp(plan, src, tables, host="127.0.0.1", port=port, convert_on="sender",
                                   layers_per_group=2, timeout=TIMEOUT_S)
     out.put(("client_good", summary["payload_bytes"]))
-    other = _plan("vllm")
+    other = _plan("vllm:idx=fp4")  # the server takes vllm with fp8 indexer keys
     src, tables = source_request(other, spare_pages=1, seed=23)
     try:
         tr.send_request_tcp(other, src, tables, host="127.0.0.1", port=port, timeout=TIMEOUT_S)

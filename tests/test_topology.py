@@ -31,9 +31,44 @@ def test_flash_preset_layer_counts():
     assert FLASH.is_mtp(43) and not FLASH.is_mtp(42)
 
 
+# The published DeepSeek-V4-Pro config.json fields kvbridge reads: no SWA-only layer.
+PRO_CONFIG = {
+    "model_type": "deepseek_v4",
+    "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "index_head_dim": 128,
+    "index_topk": 1024,
+    "sliding_window": 128,
+    "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0],
+}
+
+
 def test_pro_preset_shape():
     assert PRO.num_layers == 61 and PRO.num_attention_heads == 128
     assert len(PRO.compress_ratios) == 62 and PRO.compress_ratios[-1] == 0
+
+
+@pytest.mark.parametrize(("preset", "config"), [(FLASH, FLASH_CONFIG), (PRO, PRO_CONFIG)])
+def test_each_preset_equals_its_published_config(preset, config):
+    loaded = from_hf_config(config, name=preset.name)
+    assert loaded == preset
+    ratios = config["compress_ratios"]
+    main = ratios[: config["num_hidden_layers"]]
+    for r in (0, 4, 128):
+        assert preset.layers_with_ratio(r) == [i for i, x in enumerate(ratios) if x == r]
+    # layer lists and counts, derived from the config: every layer also has an SWA cache
+    counts = {r: sum(1 for x in main if x == r) for r in (0, 4, 128)}
+    assert counts == ({0: 2, 4: 21, 128: 20} if preset is FLASH else {0: 0, 4: 30, 128: 31})
+    if preset is PRO:
+        assert preset.layers_with_ratio(4) == list(range(2, 61, 2))
+        assert preset.layers_with_ratio(128) == [0, 1, *range(3, 60, 2)]
+    swa = [c for c in preset.all_caches() if c.role == Role.SWA]
+    assert len(swa) == preset.total_layers
+    indexer = [c.layer for c in preset.all_caches() if c.role == Role.INDEXER]
+    assert indexer == preset.layers_with_ratio(4)
 
 
 def test_cache_roles_and_widths():

@@ -17,7 +17,7 @@ from kvbridge.migration.execute import (
     verify,
 )
 from kvbridge.migration.plan import MigrationPlan, Transfer, live_entries, plan_migration
-from kvbridge.migration.pools import EnginePools, RequestTables, gather_records, scatter_records
+from kvbridge.migration.pools import EnginePools, RequestTables, gather_records, scatter_records, table_of
 
 __all__ = [
     "ChecksumError",
@@ -41,5 +41,6 @@ __all__ = [
     "publish",
     "scatter_records",
     "source_request",
+    "table_of",
     "verify",
 ]

@@ -1,6 +1,6 @@
 """Transport benchmark: one request's destination bytes over NIXL and gloo, next to a memory copy.
 
-For a request (default: 128K tokens of DeepSeek-V4-Flash, TensorRT-LLM FP8 -> SGLang) the
+For a request (default: 128K tokens of DeepSeek-V4-Flash, TensorRT-LLM FP8 -> vLLM) the
 bytes that travel when the sender converts are the destination records, written by page index
 into the receiver's pools. In one run, median of ``repeat``:
 
@@ -32,6 +32,7 @@ import torch
 
 from kvbridge.migration.execute import destination_pools, source_request
 from kvbridge.migration.plan import plan_migration
+from kvbridge.migration.pools import pool_tensors
 from kvbridge.migration.stream import layer_groups
 
 
@@ -97,7 +98,7 @@ def _gloo(nbytes: int, chunk: int, repeat: int) -> list[float]:
 
 
 def bench_transports(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: str = "trtllm:fp8:tpb=128",
-                     dst: str = "sglang", repeat: int = 3, gloo: bool = True, request: bool = True,
+                     dst: str = "vllm", repeat: int = 3, gloo: bool = True, request: bool = True,
                      progress: Callable[[str], None] | None = None) -> dict:
     """Run every measurement of the module docstring; returns a JSON-ready dict (seconds, GB/s = 1e9 B/s)."""
     from kvbridge.migration import nixl as nx
@@ -106,12 +107,13 @@ def bench_transports(*, tokens: int = 131072, model: str = "deepseek-v4-flash", 
     say = progress or (lambda _: None)
     plan = plan_migration(src, dst, model, tokens)
     pools = destination_pools(plan, seed=1)
-    for t in pools.pools.values():
-        t.share_memory_()
+    for pool in pools.pools.values():
+        for t in pool_tensors(pool):
+            t.share_memory_()
     tables = pools.claim(plan.table_lengths("dst"), plan.released("dst"))
     chunks: list = []
     for t in plan.transfers:
-        chunks += [c for c, _ in nx._pool_chunks(t, tables[t.dst.table], pools.pool(t.spec).shape[0])]
+        chunks += [c for c, _ in nx._pool_chunks(t, tables)]
     nbytes = sum(c.nbytes for c in chunks)
     pages = len(chunks)
     staging = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
@@ -180,9 +182,12 @@ def _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat: int) 
     rx, tx = nx._Agent("kvbridge-bench-rx"), nx._Agent("kvbridge-bench-tx")
     try:
         regions = {}
-        for (layer, role), t in pools.pools.items():
-            key = f"pool.{layer}.{role.value}"
-            regions[key] = rx.register(key, t)
+        memory = {}
+        for (layer, role), pool in pools.pools.items():
+            for k, t in enumerate(pool_tensors(pool)):
+                key = f"pool.{layer}.{role.value}" + (".score" if k else "")
+                regions[key] = rx.register(key, t)
+                memory[key] = nx._np(t)
         base = tx.register("staging", staging)
         peer = tx.call("adding the receiver", "add_remote", rx.call("metadata", "metadata"))
         rx.call("adding the sender", "add_remote", tx.call("metadata", "metadata"))
@@ -191,8 +196,7 @@ def _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat: int) 
         # per layer: the chunks of each layer's transfers, in plan order
         per_layer, k = [], 0
         for group in layer_groups(plan):
-            n = sum(len(nx._pool_chunks(plan.transfers[i], tables[plan.transfers[i].dst.table],
-                                        pools.pool(plan.transfers[i].spec).shape[0])) for i in group)
+            n = sum(len(nx._pool_chunks(plan.transfers[i], tables)) for i in group)
             per_layer.append(nx._descriptors(nx._pieces_of(chunks[k : k + n], int(offsets[k])), base, regions))
             k += n
         stop = threading.Event()
@@ -225,7 +229,6 @@ def _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat: int) 
 
         one = _median(lambda: run([(local, remote)]), repeat)
         layered = _median(lambda: run(per_layer), repeat)
-        memory = {key: nx._np(t) for key, t in ((f"pool.{la}.{ro.value}", t) for (la, ro), t in pools.pools.items())}
         staged = staging.numpy()
         exact = all(nx._crc(memory, c) == zlib.crc32(staged[a:b])
                     for c, a, b in zip(chunks, offsets, offsets[1:], strict=False))

@@ -20,6 +20,7 @@ import torch
 
 import kvbridge
 from kvbridge import indexer as ix
+from kvbridge import numerics as nx
 from kvbridge.api import LossReport
 from kvbridge.engines import Storage
 from kvbridge.errors import InputError, KVBridgeError
@@ -29,6 +30,7 @@ from kvbridge.migration.pools import (
     RequestTables,
     gather_records,
     scatter_records,
+    table_of,
 )
 
 ConvertSide = Literal["sender", "receiver"]
@@ -52,8 +54,10 @@ class Payload:
 
     ``converted``: records are already in the destination format. ``chunks[i]`` lists the
     row counts of transfer i's page chunks and ``checksums[i]`` their CRC-32 values.
-    ``loss`` (one report per KV conversion batch) and ``indexer_max_abs_error`` are set by a
-    conversion that measured its loss; ``indexer_max_abs_error`` is None when none did.
+    ``loss`` (one report per KV conversion batch), ``indexer_max_abs_error`` and
+    ``state_max_abs_error`` (compressor-state rows changing dtype, fp32 -> bf16 being lossy) are
+    set by a conversion that measured its loss; they are None when none did (the state error
+    also when no state row changed dtype).
     """
 
     fingerprint: str
@@ -63,6 +67,7 @@ class Payload:
     checksums: list[list[int]]
     loss: list[LossReport] = field(default_factory=list)
     indexer_max_abs_error: float | None = None
+    state_max_abs_error: float | None = None
 
 
 @dataclass
@@ -70,7 +75,8 @@ class MigrationReport:
     """Outcome of one migration: bytes moved, where conversion ran, loss and timings (seconds).
 
     ``kv_lossless``, ``kv_max_abs_error`` (latent units) and ``indexer_max_abs_error`` are None
-    when the loss was not measured (``loss_report=False``); ``loss`` holds one ``LossReport``
+    when the loss was not measured (``loss_report=False``); ``state_max_abs_error`` is also None
+    when no compressor-state row changed dtype; ``loss`` holds one ``LossReport``
     per KV conversion batch (byte moves have none). ``wire_s`` is the receiver's time from
     starting to wait until the last data message arrived (it includes the sender's packing).
     """
@@ -87,6 +93,7 @@ class MigrationReport:
     wire_s: float
     publish_s: float
     loss: list[LossReport]
+    state_max_abs_error: float | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -98,7 +105,7 @@ def _chunk_rows(t: Transfer, storage: Storage) -> list[int]:
     """Row counts of ``t``'s entries grouped by the page of ``storage`` they sit in."""
     if storage.addressing == "ring":
         return [t.count]
-    p = storage.page_size
+    p = storage.span or storage.page_size
     bounds = [t.first] + list(range((t.first // p + 1) * p, t.first + t.count, p)) + [t.first + t.count]
     return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
 
@@ -119,17 +126,47 @@ BATCH_ENTRIES = 1 << 16
 
 
 def _needs_conversion(t: Transfer) -> bool:
-    return t.src.kind != "state" and t.conversion not in ("byte move", "byte copy")
+    if t.src.kind == "state":
+        return t.src.fmt != t.dst.fmt
+    return t.conversion not in ("byte move", "byte copy")
+
+
+def state_rows_to_f32(records: torch.Tensor, fmt: str) -> torch.Tensor:
+    """State rows (uint8 ``[N, row_bytes]``, little-endian fp32 or bf16) -> fp32 values."""
+    if fmt.endswith("bf16"):
+        return nx.bf16_from_bytes(records)
+    return records.contiguous().view(torch.float32)
+
+
+def state_rows_from_f32(values: torch.Tensor, fmt: str) -> torch.Tensor:
+    """fp32 values -> state rows in ``fmt`` (bf16: nearest-even, as the engines' ``.to(bfloat16)``)."""
+    if fmt.endswith("bf16"):
+        return nx.bf16_bytes(values)
+    return values.contiguous().view(torch.uint8)
+
+
+def _state_error(src: torch.Tensor, back: torch.Tensor) -> float:
+    """Max |back - src| over finite values; +-inf scores (cleared rows) must stay the same infinity."""
+    finite = torch.isfinite(src)
+    if not bool((back[~finite] == src[~finite]).all()):
+        raise MigrationError("a compressor-state value changed infinity on conversion")
+    return float((back[finite] - src[finite]).abs().max()) if bool(finite.any()) else 0.0
 
 
 def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool) -> tuple[torch.Tensor, LossReport | None,
                                                                                     float | None]:
-    """Convert records of ``t``'s kind; returns (records, KV loss report, indexer max abs error)."""
+    """Convert records of ``t``'s kind; returns (records, KV loss report, indexer or state max abs error)."""
+    if t.src.kind == "state":
+        values = state_rows_to_f32(records, t.src.fmt)
+        out = state_rows_from_f32(values, t.dst.fmt)
+        return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if loss_report else None
     if t.src.kind == "indexer":
         if loss_report:
-            out, err = ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "")
+            out, err = ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "",
+                                         t.src.dialect)
             return out, None, err
-        return ix.encode_keys(ix.decode_keys(records, t.src.indexer), t.dst.indexer, t.dst.dialect or ""), None, None
+        values = ix.decode_keys(records, t.src.indexer, t.src.dialect)
+        return ix.encode_keys(values, t.dst.indexer, t.dst.dialect or ""), None, None
     src, dst, n = t.src.layout, t.dst.layout, records.shape[0]
     result = kvbridge.transcode(
         src.records_to_pages(records, n), src, dst, src_page_size=n, dst_page_size=n, src_scale=t.src.scale,
@@ -153,11 +190,12 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
     groups: dict[tuple, list[tuple[int, int, int]]] = {}
     for i, t in enumerate(plan.transfers):
         if _needs_conversion(t):
-            key = (t.src.kind, t.src.fmt, t.src.scale, t.conversion)
+            key = (t.src.kind, t.src.fmt, t.src.record_bytes, t.src.scale, t.src.dialect, t.conversion)
             groups.setdefault(key, []).extend(
                 (i, lo, min(lo + BATCH_ENTRIES, t.count)) for lo in range(0, t.count, BATCH_ENTRIES))
     loss: list[LossReport] = []
     idx_err: float | None = 0.0 if loss_report else None
+    state_err: float | None = None  # set once a state batch changes dtype with loss_report
     for pieces in groups.values():
         batches: list[list[tuple[int, int, int]]] = [[]]
         size = 0
@@ -172,13 +210,15 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
             converted, report, err = _convert_batch(plan.transfers[batch[0][0]], records, loss_report)
             if report is not None:
                 loss.append(report)
-            if err is not None and idx_err is not None:
+            if err is not None and plan.transfers[batch[0][0]].src.kind == "state":
+                state_err = max(state_err or 0.0, err)
+            elif err is not None and idx_err is not None:
                 idx_err = max(idx_err, err)
             offset = 0
             for i, lo, hi in batch:
                 out[i][lo:hi] = converted[offset : offset + hi - lo]
                 offset += hi - lo
-    return Payload(payload.fingerprint, True, out, payload.chunks, payload.checksums, loss, idx_err)
+    return Payload(payload.fingerprint, True, out, payload.chunks, payload.checksums, loss, idx_err, state_err)
 
 
 def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, convert: bool,
@@ -191,7 +231,7 @@ def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, conver
     check_pools(plan, src, "src")
     records, chunks = [], []
     for t in plan.transfers:
-        records.append(gather_records(src.pool(t.spec), t.src, tables[t.src.table], t.first, t.count))
+        records.append(gather_records(src.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count))
         chunks.append(_chunk_rows(t, t.src))
     payload = Payload(plan.fingerprint(), False, records, chunks, [])
     if convert:
@@ -227,7 +267,7 @@ def publish(plan: MigrationPlan, payload: Payload, dst: EnginePools) -> RequestT
     tables = dst.claim(plan.table_lengths("dst"), plan.released("dst"))
     try:
         for t, rec in zip(plan.transfers, payload.records, strict=True):
-            scatter_records(dst.pool(t.spec), t.dst, tables[t.dst.table], t.first, rec)
+            scatter_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, rec)
     except Exception:
         dst.release(tables)
         raise
@@ -266,6 +306,7 @@ def finish(plan: MigrationPlan, payload: Payload, dst: EnginePools, *, converted
         wire_s=wire_s,
         publish_s=t2 - t1,
         loss=loss,
+        state_max_abs_error=converted.state_max_abs_error,
     )
     return tables, report
 
@@ -292,7 +333,8 @@ def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables,
 
     KV: latents ~ N(0, 1) per dim (bf16-rounded), a few tokens scaled by 2^-12 to exercise small
     tiles, encoded with ``kvbridge.encode`` in the engine's dialect and scale; indexer keys
-    ~ N(0, 1) encoded by the engine's rule; state rows fp32 ~ N(0, 1).
+    ~ N(0, 1) encoded by the engine's rule; state rows ~ N(0, 1) in the engine's state dtype,
+    every fifth row cleared (kv 0, score -inf) as the engines clear unused rows.
     """
     gen = torch.Generator().manual_seed(seed)
     for t in plan.transfers:
@@ -305,8 +347,13 @@ def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables,
         elif st.kind == "indexer":
             rec = ix.encode_keys(torch.randn(t.count, t.spec.width, generator=gen), st.indexer, st.dialect or "")
         else:
-            rec = torch.randn(t.count, t.spec.width, generator=gen).contiguous().view(torch.uint8)
-        scatter_records(src.pool(t.spec), st, tables[st.table], t.first, rec)
+            width = st.record_bytes // (2 if st.fmt.endswith("bf16") else 4)
+            rows = torch.randn(t.count, width, generator=gen)
+            if not st.fmt.startswith("online"):
+                rows[::5, : width // 2] = 0.0
+                rows[::5, width // 2 :] = float("-inf")
+            rec = state_rows_from_f32(rows, st.fmt)
+        scatter_records(src.pool(t.spec), st, table_of(tables, st), t.first, rec)
 
 
 def source_request(plan: MigrationPlan, *, spare_pages: int = 0, seed: int = 0) -> tuple[EnginePools, RequestTables]:

@@ -55,6 +55,7 @@ import torch.multiprocessing as tmp
 from kvbridge import __version__
 from kvbridge.api import LossReport
 from kvbridge.dump import LATENT_DTYPES, Dump, DumpEntry, convert_entry, read_dump, write_dump
+from kvbridge.engines import Storage
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.control import Channel, Listener
 from kvbridge.migration.execute import (
@@ -68,8 +69,15 @@ from kvbridge.migration.execute import (
     check_pools,
 )
 from kvbridge.migration.plan import MigrationPlan, Transfer
-from kvbridge.migration.pools import EnginePools, RequestTables, _runs
-from kvbridge.migration.stream import RequestAssembly, check_groups, layer_groups, pack_group, request_info
+from kvbridge.migration.pools import EnginePools, Pool, RequestTables, _runs, pool_shapes, pool_tensors
+from kvbridge.migration.stream import (
+    RequestAssembly,
+    check_groups,
+    layer_groups,
+    pack_group,
+    request_info,
+    wire_fingerprint,
+)
 
 #: Seconds an agent process gets to start (spawn + imports + UCX backend), and to answer a call.
 AGENT_START_S = 60.0
@@ -283,28 +291,41 @@ class _Chunk:
     segments: tuple[tuple[str, int, int], ...]
 
 
-def _pool_key(t: Transfer) -> str:
-    return f"pool.{t.spec.layer}.{t.spec.role.value}"
+def _pool_keys(t: Transfer) -> list[str]:
+    """Region keys of the destination pool tensors of ``t`` (two for separate kv / score pools)."""
+    base = f"pool.{t.spec.layer}.{t.spec.role.value}"
+    return [base, f"{base}.score"] if t.dst.separate_pools else [base]
+
+
+def _tensor_tables(st: Storage, pool: Pool) -> list[tuple[torch.Tensor, str]]:
+    """Each tensor of a pool with the block table addressing it."""
+    return [(tensor, st.score_table if k == 1 and st.score_table else st.table)
+            for k, tensor in enumerate(pool_tensors(pool))]
 
 
 def _pieces(rec: int, split: int | None) -> list[tuple[int, int]]:
     return [(0, rec)] if split is None else [(0, split), (split, rec)]
 
 
-def _pool_chunks(t: Transfer, table: Sequence[int], num_pages: int
+def _pool_chunks(t: Transfer, tables: RequestTables, pages: Sequence[int] | None = None
                  ) -> list[tuple[_Chunk, list[tuple[int, int, int, int]]]]:
-    """Destination-page chunks of ``t``: per run of rows in one page, the chunk and, per piece,
-    (record offset, rows, first byte, last byte) of the records it carries."""
+    """Destination-page chunks of ``t``: per run of rows in one page, the chunk and, per record part,
+    (record offset, rows, first byte, last byte) of the records it carries. ``pages``: the page
+    count of each destination pool tensor (default: bounded by the page ids themselves)."""
     st = t.dst
-    out = []
-    for page, row, n, off in _runs(st, table, t.first, t.count, num_pages):
-        segs, parts = [], []
-        for lo, hi in _pieces(st.record_bytes, st.split):
-            width = hi - lo
-            segs.append((_pool_key(t), page * st.page_bytes + st.page_size * lo + row * width, n * width))
-            parts.append((off, n, lo, hi))
-        out.append((_Chunk(n * st.record_bytes, tuple(segs)), parts))
-    return out
+    keys = _pool_keys(t)
+    per_part = []
+    for k, (lo, hi) in enumerate(_pieces(st.record_bytes, st.split)):
+        ti = k if st.separate_pools else 0
+        name = st.score_table if k == 1 and st.score_table else st.table
+        ids = tables[name]
+        page_bytes = pool_shapes(st)[ti]
+        base = 0 if st.separate_pools else st.page_size * lo
+        bound = pages[ti] if pages is not None else max([i for i in ids if i >= 0], default=0) + 1
+        per_part.append([(keys[ti], page * page_bytes + base + row * (hi - lo), n * (hi - lo), (off, n, lo, hi))
+                         for page, row, n, off in _runs(st, ids, t.first, t.count, bound, name)])
+    return [(_Chunk(sum(seg[2] for seg in segs), tuple(seg[:3] for seg in segs)), [seg[3] for seg in segs])
+            for segs in zip(*per_part, strict=True)]
 
 
 def _stage_runs(staged: np.ndarray, off: int, rec: torch.Tensor, runs: list, page_size: int) -> None:
@@ -482,11 +503,12 @@ class NixlReceiver:
         if dump_dir is not None and not Path(dump_dir).is_dir():
             raise InputError(f"dump directory {dump_dir} does not exist")
         if dst is not None:
-            for (layer, role), t in dst.pools.items():
-                if t.device.type != "cpu" or not t.is_contiguous():
-                    raise InputError(f"pool of layer {layer} {role.value} must be a contiguous CPU tensor for NIXL "
-                                     f"(this version registers DRAM only), got {t.device} "
-                                     f"{'contiguous' if t.is_contiguous() else 'strided'}")
+            for (layer, role), pool in dst.pools.items():
+                for t in pool_tensors(pool):
+                    if t.device.type != "cpu" or not t.is_contiguous():
+                        raise InputError(f"pool of layer {layer} {role.value} must be contiguous CPU tensors for "
+                                         f"NIXL (this version registers DRAM only), got {t.device} "
+                                         f"{'contiguous' if t.is_contiguous() else 'strided'}")
         self.dst, self.plan = dst, plan
         self.dump_target, self.overwrite, self.loss_report = dump_target, overwrite, loss_report
         self.dump_dir = None if dump_dir is None else Path(dump_dir)
@@ -495,8 +517,9 @@ class NixlReceiver:
         self.staging = torch.empty(0, dtype=torch.uint8)
         self.memory: dict[str, np.ndarray] = {}
         if dst is not None:
-            for t in dst.pools.values():
-                t.share_memory_()
+            for pool in dst.pools.values():
+                for t in pool_tensors(pool):
+                    t.share_memory_()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -508,10 +531,11 @@ class NixlReceiver:
         agent = _Agent(f"kvbridge-rx-{uuid.uuid4().hex[:12]}")
         try:
             if self.dst is not None:
-                for (layer, role), t in self.dst.pools.items():
-                    key = f"pool.{layer}.{role.value}"
-                    agent.register(key, t)
-                    self.memory[key] = _np(t)
+                for (layer, role), pool in self.dst.pools.items():
+                    for k, t in enumerate(pool_tensors(pool)):
+                        key = f"pool.{layer}.{role.value}" + (".score" if k else "")
+                        agent.register(key, t)
+                        self.memory[key] = _np(t)
             if self.staging.numel():
                 agent.register("staging", self.staging)
         except BaseException:
@@ -554,6 +578,9 @@ class NixlReceiver:
         session = _Session(self, chan, deadline, on_group)
         try:
             return session.run()
+        except KVBridgeError as exc:
+            session.fail(exc)
+            raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a malformed message
             error = MigrationError(f"refused request {session.request_id} from {chan.peer}: malformed control "
                                    f"message ({type(exc).__name__}: {_first_line(exc)})")
@@ -590,8 +617,8 @@ class _Session:
         if self.claimed is not None and self.rx.dst is not None and self.plan is not None:
             dst = self.rx.dst
             for t in self.plan.transfers:
-                ids = [i for i in self.claimed[t.dst.table] if i >= 0]
-                dst.pool(t.spec)[ids] = 0
+                for tensor, name in _tensor_tables(t.dst, dst.pool(t.spec)):
+                    tensor[[i for i in self.claimed[name] if i >= 0]] = 0
             dst.release(self.claimed)
             self.claimed = None
 
@@ -666,7 +693,7 @@ class _Session:
         except KVBridgeError as exc:
             raise self._refuse(f"cannot plan it here ({_first_line(exc)})") from None
         self.plan = plan
-        if hello.get("fingerprint") != plan.fingerprint():
+        if hello.get("fingerprint") != wire_fingerprint(plan):
             req = hello.get("request", {})
             raise self._refuse(f"the sender's plan ({req.get('src')} -> {req.get('dst')}, {req.get('model')}, "
                                f"{req.get('num_tokens')} tokens) differs from this receiver's ({plan.src.spec} -> "
@@ -681,11 +708,11 @@ class _Session:
                 self.claimed = rx.dst.claim(plan.table_lengths("dst"), plan.released("dst"))
             except InputError as exc:
                 raise self._refuse(_first_line(exc)) from None
-            regions = sorted({_pool_key(t) for t in plan.transfers})
+            regions = sorted({key for t in plan.transfers for key in _pool_keys(t)})
             self._connect(meta, regions, {"tables": self.claimed})
-            layouts = [[c for c, _ in _pool_chunks(plan.transfers[i], self.claimed[plan.transfers[i].dst.table],
-                                                     rx.dst.pool(plan.transfers[i].spec).shape[0])]
-                        for i in range(len(plan.transfers))]
+            layouts = [[c for c, _ in _pool_chunks(t, self.claimed,
+                                                     [x.shape[0] for x in pool_tensors(rx.dst.pool(t.spec))])]
+                       for t in plan.transfers]
         else:
             bases = np.cumsum([0] + [t.src_bytes for t in plan.transfers]).tolist()
             rx._ensure_staging(int(bases[-1]))
@@ -1037,7 +1064,7 @@ class RequestStream:
         self.groups, self.loss_report = groups, loss_report
         self.next_group = 0
         sizes = [t.dst_bytes if convert else t.src_bytes for t in plan.transfers]
-        hello = {"kind": "request", "request": request_info(plan), "fingerprint": plan.fingerprint(),
+        hello = {"kind": "request", "request": request_info(plan), "fingerprint": wire_fingerprint(plan),
                  "convert_on": "sender" if convert else "receiver", "groups": groups}
         self.conn = _Connection(sender, hello, sum(sizes), progress)
         self.bases = np.cumsum([0] + sizes).tolist()
@@ -1059,7 +1086,7 @@ class RequestStream:
             t, off = self.plan.transfers[i], int(self.bases[i])
             if self.convert:  # destination records, by page index into the receiver's pools
                 dst_tables = self.conn.tables
-                runs = _pool_chunks(t, dst_tables[t.dst.table], _remote_pool_pages(dst_tables, t))
+                runs = _pool_chunks(t, dst_tables)
                 _stage_runs(staged, off, rec, runs, t.dst.page_size)
                 for chunk, parts in runs:
                     base = off + parts[0][0] * t.dst.record_bytes
@@ -1087,11 +1114,6 @@ class RequestStream:
 
     def abort(self) -> None:
         self.conn.abort()
-
-
-def _remote_pool_pages(tables: RequestTables, t: Transfer) -> int:
-    """The page-id bound for the receiver's pool of ``t`` (it checks every id itself)."""
-    return max([i for i in tables[t.dst.table] if i >= 0], default=0) + 1
 
 
 def send_request(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, host: str, port: int,

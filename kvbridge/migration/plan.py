@@ -2,7 +2,9 @@
 
 For a request of ``L`` tokens (``draft_tokens`` MTP draft slots beyond the window):
 
-- SWA, every layer: tokens ``[max(0, L - window - draft), L)`` (the last window);
+- SWA, every layer: tokens ``[max(0, L - window - draft), L)`` (the last window), widened to the
+  start of the destination's SWA page when that engine keeps whole pages from the window's page
+  (SGLang's PD sends ``[floor(start / page) * page, L)``), as far as the source still holds them;
 - COMPRESS, ratio-r layers: compressed tokens ``[0, L // r)``;
 - INDEXER_COMPRESS, ratio-4 layers: keys ``[0, L // 4)``;
 - compressor state (and indexer-compressor state), ratio-r layers: the rows of the unfinished
@@ -52,7 +54,8 @@ class Transfer:
             return []
         if storage.addressing == "ring":
             return [0]
-        return list(range(self.first // storage.page_size, (self.first + self.count - 1) // storage.page_size + 1))
+        span = storage.span or storage.page_size
+        return list(range(self.first // span, (self.first + self.count - 1) // span + 1))
 
     @property
     def src_page_bytes(self) -> int:
@@ -104,7 +107,11 @@ def live_entries(spec: CacheSpec, num_tokens: int, draft_tokens: int) -> tuple[i
 def conversion_name(src: Storage, dst: Storage) -> str:
     """How entries of ``src`` become entries of ``dst`` (a short human-readable name)."""
     if src.kind == "state":
-        return "fp32 rows by position"
+        if src.fmt == dst.fmt:
+            return f"{src.fmt} rows by position"
+        if src.fmt == "fp32" and dst.fmt == "bf16":
+            return "fp32 -> bf16 rows by position (lossy: nearest-even)"
+        return f"{src.fmt} -> {dst.fmt} rows by position (exact)"
     if src.kind == "indexer":
         if src.fmt == dst.fmt and src.dialect == dst.dialect:
             return "byte copy"
@@ -114,6 +121,42 @@ def conversion_name(src: Storage, dst: Storage) -> str:
     dialect = f", {dst.dialect}" if dst.dialect else ""
     scale = f", scale {dst.scale:g}" if dst.scale is not None else ""
     return f"transcode {src.fmt} -> {dst.fmt}{dialect}{scale}"
+
+
+def swa_range(src: EngineProfile, dst: EngineProfile, first: int, num_tokens: int) -> tuple[int, int]:
+    """``(first, count)`` of the SWA tokens to move for a window starting at ``first``.
+
+    The destination's start (its page start for SGLang), but no earlier than the source's page
+    holding ``first``: engines release whole SWA blocks out of the window, not single tokens.
+    """
+    held = first // src.swa_page * src.swa_page
+    start = max(held, dst.swa_first(first))
+    return start, num_tokens - start
+
+
+def check_pair(src: EngineProfile, dst: EngineProfile, model: ModelTopology, include_mtp: bool) -> None:
+    """Refuse, with a one-line reason, a pair of profiles whose state kvbridge cannot write exactly."""
+    layers = range(model.total_layers if include_mtp else model.num_layers)
+    if src.score_has_ape != dst.score_has_ape and any(model.compress_ratios[i] for i in layers):
+        sg, other = (src, dst) if not src.score_has_ape else (dst, src)
+        raise InputError(f"{src.spec} -> {dst.spec}: {sg.version} stores compressor scores without the positional "
+                         f"bias (APE) and adds it when compressing, {other.version} stores score + APE; moving the "
+                         "compressor state between them needs the model's APE weights, which kvbridge does not "
+                         "take yet")
+    if src.online_c128 != dst.online_c128 and model.layers_with_ratio(128):
+        if src.online_c128:
+            raise InputError(f"{src.spec} -> {dst.spec}: SGLANG_OPT_USE_ONLINE_COMPRESS keeps one running "
+                             "(max, sum, kv) row per ratio-128 layer; the per-position [kv | score] rows the "
+                             "destination needs cannot be recovered from it")
+        raise InputError(f"{src.spec} -> {dst.spec}: SGLang's online ratio-128 state "
+                         "(SGLANG_OPT_USE_ONLINE_COMPRESS=1) is a running [max | sum | kv] row accumulated with "
+                         "the GPU's expf in the engine's order; kvbridge cannot write it bit for bit: run the "
+                         "destination without the option")
+    for prof in (src, dst):
+        if include_mtp and model.num_mtp_layers and prof.engine == "trtllm" and prof.draft_tokens > 1:
+            raise InputError(f"{prof.spec}: TensorRT-LLM adds max_draft_len - 1 = {prof.draft_tokens - 1} virtual "
+                             "draft layers, which kvbridge does not map yet; migrate without the MTP layers "
+                             "(include_mtp=False / --no-mtp)")
 
 
 def request_table_lengths(profile: EngineProfile, model: ModelTopology, num_tokens: int,
@@ -131,8 +174,10 @@ def request_table_lengths(profile: EngineProfile, model: ModelTopology, num_toke
         else:
             per_token = spec.role in (Role.SWA, Role.STATE, Role.INDEXER_STATE)
             entries = num_tokens if per_token else num_tokens // spec.ratio
-            need = -(-entries // st.page_size)
-        lengths[st.table] = max(lengths.get(st.table, 0), need)
+            need = -(-entries // (st.span or st.page_size))
+        for name in (st.table, st.score_table):
+            if name is not None:
+                lengths[name] = max(lengths.get(name, 0), need)
     return lengths
 
 
@@ -149,8 +194,10 @@ def window_released(profile: EngineProfile, model: ModelTopology, num_tokens: in
         if spec.window is None or st.addressing == "ring":
             continue
         first, _ = live_entries(spec, num_tokens, draft_tokens)
-        n = first // st.page_size
-        released[st.table] = n if st.table not in released else min(released[st.table], n)
+        n = first // (st.span or st.page_size)
+        for name in (st.table, st.score_table):
+            if name is not None:
+                released[name] = n if name not in released else min(released[name], n)
     return released
 
 
@@ -238,9 +285,14 @@ def plan_migration(
         raise InputError(f"draft_tokens must be a non-negative integer, got {draft_tokens!r}")
     src_p, dst_p = parse_engine(src), parse_engine(dst)
     topo = get_model(model)
+    check_pair(src_p, dst_p, topo, include_mtp)
     transfers = []
     for spec in topo.all_caches(include_mtp):
         first, count = live_entries(spec, num_tokens, draft_tokens)
+        if spec.role == Role.SWA:
+            first, count = swa_range(src_p, dst_p, first, num_tokens)
+        if spec.role == Role.STATE and spec.ratio == 128 and src_p.online_c128 and count:
+            first, count = num_tokens // 128, 1  # one running row for the pending block
         if count == 0:
             continue
         s, d = src_p.storage(spec), dst_p.storage(spec)

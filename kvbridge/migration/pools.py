@@ -19,36 +19,85 @@ from kvbridge.topology import CacheSpec, ModelTopology, Role, get_model
 
 #: A request's block tables: table name -> physical page ids (-1: released / not held).
 RequestTables = dict[str, list[int]]
+#: One cache's pool: a uint8 ``[num_pages, page_bytes]`` tensor, or for storages with
+#: ``separate_pools`` (TensorRT-LLM's compressor kv and score) a pair of them.
+Pool = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-def _runs(storage: Storage, table: Sequence[int], first: int, count: int, num_pages: int
+def pool_shapes(storage: Storage) -> list[int]:
+    """Bytes per page of each tensor of a pool of ``storage``."""
+    if storage.separate_pools:
+        assert storage.split is not None
+        p = storage.page_size
+        return [p * storage.split, p * (storage.record_bytes - storage.split)]
+    return [storage.page_bytes]
+
+
+def pool_tensors(pool: Pool) -> tuple[torch.Tensor, ...]:
+    return pool if isinstance(pool, tuple) else (pool,)
+
+
+#: The block table(s) of one storage: one page-id list, or (kv table, score table) for a storage
+#: whose two pools have block tables of their own (``Storage.score_table``).
+Table = Sequence[int] | tuple[Sequence[int], Sequence[int]]
+
+
+def table_of(tables: RequestTables, storage: Storage) -> Table:
+    """The request's block table(s) for ``storage``."""
+    if storage.score_table is not None:
+        return tables[storage.table], tables[storage.score_table]
+    return tables[storage.table]
+
+
+def _part_tables(storage: Storage, table: Table, parts: int) -> list[tuple[str, Sequence[int]]]:
+    """(table name, page ids) addressing each of a storage's ``parts`` record parts."""
+    if storage.score_table is not None:
+        if not (isinstance(table, tuple) and len(table) == 2):
+            raise InputError(f"storage of block tables {storage.table!r} and {storage.score_table!r} needs both "
+                             "tables (use pools.table_of)")
+        return [(storage.table, table[0]), (storage.score_table, table[1])]
+    return [(storage.table, table)] * parts  # type: ignore[list-item]
+
+
+def _runs(storage: Storage, table: Sequence[int], first: int, count: int, num_pages: int, name: str | None = None
           ) -> list[tuple[int, int, int, int]]:
     """Entries ``[first, first + count)`` as runs within one page: (physical page, first row, rows,
     offset into the records). Refuses released (-1) or out-of-pool pages."""
     p = storage.page_size
+    name = name or storage.table
     if storage.addressing == "ring" and count > p:
-        raise InputError(f"{count} entries do not fit the {p}-row ring of block table {storage.table!r}")
+        raise InputError(f"{count} entries do not fit the {p}-row ring of block table {name!r}")
+    span = storage.span or p
     runs = []
     entry, end = first, first + count
     while entry < end:
-        stop = min(end, (entry // p + 1) * p)
-        slot = 0 if storage.addressing == "ring" else entry // p
+        stop = min(end, (entry // p + 1) * p, (entry // span + 1) * span)
+        if storage.addressing == "page-ring" and min(end, (entry // span + 1) * span) - entry > p:
+            raise InputError(f"entries {entry}..{stop - 1} overflow the {p}-row ring of a {span}-position page of "
+                             f"block table {name!r}")
+        slot = 0 if storage.addressing == "ring" else entry // span
         if slot >= len(table):
-            raise InputError(f"block table {storage.table!r} has {len(table)} pages; entry {stop - 1} needs "
+            raise InputError(f"block table {name!r} has {len(table)} pages; entry {stop - 1} needs "
                              f"page index {slot}")
         page = table[slot]
         if page < 0:
-            raise InputError(f"block table {storage.table!r} index {slot} is released (-1) but holds live entries")
+            raise InputError(f"block table {name!r} index {slot} is released (-1) but holds live entries")
         if page >= num_pages:
-            raise InputError(f"block table {storage.table!r} index {slot} names page {page}; the pool has {num_pages}")
+            raise InputError(f"block table {name!r} index {slot} names page {page}; the pool has {num_pages}")
         runs.append((page, entry % p, stop - entry, entry - first))
         entry = stop
     return runs
 
 
-def _page_views(pool: torch.Tensor, storage: Storage) -> list[tuple[torch.Tensor, int, int]]:
+def _page_views(pool: Pool, storage: Storage) -> list[tuple[torch.Tensor, int, int]]:
     """Views ``[num_pages, P, width]`` of a pool, with the record byte range each holds."""
     p, rec = storage.page_size, storage.record_bytes
+    if isinstance(pool, tuple):
+        s = storage.split
+        assert s is not None
+        kv, score = pool
+        return [(kv[:, : p * s].view(kv.shape[0], p, s), 0, s),
+                (score[:, : p * (rec - s)].view(score.shape[0], p, rec - s), s, rec)]
     n = pool.shape[0]
     if storage.split is None:
         return [(pool[:, : p * rec].view(n, p, rec), 0, rec)]
@@ -56,25 +105,25 @@ def _page_views(pool: torch.Tensor, storage: Storage) -> list[tuple[torch.Tensor
     return [(pool[:, : p * s].view(n, p, s), 0, s), (pool[:, p * s : p * rec].view(n, p, rec - s), s, rec)]
 
 
-def gather_records(pool: torch.Tensor, storage: Storage, table: Sequence[int], first: int, count: int) -> torch.Tensor:
+def gather_records(pool: Pool, storage: Storage, table: Table, first: int, count: int) -> torch.Tensor:
     """Records ``[count, record_bytes]`` (uint8) of entries ``[first, first + count)``.
 
     Entries in one page are consecutive rows, so each run is one slice copy per record part.
+    ``table``: the storage's page ids (``table_of``: a pair when its two pools have two tables).
     """
-    out = torch.empty(count, storage.record_bytes, dtype=torch.uint8, device=pool.device)
+    out = torch.empty(count, storage.record_bytes, dtype=torch.uint8, device=pool_tensors(pool)[0].device)
     views = _page_views(pool, storage)
-    for page, row, n, off in _runs(storage, table, first, count, pool.shape[0]):
-        for view, lo, hi in views:
+    for (view, lo, hi), (name, ids) in zip(views, _part_tables(storage, table, len(views)), strict=True):
+        for page, row, n, off in _runs(storage, ids, first, count, view.shape[0], name):
             out[off : off + n, lo:hi] = view[page, row : row + n]
     return out
 
 
-def scatter_records(pool: torch.Tensor, storage: Storage, table: Sequence[int], first: int,
-                    records: torch.Tensor) -> None:
+def scatter_records(pool: Pool, storage: Storage, table: Table, first: int, records: torch.Tensor) -> None:
     """Write records ``[count, record_bytes]`` into the pool slots of entries ``[first, first + count)``."""
     views = _page_views(pool, storage)
-    for page, row, n, off in _runs(storage, table, first, records.shape[0], pool.shape[0]):
-        for view, lo, hi in views:
+    for (view, lo, hi), (name, ids) in zip(views, _part_tables(storage, table, len(views)), strict=True):
+        for page, row, n, off in _runs(storage, ids, first, records.shape[0], view.shape[0], name):
             view[page, row : row + n] = records[off : off + n, lo:hi]
 
 
@@ -86,7 +135,7 @@ class EnginePools:
     model: ModelTopology
     include_mtp: bool
     pages_per_table: dict[str, int]
-    pools: dict[tuple[int, Role], torch.Tensor] = field(default_factory=dict)
+    pools: dict[tuple[int, Role], Pool] = field(default_factory=dict)
     free: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
@@ -97,12 +146,16 @@ class EnginePools:
         With ``seed`` the free lists are shuffled, so requests get scattered page ids.
         """
         prof, topo = parse_engine(profile), get_model(model)
-        pools: dict[tuple[int, Role], torch.Tensor] = {}
+        pools: dict[tuple[int, Role], Pool] = {}
         for spec in topo.all_caches(include_mtp):
             st = prof.storage(spec)
-            if st.table not in pages_per_table:
-                raise InputError(f"pages_per_table lacks block table {st.table!r} of {prof.spec}")
-            pools[(spec.layer, spec.role)] = torch.zeros(pages_per_table[st.table], st.page_bytes, dtype=torch.uint8)
+            names = [st.table, st.score_table] if st.score_table is not None else [st.table] * len(pool_shapes(st))
+            for name in names:
+                if name not in pages_per_table:
+                    raise InputError(f"pages_per_table lacks block table {name!r} of {prof.spec}")
+            parts = tuple(torch.zeros(pages_per_table[name], b, dtype=torch.uint8)
+                          for name, b in zip(names, pool_shapes(st), strict=True))
+            pools[(spec.layer, spec.role)] = parts if st.separate_pools else parts[0]
         free = {name: list(range(n)) for name, n in pages_per_table.items()}
         if seed is not None:
             rng = random.Random(seed)
@@ -112,11 +165,12 @@ class EnginePools:
 
     @classmethod
     def wrap(cls, profile: str | EngineProfile, model: str | ModelTopology,
-             pools: dict[tuple[int, Role], torch.Tensor], *, include_mtp: bool = True,
+             pools: dict[tuple[int, Role], Pool], *, include_mtp: bool = True,
              free: dict[str, list[int]] | None = None) -> EnginePools:
         """Pools an engine already owns: uint8 ``[num_pages, page_bytes]`` tensors (e.g. views of its
-        KV buffers), one per (layer, role) of the model. ``free`` lists the page ids a receiver may
-        claim per block table (default: every page)."""
+        KV buffers), one per (layer, role) of the model; a ``(kv, score)`` pair of tensors for the
+        compressor-state roles of a profile that keeps them apart (TensorRT-LLM). ``free`` lists
+        the page ids a receiver may claim per block table (default: every page)."""
         prof, topo = parse_engine(profile), get_model(model)
         pages_per_table: dict[str, int] = {}
         for spec in topo.all_caches(include_mtp):
@@ -126,12 +180,21 @@ class EnginePools:
             what = f"pool of layer {spec.layer} {spec.role.value}"
             if t is None:
                 raise InputError(f"{what} is missing")
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != st.page_bytes:
-                shape = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise InputError(f"{what} must be uint8 [num_pages, {st.page_bytes}] for {prof.spec}, got {shape}")
-            if pages_per_table.setdefault(st.table, t.shape[0]) != t.shape[0]:
-                raise InputError(f"{what} has {t.shape[0]} pages; other pools of block table {st.table!r} have "
-                                 f"{pages_per_table[st.table]}")
+            widths = pool_shapes(st)
+            parts = t if isinstance(t, tuple) else (t,)
+            want = " and ".join(f"uint8 [num_pages, {w}]" for w in widths)
+            if len(parts) != len(widths) or any(
+                    not isinstance(x, torch.Tensor) or x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != w
+                    for x, w in zip(parts, widths, strict=False)):
+                shape = ", ".join(f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+                                  for x in parts)
+                raise InputError(f"{what} must be {want} for {prof.spec}, got {shape}")
+            names = [st.table, st.score_table] if st.score_table is not None else [st.table] * len(parts)
+            for name, x in zip(names, parts, strict=True):
+                n = x.shape[0]
+                if pages_per_table.setdefault(name, n) != n:
+                    raise InputError(f"{what} has {n} pages; other pools of block table {name!r} have "
+                                     f"{pages_per_table[name]}")
         extra = set(pools) - {(c.layer, c.role) for c in topo.all_caches(include_mtp)}
         if extra:
             layer, role = sorted(extra)[0]
@@ -143,7 +206,7 @@ class EnginePools:
     def storage(self, spec: CacheSpec) -> Storage:
         return self.profile.storage(spec)
 
-    def pool(self, spec: CacheSpec) -> torch.Tensor:
+    def pool(self, spec: CacheSpec) -> Pool:
         return self.pools[(spec.layer, spec.role)]
 
     def num_free(self) -> dict[str, int]:

@@ -12,6 +12,8 @@ them (``RequestAssembly.publish``): a request is published whole or not at all.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +41,16 @@ def request_info(plan: MigrationPlan) -> dict[str, Any]:
     return {"src": plan.src.spec, "dst": plan.dst.spec, "model": plan.model.name,
             "num_layers": plan.model.num_layers, "num_tokens": plan.num_tokens,
             "draft_tokens": plan.draft_tokens, "include_mtp": plan.include_mtp}
+
+
+def wire_fingerprint(plan: MigrationPlan) -> str:
+    """sha256 of what ``plan`` moves, as two peers compare it: the plan's JSON without which engine
+    options were spelled out (``trtllm:fp8:tpb=128`` and its canonical ``...:idx=fp4`` are one plan)."""
+    data = plan.to_dict()
+    for side in ("src", "dst"):
+        for choice in data.get(side, {}).get("choices", []):
+            choice.pop("given", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 def layer_groups(plan: MigrationPlan, layers_per_group: int = 1) -> list[list[int]]:
@@ -91,6 +103,7 @@ class RequestAssembly:
         self.records: list[torch.Tensor | None] = [None] * len(plan.transfers)
         self.loss: list[LossReport] = []
         self.indexer_max_abs_error: float | None = 0.0 if loss_report else None
+        self.state_max_abs_error: float | None = None
         self.payload_bytes = 0
         self.converted_on: str | None = None
         self.convert_s = 0.0
@@ -116,10 +129,13 @@ class RequestAssembly:
         for i, rec in zip(indices, converted.records, strict=True):
             self.records[i] = rec
         self.payload_bytes += sum(r.numel() for r in payload.records)
-        self.add_loss(converted.loss, converted.indexer_max_abs_error)
+        self.add_loss(converted.loss, converted.indexer_max_abs_error, converted.state_max_abs_error)
 
-    def add_loss(self, loss: Sequence[LossReport], indexer_max_abs_error: float | None) -> None:
+    def add_loss(self, loss: Sequence[LossReport], indexer_max_abs_error: float | None,
+                 state_max_abs_error: float | None = None) -> None:
         self.loss.extend(loss)
+        if state_max_abs_error is not None:
+            self.state_max_abs_error = max(self.state_max_abs_error or 0.0, state_max_abs_error)
         if indexer_max_abs_error is None:
             self.indexer_max_abs_error = None
         elif self.indexer_max_abs_error is not None:
@@ -154,4 +170,5 @@ class RequestAssembly:
             wire_s=wire_s,
             publish_s=publish_s,
             loss=list(self.loss),
+            state_max_abs_error=self.state_max_abs_error,
         )

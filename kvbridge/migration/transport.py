@@ -43,7 +43,14 @@ from kvbridge.migration.execute import (
 )
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables
-from kvbridge.migration.stream import RequestAssembly, check_groups, layer_groups, pack_group, request_info
+from kvbridge.migration.stream import (
+    RequestAssembly,
+    check_groups,
+    layer_groups,
+    pack_group,
+    request_info,
+    wire_fingerprint,
+)
 
 MAGIC = 0x4B5642_4D494732  # "KVB" "MIG2": the layer-group protocol
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -148,7 +155,7 @@ class GlooSender:
         self.total = sum(t.dst_bytes if self.convert else t.src_bytes for t in plan.transfers)
         self.sent = 0
         self.next_group = 0
-        head = _json_tensor({"fingerprint": plan.fingerprint(), "converted": self.convert, "groups": self.groups},
+        head = _json_tensor({"fingerprint": wire_fingerprint(plan), "converted": self.convert, "groups": self.groups},
                             device)
         meta = torch.tensor([MAGIC, head.numel(), self.total, len(self.groups), self.chunk_bytes], dtype=torch.int64,
                             device=device)
@@ -183,6 +190,7 @@ def _send_group(link: _Link, payload: Payload, chunk_bytes: int, label: str, adv
                   for r, c, s in zip(payload.records, payload.chunks, payload.checksums, strict=True)],
         "loss": [r.to_dict() for r in payload.loss],
         "indexer_max_abs_error": payload.indexer_max_abs_error,
+        "state_max_abs_error": payload.state_max_abs_error,
     }
     head = _json_tensor(header, link.device)
     data = torch.cat([r.reshape(-1) for r in payload.records]).to(link.device) if payload.records else \
@@ -234,7 +242,7 @@ class _Receiver:
         if not 0 < head_len <= _MAX_HEADER_BYTES or self.chunk < 1 or groups < 1:
             raise MigrationError(f"meta message from rank {src} is inconsistent ({head_len} B header, {groups} groups)")
         header = self._json(head_len, "the header")
-        if header.get("fingerprint") != plan.fingerprint():
+        if header.get("fingerprint") not in (plan.fingerprint(), wire_fingerprint(plan)):
             raise MigrationError(f"rank {src} sends a request for a different plan (plan fingerprints differ)")
         self.converted = bool(header["converted"])
         self.groups = check_groups(plan, header["groups"])
@@ -282,7 +290,8 @@ class _Receiver:
             offset += n
         loss = [LossReport(**r) for r in header["loss"]]
         return Payload(self.plan.fingerprint(), self.converted, records, [i["chunks"] for i in items],
-                       [i["crc32"] for i in items], loss, header["indexer_max_abs_error"])
+                       [i["crc32"] for i in items], loss, header["indexer_max_abs_error"],
+                       header.get("state_max_abs_error"))
 
 
 #: Headers larger than this are refused as garbage (a 128K request's largest is ~100 KB).
@@ -300,6 +309,7 @@ def receive_payload(plan: MigrationPlan, *, src_rank: int, group: dist.ProcessGr
     sums: list = [None] * n
     loss: list[LossReport] = []
     idx_err: float | None = 0.0
+    state_err: float | None = None
     for g, indices in enumerate(rx.groups):
         part = rx.group(g)
         for i, rec, c, s in zip(indices, part.records, part.chunks, part.checksums, strict=True):
@@ -307,7 +317,9 @@ def receive_payload(plan: MigrationPlan, *, src_rank: int, group: dist.ProcessGr
         loss.extend(part.loss)
         idx_err = None if part.indexer_max_abs_error is None or idx_err is None else \
             max(idx_err, part.indexer_max_abs_error)
-    return Payload(plan.fingerprint(), rx.converted, records, chunks, sums, loss, idx_err)
+        if part.state_max_abs_error is not None:
+            state_err = max(state_err or 0.0, part.state_max_abs_error)
+    return Payload(plan.fingerprint(), rx.converted, records, chunks, sums, loss, idx_err, state_err)
 
 
 def send_request(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, dst_rank: int,
@@ -402,7 +414,7 @@ class GlooServer:
                 plan = self.plan(hello["request"]) if callable(self.plan) else self.plan
             except KVBridgeError as exc:
                 raise MigrationError(f"refused request {rid} from {chan.peer}: cannot plan it here ({exc})") from None
-            if hello.get("fingerprint") != plan.fingerprint():
+            if hello.get("fingerprint") != wire_fingerprint(plan):
                 req = hello.get("request", {})
                 raise MigrationError(
                     f"refused request {rid} from {chan.peer}: the sender's plan ({req.get('src')} -> "
@@ -451,7 +463,7 @@ def send_request_tcp(plan: MigrationPlan, src: EnginePools, tables: RequestTable
     chan = Channel.connect(host, port, deadline)
     try:
         chan.send({"type": "hello", "kvbridge": __version__, "transport": "gloo", "kind": "request",
-                   "request_id": rid, "request": request_info(plan), "fingerprint": plan.fingerprint(),
+                   "request_id": rid, "request": request_info(plan), "fingerprint": wire_fingerprint(plan),
                    "convert_on": convert_on}, deadline=deadline)
         accept, _ = chan.expect("accept", deadline, "the receiver's accept")
         remaining = max(1.0, deadline - time.monotonic())

@@ -153,10 +153,10 @@ def test_nixl_receiver_refuses_pools_it_cannot_register():
     from kvbridge.topology import FLASH, Role
 
     model = FLASH.with_layers(4)
-    cap = plan_migration("sglang", "sglang", model, 1100).held_pages("dst")
-    pools = EnginePools.create("sglang", model, cap)
+    cap = plan_migration("vllm", "vllm", model, 1100).held_pages("dst")
+    pools = EnginePools.create("vllm", model, cap)
     swa = pools.pools[(0, Role.SWA)]
     strided = torch.zeros(swa.shape[0], swa.shape[1] * 2, dtype=torch.uint8)[:, ::2]
     pools.pools[(0, Role.SWA)] = strided
-    with pytest.raises(InputError, match="pool of layer 0 swa must be a contiguous CPU tensor"):
-        NixlReceiver(pools, plan=plan_migration("trtllm", "sglang", model, 1100))
+    with pytest.raises(InputError, match="pool of layer 0 swa must be contiguous CPU tensors"):
+        NixlReceiver(pools, plan=plan_migration("trtllm", "vllm", model, 1100))

@@ -236,3 +236,13 @@ def run_command(
         if report.state_max_abs_error is not None:
             loss += f"; state max abs error {report.state_max_abs_error:g} (fp32 -> bf16)"
     console.print(f"payload {_mib(report.payload_bytes)} MiB in {report.transfers} transfers; {loss}")
+
+
+def _register_network_commands() -> None:
+    from .migrate_net_cmd import COMMANDS
+
+    for cmd in COMMANDS:
+        command.add_command(cmd)
+
+
+_register_network_commands()

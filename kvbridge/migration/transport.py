@@ -1,20 +1,23 @@
-"""Moving a request between processes over a ``torch.distributed`` process group.
+"""Moving a request between processes over a ``torch.distributed`` process group, layer group by layer group.
 
-The sender (prefill side) packs the request's entries (converting them first when
-``convert_on="sender"``) and sends, point to point to the receiver's rank:
+The sender (prefill side) sends, point to point to the receiver's rank:
 
-1. a meta message, int64 ``[MAGIC, header_bytes, data_bytes, data_messages, message_bytes]``;
-2. the header, UTF-8 JSON: plan fingerprint, whether records are converted, per transfer its
-   row count, record size, page-chunk row counts and CRC-32 values (and the sender's loss
-   reports when it converted);
-3. the data: every transfer's records back to back, in messages of at most ``chunk_bytes``.
+1. a meta message, int64 ``[MAGIC, header_bytes, data_bytes, groups, message_bytes]``;
+2. the header, UTF-8 JSON: plan fingerprint, whether records are converted, and the layer
+   groups (transfer indices of each, see ``kvbridge.migration.stream``);
+3. per group, in order: a group meta message, int64 ``[group_header_bytes, group_data_bytes]``,
+   the group header (JSON: per transfer its row count, record size, page-chunk row counts and
+   CRC-32 values, and the sender's loss reports when it converted), then the group's records
+   back to back in messages of at most ``chunk_bytes``.
 
-Few large messages: a 128K-token Flash request is one meta, one header and a handful of
-data messages, whatever its page count. The receiver waits for each message at most until
-its deadline, verifies every chunk's CRC-32, converts if needed, and only then claims and
-fills destination pages. A dead sender, a broken link or a timeout raises ``TransferError``;
-a corrupted chunk raises ``ChecksumError``; in both cases no destination page is claimed.
-Works with gloo (CPU tensors) and NCCL (the caller moves ``device`` to CUDA).
+The sender packs (and, with ``convert_on="sender"``, converts) one group at a time, so a
+prefill engine can send its first layers while it computes the last (``GlooSender``). The
+receiver verifies each group's CRC-32 values and converts it as soon as it lands, and claims
+and fills destination pages only after the last group verified. A dead sender, a broken
+link or a timeout raises ``TransferError``; a corrupted chunk raises ``ChecksumError``; in
+both cases no destination page is claimed. Few large messages: a 128K-token Flash request
+sent as one group is one meta, one header and a handful of data messages, whatever its
+page count. Works with gloo (CPU tensors) and NCCL (the caller moves ``device`` to CUDA).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from kvbridge.api import LossReport
-from kvbridge.errors import InputError
+from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.execute import (
     ConvertSide,
     MigrationError,
@@ -37,13 +40,19 @@ from kvbridge.migration.execute import (
     Payload,
     TransferError,
     check_pools,
-    finish,
-    pack,
 )
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables
+from kvbridge.migration.stream import (
+    RequestAssembly,
+    check_groups,
+    layer_groups,
+    pack_group,
+    request_info,
+    wire_fingerprint,
+)
 
-MAGIC = 0x4B5642_4D494752  # "KVB" "MIGR"
+MAGIC = 0x4B5642_4D494732  # "KVB" "MIG2": the layer-group protocol
 DEFAULT_CHUNK_BYTES = 256 << 20
 
 #: Called after each data message with (bytes sent so far, total bytes).
@@ -77,104 +86,401 @@ def _check_timeout(timeout: float) -> float:
     return float(timeout)
 
 
-def send_payload(payload: Payload, *, dst_rank: int, group: dist.ProcessGroup | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float = 60.0, device: torch.device | str = "cpu",
-                 progress: Progress | None = None) -> int:
-    """Send a packed payload to ``dst_rank``; returns the number of data bytes sent."""
+def _check_chunk_bytes(chunk_bytes: int) -> int:
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise InputError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
-    deadline = time.monotonic() + _check_timeout(timeout)
+    return chunk_bytes
+
+
+def _json_tensor(data: dict, device: torch.device | str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(data).encode()), dtype=torch.uint8).to(device)
+
+
+class _Link:
+    """One direction of a transfer: point-to-point sends or receives under one deadline.
+
+    ``group`` may also be a process group made outside ``init_process_group`` (as
+    ``GlooServer`` makes one per request); ``peer`` is then its rank in that group.
+    """
+
+    def __init__(self, peer: int, group: dist.ProcessGroup | None, deadline: float, device: torch.device | str):
+        self.peer, self.group, self.deadline, self.device = peer, group, deadline, device
+        self.direct = group is not None and not _registered(group)
+
+    def send(self, tensor: torch.Tensor, what: str) -> None:
+        if self.direct:
+            work = self.group.send([tensor], self.peer, 0)
+        else:
+            work = dist.isend(tensor, self.peer, group=self.group)
+        _wait(work, what, self.peer, self.deadline)
+
+    def recv(self, tensor: torch.Tensor, what: str) -> None:
+        if self.direct:
+            work = self.group.recv([tensor], self.peer, 0)
+        else:
+            work = dist.irecv(tensor, self.peer, group=self.group)
+        _wait(work, what, self.peer, self.deadline)
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` belongs to this process's ``torch.distributed`` world."""
+    try:
+        return dist.is_initialized() and group in dist.distributed_c10d._world.pg_group_ranks
+    except AttributeError:
+        return False
+
+
+class GlooSender:
+    """Prefill side of one request: sends it layer group by layer group (``send_group``), in order.
+
+    ``groups`` (default: one group per layer, ``layer_groups(plan)``) lists the transfer indices
+    of each group; the receiver learns them from the header sent by the constructor. Call
+    ``send_group`` once per group, in order, after those layers are written into ``src``, then
+    ``close``. Every send waits at most until ``timeout`` seconds after construction.
+    """
+
+    def __init__(self, plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, dst_rank: int,
+                 group: dist.ProcessGroup | None = None, convert_on: ConvertSide = "receiver",
+                 groups: list[list[int]] | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float = 60.0,
+                 device: torch.device | str = "cpu", progress: Progress | None = None, loss_report: bool = True):
+        if convert_on not in ("sender", "receiver"):
+            raise InputError(f"convert_on must be 'sender' or 'receiver', got {convert_on!r}")
+        check_pools(plan, src, "src")
+        self.plan, self.src, self.tables = plan, src, tables
+        self.convert = convert_on == "sender"
+        self.groups = check_groups(plan, layer_groups(plan) if groups is None else groups)
+        self.chunk_bytes = _check_chunk_bytes(chunk_bytes)
+        self.link = _Link(dst_rank, group, time.monotonic() + _check_timeout(timeout), device)
+        self.progress, self.loss_report = progress, loss_report
+        self.total = sum(t.dst_bytes if self.convert else t.src_bytes for t in plan.transfers)
+        self.sent = 0
+        self.next_group = 0
+        head = _json_tensor({"fingerprint": wire_fingerprint(plan), "converted": self.convert, "groups": self.groups},
+                            device)
+        meta = torch.tensor([MAGIC, head.numel(), self.total, len(self.groups), self.chunk_bytes], dtype=torch.int64,
+                            device=device)
+        self.link.send(meta, "sending the meta message")
+        self.link.send(head, "sending the header")
+
+    def send_group(self) -> None:
+        """Pack (and convert) the next group from ``src`` and send it."""
+        if self.next_group >= len(self.groups):
+            raise InputError(f"all {len(self.groups)} layer groups were already sent")
+        g = self.next_group
+        payload = pack_group(self.plan, self.src, self.tables, self.groups[g], convert=self.convert,
+                             loss_report=self.loss_report)
+        _send_group(self.link, payload, self.chunk_bytes, f"group {g + 1}/{len(self.groups)}", self._advance)
+        self.next_group += 1
+
+    def _advance(self, n: int) -> None:
+        self.sent += n
+        if self.progress is not None:
+            self.progress(self.sent, self.total)
+
+    def close(self) -> int:
+        """Check every group went out; returns the data bytes sent."""
+        if self.next_group != len(self.groups):
+            raise InputError(f"{len(self.groups) - self.next_group} of {len(self.groups)} layer groups were not sent")
+        return self.sent
+
+
+def _send_group(link: _Link, payload: Payload, chunk_bytes: int, label: str, advance: Callable[[int], None]) -> None:
     header = {
-        "fingerprint": payload.fingerprint,
-        "converted": payload.converted,
         "items": [{"rows": int(r.shape[0]), "record_bytes": int(r.shape[1]), "chunks": c, "crc32": s}
                   for r, c, s in zip(payload.records, payload.chunks, payload.checksums, strict=True)],
         "loss": [r.to_dict() for r in payload.loss],
         "indexer_max_abs_error": payload.indexer_max_abs_error,
         "state_max_abs_error": payload.state_max_abs_error,
     }
-    head = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(device)
-    data = torch.cat([r.reshape(-1) for r in payload.records]).to(device) if payload.records else \
-        torch.empty(0, dtype=torch.uint8, device=device)
+    head = _json_tensor(header, link.device)
+    data = torch.cat([r.reshape(-1) for r in payload.records]).to(link.device) if payload.records else \
+        torch.empty(0, dtype=torch.uint8, device=link.device)
     total = data.numel()
+    link.send(torch.tensor([head.numel(), total], dtype=torch.int64, device=link.device), f"sending {label}'s meta")
+    link.send(head, f"sending {label}'s header")
     messages = -(-total // chunk_bytes)
-    meta = torch.tensor([MAGIC, head.numel(), total, messages, chunk_bytes], dtype=torch.int64, device=device)
-    _wait(dist.isend(meta, dst_rank, group=group), "sending the meta message", dst_rank, deadline)
-    _wait(dist.isend(head, dst_rank, group=group), "sending the header", dst_rank, deadline)
     for i in range(messages):
         part = data[i * chunk_bytes : (i + 1) * chunk_bytes]
-        _wait(dist.isend(part, dst_rank, group=group), f"sending data message {i + 1}/{messages}", dst_rank, deadline)
+        link.send(part, f"sending data message {i + 1}/{messages} of {label}")
+        advance(part.numel())
+
+
+def send_payload(payload: Payload, *, dst_rank: int, group: dist.ProcessGroup | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float = 60.0, device: torch.device | str = "cpu",
+                 progress: Progress | None = None) -> int:
+    """Send an already packed payload (all transfers) to ``dst_rank`` as one group; returns data bytes sent."""
+    _check_chunk_bytes(chunk_bytes)
+    link = _Link(dst_rank, group, time.monotonic() + _check_timeout(timeout), device)
+    groups = [list(range(len(payload.records)))]
+    total = sum(r.numel() for r in payload.records)
+    head = _json_tensor({"fingerprint": payload.fingerprint, "converted": payload.converted, "groups": groups}, device)
+    link.send(torch.tensor([MAGIC, head.numel(), total, 1, chunk_bytes], dtype=torch.int64, device=device),
+              "sending the meta message")
+    link.send(head, "sending the header")
+    sent = [0]
+
+    def advance(n: int) -> None:
+        sent[0] += n
         if progress is not None:
-            progress(min((i + 1) * chunk_bytes, total), total)
-    return total
+            progress(sent[0], total)
+
+    _send_group(link, payload, chunk_bytes, "group 1/1", advance)
+    return sent[0]
+
+
+class _Receiver:
+    """Receives the meta, the header, then one group at a time, checking each against ``plan``."""
+
+    def __init__(self, plan: MigrationPlan, link: _Link):
+        self.plan, self.link = plan, link
+        meta = torch.zeros(5, dtype=torch.int64, device=link.device)
+        link.recv(meta, "the meta message")
+        magic, head_len, self.total, groups, self.chunk = (int(v) for v in meta.cpu())
+        src = link.peer
+        if magic != MAGIC:
+            raise MigrationError(f"rank {src} is not a kvbridge migration sender of this version (magic {magic:#x})")
+        if not 0 < head_len <= _MAX_HEADER_BYTES or self.chunk < 1 or groups < 1:
+            raise MigrationError(f"meta message from rank {src} is inconsistent ({head_len} B header, {groups} groups)")
+        header = self._json(head_len, "the header")
+        if header.get("fingerprint") not in (plan.fingerprint(), wire_fingerprint(plan)):
+            raise MigrationError(f"rank {src} sends a request for a different plan (plan fingerprints differ)")
+        self.converted = bool(header["converted"])
+        self.groups = check_groups(plan, header["groups"])
+        if len(self.groups) != groups:
+            raise MigrationError(f"meta message announces {groups} groups, the header {len(self.groups)}")
+        want = sum(t.dst_bytes if self.converted else t.src_bytes for t in plan.transfers)
+        if self.total != want:
+            raise MigrationError(f"meta message announces {self.total} data bytes, the plan {want}")
+
+    def _json(self, n: int, what: str) -> dict:
+        head = torch.empty(n, dtype=torch.uint8, device=self.link.device)
+        self.link.recv(head, what)
+        return json.loads(bytes(head.cpu().numpy()).decode())
+
+    def group(self, g: int) -> Payload:
+        """Receive group ``g`` (checksums are verified by the caller)."""
+        label = f"group {g + 1}/{len(self.groups)}"
+        meta = torch.zeros(2, dtype=torch.int64, device=self.link.device)
+        self.link.recv(meta, f"{label}'s meta")
+        head_len, total = (int(v) for v in meta.cpu())
+        if not 0 < head_len <= _MAX_HEADER_BYTES:
+            raise MigrationError(f"{label}'s meta message announces a {head_len} B header")
+        header = self._json(head_len, f"{label}'s header")
+        items = header["items"]
+        transfers = [self.plan.transfers[i] for i in self.groups[g]]
+        if len(items) != len(transfers):
+            raise MigrationError(f"{label} lists {len(items)} transfers, the plan {len(transfers)}")
+        for t, item in zip(transfers, items, strict=True):
+            want = t.dst.record_bytes if self.converted else t.src.record_bytes
+            if item["rows"] != t.count or item["record_bytes"] != want:
+                raise MigrationError(f"layer {t.spec.layer} {t.spec.role.value}: header says {item['rows']} x "
+                                     f"{item['record_bytes']} B, the plan {t.count} x {want} B")
+        if total != sum(i["rows"] * i["record_bytes"] for i in items):
+            raise MigrationError(f"{label} announces {total} data bytes, its transfers add up to a different size")
+        data = torch.empty(total, dtype=torch.uint8, device=self.link.device)
+        messages = -(-total // self.chunk)
+        for i in range(messages):
+            part = data[i * self.chunk : min((i + 1) * self.chunk, total)]
+            self.link.recv(part, f"data message {i + 1}/{messages} of {label}")
+        data = data.cpu()
+        records, offset = [], 0
+        for item in items:
+            n = item["rows"] * item["record_bytes"]
+            records.append(data[offset : offset + n].view(item["rows"], item["record_bytes"]))
+            offset += n
+        loss = [LossReport(**r) for r in header["loss"]]
+        return Payload(self.plan.fingerprint(), self.converted, records, [i["chunks"] for i in items],
+                       [i["crc32"] for i in items], loss, header["indexer_max_abs_error"],
+                       header.get("state_max_abs_error"))
+
+
+#: Headers larger than this are refused as garbage (a 128K request's largest is ~100 KB).
+_MAX_HEADER_BYTES = 64 << 20
 
 
 def receive_payload(plan: MigrationPlan, *, src_rank: int, group: dist.ProcessGroup | None = None,
                     timeout: float = 60.0, device: torch.device | str = "cpu") -> Payload:
-    """Receive a payload for ``plan`` from ``src_rank`` (checksums are verified later, by ``finish``)."""
-    deadline = time.monotonic() + _check_timeout(timeout)
-    meta = torch.zeros(5, dtype=torch.int64, device=device)
-    _wait(dist.irecv(meta, src_rank, group=group), "the meta message", src_rank, deadline)
-    magic, head_len, total, messages, chunk = (int(v) for v in meta.cpu())
-    if magic != MAGIC:
-        raise MigrationError(f"rank {src_rank} is not a kvbridge migration sender (bad magic {magic:#x})")
-    head = torch.empty(head_len, dtype=torch.uint8, device=device)
-    _wait(dist.irecv(head, src_rank, group=group), "the header", src_rank, deadline)
-    header = json.loads(bytes(head.cpu().numpy()).decode())
-    if header["fingerprint"] != plan.fingerprint():
-        raise MigrationError(f"rank {src_rank} sends a request for a different plan (plan fingerprints differ)")
-    items = header["items"]
-    if len(items) != len(plan.transfers):
-        raise MigrationError(f"header lists {len(items)} transfers, the plan {len(plan.transfers)}")
-    for t, item in zip(plan.transfers, items, strict=True):
-        want = t.dst.record_bytes if header["converted"] else t.src.record_bytes
-        if item["rows"] != t.count or item["record_bytes"] != want:
-            raise MigrationError(f"layer {t.spec.layer} {t.spec.role.value}: header says {item['rows']} x "
-                                 f"{item['record_bytes']} B, the plan {t.count} x {want} B")
-    if total != sum(i["rows"] * i["record_bytes"] for i in items):
-        raise MigrationError(f"header announces {total} data bytes, its transfers add up to a different size")
-    if messages != (-(-total // chunk) if chunk > 0 else -1):
-        raise MigrationError(f"meta message is inconsistent: {total} bytes in {messages} messages of {chunk}")
-    data = torch.empty(total, dtype=torch.uint8, device=device)
-    for i in range(messages):
-        part = data[i * chunk : min((i + 1) * chunk, total)]
-        _wait(dist.irecv(part, src_rank, group=group), f"data message {i + 1}/{messages}", src_rank, deadline)
-    data = data.cpu()
-    records, offset = [], 0
-    for item in items:
-        n = item["rows"] * item["record_bytes"]
-        records.append(data[offset : offset + n].view(item["rows"], item["record_bytes"]))
-        offset += n
-    loss = [LossReport(**r) for r in header["loss"]]
-    return Payload(header["fingerprint"], header["converted"], records, [i["chunks"] for i in items],
-                   [i["crc32"] for i in items], loss, header["indexer_max_abs_error"],
-                   header.get("state_max_abs_error"))
+    """Receive every group of a payload for ``plan`` from ``src_rank``, in plan order (checksums are
+    verified later, by ``finish``)."""
+    rx = _Receiver(plan, _Link(src_rank, group, time.monotonic() + _check_timeout(timeout), device))
+    n = len(plan.transfers)
+    records: list = [None] * n
+    chunks: list = [None] * n
+    sums: list = [None] * n
+    loss: list[LossReport] = []
+    idx_err: float | None = 0.0
+    state_err: float | None = None
+    for g, indices in enumerate(rx.groups):
+        part = rx.group(g)
+        for i, rec, c, s in zip(indices, part.records, part.chunks, part.checksums, strict=True):
+            records[i], chunks[i], sums[i] = rec, c, s
+        loss.extend(part.loss)
+        idx_err = None if part.indexer_max_abs_error is None or idx_err is None else \
+            max(idx_err, part.indexer_max_abs_error)
+        if part.state_max_abs_error is not None:
+            state_err = max(state_err or 0.0, part.state_max_abs_error)
+    return Payload(plan.fingerprint(), rx.converted, records, chunks, sums, loss, idx_err, state_err)
 
 
 def send_request(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, dst_rank: int,
                  group: dist.ProcessGroup | None = None, convert_on: ConvertSide = "receiver",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float = 60.0, device: torch.device | str = "cpu",
-                 progress: Progress | None = None, loss_report: bool = True) -> int:
+                 layers_per_group: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float = 60.0,
+                 device: torch.device | str = "cpu", progress: Progress | None = None, loss_report: bool = True) -> int:
     """Prefill side: pack the request held in ``tables`` of ``src`` and send it; returns data bytes sent.
 
-    With ``convert_on="sender"`` the records travel in the destination format (and the loss
-    report, when ``loss_report``, travels in the header).
+    ``layers_per_group`` streams it that many layers at a time (default: the whole request as one
+    group, the fewest messages). With ``convert_on="sender"`` the records travel in the
+    destination format (and the loss report, when ``loss_report``, travels with them).
     """
-    if convert_on not in ("sender", "receiver"):
-        raise InputError(f"convert_on must be 'sender' or 'receiver', got {convert_on!r}")
-    payload = pack(plan, src, tables, convert=convert_on == "sender", loss_report=loss_report)
-    return send_payload(payload, dst_rank=dst_rank, group=group, chunk_bytes=chunk_bytes, timeout=timeout,
-                        device=device, progress=progress)
+    groups = [list(range(len(plan.transfers)))] if layers_per_group is None else layer_groups(plan, layers_per_group)
+    sender = GlooSender(plan, src, tables, dst_rank=dst_rank, group=group, convert_on=convert_on, groups=groups,
+                        chunk_bytes=chunk_bytes, timeout=timeout, device=device, progress=progress,
+                        loss_report=loss_report)
+    for _ in groups:
+        sender.send_group()
+    return sender.close()
+
+
+#: Called after each layer group verified, with (groups verified, total groups).
+GroupDone = Callable[[int, int], None]
 
 
 def receive_request(plan: MigrationPlan, dst: EnginePools, *, src_rank: int, group: dist.ProcessGroup | None = None,
-                    timeout: float = 60.0, device: torch.device | str = "cpu", loss_report: bool = True
-                    ) -> tuple[RequestTables, MigrationReport]:
-    """Decode side: receive, verify every checksum, convert if the sender did not, then claim and
-    fill destination pages. Returns the request's block tables and a report."""
+                    timeout: float = 60.0, device: torch.device | str = "cpu", loss_report: bool = True,
+                    on_group: GroupDone | None = None) -> tuple[RequestTables, MigrationReport]:
+    """Decode side: receive each layer group, verify its checksums and convert it (if the sender did
+    not) as it lands; after the last group, claim and fill destination pages. Returns the
+    request's block tables and a report."""
     check_pools(plan, dst, "dst")
     t0 = time.perf_counter()
-    payload = receive_payload(plan, src_rank=src_rank, group=group, timeout=timeout, device=device)
-    wire_s = time.perf_counter() - t0
-    side = "sender" if payload.converted else "receiver"
-    return finish(plan, payload, dst, converted_on=side, pack_s=0.0, wire_s=wire_s, loss_report=loss_report)
+    rx = _Receiver(plan, _Link(src_rank, group, time.monotonic() + _check_timeout(timeout), device))
+    assembly = RequestAssembly(plan, loss_report=loss_report)
+    for g, indices in enumerate(rx.groups):
+        assembly.add(indices, rx.group(g))
+        if on_group is not None:
+            on_group(g + 1, len(rx.groups))
+    t1 = time.perf_counter()
+    tables = assembly.publish(dst)
+    report = assembly.report(wire_s=t1 - t0 - assembly.convert_s - assembly.verify_s,
+                             publish_s=time.perf_counter() - t1)
+    return tables, report
+
+
+# ---------------------------------------------------------------------------------------------
+# Without a process group: a kvbridge control channel, then a two-rank gloo group per request
+
+
+def _pair_group(store: dist.Store, request_id: str, rank: int, timeout: float) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"kvbridge/{request_id}", store), rank, 2,
+                                 timedelta(seconds=max(1.0, timeout)))
+
+
+class GlooServer:
+    """Decode side for ``kvbridge migrate serve --transport gloo``: listens on ``host:port``; per
+    request, a kvbridge handshake over TCP (plan fingerprint), then a two-rank gloo group formed
+    through a store this side hosts, then ``receive_request`` (streamed, verified, published at
+    the end). ``plan`` is the plan or a callable building it from the sender's request info."""
+
+    def __init__(self, dst: EnginePools, *, plan: MigrationPlan | Callable[[dict], MigrationPlan],
+                 host: str = "127.0.0.1", port: int = 0, loss_report: bool = True):
+        from kvbridge.migration.control import Listener
+
+        self.dst, self.plan, self.loss_report = dst, plan, loss_report
+        self.listener = Listener(host, port)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.listener.host, self.listener.port
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def receive(self, *, timeout: float = 60.0, accept_timeout: float | None = None
+                ) -> tuple[str, str, RequestTables, MigrationReport] | None:
+        """(peer, request id, tables, report) of one request, or None after ``accept_timeout`` s idle."""
+        timeout = _check_timeout(timeout)
+        chan = self.listener.accept(accept_timeout)
+        if chan is None:
+            return None
+        deadline = time.monotonic() + timeout
+        try:
+            chan.accept_handshake(deadline)
+            hello, _ = chan.expect("hello", deadline, "the sender's hello")
+            rid = str(hello.get("request_id", "?"))[:64]
+            if hello.get("kind") != "request" or hello.get("transport") != "gloo":
+                raise MigrationError(f"refused request {rid} from {chan.peer}: this receiver takes requests over "
+                                     f"gloo, the sender offers a {hello.get('kind')} over {hello.get('transport')}")
+            try:
+                plan = self.plan(hello["request"]) if callable(self.plan) else self.plan
+            except KVBridgeError as exc:
+                raise MigrationError(f"refused request {rid} from {chan.peer}: cannot plan it here ({exc})") from None
+            if hello.get("fingerprint") != wire_fingerprint(plan):
+                req = hello.get("request", {})
+                raise MigrationError(
+                    f"refused request {rid} from {chan.peer}: the sender's plan ({req.get('src')} -> "
+                    f"{req.get('dst')}, {req.get('model')}) differs from this receiver's ({plan.src.spec} -> "
+                    f"{plan.dst.spec}, {plan.model.name}); plan fingerprints differ")
+            remaining = max(1.0, deadline - time.monotonic())
+            store = dist.TCPStore(self.listener.host, 0, 2, True, timedelta(seconds=remaining), wait_for_workers=False)
+            chan.send({"type": "accept", "store_port": store.port}, deadline=deadline)
+            group = _pair_group(store, rid, 1, remaining)
+            tables, report = receive_request(plan, self.dst, src_rank=0, group=group,
+                                             timeout=max(0.01, deadline - time.monotonic()),
+                                             loss_report=self.loss_report)
+            try:
+                chan.send({"type": "result", "ok": True, "summary": report.to_dict()}, deadline=deadline)
+            except TransferError:
+                pass  # published; the sender went away before hearing it
+            return chan.peer, rid, tables, report
+        except KVBridgeError as exc:
+            try:
+                chan.send({"type": "error", "error": str(exc).splitlines()[0]}, deadline=time.monotonic() + 1.0)
+            except KVBridgeError:
+                pass
+            raise
+        except RuntimeError as exc:  # gloo failing to form the group (peer gone, timeout)
+            raise TransferError(f"could not form a gloo group with {chan.peer} ({_reason(exc)}); "
+                                "nothing was published") from None
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a malformed message
+            raise MigrationError(f"refused {chan.peer}: malformed control message ({type(exc).__name__})") from None
+        finally:
+            chan.close()
+
+
+def send_request_tcp(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, host: str, port: int,
+                     convert_on: ConvertSide = "receiver", layers_per_group: int = 1, timeout: float = 60.0,
+                     progress: Progress | None = None, loss_report: bool = True,
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+    """Prefill side for a ``GlooServer``: handshake, form the gloo pair, stream the request; returns the
+    receiver's report (a dict), or raises its error."""
+    import uuid
+
+    from kvbridge import __version__
+    from kvbridge.migration.control import Channel
+
+    deadline = time.monotonic() + _check_timeout(timeout)
+    rid = uuid.uuid4().hex[:16]
+    chan = Channel.connect(host, port, deadline)
+    try:
+        chan.send({"type": "hello", "kvbridge": __version__, "transport": "gloo", "kind": "request",
+                   "request_id": rid, "request": request_info(plan), "fingerprint": wire_fingerprint(plan),
+                   "convert_on": convert_on}, deadline=deadline)
+        accept, _ = chan.expect("accept", deadline, "the receiver's accept")
+        remaining = max(1.0, deadline - time.monotonic())
+        try:
+            store = dist.TCPStore(host, int(accept["store_port"]), 2, False, timedelta(seconds=remaining))
+            group = _pair_group(store, rid, 0, remaining)
+        except RuntimeError as exc:
+            raise TransferError(f"could not form a gloo group with {host}:{port} ({_reason(exc)})") from None
+        try:
+            send_request(plan, src, tables, dst_rank=1, group=group, convert_on=convert_on,
+                         layers_per_group=layers_per_group, chunk_bytes=chunk_bytes,
+                         timeout=max(0.01, deadline - time.monotonic()), progress=progress, loss_report=loss_report)
+        except TransferError:
+            if chan.readable(1.0):
+                chan.expect("result", deadline, "the receiver's verdict")  # raises the receiver's error
+            raise
+        result, _ = chan.expect("result", deadline, "the receiver's verdict")
+        return dict(result.get("summary", {}))
+    finally:
+        chan.close()

@@ -1,0 +1,285 @@
+"""Transport benchmark: one request's destination bytes over NIXL and gloo, next to a memory copy.
+
+For a request (default: 128K tokens of DeepSeek-V4-Flash, TensorRT-LLM FP8 -> vLLM) the
+bytes that travel when the sender converts are the destination records, written by page index
+into the receiver's pools. In one run, median of ``repeat``:
+
+- ``memcpy``: ``np.copyto`` and ``torch.Tensor.copy_`` of the same number of bytes, contiguous;
+- ``crc32``: ``zlib.crc32`` over every destination page chunk (what each side pays to verify);
+- ``nixl``: the same bytes, from a registered staging buffer into the receiver's registered
+  pools, as the request's page-run descriptors (merged where adjacent), between two NIXL agent
+  processes over UCX: once as one WRITE, once as one WRITE per layer (as the stream sends);
+- ``gloo``: the same number of bytes between two processes on a gloo group over loopback, in
+  messages of ``DEFAULT_CHUNK_BYTES`` (as ``kvbridge.migration.transport`` sends);
+- ``request``: a whole kvbridge request over NIXL with no conversion (``dst`` -> ``dst``): pack,
+  checksum, stage, write, verify, publish, end to end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import platform
+import socket
+import statistics
+import threading
+import time
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvbridge.migration.execute import destination_pools, source_request
+from kvbridge.migration.plan import plan_migration
+from kvbridge.migration.pools import pool_tensors
+from kvbridge.migration.stream import layer_groups
+
+
+def _median(fn: Callable[[], float], repeat: int) -> float:
+    return statistics.median(fn() for _ in range(repeat))
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _rate(nbytes: int, seconds: float, pages: int | None = None) -> dict:
+    out = {"seconds": seconds, "GB_per_s": nbytes / seconds / 1e9}
+    if pages is not None:
+        out["pages_per_s"] = pages / seconds
+    return out
+
+
+def _gloo_rank(rank: int, port: int, nbytes: int, chunk: int, repeat: int, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if rank == 0:
+        buf.random_(0, 256)
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(0, nbytes, chunk):
+            part = buf[i : i + chunk]
+            if rank == 0:
+                dist.send(part, 1)
+            else:
+                dist.recv(part, 0)
+        times.append(time.perf_counter() - t0)
+    if rank == 1:
+        out.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _gloo(nbytes: int, chunk: int, repeat: int) -> list[float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, port, nbytes, chunk, repeat, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        times = out.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return times
+
+
+def bench_transports(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: str = "trtllm:fp8:tpb=128",
+                     dst: str = "vllm", repeat: int = 3, gloo: bool = True, request: bool = True,
+                     progress: Callable[[str], None] | None = None) -> dict:
+    """Run every measurement of the module docstring; returns a JSON-ready dict (seconds, GB/s = 1e9 B/s)."""
+    from kvbridge.migration import nixl as nx
+    from kvbridge.migration.transport import DEFAULT_CHUNK_BYTES
+
+    say = progress or (lambda _: None)
+    plan = plan_migration(src, dst, model, tokens)
+    pools = destination_pools(plan, seed=1)
+    for pool in pools.pools.values():
+        for t in pool_tensors(pool):
+            t.share_memory_()
+    tables = pools.claim(plan.table_lengths("dst"), plan.released("dst"))
+    chunks: list = []
+    for t in plan.transfers:
+        chunks += [c for c, _ in nx._pool_chunks(t, tables)]
+    nbytes = sum(c.nbytes for c in chunks)
+    pages = len(chunks)
+    staging = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    staging.random_(0, 256)
+    staged = staging.numpy()
+    result: dict = {
+        "request": {"model": plan.model.name, "tokens": tokens, "src": plan.src.spec, "dst": plan.dst.spec,
+                    "bytes": nbytes, "page_chunks": pages, "layers": len(layer_groups(plan))},
+        "machine": {"cpu": _cpu(), "python": platform.python_version(), "torch": torch.__version__},
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "repeat": repeat,
+    }
+    say("memory copy")
+    result["memcpy"] = _bench_copy(staging, pages, repeat)
+    say("crc32")
+    offsets = np.cumsum([0] + [c.nbytes for c in chunks]).tolist()
+
+    def crc_all() -> None:
+        for a, b in zip(offsets, offsets[1:], strict=False):
+            zlib.crc32(staged[a:b])
+
+    result["crc32"] = _rate(nbytes, _median(lambda: _timed(crc_all), repeat), pages)
+    result["crc32"]["ratio_to_np_copyto"] = result["crc32"]["seconds"] / result["memcpy"]["np_copyto"]["seconds"]
+    say("nixl")
+    result["nixl"] = _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat)
+    base = result["memcpy"]["np_copyto"]["seconds"]
+    for mode in ("one_write", "per_layer"):
+        result["nixl"][mode]["ratio_to_np_copyto"] = result["nixl"][mode]["seconds"] / base
+    staging = staged = pools = None  # noqa: F841  (free ~2 x the request before the next measurements)
+    if gloo:
+        say("gloo")
+        times = _gloo(nbytes, DEFAULT_CHUNK_BYTES, repeat)
+        result["gloo"] = _rate(nbytes, statistics.median(times), pages)
+        result["gloo"]["ratio_to_np_copyto"] = result["gloo"]["seconds"] / base
+        result["gloo"]["message_bytes"] = DEFAULT_CHUNK_BYTES
+    if request:
+        say("request over nixl")
+        result["request_over_nixl"] = _bench_request(nx, dst, model, tokens)
+        result["request_over_nixl"]["ratio_to_np_copyto"] = result["request_over_nixl"]["seconds"] / base
+    return result
+
+
+def _bench_copy(staging: torch.Tensor, pages: int, repeat: int) -> dict:
+    src = staging.numpy()
+    target = np.empty_like(src)
+    np.copyto(target, src)
+    t_target = torch.from_numpy(target)
+    return {
+        "np_copyto": _rate(src.size, _median(lambda: _timed(lambda: np.copyto(target, src)), repeat), pages),
+        "torch_copy_": _rate(src.size, _median(lambda: _timed(lambda: t_target.copy_(staging)), repeat), pages),
+    }
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    except OSError:
+        model = None
+    import os
+
+    return f"{model or platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
+
+
+def _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat: int) -> dict:
+    rx, tx = nx._Agent("kvbridge-bench-rx"), nx._Agent("kvbridge-bench-tx")
+    try:
+        regions = {}
+        memory = {}
+        for (layer, role), pool in pools.pools.items():
+            for k, t in enumerate(pool_tensors(pool)):
+                key = f"pool.{layer}.{role.value}" + (".score" if k else "")
+                regions[key] = rx.register(key, t)
+                memory[key] = nx._np(t)
+        base = tx.register("staging", staging)
+        peer = tx.call("adding the receiver", "add_remote", rx.call("metadata", "metadata"))
+        rx.call("adding the sender", "add_remote", tx.call("metadata", "metadata"))
+        pieces = nx._pieces_of(chunks, 0)
+        local, remote = nx._descriptors(pieces, base, regions)
+        # per layer: the chunks of each layer's transfers, in plan order
+        per_layer, k = [], 0
+        for group in layer_groups(plan):
+            n = sum(len(nx._pool_chunks(plan.transfers[i], tables)) for i in group)
+            per_layer.append(nx._descriptors(nx._pieces_of(chunks[k : k + n], int(offsets[k])), base, regions))
+            k += n
+        stop = threading.Event()
+
+        def progress_receiver() -> None:  # the receiver's agent moves data only while polled
+            while not stop.is_set():
+                rx.call("polling", "notifs", 0.05)
+
+        xid = [0]
+
+        def run(descs) -> float:
+            poller = threading.Thread(target=progress_receiver)
+            poller.start()
+            t0 = time.perf_counter()
+            try:
+                ids = []
+                for loc, rem in descs:
+                    xid[0] += 1
+                    tx.call("posting", "write", xid[0], loc, rem, peer, b"bench")
+                    ids.append(xid[0])
+                for i in ids:
+                    state = tx.call("waiting", "wait", i, 120.0, timeout=180.0)
+                    if state != "DONE":
+                        raise RuntimeError(f"NIXL transfer ended {state}")
+                return time.perf_counter() - t0
+            finally:
+                stop.set()
+                poller.join()
+                stop.clear()
+
+        one = _median(lambda: run([(local, remote)]), repeat)
+        layered = _median(lambda: run(per_layer), repeat)
+        staged = staging.numpy()
+        exact = all(nx._crc(memory, c) == zlib.crc32(staged[a:b])
+                    for c, a, b in zip(chunks, offsets, offsets[1:], strict=False))
+        nbytes = int(offsets[-1])
+        return {"one_write": {**_rate(nbytes, one, len(chunks)), "descriptors": int(local.shape[0])},
+                "per_layer": {**_rate(nbytes, layered, len(chunks)), "writes": len(per_layer),
+                              "descriptors": sum(int(d[0].shape[0]) for d in per_layer)},
+                "bytes_exact": exact}
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _request_receiver(engine: str, model: str, tokens: int, addr_q, out_q) -> None:
+    from kvbridge.migration import nixl as nx
+
+    plan = plan_migration(engine, engine, model, tokens)
+    with nx.NixlReceiver(destination_pools(plan, seed=3), plan=plan) as rx:
+        rx._ensure_agent()
+        addr_q.put(rx.address)
+        try:
+            got = rx.receive(timeout=600, accept_timeout=600)
+            out_q.put(None if got is None else got.to_dict()["report"])
+        except Exception as exc:  # reported by the parent
+            out_q.put(f"{type(exc).__name__}: {exc}")
+
+
+def _bench_request(nx, engine: str, model: str, tokens: int) -> dict:
+    """A whole request ``engine`` -> ``engine`` over NIXL (no conversion) to a receiver process;
+    timed from the first group's packing to the receiver's verdict."""
+    plan = plan_migration(engine, engine, model, tokens)
+    src, tables = source_request(plan, seed=2)
+    ctx = mp.get_context("spawn")
+    addr_q, out_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_request_receiver, args=(engine, model, tokens, addr_q, out_q))
+    with nx._main_hidden():
+        proc.start()
+    try:
+        host, port = addr_q.get(timeout=600)
+        with nx.NixlSender(host, port, timeout=600) as tx:
+            tx.warm_up(sum(t.dst_bytes for t in plan.transfers))
+            t0 = time.perf_counter()
+            summary = tx.send_request(plan, src, tables, convert_on="sender", loss_report=False)
+            seconds = time.perf_counter() - t0
+        report = out_q.get(timeout=600)
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    if not isinstance(report, dict):
+        raise RuntimeError(f"the benchmark's receiver failed: {report}")
+    nbytes = summary["payload_bytes"]
+    return {**_rate(nbytes, seconds), "bytes": nbytes, "plan": f"{plan.src.spec} -> {plan.dst.spec}",
+            "receiver_wire_s": summary["wire_s"], "receiver_publish_s": summary["publish_s"]}

@@ -449,6 +449,72 @@ def _tile_max_magnitude(rec, base: int, width: int = 64) -> int:
     return m
 
 
+@njit(cache=True, nogil=True)
+def _amax_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, e4m3, ue8m0, e2m1, amax, bad):
+    """Per chunk of ``CHUNK_TOKENS`` source tokens: ``amax[chunk]``, the largest |decoded value|,
+    and ``bad[chunk]``, 1 when a decoded value would be NaN/Inf, computed in the code domain.
+
+    Decoding is ``fp32(v(c) * s)`` with one positive factor ``s`` per field or tile, monotone in
+    ``|v(c)|``; so a tile's amax is the decoded value of its largest code magnitude (an integer max),
+    exactly what decoding every value and taking the max gives. One value per tile is converted.
+    """
+    for chunk in range(c0, c1):
+        rec16 = np.empty(srb // 2 + 1, np.uint16)  # the record, readable as bf16 words at even offsets
+        rec = rec16.view(np.uint8)
+        best = np.float32(0.0)
+        flag = 0
+        for t in range(chunk * CHUNK_TOKENS, min(n, (chunk + 1) * CHUNK_TOKENS)):
+            d_at, f_at = _locate(t, sp, spb, ssplit, srb)
+            _gather(src, d_at, f_at, ssplit, srb, rec[:srb])
+            for k in range(prog.shape[0]):
+                op, nd, off, tile, soff = prog[k, 0], prog[k, 2], prog[k, 3], prog[k, 4], prog[k, 5]
+                if op == OP_BF16:
+                    m16 = np.uint16(0)
+                    if off % 2 == 0:
+                        words = rec16[off // 2 : off // 2 + nd]
+                        for i in range(nd):
+                            m16 = max(m16, np.uint16(words[i] & np.uint16(0x7FFF)))
+                    else:
+                        half = rec[off : off + 2 * nd]  # a layout defined elsewhere may put bf16 at odd offsets
+                        for i in range(nd):
+                            h = np.uint16(half[2 * i]) | (np.uint16(half[2 * i + 1]) << 8)
+                            m16 = max(m16, np.uint16(h & 0x7FFF))
+                    if m16 >= 0x7F80:
+                        flag = 1
+                    else:
+                        best = max(best, np.uint32(np.uint32(m16) << 16).view(np.float32))
+                elif op == OP_E4M3_TENSOR:
+                    m = _tile_max_magnitude(rec[off : off + nd], 0, nd)
+                    v = abs(e4m3[m] * scale)
+                    if m == 0x7F or not np.isfinite(v):
+                        flag = 1
+                    else:
+                        best = max(best, v)
+                elif op == OP_E4M3_UE8M0:
+                    for j in range(nd // tile):
+                        codes = rec[off + j * tile : off + (j + 1) * tile]
+                        m = _tile_max_magnitude(codes, 0, 64) if tile == 64 else _tile_max_magnitude(codes, 0, tile)
+                        v = e4m3[m] * ue8m0[rec[soff + j]]
+                        if m == 0x7F or not np.isfinite(v):
+                            flag = 1
+                        else:
+                            best = max(best, v)
+                elif op == OP_E2M1_E4M3:
+                    h = tile // 2
+                    for j in range(nd // tile):
+                        codes = rec[off + j * h : off + (j + 1) * h]
+                        m = np.uint8(0)
+                        for i in range(h):
+                            c = codes[i]
+                            m = max(m, np.uint8(c & np.uint8(7)), np.uint8((c >> np.uint8(4)) & np.uint8(7)))
+                        v = abs(e2m1[m] * e4m3[rec[soff + j]])
+                        if not np.isfinite(v):
+                            flag = 1
+                        else:
+                            best = max(best, v)
+        amax[chunk] = best
+        bad[chunk] = flag
+
 @njit(cache=True, inline="always")
 def _tile_shift(rec_in, rec_out, base: int, j: int, sub, width: int = 64) -> None:
     """The ``width`` E4M3 codes at ``rec_in[base:]`` times 2^j (exact, no overflow) into ``rec_out[base:]``:
@@ -833,6 +899,22 @@ def decode_pages(
             _E4M3_F32, _UE8M0_F32, _E2M1_F32,
         )
     return out
+
+
+def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
+               scale: float) -> float | None:
+    """Largest |decoded value| of the first ``num_tokens`` tokens (0.0 for none), from the codes and
+    scale bytes in one pass with no fp32 copy; None when a value would decode to NaN/Inf."""
+    n = layout.token_count(pages, page_size, num_tokens)
+    if n == 0:
+        return 0.0
+    nchunks = -(-n // CHUNK_TOKENS)
+    amax = np.zeros(nchunks, np.float32)
+    bad = np.zeros(nchunks, np.int64)
+    sp, spb, ssplit, srb = _geometry(layout, page_size)
+    _run_chunks(_amax_kernel, nchunks, _flat(pages), program(layout), sp, spb, ssplit, srb, np.float32(scale), n,
+                _E4M3_F32, _UE8M0_F32, _E2M1_F32, amax, bad)
+    return None if bad.any() else float(amax.max())
 
 
 def repage(

@@ -45,6 +45,15 @@ def decode_pages(
     return layout.codec.decode(layout.pages_to_records(pages, page_size, num_tokens), scale=scale)
 
 
+def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
+               scale: float) -> float | None:
+    """Largest |decoded value| of the first ``num_tokens`` tokens (0.0 for none); None when one is NaN/Inf."""
+    values = decode_pages(pages, layout, page_size, num_tokens, scale)
+    if not values.numel():
+        return 0.0
+    return float(values.abs().max()) if all_finite(values) else None
+
+
 def repage(
     pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int, num_tokens: int | None,
     *, out: torch.Tensor | None = None,

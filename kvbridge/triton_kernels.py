@@ -36,6 +36,7 @@ from kvbridge.layouts import Layout
 from kvbridge.layouts.registry import OP_BF16, OP_ZERO
 from kvbridge.numerics import DIALECT_MIN_EXPONENT
 from kvbridge.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check_finite
+from kvbridge.reference import amax_pages as reference_amax
 from kvbridge.reference import decode_pages as reference_decode
 
 #: True when the kernels below were decorated under ``TRITON_INTERPRET=1`` (CPU tensors then work).
@@ -640,6 +641,12 @@ def transcode_pages(
     if bool(flags.any()):  # error path only: the reference names the first bad token and dim
         check_finite(reference_decode(pages, src, src_page_size, n, src_scale))
     return out
+
+
+def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
+               scale: float) -> float | None:
+    """Largest |decoded value| (None when one is NaN/Inf): the torch reference, on the GPU."""
+    return reference_amax(pages, layout, page_size, num_tokens, scale)
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

@@ -56,6 +56,8 @@ HUGE_PAGE_OUTPUT = 4 << 20
 _HUGE_PAGE = 2 << 20
 #: Destination tokens per unit of parallel work (~150 KiB of MODEL1 pages: L2-sized).
 CHUNK_TOKENS = 256
+#: Indexer keys per unit of parallel work.
+KEY_CHUNK = 4096
 
 #: MODEL1 record: bytes [0, 576) nope E4M3 + rope bf16, [576, 584) 7 UE8M0 scales + pad (the accelerators').
 MODEL1_DATA_BYTES = 576
@@ -746,6 +748,68 @@ def _model1_to_fp8_kernel(
 
 
 @njit(cache=True, nogil=True)
+def _fp4_to_fp8_keys_kernel(c0, c1, src, n, dim, rule, floor, e2m1, ue8m0, e4m3, out, err, bad):
+    """fp4 indexer records (``dim / 2`` bytes of E2M1 pairs, ``dim / 32`` UE8M0 scales) -> fp8 records
+    (``dim`` E4M3 bytes + 4 scale bytes) by writer ``rule`` (``_KEY_RULES``), ``KEY_CHUNK`` keys per
+    chunk; ``err[chunk]`` is the chunk's max |decoded fp8 - decoded fp4|, ``bad[chunk]`` 1 when an fp4
+    value decodes to NaN/Inf (the chunk's output is then meaningless).
+
+    A decoded fp4 value ``e2m1(c) * 2^(b - 127)`` is exact in fp32 and bf16 (vLLM's bf16 rounding
+    changes nothing), so the key's amax is the value of its largest code magnitude per block; the
+    scale and multiplier follow the rule in fp32 operations, as ``indexer.fp8_scales`` computes them.
+    """
+    half, blocks, src_rb, dst_rb = dim // 2, dim // 32, dim // 2 + dim // 32, dim + 4
+    vals = np.empty(dim, np.float32)
+    for chunk in range(c0, c1):
+        worst = np.float32(0.0)
+        for k in range(chunk * KEY_CHUNK, min(n, (chunk + 1) * KEY_CHUNK)):
+            rec = src[k * src_rb : (k + 1) * src_rb]
+            amax = np.float32(0.0)
+            e = 0
+            for j in range(blocks):
+                s = ue8m0[rec[half + j]]
+                codes = rec[16 * j : 16 * j + 16]
+                m = np.uint8(0)
+                for i in range(16):
+                    c = codes[i]
+                    m = max(m, np.uint8(c & np.uint8(7)), np.uint8((c >> np.uint8(4)) & np.uint8(7)))
+                    vals[32 * j + 2 * i] = e2m1[c & 15] * s
+                    vals[32 * j + 2 * i + 1] = e2m1[c >> 4] * s
+                v = e2m1[m] * s
+                if not np.isfinite(v):  # scale byte 0xFF (NaN) or 6 * 2^127 (Inf): the caller's torch path refuses it
+                    bad[chunk] = 1
+                amax = max(amax, v)
+            if rule <= 1:  # vllm, vllm-ue8m0: 2^ceil(log2(max(amax, 1e-4) / 448))
+                q = np.uint32(np.float32(max(amax, floor) * np.float32(1.0 / 448.0)).view(np.uint32)) & 0x7FFFFFFF
+                e = np.int64(q >> 23) - 127 + ((q & 0x7FFFFF) != 0)
+                scale = ue8m0[e + 127]
+                mult = ue8m0[127 - e]
+            elif rule == 2:  # sglang, deepgemm, sglang-rocm: max(amax, floor) / 448
+                scale = np.float32(max(amax, floor) / np.float32(448.0))
+                mult = np.float32(np.float32(1.0) / scale)
+            else:  # trtllm: amax / 448, multiplier 448 / amax (0 for an all-zero key)
+                scale = np.float32(amax / np.float32(448.0))
+                mult = np.float32(np.float32(448.0) / amax) if amax > 0 else np.float32(0.0)
+                if not np.isfinite(mult):  # amax < 448 / fp32 max: the torch path's product overflows
+                    bad[chunk] = 1
+            dst = out[k * dst_rb : (k + 1) * dst_rb]
+            for i in range(dim):
+                y = np.float32(vals[i] * mult)
+                b = np.int64(np.uint32(y.view(np.uint32)))
+                code = _e4m3_code(b & 0x7FFFFFFF) | ((b >> 24) & 0x80)
+                dst[i] = code
+                worst = max(worst, abs(np.float32(e4m3[code] * scale) - vals[i]))
+            if rule == 1:
+                for i in range(4):
+                    dst[dim + i] = e + 127
+            else:
+                sb = np.uint32(np.float32(scale).view(np.uint32))
+                for i in range(4):
+                    dst[dim + i] = (sb >> (8 * i)) & 0xFF
+        err[chunk] = worst
+
+
+@njit(cache=True, nogil=True)
 def _repage_kernel(c0, c1, src, sp, spb, ssplit, dst, dp, dpb, dsplit, rb, n):
     """Byte move of ``rb``-byte records between two page geometries (splits may differ)."""
     npages = dst.shape[0] // dpb
@@ -1050,6 +1114,27 @@ def transcode_pages(
         )
     _raise_nonfinite(bad_count, bad_first)
     return out
+
+
+#: Destination fp8 writer rules of ``fp4_to_fp8_keys``: kernel rule id and amax floor.
+_KEY_RULES = {"vllm": (0, 1e-4), "vllm-ue8m0": (1, 1e-4), "sglang": (2, 1e-4), "deepgemm": (2, 1e-4),
+              "sglang-rocm": (2, 1e-8), "trtllm": (3, 0.0)}
+
+
+def fp4_to_fp8_keys(records: torch.Tensor, dim: int, rule: str) -> tuple[torch.Tensor, float] | None:
+    """fp4 indexer records ``[N, dim / 2 + dim / 32]`` -> fp8 records ``[N, dim + 4]`` written by
+    ``rule`` (128-value keys for ``vllm-ue8m0``), and the max |decoded fp8 - decoded fp4|;
+    byte-identical to ``indexer.transcode_keys``. None when a value decodes to NaN/Inf."""
+    n = records.shape[0]
+    out = torch.empty(n, dim + 4, dtype=torch.uint8)
+    nchunks = -(-n // KEY_CHUNK)
+    err = np.zeros(max(nchunks, 1), np.float32)
+    bad = np.zeros(max(nchunks, 1), np.int64)
+    rule_id, floor = _KEY_RULES[rule]
+    if n:
+        _run_chunks(_fp4_to_fp8_keys_kernel, nchunks, _flat(records), n, dim, rule_id, np.float32(floor),
+                    _E2M1_F32, _UE8M0_F32, _E4M3_F32, _flat(out), err, bad)
+    return None if bad.any() else (out, float(err.max()))
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

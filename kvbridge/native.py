@@ -810,6 +810,29 @@ def _fp4_to_fp8_keys_kernel(c0, c1, src, n, dim, rule, floor, e2m1, ue8m0, e4m3,
 
 
 @njit(cache=True, nogil=True)
+def _move_rows_kernel(c0, c1, pool, records, runs, record_bytes, lo, width, to_pool):
+    """For runs ``[c0, c1)`` (pool byte offset, first record, rows): copy ``rows`` rows of ``width`` bytes
+    between consecutive bytes of ``pool`` and bytes ``[lo, lo + width)`` of consecutive records."""
+    for k in range(c0, c1):
+        at, first, rows = runs[k, 0], runs[k, 1], runs[k, 2]
+        if width == record_bytes:  # whole records: one contiguous span on both sides
+            span = pool[at : at + rows * width]
+            recs = records[first * width : (first + rows) * width]
+            if to_pool:
+                _copy(recs, span)
+            else:
+                _copy(span, recs)
+            continue
+        for r in range(rows):
+            span = pool[at + r * width : at + (r + 1) * width]
+            rec = records[(first + r) * record_bytes + lo : (first + r) * record_bytes + lo + width]
+            if to_pool:
+                _copy(rec, span)
+            else:
+                _copy(span, rec)
+
+
+@njit(cache=True, nogil=True)
 def _repage_kernel(c0, c1, src, sp, spb, ssplit, dst, dp, dpb, dsplit, rb, n):
     """Byte move of ``rb``-byte records between two page geometries (splits may differ)."""
     npages = dst.shape[0] // dpb
@@ -1135,6 +1158,14 @@ def fp4_to_fp8_keys(records: torch.Tensor, dim: int, rule: str) -> tuple[torch.T
         _run_chunks(_fp4_to_fp8_keys_kernel, nchunks, _flat(records), n, dim, rule_id, np.float32(floor),
                     _E2M1_F32, _UE8M0_F32, _E4M3_F32, _flat(out), err, bad)
     return None if bad.any() else (out, float(err.max()))
+
+
+def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: int, width: int, to_pool: bool) -> None:
+    """Copy row runs between a contiguous pool tensor and contiguous records ``[N, record_bytes]``
+    (``reference.move_rows``), in place, runs spread over the threads."""
+    if runs.shape[0]:
+        _run_chunks(_move_rows_kernel, runs.shape[0], pool.view(-1).numpy(), records.view(-1).numpy(), runs,
+                    records.shape[1], lo, width, to_pool)
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

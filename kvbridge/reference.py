@@ -8,6 +8,7 @@ placed by its geometry; this module is also the ``reference`` backend of ``kvbri
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvbridge.errors import NonFiniteError
@@ -78,6 +79,20 @@ def transcode_pages(
     values = decode_pages(pages, src, src_page_size, num_tokens, src_scale)
     check_finite(values)
     return _into(out, encode_pages(values, dst, dst_page_size, dialect, dst_scale))
+
+
+def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: int, width: int, to_pool: bool) -> None:
+    """For each run (pool byte offset, first record, rows) of int64 ``runs`` ``[k, 3]``: copy ``rows``
+    consecutive ``width``-byte rows of the contiguous ``pool`` tensor to or from (``to_pool``) bytes
+    ``[lo, lo + width)`` of records ``[first, first + rows)`` of ``records`` ``[N, record_bytes]``."""
+    flat = pool.view(-1)
+    for at, first, rows in runs.tolist():
+        span = flat[at : at + rows * width].view(rows, width)
+        part = records[first : first + rows, lo : lo + width]
+        if to_pool:
+            span.copy_(part)
+        else:
+            part.copy_(span)
 
 
 def records_at(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor) -> torch.Tensor:

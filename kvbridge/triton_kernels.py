@@ -38,6 +38,7 @@ from kvbridge.numerics import DIALECT_MIN_EXPONENT
 from kvbridge.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check_finite
 from kvbridge.reference import amax_pages as reference_amax
 from kvbridge.reference import decode_pages as reference_decode
+from kvbridge.reference import move_rows as reference_move_rows
 
 #: True when the kernels below were decorated under ``TRITON_INTERPRET=1`` (CPU tensors then work).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -647,6 +648,11 @@ def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: 
                scale: float) -> float | None:
     """Largest |decoded value| (None when one is NaN/Inf): the torch reference, on the GPU."""
     return reference_amax(pages, layout, page_size, num_tokens, scale)
+
+
+def move_rows(pool: torch.Tensor, records: torch.Tensor, runs, lo: int, width: int, to_pool: bool) -> None:
+    """Row-run copies between a pool and records: torch copies, on the GPU."""
+    reference_move_rows(pool, records, runs, lo, width, to_pool)
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

@@ -105,7 +105,11 @@ def auto_scale(x: torch.Tensor) -> float:
     x = x.detach()
     if x.numel() and not fastpath.all_finite(x.float()):
         raise NonFiniteError("x holds NaN or Inf: no finite scale avoids saturating it")
-    amax = float(x.abs().max()) if x.numel() else 0.0
+    return _scale_for_amax(float(x.abs().max()) if x.numel() else 0.0)
+
+
+def _scale_for_amax(amax: float) -> float:
+    """``auto_scale`` of values whose largest magnitude is the finite fp32 ``amax``."""
     if amax == 0.0:
         return 1.0
     s = torch.tensor(amax, dtype=torch.float32) / torch.tensor(nx.E4M3_MAX, dtype=torch.float32)
@@ -335,6 +339,10 @@ def transcode(
         )
         return out, zero
     d = _check_dialect(dialect, dst)
+    if auto and not report:  # the amax from codes and scale bytes (one read pass); NaN/Inf: decoded below
+        amax = fastpath.amax_pages(pages, src, src_page_size, num_tokens, s_in)
+        if amax is not None:
+            auto, s_out = False, _scale_for_amax(amax)
     if not report and not auto:
         return fastpath.transcode_pages(pages, src, src_page_size, dst, dps, num_tokens, s_in, s_out, d, out=out)
     values = fastpath.decode_pages(pages, src, src_page_size, num_tokens, s_in)

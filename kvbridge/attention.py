@@ -3,8 +3,8 @@
 ``sparse_decode`` validates every argument, then runs one of two backends:
 
 - ``reference``: torch on the inputs' device. Only the token records the indices touch are
-  gathered (``kvbridge.paged.record_byte_index``) and decoded with the layout's own record
-  codec (exact), then fp32 attention.
+  gathered, as whole records, and decoded by the dispatcher's backend (bit-identical to the layout's
+  record codec), then fp32 attention.
 - ``flashmla``: ``flash_mla.flash_mla_with_kvcache`` on CUDA (see ``kvbridge.flashmla_backend``).
 
 Token slot ``s`` of a pool with page size ``P`` is page ``s // P``, row ``s % P``.
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbridge import fastpath
 from kvbridge.api import _check_scale
 from kvbridge.codecs import HEAD_DIM
 from kvbridge.errors import InputError, LayoutError
 from kvbridge.layouts import Layout, get_layout
-from kvbridge.paged import record_byte_index
 
 BACKENDS = ("auto", "reference", "flashmla")
 DEFAULT_SOFTMAX_SCALE = HEAD_DIM**-0.5
@@ -227,6 +227,20 @@ def validate(
     return DecodeArgs(q, main, extra, attn_sink, sm)
 
 
+def _decode_slots(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """fp32 values ``[U, 512]`` of the tokens at in-range ``slots``: whole records gathered per record
+    part (one row index per token and part), decoded by the dispatcher's backend (bit-identical to
+    the layout's codec)."""
+    parts = [view.reshape(-1, hi - lo).index_select(0, slots) for view, lo, hi in layout.geometry.page_views(
+        pages, page_size)]
+    records = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    n = records.shape[0]
+    if n == 0:
+        return torch.zeros(0, HEAD_DIM, dtype=torch.float32, device=pages.device)
+    return fastpath.decode_pages(layout.records_to_pages(records, n), layout, n, n, scale)
+
+
 def _dequantize_touched(arg: CacheArg) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 values ``[U, 512]`` of the U distinct valid slots, positions ``(b, s_q, topk)``).
 
@@ -236,8 +250,7 @@ def _dequantize_touched(arg: CacheArg) -> tuple[torch.Tensor, torch.Tensor]:
     has_invalid = bool(slots.numel()) and int(slots[0]) < 0
     touched = slots[1:] if has_invalid else slots
     pages = arg.pages if arg.pages.is_contiguous() else arg.pages.contiguous()
-    records = pages.view(-1)[record_byte_index(arg.layout, arg.page_size, touched)]
-    values = arg.layout.codec.decode(records, scale=arg.scale)
+    values = _decode_slots(pages, arg.layout, arg.page_size, touched, arg.scale)
     pos = inverse - 1 if has_invalid else inverse
     pos = torch.where(arg.valid, pos, torch.full_like(pos, touched.numel()))
     zero = torch.zeros(1, HEAD_DIM, dtype=torch.float32, device=values.device)

@@ -145,19 +145,25 @@ def _cases(latents: torch.Tensor) -> list[_Case]:
     def head(name: str, n: int) -> torch.Tensor:
         return pools[name][: -(-n // p)]
 
-    def transcode(src, dst, into: bool = False) -> _Case:
+    def transcode(src, dst, into: bool = False, auto: bool = False) -> _Case:
         pb, db = src.page_bytes(p), dst.page_bytes(p)
         dst_pool = torch.empty(pools[src.name].shape[0], db, dtype=torch.uint8, device=latents.device)
 
         def run(n: int) -> torch.Tensor:
             out = dst_pool[: -(-n // p)] if into else None
-            return api.transcode(head(src.name, n), src, dst, src_page_size=p, num_tokens=n, out=out)
+            return api.transcode(head(src.name, n), src, dst, src_page_size=p, num_tokens=n, out=out,
+                                 dst_scale="auto" if auto else None)
 
+        def run_reference(n: int) -> torch.Tensor:
+            if not auto:
+                return reference.transcode_pages(head(src.name, n), src, p, dst, p, n, 1.0, 1.0, dst.default_dialect)
+            values = reference.decode_pages(head(src.name, n), src, p, n, 1.0)
+            return reference.encode_pages(values, dst, p, dst.default_dialect, api.auto_scale(values))
+
+        name = f"transcode {src.name} -> {dst.name}" + (" dst_scale=auto" if auto else "")
         return _Case(
-            f"transcode {src.name} -> {dst.name}" + (" into out=" if into else ""),
-            run,
-            lambda n: reference.transcode_pages(head(src.name, n), src, p, dst, p, n, 1.0, 1.0, dst.default_dialect),
-            (pb + db) // p, pools[src.name], (src, dst),
+            name + (" into out=" if into else ""),
+            run, run_reference, (pb + db) // p, pools[src.name], (src, dst),
         )
 
     def encode(dst) -> _Case:
@@ -185,7 +191,8 @@ def _cases(latents: torch.Tensor) -> list[_Case]:
         )
 
     return [
-        transcode(fp8, model1), transcode(fp8, model1, into=True), transcode(model1, fp8), transcode(bf16, model1),
+        transcode(fp8, model1), transcode(fp8, model1, into=True), transcode(model1, fp8),
+        transcode(model1, fp8, into=True), transcode(model1, fp8, into=True, auto=True), transcode(bf16, model1),
         repage(model1, ds_mla, rp),
         encode(model1), encode(fp8), decode(model1), decode(fp8),
         # The DeepSeek-V4.1 family (FlashMLA's current kernels read the interleaved layouts).

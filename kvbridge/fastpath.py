@@ -1,7 +1,7 @@
 """The one dispatcher of paged operations: picks the fastest exact backend for the tensors.
 
 Every backend is a module with the same interface, byte-identical to ``kvbridge.reference``:
-``name``, ``supports(*layouts)``, ``all_finite``, ``encode_pages``, ``decode_pages``,
+``name``, ``supports(*layouts)``, ``all_finite``, ``amax_pages``, ``move_rows``, ``encode_pages``, ``decode_pages``,
 ``repage(..., out=)``, ``transcode_pages(..., out=)``, ``nonfinite_flags``, ``transcode_slots`` and
 ``gather_transcode``. All of them execute the layouts' own record descriptions, so every
 registered layout runs on every backend.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from kvbridge import reference
@@ -25,8 +26,8 @@ from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 
 __all__ = [
-    "BACKEND_ENV", "all_finite", "backend", "backend_name", "decode_pages", "encode_pages", "gather_transcode",
-    "nonfinite_flags", "repage", "transcode_pages", "transcode_slots",
+    "BACKEND_ENV", "all_finite", "amax_pages", "backend", "backend_name", "decode_pages", "encode_pages",
+    "gather_transcode", "move_rows", "nonfinite_flags", "repage", "transcode_pages", "transcode_slots",
 ]
 
 #: Environment variable selecting the implementation: ``auto`` (default) or ``reference``.
@@ -87,6 +88,18 @@ def decode_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens
                  scale: float) -> torch.Tensor:
     """Pages -> fp32 ``[num_tokens, 512]`` (see ``reference.decode_pages``)."""
     return backend(pages, layout).decode_pages(pages, layout, page_size, num_tokens, scale)
+
+
+def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
+               scale: float) -> float | None:
+    """Largest |decoded value| of the first ``num_tokens`` tokens (0.0 for none), or None when a value
+    decodes to NaN/Inf (the caller decodes to name it)."""
+    return backend(pages, layout).amax_pages(pages, layout, page_size, num_tokens, scale)
+
+
+def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: int, width: int, to_pool: bool) -> None:
+    """Copy row runs between a contiguous pool tensor and contiguous records (see ``reference.move_rows``)."""
+    backend((pool, records)).move_rows(pool, records, runs, lo, width, to_pool)
 
 
 def repage(pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,

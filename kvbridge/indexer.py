@@ -242,6 +242,18 @@ def decode_keys(records: torch.Tensor, fmt: IndexerFormat, rule: str | None = No
     return (values * nx.pow2(exp).unsqueeze(-1)).reshape(n, fmt.dim)
 
 
+def native_transcode_applies(records: torch.Tensor, src: IndexerFormat, dst: IndexerFormat, dst_rule: str) -> bool:
+    """Whether ``transcode_keys`` runs the native fp4 -> fp8 kernel (CPU records, a native backend, every
+    fp8 rule; keys that decode to NaN/Inf are handed to the torch path, which refuses them)."""
+    from kvbridge import fastpath
+
+    return (src.name == "fp4" and dst.name == "fp8" and src.dim == dst.dim and dst_rule in dst.rules
+            and isinstance(records, torch.Tensor) and records.device.type == "cpu" and records.dtype == torch.uint8
+            and records.dim() == 2 and records.shape[1] == src.record_bytes
+            and not (dst_rule in UE8M0_SCALE_RULES and dst.dim != 128)
+            and fastpath.backend(records).name == "native")
+
+
 def transcode_keys(
     records: torch.Tensor, src: IndexerFormat, dst: IndexerFormat, dst_rule: str, src_rule: str | None = None
 ) -> tuple[torch.Tensor, float]:
@@ -251,6 +263,14 @@ def transcode_keys(
     values quantized by the destination writer's rule, as that engine would have written them
     from those values. The error is measured on the decoded values.
     """
+    if native_transcode_applies(records, src, dst, dst_rule):
+        if src_rule is not None:
+            _check_rule(src, src_rule)
+        from kvbridge import native
+
+        done = native.fp4_to_fp8_keys(records.contiguous(), dst.dim, dst_rule)
+        if done is not None:
+            return done
     values = decode_keys(records, src, src_rule)
     out = encode_keys(values, dst, dst_rule)
     back = decode_keys(out, dst, dst_rule)

@@ -56,6 +56,8 @@ HUGE_PAGE_OUTPUT = 4 << 20
 _HUGE_PAGE = 2 << 20
 #: Destination tokens per unit of parallel work (~150 KiB of MODEL1 pages: L2-sized).
 CHUNK_TOKENS = 256
+#: Indexer keys per unit of parallel work.
+KEY_CHUNK = 4096
 
 #: MODEL1 record: bytes [0, 576) nope E4M3 + rope bf16, [576, 584) 7 UE8M0 scales + pad (the accelerators').
 MODEL1_DATA_BYTES = 576
@@ -449,6 +451,72 @@ def _tile_max_magnitude(rec, base: int, width: int = 64) -> int:
     return m
 
 
+@njit(cache=True, nogil=True)
+def _amax_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, e4m3, ue8m0, e2m1, amax, bad):
+    """Per chunk of ``CHUNK_TOKENS`` source tokens: ``amax[chunk]``, the largest |decoded value|,
+    and ``bad[chunk]``, 1 when a decoded value would be NaN/Inf, computed in the code domain.
+
+    Decoding is ``fp32(v(c) * s)`` with one positive factor ``s`` per field or tile, monotone in
+    ``|v(c)|``; so a tile's amax is the decoded value of its largest code magnitude (an integer max),
+    exactly what decoding every value and taking the max gives. One value per tile is converted.
+    """
+    for chunk in range(c0, c1):
+        rec16 = np.empty(srb // 2 + 1, np.uint16)  # the record, readable as bf16 words at even offsets
+        rec = rec16.view(np.uint8)
+        best = np.float32(0.0)
+        flag = 0
+        for t in range(chunk * CHUNK_TOKENS, min(n, (chunk + 1) * CHUNK_TOKENS)):
+            d_at, f_at = _locate(t, sp, spb, ssplit, srb)
+            _gather(src, d_at, f_at, ssplit, srb, rec[:srb])
+            for k in range(prog.shape[0]):
+                op, nd, off, tile, soff = prog[k, 0], prog[k, 2], prog[k, 3], prog[k, 4], prog[k, 5]
+                if op == OP_BF16:
+                    m16 = np.uint16(0)
+                    if off % 2 == 0:
+                        words = rec16[off // 2 : off // 2 + nd]
+                        for i in range(nd):
+                            m16 = max(m16, np.uint16(words[i] & np.uint16(0x7FFF)))
+                    else:
+                        half = rec[off : off + 2 * nd]  # a layout defined elsewhere may put bf16 at odd offsets
+                        for i in range(nd):
+                            h = np.uint16(half[2 * i]) | (np.uint16(half[2 * i + 1]) << 8)
+                            m16 = max(m16, np.uint16(h & 0x7FFF))
+                    if m16 >= 0x7F80:
+                        flag = 1
+                    else:
+                        best = max(best, np.uint32(np.uint32(m16) << 16).view(np.float32))
+                elif op == OP_E4M3_TENSOR:
+                    m = _tile_max_magnitude(rec[off : off + nd], 0, nd)
+                    v = abs(e4m3[m] * scale)
+                    if m == 0x7F or not np.isfinite(v):
+                        flag = 1
+                    else:
+                        best = max(best, v)
+                elif op == OP_E4M3_UE8M0:
+                    for j in range(nd // tile):
+                        codes = rec[off + j * tile : off + (j + 1) * tile]
+                        m = _tile_max_magnitude(codes, 0, 64) if tile == 64 else _tile_max_magnitude(codes, 0, tile)
+                        v = e4m3[m] * ue8m0[rec[soff + j]]
+                        if m == 0x7F or not np.isfinite(v):
+                            flag = 1
+                        else:
+                            best = max(best, v)
+                elif op == OP_E2M1_E4M3:
+                    h = tile // 2
+                    for j in range(nd // tile):
+                        codes = rec[off + j * h : off + (j + 1) * h]
+                        m = np.uint8(0)
+                        for i in range(h):
+                            c = codes[i]
+                            m = max(m, np.uint8(c & np.uint8(7)), np.uint8((c >> np.uint8(4)) & np.uint8(7)))
+                        v = abs(e2m1[m] * e4m3[rec[soff + j]])
+                        if not np.isfinite(v):
+                            flag = 1
+                        else:
+                            best = max(best, v)
+        amax[chunk] = best
+        bad[chunk] = flag
+
 @njit(cache=True, inline="always")
 def _tile_shift(rec_in, rec_out, base: int, j: int, sub, width: int = 64) -> None:
     """The ``width`` E4M3 codes at ``rec_in[base:]`` times 2^j (exact, no overflow) into ``rec_out[base:]``:
@@ -680,6 +748,91 @@ def _model1_to_fp8_kernel(
 
 
 @njit(cache=True, nogil=True)
+def _fp4_to_fp8_keys_kernel(c0, c1, src, n, dim, rule, floor, e2m1, ue8m0, e4m3, out, err, bad):
+    """fp4 indexer records (``dim / 2`` bytes of E2M1 pairs, ``dim / 32`` UE8M0 scales) -> fp8 records
+    (``dim`` E4M3 bytes + 4 scale bytes) by writer ``rule`` (``_KEY_RULES``), ``KEY_CHUNK`` keys per
+    chunk; ``err[chunk]`` is the chunk's max |decoded fp8 - decoded fp4|, ``bad[chunk]`` 1 when an fp4
+    value decodes to NaN/Inf (the chunk's output is then meaningless).
+
+    A decoded fp4 value ``e2m1(c) * 2^(b - 127)`` is exact in fp32 and bf16 (vLLM's bf16 rounding
+    changes nothing), so the key's amax is the value of its largest code magnitude per block; the
+    scale and multiplier follow the rule in fp32 operations, as ``indexer.fp8_scales`` computes them.
+    """
+    half, blocks, src_rb, dst_rb = dim // 2, dim // 32, dim // 2 + dim // 32, dim + 4
+    vals = np.empty(dim, np.float32)
+    for chunk in range(c0, c1):
+        worst = np.float32(0.0)
+        for k in range(chunk * KEY_CHUNK, min(n, (chunk + 1) * KEY_CHUNK)):
+            rec = src[k * src_rb : (k + 1) * src_rb]
+            amax = np.float32(0.0)
+            e = 0
+            for j in range(blocks):
+                s = ue8m0[rec[half + j]]
+                codes = rec[16 * j : 16 * j + 16]
+                m = np.uint8(0)
+                for i in range(16):
+                    c = codes[i]
+                    m = max(m, np.uint8(c & np.uint8(7)), np.uint8((c >> np.uint8(4)) & np.uint8(7)))
+                    vals[32 * j + 2 * i] = e2m1[c & 15] * s
+                    vals[32 * j + 2 * i + 1] = e2m1[c >> 4] * s
+                v = e2m1[m] * s
+                if not np.isfinite(v):  # scale byte 0xFF (NaN) or 6 * 2^127 (Inf): the caller's torch path refuses it
+                    bad[chunk] = 1
+                amax = max(amax, v)
+            if rule <= 1:  # vllm, vllm-ue8m0: 2^ceil(log2(max(amax, 1e-4) / 448))
+                q = np.uint32(np.float32(max(amax, floor) * np.float32(1.0 / 448.0)).view(np.uint32)) & 0x7FFFFFFF
+                e = np.int64(q >> 23) - 127 + ((q & 0x7FFFFF) != 0)
+                scale = ue8m0[e + 127]
+                mult = ue8m0[127 - e]
+            elif rule == 2:  # sglang, deepgemm, sglang-rocm: max(amax, floor) / 448
+                scale = np.float32(max(amax, floor) / np.float32(448.0))
+                mult = np.float32(np.float32(1.0) / scale)
+            else:  # trtllm: amax / 448, multiplier 448 / amax (0 for an all-zero key)
+                scale = np.float32(amax / np.float32(448.0))
+                mult = np.float32(np.float32(448.0) / amax) if amax > 0 else np.float32(0.0)
+                if not np.isfinite(mult):  # amax < 448 / fp32 max: the torch path's product overflows
+                    bad[chunk] = 1
+            dst = out[k * dst_rb : (k + 1) * dst_rb]
+            for i in range(dim):
+                y = np.float32(vals[i] * mult)
+                b = np.int64(np.uint32(y.view(np.uint32)))
+                code = _e4m3_code(b & 0x7FFFFFFF) | ((b >> 24) & 0x80)
+                dst[i] = code
+                worst = max(worst, abs(np.float32(e4m3[code] * scale) - vals[i]))
+            if rule == 1:
+                for i in range(4):
+                    dst[dim + i] = e + 127
+            else:
+                sb = np.uint32(np.float32(scale).view(np.uint32))
+                for i in range(4):
+                    dst[dim + i] = (sb >> (8 * i)) & 0xFF
+        err[chunk] = worst
+
+
+@njit(cache=True, nogil=True)
+def _move_rows_kernel(c0, c1, pool, records, runs, record_bytes, lo, width, to_pool):
+    """For runs ``[c0, c1)`` (pool byte offset, first record, rows): copy ``rows`` rows of ``width`` bytes
+    between consecutive bytes of ``pool`` and bytes ``[lo, lo + width)`` of consecutive records."""
+    for k in range(c0, c1):
+        at, first, rows = runs[k, 0], runs[k, 1], runs[k, 2]
+        if width == record_bytes:  # whole records: one contiguous span on both sides
+            span = pool[at : at + rows * width]
+            recs = records[first * width : (first + rows) * width]
+            if to_pool:
+                _copy(recs, span)
+            else:
+                _copy(span, recs)
+            continue
+        for r in range(rows):
+            span = pool[at + r * width : at + (r + 1) * width]
+            rec = records[(first + r) * record_bytes + lo : (first + r) * record_bytes + lo + width]
+            if to_pool:
+                _copy(rec, span)
+            else:
+                _copy(span, rec)
+
+
+@njit(cache=True, nogil=True)
 def _repage_kernel(c0, c1, src, sp, spb, ssplit, dst, dp, dpb, dsplit, rb, n):
     """Byte move of ``rb``-byte records between two page geometries (splits may differ)."""
     npages = dst.shape[0] // dpb
@@ -835,6 +988,22 @@ def decode_pages(
     return out
 
 
+def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
+               scale: float) -> float | None:
+    """Largest |decoded value| of the first ``num_tokens`` tokens (0.0 for none), from the codes and
+    scale bytes in one pass with no fp32 copy; None when a value would decode to NaN/Inf."""
+    n = layout.token_count(pages, page_size, num_tokens)
+    if n == 0:
+        return 0.0
+    nchunks = -(-n // CHUNK_TOKENS)
+    amax = np.zeros(nchunks, np.float32)
+    bad = np.zeros(nchunks, np.int64)
+    sp, spb, ssplit, srb = _geometry(layout, page_size)
+    _run_chunks(_amax_kernel, nchunks, _flat(pages), program(layout), sp, spb, ssplit, srb, np.float32(scale), n,
+                _E4M3_F32, _UE8M0_F32, _E2M1_F32, amax, bad)
+    return None if bad.any() else float(amax.max())
+
+
 def repage(
     pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int, num_tokens: int | None,
     *, out: torch.Tensor | None = None,
@@ -968,6 +1137,35 @@ def transcode_pages(
         )
     _raise_nonfinite(bad_count, bad_first)
     return out
+
+
+#: Destination fp8 writer rules of ``fp4_to_fp8_keys``: kernel rule id and amax floor.
+_KEY_RULES = {"vllm": (0, 1e-4), "vllm-ue8m0": (1, 1e-4), "sglang": (2, 1e-4), "deepgemm": (2, 1e-4),
+              "sglang-rocm": (2, 1e-8), "trtllm": (3, 0.0)}
+
+
+def fp4_to_fp8_keys(records: torch.Tensor, dim: int, rule: str) -> tuple[torch.Tensor, float] | None:
+    """fp4 indexer records ``[N, dim / 2 + dim / 32]`` -> fp8 records ``[N, dim + 4]`` written by
+    ``rule`` (128-value keys for ``vllm-ue8m0``), and the max |decoded fp8 - decoded fp4|;
+    byte-identical to ``indexer.transcode_keys``. None when a value decodes to NaN/Inf."""
+    n = records.shape[0]
+    out = torch.empty(n, dim + 4, dtype=torch.uint8)
+    nchunks = -(-n // KEY_CHUNK)
+    err = np.zeros(max(nchunks, 1), np.float32)
+    bad = np.zeros(max(nchunks, 1), np.int64)
+    rule_id, floor = _KEY_RULES[rule]
+    if n:
+        _run_chunks(_fp4_to_fp8_keys_kernel, nchunks, _flat(records), n, dim, rule_id, np.float32(floor),
+                    _E2M1_F32, _UE8M0_F32, _E4M3_F32, _flat(out), err, bad)
+    return None if bad.any() else (out, float(err.max()))
+
+
+def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: int, width: int, to_pool: bool) -> None:
+    """Copy row runs between a contiguous pool tensor and contiguous records ``[N, record_bytes]``
+    (``reference.move_rows``), in place, runs spread over the threads."""
+    if runs.shape[0]:
+        _run_chunks(_move_rows_kernel, runs.shape[0], pool.view(-1).numpy(), records.view(-1).numpy(), runs,
+                    records.shape[1], lo, width, to_pool)
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

@@ -8,6 +8,7 @@ placed by its geometry; this module is also the ``reference`` backend of ``kvbri
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvbridge.errors import NonFiniteError
@@ -45,6 +46,15 @@ def decode_pages(
     return layout.codec.decode(layout.pages_to_records(pages, page_size, num_tokens), scale=scale)
 
 
+def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
+               scale: float) -> float | None:
+    """Largest |decoded value| of the first ``num_tokens`` tokens (0.0 for none); None when one is NaN/Inf."""
+    values = decode_pages(pages, layout, page_size, num_tokens, scale)
+    if not values.numel():
+        return 0.0
+    return float(values.abs().max()) if all_finite(values) else None
+
+
 def repage(
     pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int, num_tokens: int | None,
     *, out: torch.Tensor | None = None,
@@ -69,6 +79,20 @@ def transcode_pages(
     values = decode_pages(pages, src, src_page_size, num_tokens, src_scale)
     check_finite(values)
     return _into(out, encode_pages(values, dst, dst_page_size, dialect, dst_scale))
+
+
+def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: int, width: int, to_pool: bool) -> None:
+    """For each run (pool byte offset, first record, rows) of int64 ``runs`` ``[k, 3]``: copy ``rows``
+    consecutive ``width``-byte rows of the contiguous ``pool`` tensor to or from (``to_pool``) bytes
+    ``[lo, lo + width)`` of records ``[first, first + rows)`` of ``records`` ``[N, record_bytes]``."""
+    flat = pool.view(-1)
+    for at, first, rows in runs.tolist():
+        span = flat[at : at + rows * width].view(rows, width)
+        part = records[first : first + rows, lo : lo + width]
+        if to_pool:
+            span.copy_(part)
+        else:
+            part.copy_(span)
 
 
 def records_at(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,9 @@ from kvbridge.layouts import Layout
 from kvbridge.layouts.registry import OP_BF16, OP_ZERO
 from kvbridge.numerics import DIALECT_MIN_EXPONENT
 from kvbridge.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check_finite
+from kvbridge.reference import amax_pages as reference_amax
 from kvbridge.reference import decode_pages as reference_decode
+from kvbridge.reference import move_rows as reference_move_rows
 
 #: True when the kernels below were decorated under ``TRITON_INTERPRET=1`` (CPU tensors then work).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -640,6 +642,17 @@ def transcode_pages(
     if bool(flags.any()):  # error path only: the reference names the first bad token and dim
         check_finite(reference_decode(pages, src, src_page_size, n, src_scale))
     return out
+
+
+def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
+               scale: float) -> float | None:
+    """Largest |decoded value| (None when one is NaN/Inf): the torch reference, on the GPU."""
+    return reference_amax(pages, layout, page_size, num_tokens, scale)
+
+
+def move_rows(pool: torch.Tensor, records: torch.Tensor, runs, lo: int, width: int, to_pool: bool) -> None:
+    """Row-run copies between a pool and records: torch copies, on the GPU."""
+    reference_move_rows(pool, records, runs, lo, width, to_pool)
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

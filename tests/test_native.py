@@ -205,6 +205,59 @@ def test_overflowing_source_scale_raises_like_reference(latents):
     assert str(got.value) == str(want.value)
 
 
+
+@pytest.mark.parametrize("layout", NATIVE_LAYOUTS, ids=lambda lay: lay.name)
+def test_code_domain_amax_matches_decoded_amax(latents, layout):
+    """The amax from codes and scale bytes is the decoded values' amax, bit for bit, on edge-case
+    records, several chunks, every per-tensor scale (1e36 overflows fp32) and arbitrary bytes; any
+    NaN/Inf that decoding would produce gives None."""
+    g = torch.Generator().manual_seed(4)
+    scales = PER_TENSOR_SCALES + (1e36,) if layout.per_tensor_scale else (1.0,)
+    x = latents.repeat(-(-CHUNKED_TOKENS // latents.shape[0]), 1)[:CHUNKED_TOKENS]
+    for scale, p in itertools.product(scales, (1, 61)):
+        encoded = reference.encode_pages(x, layout, p, layout.default_dialect, scale if scale < 1e30 else 1.0)
+        noise = torch.randint(0, 256, (3, layout.page_bytes(p)), dtype=torch.uint8, generator=g)
+        for pages, n in ((encoded, None), (encoded, CHUNKED_TOKENS - 7), (noise, 2 * p + 1), (encoded, 0)):
+            want = reference.amax_pages(pages, layout, p, n, scale)
+            got = native.amax_pages(pages, layout, p, n, scale)
+            assert (got is None) == (want is None), (scale, p, n)
+            if want is not None:
+                assert got == want, (scale, p, n, got, want)  # both fp32 values as Python floats: exact
+
+
+@pytest.mark.parametrize("name,field,patch,scale", NONFINITE_CASES)
+def test_code_domain_amax_sees_every_nonfinite_code(latents, name, field, patch, scale):
+    src = get_layout(name)
+    x = latents.repeat(2, 1)[:130].clamp(-1e30, 1e30)  # 3.4e38 rounds to Inf in bf16
+    pages = reference.encode_pages(x, src, 61, src.default_dialect, scale)
+    assert native.amax_pages(pages, src, 61, None, scale) is not None
+    for index, byte in patch.items():
+        pages[70 // 61, src.field_offset(field, 70 % 61, 61) + index] = byte
+    assert native.amax_pages(pages, src, 61, None, scale) is None
+    assert native.amax_pages(pages, src, 61, 70, scale) is not None  # the bad token is past num_tokens
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("src_name", ["flashmla-model1", "trtllm-fp8", "v41-fp4-interleaved"])
+def test_auto_scale_transcode_equals_decoding_first(monkeypatch, latents, backend, src_name):
+    """``dst_scale="auto"`` through the code-domain amax gives the bytes of decoding everything and
+    taking ``auto_scale`` of the values; a NaN source raises the same error."""
+    monkeypatch.setenv("KVBRIDGE_BACKEND", backend)
+    src, dst = get_layout(src_name), get_layout("trtllm-fp8")
+    scale = 0.037 if src.per_tensor_scale else None
+    pages = kb.encode(latents.repeat(4, 1)[:300].clamp(-1e30, 1e30) * 3.0, src, page_size=64, scale=scale)
+    values = kb.decode(pages, src, page_size=64, num_tokens=300, scale=scale)
+    want = kb.encode(values, dst, page_size=16, scale=kb.auto_scale(values))
+    got = kb.transcode(pages, src, dst, src_page_size=64, dst_page_size=16, num_tokens=300, src_scale=scale,
+                       dst_scale="auto")
+    assert torch.equal(got, want)
+    field = "nope_scale" if src_name == "v41-fp4-interleaved" else "nope"  # E4M3 NaN: a code or a tile scale
+    pages[1, src.field_offset(field, 3, 64)] = 0x7F
+    with pytest.raises(NonFiniteError, match="first at token 67, dim"):
+        kb.transcode(pages, src, dst, src_page_size=64, dst_page_size=16, num_tokens=300, src_scale=scale,
+                     dst_scale="auto")
+
+
 REPAGE_GROUPS = {}
 for _lay in all_layouts():
     REPAGE_GROUPS.setdefault(_lay.record_bytes, []).append(_lay)

@@ -161,10 +161,10 @@ def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool) -> tup
         out = state_rows_from_f32(values, t.dst.fmt)
         return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if loss_report else None
     if t.src.kind == "indexer":
-        if loss_report:
+        if loss_report or ix.native_transcode_applies(records, t.src.indexer, t.dst.indexer, t.dst.dialect or ""):
             out, err = ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "",
                                          t.src.dialect)
-            return out, None, err
+            return out, None, err if loss_report else None
         values = ix.decode_keys(records, t.src.indexer, t.src.dialect)
         return ix.encode_keys(values, t.dst.indexer, t.dst.dialect or ""), None, None
     src, dst, n = t.src.layout, t.dst.layout, records.shape[0]

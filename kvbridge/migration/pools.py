@@ -11,8 +11,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from kvbridge import fastpath
 from kvbridge.engines import EngineProfile, Storage, parse_engine
 from kvbridge.errors import InputError
 from kvbridge.topology import CacheSpec, ModelTopology, Role, get_model
@@ -100,13 +102,42 @@ def _page_views(pool: Pool, storage: Storage) -> list[tuple[torch.Tensor, int, i
     return storage.geometry.page_views(pool, storage.page_size)
 
 
+def _row_parts(pool: Pool, storage: Storage) -> list[tuple[torch.Tensor, int, int, int]] | None:
+    """(pool tensor, record bytes lo, width, byte offset of the part's rows in a page) of each record
+    part, when every pool tensor is contiguous (else None: the sliced-view copies serve)."""
+    tensors = pool_tensors(pool)
+    if not all(t.is_contiguous() for t in tensors):
+        return None
+    return [(tensors[i if isinstance(pool, tuple) else 0], lo, hi - lo, 0 if isinstance(pool, tuple)
+             else storage.page_size * lo) for i, (_, lo, hi) in enumerate(_page_views(pool, storage))]
+
+
+def _move(pool: Pool, storage: Storage, table: Table, first: int, records: torch.Tensor, to_pool: bool) -> bool:
+    """Gather (``to_pool=False``) or scatter ``records`` with one native call per record part: each run of
+    entries in one page is consecutive rows of the page, copied as whole spans. False when not applicable."""
+    parts = _row_parts(pool, storage)
+    if parts is None or not records.is_contiguous():
+        return False
+    runs = []
+    for (tensor, lo, width, region), (name, ids) in zip(parts, _part_tables(storage, table, len(parts)), strict=True):
+        page_bytes = tensor.shape[1]
+        spans = [(page * page_bytes + region + row * width, off, n)
+                 for page, row, n, off in _runs(storage, ids, first, records.shape[0], tensor.shape[0], name)]
+        runs.append((tensor, lo, width, np.array(spans, np.int64).reshape(-1, 3)))
+    for tensor, lo, width, spans in runs:  # every run checked before any byte moves
+        fastpath.move_rows(tensor, records, spans, lo, width, to_pool)
+    return True
+
+
 def gather_records(pool: Pool, storage: Storage, table: Table, first: int, count: int) -> torch.Tensor:
     """Records ``[count, record_bytes]`` (uint8) of entries ``[first, first + count)``.
 
-    Entries in one page are consecutive rows, so each run is one slice copy per record part.
+    Entries in one page are consecutive rows, so each run is one span copy per record part.
     ``table``: the storage's page ids (``table_of``: a pair when its two pools have two tables).
     """
     out = torch.empty(count, storage.record_bytes, dtype=torch.uint8, device=pool_tensors(pool)[0].device)
+    if _move(pool, storage, table, first, out, to_pool=False):
+        return out
     views = _page_views(pool, storage)
     for (view, lo, hi), (name, ids) in zip(views, _part_tables(storage, table, len(views)), strict=True):
         for page, row, n, off in _runs(storage, ids, first, count, view.shape[0], name):
@@ -116,6 +147,8 @@ def gather_records(pool: Pool, storage: Storage, table: Table, first: int, count
 
 def scatter_records(pool: Pool, storage: Storage, table: Table, first: int, records: torch.Tensor) -> None:
     """Write records ``[count, record_bytes]`` into the pool slots of entries ``[first, first + count)``."""
+    if _move(pool, storage, table, first, records, to_pool=True):
+        return
     views = _page_views(pool, storage)
     for (view, lo, hi), (name, ids) in zip(views, _part_tables(storage, table, len(views)), strict=True):
         for page, row, n, off in _runs(storage, ids, first, records.shape[0], view.shape[0], name):

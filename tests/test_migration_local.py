@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from migration_expected import expected_records
 
 from cli.main import cli
-from kvbridge import indexer as ix
 from kvbridge.errors import InputError
 from kvbridge.migration import (
     ChecksumError,
@@ -29,26 +29,11 @@ from kvbridge.migration import (
     source_request,
     verify,
 )
-from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
 from kvbridge.migration.pools import pool_tensors, scatter_records, table_of
 from kvbridge.topology import FLASH, Role
 
 MODEL = FLASH.with_layers(4)
 TOKENS = 700
-
-
-def _expected(t, src_records: torch.Tensor) -> torch.Tensor:
-    """What the reference codecs write at the destination for the given source records."""
-    if t.src.kind == "kv":
-        if t.conversion == "byte move":
-            return src_records
-        values = t.src.layout.codec.decode(src_records, scale=t.src.scale or 1.0)
-        return t.dst.layout.codec.encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
-    if t.src.kind == "indexer" and t.conversion != "byte copy":
-        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer, t.src.dialect), t.dst.indexer, t.dst.dialect)
-    if t.src.kind == "state" and t.src.fmt != t.dst.fmt:
-        return state_rows_from_f32(state_rows_to_f32(src_records, t.src.fmt), t.dst.fmt)
-    return src_records
 
 
 def _flat(pools) -> dict:
@@ -58,7 +43,8 @@ def _flat(pools) -> dict:
 
 def _check(plan, src, src_tables, dst, dst_tables) -> None:
     for t in plan.transfers:
-        want = _expected(t, gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count))
+        src_records = gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count)
+        want = expected_records(t, src_records)
         got = gather_records(dst.pool(t.spec), t.dst, table_of(dst_tables, t.dst), t.first, t.count)
         assert torch.equal(got, want), f"{plan.src.spec} -> {plan.dst.spec}: layer {t.spec.layer} {t.spec.role.value}"
 

@@ -34,15 +34,14 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 from click.testing import CliRunner
+from migration_expected import expected_records
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kvbridge import indexer as ix
 from kvbridge.errors import KVBridgeError
 from kvbridge.migration import EnginePools, gather_records, plan_migration, source_request
 from kvbridge.migration import nixl as nx
 from kvbridge.migration.control import MAGIC, PROTOCOL_VERSION
-from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
 from kvbridge.migration.pools import pool_tensors, table_of
 from kvbridge.topology import FLASH
 
@@ -249,20 +248,6 @@ def _load(out: Path, tag: str, name: str) -> tuple[dict[str, torch.Tensor], dict
     return load_file(str(path)), meta
 
 
-def _expected_records(t, src_records: torch.Tensor) -> torch.Tensor:
-    """What the reference codecs write at the destination for the source entries."""
-    if t.src.kind == "kv":
-        if t.conversion == "byte move":
-            return src_records
-        values = t.src.layout.codec.decode(src_records, scale=t.src.scale or 1.0)
-        return t.dst.layout.codec.encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
-    if t.src.kind == "indexer" and t.conversion != "byte copy":
-        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer, t.src.dialect), t.dst.indexer, t.dst.dialect)
-    if t.src.kind == "state" and t.src.fmt != t.dst.fmt:
-        return state_rows_from_f32(state_rows_to_f32(src_records, t.src.fmt), t.dst.fmt)
-    return src_records
-
-
 def _check_request(out: Path, tag: str, name: str, pair: tuple[str, str], seed: int, converted_on: str) -> dict:
     tensors, meta = _load(out, tag, name)
     assert "error" not in meta, meta.get("error")
@@ -283,7 +268,7 @@ def _check_request(out: Path, tag: str, name: str, pair: tuple[str, str], seed: 
         pool = parts if len(parts) > 1 else parts[0]
         src_rec = gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count)
         got = gather_records(pool, t.dst, table_of(tables, t.dst), t.first, t.count)
-        assert torch.equal(got, _expected_records(t, src_rec)), f"layer {t.spec.layer} {t.spec.role.value}"
+        assert torch.equal(got, expected_records(t, src_rec)), f"layer {t.spec.layer} {t.spec.role.value}"
         for tensor, name in nx._tensor_tables(t.dst, pool):
             outside = [i for i in range(tensor.shape[0]) if i not in claimed[name]]
             assert not bool(tensor[outside].any()), "bytes written outside the request's pages"

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from migration_expected import expected_records
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kvbridge import indexer as ix
 from kvbridge.migration import (
     ChecksumError,
     EnginePools,
@@ -34,7 +34,6 @@ from kvbridge.migration import (
     plan_migration,
     source_request,
 )
-from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
 from kvbridge.migration.pools import pool_tensors, table_of
 from kvbridge.migration.transport import receive_request, send_payload, send_request
 from kvbridge.topology import FLASH, Role
@@ -156,27 +155,13 @@ def _load(path: Path, plan, seed: int = 5) -> tuple[EnginePools, dict, dict]:
     return pools, tables, meta
 
 
-def _expected_records(t, src_records: torch.Tensor) -> torch.Tensor:
-    """What the reference codecs write at the destination for the source entries."""
-    if t.src.kind == "kv":
-        if t.conversion == "byte move":
-            return src_records
-        values = t.src.layout.codec.decode(src_records, scale=t.src.scale or 1.0)
-        return t.dst.layout.codec.encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
-    if t.src.kind == "indexer" and t.conversion != "byte copy":
-        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer, t.src.dialect), t.dst.indexer, t.dst.dialect)
-    if t.src.kind == "state" and t.src.fmt != t.dst.fmt:
-        return state_rows_from_f32(state_rows_to_f32(src_records, t.src.fmt), t.dst.fmt)
-    return src_records
-
-
 def _check_bytes(plan, src_seed: int, dst: EnginePools, tables: dict) -> None:
     src, src_tables = source_request(plan, spare_pages=2, seed=src_seed)
     claimed: dict[str, set[int]] = {name: {i for i in ids if i >= 0} for name, ids in tables.items()}
     for t in plan.transfers:
         src_rec = gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count)
         got = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
-        assert torch.equal(got, _expected_records(t, src_rec)), f"layer {t.spec.layer} {t.spec.role.value}"
+        assert torch.equal(got, expected_records(t, src_rec)), f"layer {t.spec.layer} {t.spec.role.value}"
         parts = pool_tensors(dst.pool(t.spec))
         names = [t.dst.table, t.dst.score_table] if t.dst.score_table else [t.dst.table] * len(parts)
         for pool, name in zip(parts, names, strict=True):

@@ -1,0 +1,22 @@
+"""What the reference codecs write at a migration's destination (shared by the migration tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbridge import indexer as ix
+from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
+
+
+def expected_records(t, src_records: torch.Tensor) -> torch.Tensor:
+    """Destination records of transfer ``t`` for its source records, by the reference codecs."""
+    if t.src.kind == "kv":
+        if t.conversion == "byte move":
+            return src_records
+        values = t.src.layout.codec.decode(src_records, scale=t.src.scale or 1.0)
+        return t.dst.layout.codec.encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
+    if t.src.kind == "indexer" and t.conversion != "byte copy":
+        return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer, t.src.dialect), t.dst.indexer, t.dst.dialect)
+    if t.src.kind == "state" and t.src.fmt != t.dst.fmt:
+        return state_rows_from_f32(state_rows_to_f32(src_records, t.src.fmt), t.dst.fmt)
+    return src_records

@@ -45,20 +45,20 @@ def command(ctx: click.Context, path: Path | None, device: str, as_json: bool) -
             pad_edge=False,
             header_style="bold",
         )
-        table.add_column("engine", no_wrap=True)
-        table.add_column("layout", no_wrap=True)
-        table.add_column("dialect", no_wrap=True)
-        table.add_column("check", overflow="fold")
-        table.add_column("cases", overflow="fold")
+        table.add_column("layout / dialect", no_wrap=True)
+        table.add_column("check", overflow="fold", ratio=3)
+        table.add_column("cases", overflow="fold", ratio=2)
         table.add_column("result", no_wrap=True)
+        current = None
         for (engine, layout, dialect, check), rows in sorted(groups.items(), key=lambda kv: kv[0][:2]):
+            if engine != current:  # one heading row per engine keeps the table within 80 columns
+                table.add_row(f"[bold]{engine}[/bold]", "", "", "")
+                current = engine
             ok = sum(r.passed for r in rows)
             colour = "green" if ok == len(rows) else "red"
             cases = ", ".join(r.case for r in rows)
             table.add_row(
-                engine,
-                layout,
-                dialect,
+                f"  {layout}" + ("" if dialect == "-" else f"\n  {dialect}"),
                 check,
                 cases,
                 f"[{colour}]{ok}/{len(rows)} {'PASS' if ok == len(rows) else 'FAIL'}[/{colour}]",

@@ -2,8 +2,9 @@
 
 ``run_conformance`` replays the fixture files of ``fixtures/`` (FlashMLA's MODEL1 encoder and
 dequantizer at P = 2, 64, 256; TensorRT-LLM's per-tensor FP8 writer and reader at each scale)
-plus the dialect zero-tile scale bytes of spec section 4 (114 / 105 / 92) and the indexer-key
-pages and records written by SGLang's and vLLM's own writers (fixtures/README.md), comparing bytes with
+plus the dialect zero-tile scale bytes of spec section 4 (114 / 105 / 92), the DeepSeek-V4.1
+pages written by FlashMLA's, SGLang's and vLLM's own writers, and the indexer-key pages and
+records written by SGLang's and vLLM's own writers (fixtures/README.md), comparing bytes with
 ``torch.equal``, and FlashMLA's sparse-decode reference outputs through ``sparse_decode``
 (reference backend) within FlashMLA's own test tolerances (spec section 6; fp32 accumulation
 order differs, so these are not bitwise). ``identify_writer`` says which encoder (dialect, input precision, scale)
@@ -448,6 +449,42 @@ def state_addressing_checks(path: Path, device: torch.device) -> list[CheckResul
     return results
 
 
+def _writer_engine(writer: str) -> str:
+    """The engine (and version, where the writer names one) of a fixture's writer string."""
+    words = writer.split()
+    return " ".join(words[:2]) if len(words) > 1 and words[1][:1].isdigit() else words[0]
+
+
+def _tensor_tag(name: str) -> str:
+    """A fixture tensor's name without its case prefix (``p3.sglang`` -> ``sglang``): the writer it holds."""
+    return name.split(".", 1)[-1]
+
+
+def layout_fixture_checks(root: Path, device: torch.device) -> list[CheckResult]:
+    """Fixtures whose metadata lists ``entries`` (pages a peer's own writer made for a layout, e.g.
+    the DeepSeek-V4.1 files): ``encode`` reproduces each page tensor byte for byte, and ``decode``
+    equals the peer's dequantized values where the entry has them (exact: the products are bf16)."""
+    results = []
+    for path in sorted(root.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), "pt") as fh:
+                entries = json.loads((fh.metadata() or {}).get("entries", "[]"))
+                tensors = {k: fh.get_tensor(k).to(device) for k in fh.keys()} if entries else {}
+        except (SafetensorError, TypeError, json.JSONDecodeError) as exc:
+            raise DumpFormatError(f"{path}: not a kvbridge fixture file ({exc})") from None
+        for e in entries:
+            x, want, p = tensors[e["input"]], tensors[e["pages"]], int(e["page_size"])
+            engine, case = _writer_engine(e["writer"]), f"P={p}"
+            got = encode(x, e["layout"], page_size=p, dialect=e["dialect"])
+            results.append(CheckResult(e["layout"], e["dialect"], case, f"encode = {_tensor_tag(e['pages'])}",
+                                       *byte_diff(got, want), engine=engine))
+            if "dequant" in e:
+                values = decode(want, e["layout"], page_size=p, num_tokens=x.shape[0])
+                results.append(CheckResult(e["layout"], e["dialect"], case, f"decode = {_tensor_tag(e['dequant'])}",
+                                           *value_diff(values, tensors[e["dequant"]].float()), engine=engine))
+    return results
+
+
 def run_conformance(
     fixtures_dir: str | os.PathLike | None = None, device: str | torch.device = "cpu"
 ) -> ConformanceReport:
@@ -474,6 +511,7 @@ def run_conformance(
         *derived_indexer_checks(root / DERIVED_INDEXER_FIXTURE, dev),
         *state_addressing_checks(root / SGLANG_STATE_FIXTURE, dev),
         *cross_indexer_checks(root, dev),
+        *layout_fixture_checks(root, dev),
     ]
     return ConformanceReport(str(root), str(dev), results)
 

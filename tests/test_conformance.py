@@ -109,6 +109,32 @@ def test_a_corrupted_fixture_fails_with_the_first_differing_byte(tmp_path: Path)
     assert (decode_failure.case, decode_failure.check) == ("s=2", "decode = TensorRT-LLM reader")
 
 
+def test_a_corrupted_v41_page_fails_verify_naming_its_writer(tmp_path: Path):
+    """The V4.1 fixtures (pages written by FlashMLA's, SGLang's and vLLM's own writers) are part of
+    ``run_conformance``: one flipped byte is a failure naming the layout, the case and the writer."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    for path in FIXTURES.glob("*.safetensors"):
+        shutil.copy(path, tmp_path / path.name)
+    path = tmp_path / "v41_fp8_reference.safetensors"
+    with safe_open(str(path), "pt") as fh:
+        meta = fh.metadata()
+    entry = next(e for e in json.loads(meta["entries"]) if e["pages"] == "p3.sglang")
+    tensors = load_file(str(path))
+    tensors["p3.sglang"].view(-1)[100] ^= 1
+    save_file(tensors, str(path), metadata=meta)
+    bad = run_conformance(tmp_path)
+    assert not bad.passed
+    encode_failure, decode_failure = bad.failures  # the page no longer decodes to FlashMLA's values either
+    assert (encode_failure.layout, encode_failure.case, encode_failure.check, encode_failure.engine) == (
+        entry["layout"], "P=3", "encode = sglang", "SGLang 0.5.23")
+    assert encode_failure.detail.startswith("1 of ") and "first at flat byte 100" in encode_failure.detail
+    assert (decode_failure.case, decode_failure.check) == ("P=3", "decode = flashmla_dequant")
+
+
 def test_missing_fixtures_are_a_clear_error(tmp_path: Path):
     with pytest.raises(InputError, match="fixture file .* not found"):
         run_conformance(tmp_path)

@@ -112,3 +112,27 @@ def keep_numbers_whole(table: Table) -> Table:
             widths = [len(c) for c in column.cells if isinstance(c, str)]
             column.min_width = max(widths, default=0)
     return table
+
+
+def engine_spec_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Click callback: an engine spec ``parse_engine`` does not understand is a usage error (exit 2)."""
+    from kvbridge.engines import parse_engine
+
+    if value is None:
+        return None
+    try:
+        parse_engine(value)
+    except KVBridgeError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
+def model_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """Click callback: a model preset or config.json that does not load is a usage error (exit 2)."""
+    from kvbridge.topology import get_model
+
+    try:
+        get_model(value)
+    except (KVBridgeError, OSError) as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value

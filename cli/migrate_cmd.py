@@ -8,8 +8,6 @@ import click
 from rich import box
 from rich.table import Table
 
-from kvbridge.engines import parse_engine
-from kvbridge.errors import KVBridgeError
 from kvbridge.migration import (
     ConvertSide,
     MigrationPlan,
@@ -21,40 +19,23 @@ from kvbridge.migration import (
 from kvbridge.migration.plan import MAX_TOKENS
 from kvbridge.topology import get_model
 
-from .common import console, json_option, print_json
+from .common import console, engine_spec_option, json_option, model_option, print_json
 
 DEFAULT_LINK_GBPS = 40.0
 
 
-def _engine_spec(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """Reject an engine spec ``parse_engine`` does not understand as a usage error (exit 2)."""
-    try:
-        parse_engine(value)
-    except KVBridgeError as exc:
-        raise click.BadParameter(str(exc)) from None
-    return value
-
-
-def _model_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    try:
-        get_model(value)
-    except (KVBridgeError, OSError) as exc:
-        raise click.BadParameter(str(exc)) from None
-    return value
-
-
 def _plan_options(fn):
     fn = click.option(
-        "--from", "src", required=True, callback=_engine_spec, help="Source engine spec, e.g. trtllm:fp8:tpb=128."
+        "--from", "src", required=True, callback=engine_spec_option, help="Source engine spec, e.g. trtllm:fp8:tpb=128."
     )(fn)
     fn = click.option(
-        "--to", "dst", required=True, callback=_engine_spec, help="Destination engine spec, e.g. sglang or vllm."
+        "--to", "dst", required=True, callback=engine_spec_option, help="Destination engine spec, e.g. sglang or vllm."
     )(fn)
     fn = click.option(
         "--model",
         default="deepseek-v4-flash",
         show_default=True,
-        callback=_model_name,
+        callback=model_option,
         help="Preset name or a Hugging Face config.json path.",
     )(fn)
     fn = click.option("--tokens", type=click.IntRange(min=1, max=MAX_TOKENS), required=True,

@@ -22,7 +22,7 @@ from kvbridge.migration import EnginePools, plan_migration, source_request
 from kvbridge.migration.control import parse_address
 from kvbridge.topology import get_model
 
-from .common import err_console, json_option, parse_layout, parse_scale
+from .common import engine_spec_option, err_console, json_option, model_option, parse_layout, parse_scale
 
 DEFAULT_PORT = 7654
 #: Requests at least this large (payload bytes) get a progress bar on a terminal.
@@ -33,24 +33,6 @@ class Failure(click.ClickException):
     """One line, exit code 1 (a transfer or verification failure)."""
 
     exit_code = 1
-
-
-def _engine(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        parse_engine(value)
-    except KVBridgeError as exc:
-        raise click.BadParameter(str(exc)) from None
-    return value
-
-
-def _model(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    try:
-        get_model(value)
-    except (KVBridgeError, OSError) as exc:
-        raise click.BadParameter(str(exc)) from None
-    return value
 
 
 def _address(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, int]:
@@ -101,9 +83,9 @@ def _describe(received) -> str:
 @click.option("--listen", "listen", default=f"127.0.0.1:{DEFAULT_PORT}", show_default=True, callback=_address,
               help="HOST:PORT to listen on (port 0: any free port, printed at start).")
 @click.option("--transport", type=click.Choice(["nixl", "gloo"]), default="nixl", show_default=True)
-@click.option("--engine", callback=_engine, default=None,
+@click.option("--engine", callback=engine_spec_option, default=None,
               help="This side's engine spec (e.g. sglang): accept requests into its pools.")
-@click.option("--model", default="deepseek-v4-flash", show_default=True, callback=_model,
+@click.option("--model", default="deepseek-v4-flash", show_default=True, callback=model_option,
               help="Preset name or a Hugging Face config.json path (requests).")
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="Keep only the first N main layers.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=131072, show_default=True,
@@ -248,11 +230,11 @@ def _release(dst: EnginePools, tables: dict) -> None:
                 type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--peer", required=True, callback=_address, help="HOST:PORT of a `kvbridge migrate serve`.")
 @click.option("--transport", type=click.Choice(["nixl", "gloo"]), default="nixl", show_default=True)
-@click.option("--from", "src", callback=_engine, default=None, help="Request: the source engine spec.")
+@click.option("--from", "src", callback=engine_spec_option, default=None, help="Request: the source engine spec.")
 @click.option("--to", "to", default=None,
               help="Request: the destination engine spec. Dump: the layout the receiver converts to "
                    "(required with --convert-on sender; checked against the receiver's).")
-@click.option("--model", default="deepseek-v4-flash", show_default=True, callback=_model)
+@click.option("--model", default="deepseek-v4-flash", show_default=True, callback=model_option)
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="Keep only the first N main layers.")
 @click.option("--tokens", type=click.IntRange(min=1), default=None, help="Request length in tokens.")
 @click.option("--draft-tokens", type=click.IntRange(min=0), default=0, show_default=True)
@@ -307,7 +289,7 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
     missing = [flag for flag, v in (("--from", src), ("--to", to), ("--tokens", tokens)) if v is None]
     if missing:
         raise click.UsageError(f"a request needs {', '.join(missing)} (or give a DUMP file)")
-    _engine(click.get_current_context(), None, to)
+    engine_spec_option(click.get_current_context(), None, to)
     topo = _topology(model, layers)
     plan = plan_migration(src, to, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp)
     pools, tables = source_request(plan, seed=seed)
@@ -344,9 +326,9 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
 
 @click.command("bench")
 @click.option("--tokens", type=click.IntRange(min=1), default=131072, show_default=True, help="Request length.")
-@click.option("--model", default="deepseek-v4-flash", show_default=True, callback=_model)
-@click.option("--from", "src", default="trtllm:fp8:tpb=128", show_default=True, callback=_engine)
-@click.option("--to", "dst", default="vllm", show_default=True, callback=_engine)
+@click.option("--model", default="deepseek-v4-flash", show_default=True, callback=model_option)
+@click.option("--from", "src", default="trtllm:fp8:tpb=128", show_default=True, callback=engine_spec_option)
+@click.option("--to", "dst", default="vllm", show_default=True, callback=engine_spec_option)
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="Timed runs; medians.")
 @click.option("--gloo/--no-gloo", default=True, show_default=True, help="Time the gloo path too.")
 @click.option("--request/--no-request", default=True, show_default=True,

@@ -1,8 +1,12 @@
-"""What the reference codecs write at a migration's destination (shared by the migration tests)."""
+"""Shared by the migration tests: what the reference codecs write at a destination, and a gloo pair on loopback."""
 
 from __future__ import annotations
 
+import socket
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 
 from kvbridge import indexer as ix
 from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
@@ -20,3 +24,16 @@ def expected_records(t, src_records: torch.Tensor) -> torch.Tensor:
     if t.src.kind == "state" and t.src.fmt != t.dst.fmt:
         return state_rows_from_f32(state_rows_to_f32(src_records, t.src.fmt), t.dst.fmt)
     return src_records
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo_pair(rank: int, port: int) -> None:
+    """Join the two-rank gloo group of a test on ``127.0.0.1:port``."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from migration_expected import expected_records
+from migration_helpers import expected_records
 
 from cli.main import cli
 from kvbridge.errors import InputError

@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 from click.testing import CliRunner
-from migration_expected import expected_records
+from migration_helpers import expected_records
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from migration_helpers import free_port, init_gloo_pair
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.migration import ChecksumError, destination_pools, gather_records, plan_migration, source_request
@@ -35,19 +34,8 @@ def _plan(dst: str = PAIR[1]):
     return plan_migration(PAIR[0], dst, MODEL, TOKENS)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-
-
 def _stream_sender(port: int, first_verified, out) -> None:
-    _init(0, port)
+    init_gloo_pair(0, port)
     plan = _plan()
     src, tables = source_request(plan, spare_pages=1, seed=21)
     sender = tr.GlooSender(plan, src, tables, dst_rank=1, convert_on="receiver", timeout=TIMEOUT_S)
@@ -72,7 +60,7 @@ def _stream_sender(port: int, first_verified, out) -> None:
 
 
 def _stream_receiver(port: int, first_verified, out) -> None:
-    _init(1, port)
+    init_gloo_pair(1, port)
     plan = _plan()
     dst = destination_pools(plan, spare_pages=1, seed=3)
     seen = []
@@ -131,7 +119,7 @@ def _run(targets) -> dict:
 def test_gloo_streams_layer_groups_and_publishes_all_or_nothing():
     ctx = mp.get_context("spawn")
     first = ctx.Event()
-    port = _free_port()
+    port = free_port()
     res = _run([(_stream_sender, (port, first)), (_stream_receiver, (port, first))])
     assert res["exitcodes"] == [0, 0], res
     assert res["streamed"] is True  # group 1 was verified before group 2 left the sender

@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from migration_expected import expected_records
+from migration_helpers import expected_records, free_port, init_gloo_pair
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -50,17 +48,6 @@ JOIN_TIMEOUT_S = 90
 RECV_TIMEOUT_S = 30.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-
-
 def _plan(pair: tuple[str, str]):
     return plan_migration(pair[0], pair[1], MODEL, SPECULATIVE_TOKENS if pair == SPECULATIVE else TOKENS)
 
@@ -75,7 +62,7 @@ def _save_pools(path: str, pools: EnginePools, tables: dict[str, list[int]] | No
 
 
 def _sender_main(port: int) -> None:
-    _init(0, port)
+    init_gloo_pair(0, port)
     fwd = _plan(FORWARD)
     src, tables = source_request(fwd, spare_pages=2, seed=11)
     send_request(fwd, src, tables, dst_rank=1, convert_on="receiver", chunk_bytes=1 << 20, timeout=RECV_TIMEOUT_S)
@@ -94,7 +81,7 @@ def _sender_main(port: int) -> None:
 
 
 def _receiver_main(port: int, out_dir: str) -> None:
-    _init(1, port)
+    init_gloo_pair(1, port)
     for name, pair in (("forward", FORWARD), ("reverse", REVERSE), ("speculative", SPECULATIVE)):
         plan = _plan(pair)
         dst = destination_pools(plan, spare_pages=2, seed=5)
@@ -137,7 +124,7 @@ def _run_pair(targets: list[tuple], timeout: float = JOIN_TIMEOUT_S) -> list[int
 @pytest.fixture(scope="module")
 def pair_results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("migration")
-    port = _free_port()
+    port = free_port()
     codes = _run_pair([(_sender_main, (port,)), (_receiver_main, (port, str(out)))])
     assert codes == [0, 0], f"sender/receiver exit codes {codes}"
     return out
@@ -209,7 +196,7 @@ def test_corrupted_page_is_detected_and_nothing_is_claimed(pair_results):
 
 
 def _stalling_sender_main(port: int, sent) -> None:
-    _init(0, port)
+    init_gloo_pair(0, port)
     plan = _plan(FORWARD)
     src, tables = source_request(plan, spare_pages=2, seed=11)
     dist.barrier()  # the receiver's clock starts now, with the request already built
@@ -222,7 +209,7 @@ def _stalling_sender_main(port: int, sent) -> None:
 
 
 def _patient_receiver_main(port: int, out_dir: str, timeout: float) -> None:
-    _init(1, port)
+    init_gloo_pair(1, port)
     plan = _plan(FORWARD)
     dst = destination_pools(plan, spare_pages=2, seed=5)
     before = dst.num_free()
@@ -243,7 +230,7 @@ def _patient_receiver_main(port: int, out_dir: str, timeout: float) -> None:
 def test_sender_dying_or_stalling_mid_transfer_fails_receiver_cleanly(tmp_path, mode, timeout):
     ctx = mp.get_context("spawn")
     sent = ctx.Event()
-    port = _free_port()
+    port = free_port()
     sender = ctx.Process(target=_stalling_sender_main, args=(port, sent))
     receiver = ctx.Process(target=_patient_receiver_main, args=(port, str(tmp_path), timeout))
     sender.start()

@@ -15,9 +15,10 @@ import torch
 
 from kvbridge import nonfinite
 from kvbridge import numerics as nx
-from kvbridge.codecs import HEAD_DIM, reciprocal_f32
+from kvbridge.codecs import HEAD_DIM, reciprocal_f32, tensor_multiplier
 from kvbridge.errors import InputError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout
+from kvbridge.loss import LossStats
 from kvbridge.reference import check_finite
 
 NonFinitePolicy = Literal["error", "zero", "saturate"]
@@ -204,53 +205,31 @@ class LossReport:
     def to_dict(self) -> dict:
         return asdict(self)
 
-
-def measure_loss(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    *,
-    src_layout: str,
-    dst_layout: str,
-    dst_scale: float | None,
-    byte_move: bool,
-    saturated: int,
-    loss_note: str = "",
-) -> LossReport:
-    """Compare decoded source ``src`` and decoded destination ``dst`` (fp32 ``[N, 512]``); ``loss_note``
-    (the destination layout's) becomes the report's ``note`` when anything was lost."""
-    err = (dst - src).abs()
-    amax = float(src.abs().max()) if src.numel() else 0.0
-    max_abs = float(err.max()) if err.numel() else 0.0
-    lossless = bool(torch.equal(src, dst))
-    return LossReport(
-        src_layout=src_layout,
-        dst_layout=dst_layout,
-        num_tokens=src.shape[0],
-        lossless=lossless,
-        byte_move=byte_move,
-        dst_scale=dst_scale,
-        max_abs_error=max_abs,
-        max_rel_error=max_abs / amax if amax > 0 else 0.0,
-        rms_error=float(err.square().mean().sqrt()) if err.numel() else 0.0,
-        saturated=saturated,
-        flushed_to_zero=int(((src != 0) & (dst == 0)).sum()),
-        nope_max_abs_error=float(err[:, :448].max()) if err.numel() else 0.0,
-        rope_max_abs_error=float(err[:, 448:].max()) if err.numel() else 0.0,
-        note="" if lossless else loss_note,
-    )
+    @classmethod
+    def from_stats(cls, stats: LossStats, *, src_layout: str, dst_layout: str, byte_move: bool,
+                   dst_scale: float | None, loss_note: str = "") -> LossReport:
+        """The report of ``stats``; ``loss_note`` (the destination layout's) becomes ``note`` when anything was lost."""
+        return cls(
+            src_layout=src_layout,
+            dst_layout=dst_layout,
+            num_tokens=stats.num_tokens,
+            lossless=stats.lossless,
+            byte_move=byte_move,
+            dst_scale=dst_scale,
+            max_abs_error=stats.max_abs,
+            max_rel_error=stats.max_rel_error,
+            rms_error=stats.rms_error,
+            saturated=stats.saturated,
+            flushed_to_zero=stats.flushed,
+            nope_max_abs_error=stats.nope_max,
+            rope_max_abs_error=stats.rope_max,
+            note="" if stats.lossless else loss_note,
+        )
 
 
 def is_byte_move(src: Layout, dst: Layout, src_scale: float, dst_scale: float) -> bool:
     """True when ``src`` and ``dst`` store identical token records (only paging differs)."""
     return src.same_record(dst) and (not src.per_tensor_scale or src_scale == dst_scale)
-
-
-def count_saturated(x: torch.Tensor, layout: Layout, dialect: str | None, scale: float) -> int:
-    """Values of fp32 ``x`` beyond the E4M3 range of a per-tensor layout at ``scale``."""
-    if not layout.per_tensor_scale:
-        return 0
-    mult = torch.tensor(1.0) if dialect == "compress" else reciprocal_f32(scale)
-    return int(((x * mult.to(x.device)).abs() > nx.E4M3_MAX).sum())
 
 
 def _check_out(out: torch.Tensor, pages: torch.Tensor, dst: Layout, num_pages: int, page_size: int) -> None:
@@ -322,46 +301,20 @@ def transcode(
         out = fastpath.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
         if not report:
             return out
-        zero = LossReport(
-            src_layout=src.name,
-            dst_layout=dst.name,
-            num_tokens=n,
-            lossless=True,
-            byte_move=True,
-            dst_scale=s_out if dst.per_tensor_scale else None,
-            max_abs_error=0.0,
-            max_rel_error=0.0,
-            rms_error=0.0,
-            saturated=0,
-            flushed_to_zero=0,
-            nope_max_abs_error=0.0,
-            rope_max_abs_error=0.0,
-        )
-        return out, zero
+        return out, LossReport.from_stats(LossStats(num_tokens=n), src_layout=src.name, dst_layout=dst.name,
+                                          byte_move=True, dst_scale=s_out if dst.per_tensor_scale else None)
     d = _check_dialect(dialect, dst)
-    if auto and not report:  # the amax from codes and scale bytes (one read pass); NaN/Inf: decoded below
+    if auto:  # the amax from codes and scale bytes (one read pass)
         amax = fastpath.amax_pages(pages, src, src_page_size, num_tokens, s_in)
-        if amax is not None:
-            auto, s_out = False, _scale_for_amax(amax)
-    if not report and not auto:
-        return fastpath.transcode_pages(pages, src, src_page_size, dst, dps, num_tokens, s_in, s_out, d, out=out)
-    values = fastpath.decode_pages(pages, src, src_page_size, num_tokens, s_in)
-    check_finite(values)
-    if auto:
-        s_out = auto_scale(values)
-    encoded = fastpath.encode_pages(values, dst, dps, d, s_out)
-    out = encoded if out is None else out.copy_(encoded)
+        if amax is None:  # a value decodes to NaN/Inf: the decoded values name it
+            values = fastpath.decode_pages(pages, src, src_page_size, num_tokens, s_in)
+            check_finite(values)
+            amax = float(values.abs().max())
+        s_out = _scale_for_amax(amax)
+    out = fastpath.transcode_pages(pages, src, src_page_size, dst, dps, num_tokens, s_in, s_out, d, out=out)
     if not report:
         return out
-    back = fastpath.decode_pages(out, dst, dps, values.shape[0], s_out)
-    rep = measure_loss(
-        values,
-        back,
-        src_layout=src.name,
-        dst_layout=dst.name,
-        dst_scale=s_out if dst.per_tensor_scale else None,
-        byte_move=False,
-        saturated=count_saturated(values, dst, d, s_out),
-        loss_note=dst.loss_note,
-    )
-    return out, rep
+    mult = tensor_multiplier(d, s_out) if dst.per_tensor_scale else None
+    stats = fastpath.loss_stats(pages, src, src_page_size, out, dst, dps, n, s_in, s_out, mult)
+    return out, LossReport.from_stats(stats, src_layout=src.name, dst_layout=dst.name, byte_move=False,
+                                      dst_scale=s_out if dst.per_tensor_scale else None, loss_note=dst.loss_note)

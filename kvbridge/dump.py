@@ -36,10 +36,11 @@ from typing import Any
 import torch
 
 from kvbridge import fastpath, nonfinite
-from kvbridge.api import LossReport, auto_scale, count_saturated, decode, encode, is_byte_move, transcode
-from kvbridge.codecs import HEAD_DIM
+from kvbridge.api import LossReport, auto_scale, decode, encode, is_byte_move, transcode
+from kvbridge.codecs import HEAD_DIM, tensor_multiplier
 from kvbridge.errors import DumpFormatError, DumpWriteError, InputError, KVBridgeError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout
+from kvbridge.loss import LossStats, compare_values
 
 FORMAT_NAME = "kvbridge-dump"
 FORMAT_VERSION = 2
@@ -1038,60 +1039,6 @@ class ConvertedEntry:
 
 
 @dataclass
-class _LossAccumulator:
-    """A ``LossReport`` built chunk by chunk (max, sums and counts over every chunk)."""
-
-    src_layout: str
-    dst_layout: str
-    dst_scale: float | None
-    byte_move: bool
-    num_tokens: int = 0
-    equal: bool = True
-    src_amax: float = 0.0
-    max_abs: float = 0.0
-    sum_sq: float = 0.0
-    saturated: int = 0
-    flushed: int = 0
-    nope_max: float = 0.0
-    rope_max: float = 0.0
-
-    def add(self, src: torch.Tensor, dst: torch.Tensor, saturated: int) -> None:
-        self.num_tokens += src.shape[0]
-        if not src.numel():
-            return
-        inf = float("inf")
-        self.src_amax = max(self.src_amax, nonfinite.value_stats(src)[0])  # src is finite (checked)
-        self.saturated += saturated
-        if torch.equal(src, dst):  # the common lossless chunk: every error is 0
-            return
-        self.equal = False
-        err = dst - src
-        self.max_abs = max(self.max_abs, float(torch.linalg.vector_norm(err, inf)))
-        self.sum_sq += float(torch.linalg.vector_norm(err, 2, dtype=torch.float64)) ** 2
-        self.flushed += int(((src != 0) & (dst == 0)).sum())
-        self.nope_max = max(self.nope_max, float(torch.linalg.vector_norm(err[:, :448], inf)))
-        self.rope_max = max(self.rope_max, float(torch.linalg.vector_norm(err[:, 448:], inf)))
-
-    def report(self) -> LossReport:
-        values = self.num_tokens * HEAD_DIM
-        return LossReport(
-            src_layout=self.src_layout,
-            dst_layout=self.dst_layout,
-            num_tokens=self.num_tokens,
-            lossless=self.equal,
-            byte_move=self.byte_move,
-            dst_scale=self.dst_scale,
-            max_abs_error=self.max_abs,
-            max_rel_error=self.max_abs / self.src_amax if self.src_amax > 0 else 0.0,
-            rms_error=math.sqrt(self.sum_sq / values) if values else 0.0,
-            saturated=self.saturated,
-            flushed_to_zero=self.flushed,
-            nope_max_abs_error=self.nope_max,
-            rope_max_abs_error=self.rope_max,
-        )
-
-
-@dataclass
 class EntryPlan:
     """How one entry converts: source and destination geometry, scales, byte move or re-encode."""
 
@@ -1247,10 +1194,16 @@ class _Converter:
             token, dim = (int(v) for v in bad.nonzero()[0])
             raise _nonfinite_error(self.fh, self.plan, int(bad.sum()), t0 + token, f", dim {dim}")
 
+    def _report(self, stats: LossStats) -> LossReport:
+        p = self.plan
+        return LossReport.from_stats(stats, src_layout=p.src.name if p.src else "latents", dst_layout=p.dst.name,
+                                     byte_move=p.byte_move, dst_scale=p.dst_scale if p.dst.per_tensor_scale else None)
+
     def run(self) -> LossReport | None:
         p = self.plan
         scale = p.dst_scale if p.dst.per_tensor_scale else None
-        acc = _LossAccumulator(p.src.name if p.src else "latents", p.dst.name, scale, p.byte_move)
+        mult = tensor_multiplier(p.dialect, scale) if scale is not None else None
+        stats = LossStats()
         bad: nonfinite.Scan | None = None
         for t0, k, rows in self._chunks():
             if p.byte_move:
@@ -1263,14 +1216,14 @@ class _Converter:
                     continue  # keep scanning for the exact count; nothing more is written
                 pages = transcode(rows, p.src, p.dst, src_page_size=p.src_page_size, dst_page_size=p.dst_page_size,
                                   num_tokens=k, src_scale=p.src_scale, dst_scale=scale, out=self._out_buffer(k))
-                acc.num_tokens += k
-            elif self.report or p.src is None:
+                stats.num_tokens += k
+            elif p.src is None:
                 values = self._values(rows, k)
                 self._check_finite(values, t0)
                 pages = encode(values, p.dst, page_size=p.dst_page_size, dialect=p.dialect, scale=scale)
                 if self.report:
                     back = decode(pages, p.dst, page_size=p.dst_page_size, num_tokens=k, scale=scale)
-                    acc.add(values, back, count_saturated(values, p.dst, p.dialect, scale or 1.0))
+                    stats.merge(compare_values(values, back, mult))
             else:
                 try:
                     pages = transcode(rows, p.src, p.dst, src_page_size=p.src_page_size,
@@ -1279,10 +1232,13 @@ class _Converter:
                 except NonFiniteError:
                     self._check_finite(self._values(rows, k), t0)
                     raise
+                if self.report:  # decode-and-compare of both pools in one native pass
+                    stats.merge(fastpath.loss_stats(rows, p.src, p.src_page_size, pages, p.dst, p.dst_page_size, k,
+                                                    p.src_scale or 1.0, scale or 1.0, mult))
             self.progress(self.out.write(pages))
         if bad is not None:
             raise _nonfinite_error(self.fh, p, bad.count, bad.first_token, f", field {bad.first_field!r} (byte scan)")
-        return acc.report() if self.report else None
+        return self._report(stats) if self.report else None
 
 
 def convert_open_dump(
@@ -1367,9 +1323,9 @@ def convert_entry(
         s_out = (_fp32_scale(s) or 1.0) if dst.per_tensor_scale else None
         back = decode(pages, dst, page_size=page_size, num_tokens=entry.num_tokens, scale=s_out)
         d = dialect or dst.default_dialect
-        acc = _LossAccumulator("latents", dst.name, s_out, False)
-        acc.add(values, back, count_saturated(values, dst, d, s_out or 1.0))
-        rep, p = acc.report(), page_size
+        stats = compare_values(values, back, tensor_multiplier(d, s_out) if s_out is not None else None)
+        rep = LossReport.from_stats(stats, src_layout="latents", dst_layout=dst.name, byte_move=False, dst_scale=s_out)
+        p = page_size
     else:
         p = entry.page_size if page_size is None else page_size
         src = get_layout(entry.layout)

@@ -3,7 +3,8 @@
 Every backend is a module with the same interface, byte-identical to ``kvbridge.reference``:
 ``name``, ``supports(*layouts)``, ``all_finite``, ``amax_pages``, ``move_rows``, ``encode_pages``, ``decode_pages``,
 ``repage(..., out=)``, ``transcode_pages(..., out=)``, ``nonfinite_flags``, ``transcode_slots`` and
-``gather_transcode``. All of them execute the layouts' own record descriptions, so every
+``gather_transcode``; ``loss_stats`` runs ``kvbridge.native_loss`` on CPU and compares decoded
+values (``kvbridge.loss``) elsewhere. All of them execute the layouts' own record descriptions, so every
 registered layout runs on every backend.
 
 - CPU tensors: the native numba kernels (``kvbridge.native``, imported on first use);
@@ -24,10 +25,11 @@ import torch
 from kvbridge import reference
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
+from kvbridge.loss import LossStats, compare_values
 
 __all__ = [
     "BACKEND_ENV", "all_finite", "amax_pages", "backend", "backend_name", "decode_pages", "encode_pages",
-    "gather_transcode", "move_rows", "nonfinite_flags", "repage", "transcode_pages", "transcode_slots",
+    "gather_transcode", "loss_stats", "move_rows", "nonfinite_flags", "repage", "transcode_pages", "transcode_slots",
 ]
 
 #: Environment variable selecting the implementation: ``auto`` (default) or ``reference``.
@@ -147,3 +149,19 @@ def gather_transcode(
     return backend(pool, layout, scratch_layout).gather_transcode(
         pool, layout, page_size, indices, scale, dialect, byte_move, out_page_size, scratch_layout
     )
+
+
+def loss_stats(
+    src_pages: torch.Tensor, src: Layout, src_page_size: int, dst_pages: torch.Tensor, dst: Layout,
+    dst_page_size: int, num_tokens: int, src_scale: float, dst_scale: float, mult: float | None,
+) -> LossStats:
+    """Loss statistics of the first ``num_tokens`` tokens of ``dst_pages`` against ``src_pages`` (both
+    finite; ``mult``: the destination's per-tensor E4M3 multiplier, None for per-tile scales)."""
+    if backend((src_pages, dst_pages), src, dst).name == "native":
+        from kvbridge import native_loss
+
+        return native_loss.loss_stats(src_pages, src, src_page_size, dst_pages, dst, dst_page_size, num_tokens,
+                                      src_scale, dst_scale, mult)
+    a = decode_pages(src_pages, src, src_page_size, num_tokens, src_scale)
+    b = decode_pages(dst_pages, dst, dst_page_size, num_tokens, dst_scale)
+    return compare_values(a, b, mult)

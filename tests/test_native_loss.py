@@ -1,0 +1,140 @@
+"""The loss statistics of a transcode: the native one-pass kernel (kvbridge.native_loss) against the
+torch comparison of decoded values (kvbridge.loss), and ``transcode(report=True)`` against the
+torch formulas it replaced.
+
+Maxima and counts must be identical; the float64 sum of squared errors differs only in its
+summation order (rel 1e-12); the fp32 ``err.square().mean()`` used before differs by its fp32
+rounding (rel 1e-5).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kvbridge import api, fastpath, native, native_loss
+from kvbridge.codecs import tensor_multiplier
+from kvbridge.layouts import all_layouts, get_layout
+from kvbridge.loss import LossStats, compare_values
+from tests.test_native import edge_latents
+
+LAYOUTS = list(all_layouts())
+
+
+def finite_latents(seed: int = 0) -> torch.Tensor:
+    """Edge-case tiles (ties, subnormals, values that saturate per-tensor E4M3 at small scales), kept
+    within bf16's finite range so that every layout stores them finite."""
+    x = edge_latents(seed)
+    return x.clamp(-3e38, 3e38)
+
+
+def assert_same_stats(got: LossStats, want: LossStats) -> None:
+    for name in ("num_tokens", "src_amax", "max_abs", "nope_max", "rope_max", "unequal", "flushed", "saturated"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert got.sum_sq == pytest.approx(want.sum_sq, rel=1e-12, abs=0.0)
+
+
+@pytest.fixture(scope="module")
+def latents() -> torch.Tensor:
+    return finite_latents()
+
+
+@pytest.mark.parametrize("src", LAYOUTS, ids=lambda lay: lay.name)
+def test_native_stats_match_torch_comparison_for_every_pair(latents, src):
+    """Every (source, destination) pair of the registry, mixed page sizes, partly filled pages;
+    per-tensor destinations at several scales and both dialects."""
+    n = latents.shape[0] - 7
+    s_in = 0.037 if src.per_tensor_scale else 1.0
+    pages = fastpath.encode_pages(latents, src, 61, src.default_dialect, s_in)
+    for dst in LAYOUTS:
+        settings = itertools.product(dst.dialects or (None,), (1.0, 0.037, 3.0) if dst.per_tensor_scale else (1.0,))
+        for dialect, s_out in settings:
+            out = native.transcode_pages(pages, src, 61, dst, 16, n, s_in, s_out, dialect)
+            mult = tensor_multiplier(dialect, s_out) if dst.per_tensor_scale else None
+            got = native_loss.loss_stats(pages, src, 61, out, dst, 16, n, s_in, s_out, mult)
+            a = native.decode_pages(pages, src, 61, n, s_in)
+            b = native.decode_pages(out, dst, 16, n, s_out)
+            assert_same_stats(got, compare_values(a, b, mult))
+
+
+def old_report(values: torch.Tensor, back: torch.Tensor, mult: float | None) -> dict:
+    """The torch formulas ``transcode(report=True)`` used before the native kernel."""
+    err = (back - values).abs()
+    sat = int(((values * torch.tensor(mult)).abs() > 448).sum()) if mult is not None else 0
+    return {
+        "lossless": bool(torch.equal(values, back)),
+        "max_abs_error": float(err.max()),
+        "max_rel_error": float(err.max()) / float(values.abs().max()),
+        "rms_error": float(err.square().mean().sqrt()),
+        "saturated": sat,
+        "flushed_to_zero": int(((values != 0) & (back == 0)).sum()),
+        "nope_max_abs_error": float(err[:, :448].max()),
+        "rope_max_abs_error": float(err[:, 448:].max()),
+    }
+
+
+@pytest.mark.parametrize(("src", "dst", "scale", "dialect"), [
+    ("trtllm-fp8", "flashmla-model1", None, None),
+    ("flashmla-model1", "trtllm-fp8", 0.01, None),
+    ("flashmla-model1", "trtllm-fp8", 0.01, "compress"),
+    ("bf16", "v41-fp4", None, None),
+    ("v41-fp8", "trtllm-fp8", "auto", None),
+])
+def test_transcode_report_matches_the_torch_formulas(latents, src, dst, scale, dialect):
+    """The native report and the old torch formulas agree (on values below 1e15: beyond about 1e19
+    the old fp32 sum of squares overflowed to an rms of inf, the float64 sum does not)."""
+    latents = latents.clamp(-1e15, 1e15)
+    s_lay, d_lay = get_layout(src), get_layout(dst)
+    s_in = 0.037 if s_lay.per_tensor_scale else None
+    pages = fastpath.encode_pages(latents, s_lay, 64, s_lay.default_dialect, s_in or 1.0)
+    out, rep = api.transcode(pages, src, dst, src_page_size=64, src_scale=s_in, dst_scale=scale, dialect=dialect,
+                             report=True)
+    values = api.decode(pages, src, page_size=64, scale=s_in)
+    back = api.decode(out, dst, page_size=64, scale=rep.dst_scale)
+    mult = tensor_multiplier(dialect, rep.dst_scale) if d_lay.per_tensor_scale else None
+    want = old_report(values, back, mult)
+    got = rep.to_dict()
+    assert want.pop("rms_error") == pytest.approx(got.pop("rms_error"), rel=1e-5)
+    assert {k: got[k] for k in want} == want
+    assert not rep.lossless and rep.note == d_lay.loss_note
+
+
+def test_reference_backend_report_equals_native(latents, monkeypatch):
+    pages = fastpath.encode_pages(latents, get_layout("flashmla-model1"), 64, "flashmla", 1.0)
+    kwargs = dict(src_page_size=64, dst_page_size=32, dst_scale=0.02, report=True)
+    out, native_rep = api.transcode(pages, "flashmla-model1", "trtllm-fp8", **kwargs)
+    monkeypatch.setenv(fastpath.BACKEND_ENV, "reference")
+    ref_out, ref_rep = api.transcode(pages, "flashmla-model1", "trtllm-fp8", **kwargs)
+    assert torch.equal(out, ref_out)
+    assert ref_rep.rms_error == pytest.approx(native_rep.rms_error, rel=1e-12)
+    assert {**ref_rep.to_dict(), "rms_error": 0} == {**native_rep.to_dict(), "rms_error": 0}
+
+
+def test_lossless_transcode_report_and_empty_input():
+    x = torch.randn(300, 512).bfloat16().float()
+    pages = api.encode(x, "bf16", page_size=64)
+    _, rep = api.transcode(pages, "bf16", "bf16", src_page_size=64, dst_page_size=16, report=True)  # byte move
+    assert rep.lossless and rep.byte_move and rep.max_abs_error == 0
+    fp8 = api.encode(x, "trtllm-fp8", page_size=64, scale=0.5)
+    _, rep = api.transcode(fp8, "trtllm-fp8", "bf16", src_page_size=64, src_scale=0.5, report=True)
+    assert rep.lossless and not rep.byte_move and rep.rms_error == 0 and rep.num_tokens == 320
+    empty = torch.zeros(0, get_layout("trtllm-fp8").page_bytes(64), dtype=torch.uint8)
+    _, rep = api.transcode(empty, "trtllm-fp8", "flashmla-model1", src_page_size=64, report=True)
+    assert rep.lossless and rep.num_tokens == 0 and rep.rms_error == 0
+
+
+def test_merged_chunk_stats_equal_one_pass(latents):
+    """Streamed conversions merge per-chunk statistics: maxima and counts as one pass over all."""
+    src, dst = get_layout("flashmla-model1"), get_layout("trtllm-fp8")
+    pages = fastpath.encode_pages(latents, src, 64, "flashmla", 1.0)
+    n = latents.shape[0]
+    out = fastpath.transcode_pages(pages, src, 64, dst, 64, n, 1.0, 0.01, "swa")
+    mult = tensor_multiplier("swa", 0.01)
+    whole = fastpath.loss_stats(pages, src, 64, out, dst, 64, n, 1.0, 0.01, mult)
+    merged = LossStats()
+    for p0 in range(0, pages.shape[0], 3):
+        k = min(n - 64 * p0, 3 * 64)
+        merged.merge(fastpath.loss_stats(pages[p0:p0 + 3], src, 64, out[p0:p0 + 3], dst, 64, k, 1.0, 0.01, mult))
+    assert_same_stats(merged, whole)

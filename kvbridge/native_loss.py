@@ -72,22 +72,22 @@ def _loss_kernel(
             d_at, df_at = _locate(t, dp, dpb, dsplit, drb)
             _gather(dst, d_at, df_at, dsplit, drb, rec_b)
             _decode_record(dprog, rec_b, s_out, e4m3, ue8m0, e2m1, b, b_bits)
+            token_sq = 0.0
             for i in range(HEAD_DIM):
-                err[i] = abs(b[i] - a[i])
+                x = a[i]
+                y = b[i]
+                e = abs(y - x)
+                err[i] = e
+                token_sq += np.float64(e) * np.float64(e)
+                unequal += x != y
+                flushed += (x != 0) & (y == 0)
+            sq += token_sq
             for i in range(HEAD_DIM):
                 amax = max(amax, np.uint32(a_bits[i] & np.uint32(0x7FFFFFFF)))
             for i in range(NOPE_DIM):
                 nope_max = max(nope_max, err_bits[i])
             for i in range(NOPE_DIM, HEAD_DIM):
                 rope_max = max(rope_max, err_bits[i])
-            token_sq = 0.0
-            for i in range(HEAD_DIM):
-                e = np.float64(err[i])
-                token_sq += e * e
-            sq += token_sq
-            for i in range(HEAD_DIM):
-                unequal += a[i] != b[i]
-                flushed += (a[i] != 0) & (b[i] == 0)
             if per_tensor:
                 for i in range(HEAD_DIM):
                     saturated += abs(a[i] * mult) > _E4M3_MAX

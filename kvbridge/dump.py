@@ -40,7 +40,8 @@ from kvbridge.api import LossReport, auto_scale, decode, encode, is_byte_move, t
 from kvbridge.codecs import HEAD_DIM, tensor_multiplier
 from kvbridge.errors import DumpFormatError, DumpWriteError, InputError, KVBridgeError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout
-from kvbridge.loss import LossStats, compare_values
+from kvbridge.loss import LossStats, compare_values, lossless_scale_candidates
+from kvbridge.reference import check_finite
 
 FORMAT_NAME = "kvbridge-dump"
 FORMAT_VERSION = 2
@@ -80,6 +81,8 @@ _MAX_HEADER_BYTES = 100 * 2**20
 _MAX_INT = 2**48
 #: Source bytes read per chunk when streaming an entry.
 CHUNK_BYTES = 32 * 2**20
+#: Tokens of an entry's first chunk that pre-select the lossless per-tensor scales of ``scale="auto"``.
+LOSSLESS_SAMPLE_TOKENS = 64
 #: Suffix of the temp file a dump is written into (``.{name}.kvbridge-partial``).
 PARTIAL_SUFFIX = ".kvbridge-partial"
 
@@ -1158,33 +1161,50 @@ class _Converter:
             return rows[:k].float()
         return decode(rows, p.src, page_size=p.src_page_size, num_tokens=k, scale=p.src_scale)
 
-    def _chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """``(first_token, tokens, rows)`` of each chunk holding tokens (trailing pages: checksum only)."""
+    def _chunks(self, counted: bool = True) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(first_token, tokens, rows)`` of each chunk holding tokens (trailing pages: checksum only);
+        ``counted``: the bytes read go to the progress (not for extra checking passes)."""
         p = self.plan
         for row0, rows in self.fh.iter_rows(p.info, self.chunk_tokens // p.src_page_size, reuse=True):
-            self.progress(rows.numel() * rows.element_size())
+            if counted:
+                self.progress(rows.numel() * rows.element_size())
             t0 = row0 * p.src_page_size
             k = min(p.num_tokens - t0, rows.shape[0] * p.src_page_size)
             if k > 0:
                 yield t0, k, rows
 
     def settle_auto_scale(self) -> None:
-        """``scale="auto"`` where no byte move applies (first pass): s = 1 when it reproduces every
-        value (a lossless path, e.g. back to the TensorRT-LLM FP8 a MODEL1 dump came from), else
-        the smallest scale with no saturation."""
+        """``scale="auto"`` where no byte move applies: a scale that reproduces every value when one
+        exists (s = 1, e.g. back to the TensorRT-LLM FP8 a MODEL1 dump came from, else the largest of
+        ``loss.lossless_scale_candidates``, each checked on the whole entry), else the smallest scale
+        with no saturation. The first pass takes the amax and checks s = 1; each candidate costs at
+        most one more pass, ending at its first chunk that it does not reproduce."""
         p = self.plan
         if p.dst_scale != "auto":
             return
-        amax, exact_at_1 = 0.0, True
+        amax, exact_at_1, sample = 0.0, True, None
         for t0, k, rows in self._chunks():
             values = self._values(rows, k)
             self._check_finite(values, t0)
             amax = max(amax, nonfinite.value_stats(values)[0])
-            if exact_at_1:  # stops at the first chunk that s = 1 does not reproduce
-                trial = encode(values, p.dst, page_size=p.dst_page_size, dialect=p.dialect, scale=1.0)
-                exact_at_1 = torch.equal(decode(trial, p.dst, page_size=p.dst_page_size, num_tokens=k, scale=1.0),
-                                         values)
-        p.dst_scale = 1.0 if exact_at_1 else auto_scale(torch.tensor([amax]))
+            if sample is None:
+                sample = values[:LOSSLESS_SAMPLE_TOKENS].clone()
+            exact_at_1 = exact_at_1 and self._reproduces(values, k, 1.0)  # stops at the first chunk it does not
+        if exact_at_1:
+            p.dst_scale = 1.0
+            return
+        candidates = [] if sample is None else lossless_scale_candidates(amax, sample, p.dialect)
+        for s in candidates:
+            if all(self._reproduces(self._values(rows, k), k, s) for _, k, rows in self._chunks(counted=False)):
+                p.dst_scale = s
+                return
+        p.dst_scale = auto_scale(torch.tensor([amax]))
+
+    def _reproduces(self, values: torch.Tensor, k: int, scale: float) -> bool:
+        """Whether the destination at per-tensor ``scale`` stores these ``k`` decoded values exactly."""
+        p = self.plan
+        trial = encode(values, p.dst, page_size=p.dst_page_size, dialect=p.dialect, scale=scale)
+        return torch.equal(decode(trial, p.dst, page_size=p.dst_page_size, num_tokens=k, scale=scale), values)
 
     def _check_finite(self, values: torch.Tensor, t0: int) -> None:
         if fastpath.all_finite(values):
@@ -1304,6 +1324,20 @@ def convert_dump(
         return convert_open_dump(fh, plans, dst, overwrite=overwrite, report=report, on_progress=on_progress)
 
 
+def _lossless_scale(values: torch.Tensor, dst: Layout, page_size: int, dialect: str | None) -> float | None:
+    """The per-tensor scale ``scale="auto"`` takes for in-memory ``values`` when one stores them
+    exactly (1.0 first, then ``loss.lossless_scale_candidates``), else None."""
+    check_finite(values)
+    amax = float(values.abs().max()) if values.numel() else 0.0
+    d = dialect or dst.default_dialect
+    for s in [1.0, *lossless_scale_candidates(amax, values[:LOSSLESS_SAMPLE_TOKENS], d)]:
+        back = decode(encode(values, dst, page_size=page_size, dialect=dialect, scale=s), dst, page_size=page_size,
+                      num_tokens=values.shape[0], scale=s)
+        if torch.equal(back, values):
+            return s
+    return None
+
+
 def convert_entry(
     entry: DumpEntry,
     to_layout: str | Layout,
@@ -1318,7 +1352,7 @@ def convert_entry(
         if page_size is None:
             raise InputError(f"entry {entry.name} holds raw latents: page_size is needed to encode it")
         values = entry.data.float()
-        s = auto_scale(values) if scale == "auto" else scale
+        s = (_lossless_scale(values, dst, page_size, dialect) or auto_scale(values)) if scale == "auto" else scale
         pages = encode(values, dst, page_size=page_size, dialect=dialect, scale=s)
         s_out = (_fp32_scale(s) or 1.0) if dst.per_tensor_scale else None
         back = decode(pages, dst, page_size=page_size, num_tokens=entry.num_tokens, scale=s_out)
@@ -1331,11 +1365,9 @@ def convert_entry(
         src = get_layout(entry.layout)
         if scale == "auto" and is_byte_move(src, dst, entry.scale or 1.0, entry.scale or 1.0):
             scale = entry.scale
-        elif scale == "auto" and dst.per_tensor_scale:  # s = 1 where it is lossless (as plan_convert)
-            trial = transcode(entry.data, src, dst, src_page_size=entry.page_size, dst_page_size=p,
-                              num_tokens=entry.num_tokens, src_scale=entry.scale, dst_scale=1.0, dialect=dialect,
-                              report=True)
-            scale = 1.0 if trial[1].lossless else scale
+        elif scale == "auto" and dst.per_tensor_scale:  # a lossless scale where one exists (as plan_convert)
+            values = decode(entry.data, src, page_size=entry.page_size, num_tokens=entry.num_tokens, scale=entry.scale)
+            scale = _lossless_scale(values, dst, p, dialect) or scale
         pages, rep = transcode(
             entry.data, src, dst, src_page_size=entry.page_size, dst_page_size=p, num_tokens=entry.num_tokens,
             src_scale=entry.scale, dst_scale=scale, dialect=dialect, report=True,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbridge import numerics as nx
 from kvbridge.codecs import HEAD_DIM, NOPE_DIM
 
 _E4M3_MAX = 448.0
@@ -88,3 +89,41 @@ def compare_values(src: torch.Tensor, dst: torch.Tensor, mult: float | None) -> 
     stats.unequal = int((dst != src).sum())
     stats.flushed = int(((src != 0) & (dst == 0)).sum())
     return stats
+
+
+#: Per-tensor scales of one entry fully checked by ``lossless_scale_candidates``' callers, at most.
+MAX_LOSSLESS_CANDIDATES = 8
+
+
+def lossless_scale_candidates(amax: float, sample: torch.Tensor, dialect: str | None) -> list[float]:
+    """Per-tensor E4M3 scales ``s`` (largest first, 1.0 excluded) under which the finite fp32 values of an
+    entry could all be stored exactly, reasoned from the codes: a value ``v`` survives
+    ``e4m3(v * m) * s`` (``m`` = fp32(1/s), or 1 for the ``compress`` dialect) only if ``v == fp32(q * s)``
+    for an E4M3 value ``q``; so with ``v`` = ``amax`` (the entry's largest |value|) each of the 126
+    positive E4M3 values gives at most a few fp32 scales near ``amax / q`` (a MODEL1 source's
+    candidates are its tile scales' powers of two times E4M3 values). Those that reproduce every
+    value of ``sample`` (some of the entry's values) are returned, at most ``MAX_LOSSLESS_CANDIDATES``;
+    the caller checks them on the whole entry. Largest first: the largest lossless scale is the one
+    that keeps the entry's finest values at the finest codes, which is what the writer of an entry
+    that came from per-tensor FP8 used. Empty for an all-zero entry."""
+    if not amax > 0:
+        return []
+    f32 = torch.float32
+    q = nx.E4M3_TABLE[1:127]  # every positive finite E4M3 value
+    a = torch.tensor(amax, dtype=f32)
+    s0 = a / q
+    steps = torch.arange(-2, 3)
+    s = s0.unsqueeze(1).expand(-1, steps.numel()).contiguous().view(torch.int32) + steps.to(torch.int32)
+    s = s.view(f32).reshape(-1)
+    s = s[torch.isfinite(s) & (s > 0) & ((q.repeat_interleave(steps.numel()) * s) == a) & (s != 1.0)].unique()
+    mags = sample.abs().reshape(-1).unique()
+    mags = torch.cat([mags[mags > 0], a.view(1)])
+    mult = torch.ones_like(s) if dialect == "compress" else torch.tensor(1.0, dtype=f32) / s
+    kept = []
+    for i in reversed(range(s.numel())):  # unique() sorts ascending
+        back = nx.E4M3_TABLE[nx.e4m3_encode(mags * mult[i]).long()] * s[i]
+        if torch.equal(back, mags):
+            kept.append(float(s[i]))
+            if len(kept) == MAX_LOSSLESS_CANDIDATES:
+                break
+    return kept

@@ -67,7 +67,7 @@ def command(
     Entries stream through in chunks, so memory stays bounded whatever their size. Lossy
     directions (for example flashmla-model1 -> trtllm-fp8) print a loss report measured against
     the decoded source (--no-report skips it). `--scale auto` keeps a lossless path where one
-    exists (the source's own scale, or s = 1 when it reproduces every value), and otherwise picks
+    exists (the source's own scale, s = 1, or another scale that reproduces every value), and otherwise picks
     per entry the smallest scale that does not saturate. A source holding NaN or Inf is refused, byte moves included.
     """
     if not force and dst.exists():

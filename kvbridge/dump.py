@@ -1088,7 +1088,8 @@ def plan_convert(
     """Check the conversion of every entry of open dump ``fh`` before any work; ``InputError``
     (naming the entry) for an option that does not apply. ``scale="auto"`` keeps the source's
     scale where that is a byte move (lossless); otherwise a first pass over the entry takes s = 1
-    if that reproduces every value, else the smallest scale with no saturation."""
+    if that reproduces every value, else another scale that does (``_Converter.settle_auto_scale``),
+    else the smallest scale with no saturation."""
     dst = get_layout(to_layout)
     if page_size is not None:
         dst.check_page_size(page_size)
@@ -1314,7 +1315,7 @@ def convert_dump(
     """Convert every entry of dump ``src`` to ``to_layout`` and write dump ``dst`` atomically.
 
     ``scale`` is the destination per-tensor scale (``"auto"``: the source's own where that is a
-    lossless byte move, else s = 1 where that reproduces every value, else per entry the smallest
+    lossless byte move, else s = 1 or another scale that reproduces every value, else per entry the smallest
     with no saturation). ``report=False`` skips
     the loss report (the fused transcode runs; each ``ConvertedEntry.report`` is None).
     Streams in bounded memory; see ``convert_open_dump`` for ``on_progress``.

@@ -1,0 +1,69 @@
+"""`kvbridge convert` as real processes: SIGINT mid-convert and two converts racing for one output.
+
+The child is the real command (``cli.main``) with ``kvbridge.dump.CHUNK_BYTES`` set to 64 KiB, so
+that a small dump takes hundreds of chunks and the signal or the second process lands while the
+output's temp file exists.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvbridge as kb
+from kvbridge.dump import DumpEntry, partial_path, read_dump, write_dump
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = "import sys; import kvbridge.dump as d; d.CHUNK_BYTES = 1 << 16; from cli.main import cli; cli(sys.argv[1:])"
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory) -> Path:
+    n = 16384
+    x = (torch.randn(n, 512, generator=torch.Generator().manual_seed(5)) * 2).bfloat16()
+    pages = kb.encode(x, "trtllm-fp8", page_size=64)
+    path = tmp_path_factory.mktemp("src") / "trt.safetensors"
+    return write_dump(path, [DumpEntry(0, "swa", pages, "trtllm-fp8", 64, n, 1.0, "swa")])
+
+
+def convert(src: Path, out: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", CHILD, "convert", str(src), str(out), "--to", "model1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_sigint_mid_convert_exits_130_and_removes_the_temp_file(dump: Path, tmp_path: Path):
+    out = tmp_path / "o.safetensors"
+    proc = convert(dump, out)
+    deadline = time.monotonic() + 120
+    while not partial_path(out).exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert partial_path(out).exists(), f"the convert never wrote its temp file (rc {proc.poll()})"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["Error: interrupted"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_two_racing_converts_exactly_one_wins(dump: Path, tmp_path: Path):
+    out = tmp_path / "o.safetensors"
+    procs = [convert(dump, out) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    codes = sorted(rc for rc, _ in results)
+    assert codes == [0, 1], results
+    loser = next(err for rc, err in results if rc == 1)
+    assert len(loser.strip().splitlines()) == 1 and str(out) in loser, loser
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # no temp file left behind
+    got = read_dump(out)["layer.0.swa"]
+    want = kb.transcode(read_dump(dump)["layer.0.swa"].data, "trtllm-fp8", "model1", src_page_size=64)
+    assert torch.equal(got.data, want)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import textwrap
 from typing import Any
 
 import click
@@ -18,6 +19,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.layouts import Layout, get_layout
@@ -26,6 +28,25 @@ console = Console()
 err_console = Console(stderr=True)
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
+
+#: Continuation lines of ``print_wrapped`` start this many columns deeper than the line's own indent.
+HANGING_INDENT = 4
+
+
+def print_wrapped(text: str, *, head: str = "") -> None:
+    """Print ``head`` (bold) then ``text`` as plain text, wrapped between words at the console's width
+    with continuation lines indented ``HANGING_INDENT`` columns deeper than the line itself; a word
+    longer than a line (a path) is kept whole."""
+    line = head + text
+    indent = len(line) - len(line.lstrip(" "))
+    lines = textwrap.wrap(line, width=console.width, subsequent_indent=" " * (indent + HANGING_INDENT),
+                          break_long_words=False, break_on_hyphens=False) or [""]
+    for i, part in enumerate(lines):
+        out = Text(part)
+        if i == 0 and head.strip():
+            out.stylize("bold", 0, len(head.rstrip()))
+        console.print(out, soft_wrap=True)
+
 
 #: Input files at least this large (bytes) get a progress bar.
 LARGE_FILE_BYTES = 64 * 2**20

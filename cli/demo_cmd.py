@@ -9,7 +9,7 @@ from rich.table import Table
 
 from kvbridge.demo import run_demo
 
-from .common import console, json_option, print_json
+from .common import console, json_option, print_json, print_wrapped
 
 
 def value_text(value: object) -> str:
@@ -37,16 +37,15 @@ def command(ctx: click.Context, tokens: int, workdir: Path | None, as_json: bool
         print_json(summary)
     else:
         request, convert = summary["request"], summary["convert"]
-        console.print(
-            f"synthetic DeepSeek-V4-Flash request: {tokens} tokens, layers with compress ratios {summary['layers']}"
-        )
+        print_wrapped(f"synthetic DeepSeek-V4-Flash request: {tokens} tokens, layers with compress ratios "
+                      f"{summary['layers']}")
         table = Table(title="TensorRT-LLM FP8 dump", box=None, header_style="bold")
         for col in ("entry", "pages×P", "tokens", "writer"):
             table.add_column(col, justify="left" if col in ("entry", "writer") else "right")
         for e in request["entries"]:
             table.add_row(e["name"], f"{e['pages']}×{e['page_size']}", str(e["num_tokens"]), e["dialect"])
         console.print(table)
-        console.print(
+        print_wrapped(
             f"trtllm-fp8 dump {request['file_bytes']} B -> MODEL1 dump {convert['file_bytes']} B, "
             f"{'lossless' if convert['lossless'] else 'max abs error ' + str(convert['max_abs_error'])}"
         )
@@ -54,7 +53,7 @@ def command(ctx: click.Context, tokens: int, workdir: Path | None, as_json: bool
             if isinstance(section, dict) and name not in ("request", "convert", "round_trip", "seconds"):
                 console.print(f"[bold]{name}[/bold]")
                 for key, value in section.items():
-                    console.print(f"  {key}: {value_text(value)}")
+                    print_wrapped(f"  {key}: {value_text(value)}")
         checks = summary["checks"]
         passed = sum(c["passed"] for c in checks)
         for c in checks:
@@ -62,7 +61,7 @@ def command(ctx: click.Context, tokens: int, workdir: Path | None, as_json: bool
                 console.print(f"[red]FAIL[/red] {c['check']}: {c['detail']}")
         colour = "green" if summary["ok"] else "red"
         console.print(f"[{colour}]{passed}/{len(checks)} checks passed[/{colour}]")
-        console.print(
+        print_wrapped(
             f"files: {summary['workdir'] if summary['kept_files'] else 'temporary, removed'}; "
             f"seconds per step: {value_text(summary['seconds'])}"
         )

@@ -19,7 +19,7 @@ from kvbridge.migration import (
 from kvbridge.migration.plan import MAX_TOKENS
 from kvbridge.topology import get_model
 
-from .common import console, engine_spec_option, json_option, model_option, print_json
+from .common import console, engine_spec_option, json_option, model_option, print_json, print_wrapped
 
 DEFAULT_LINK_GBPS = 40.0
 
@@ -60,10 +60,8 @@ def _wire_seconds(nbytes: int, gbps: float) -> float:
 
 
 def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> None:
-    console.print(
-        f"[bold]{plan.model.name}[/bold], {plan.num_tokens:,} tokens "
-        f"(+{plan.draft_tokens} draft): {plan.src.spec} -> {plan.dst.spec}"
-    )
+    print_wrapped(f", {plan.num_tokens:,} tokens (+{plan.draft_tokens} draft): {plan.src.spec} -> {plan.dst.spec}",
+                  head=plan.model.name)
     table = Table(title="bytes per cache role (MiB = 2^20 B)", box=box.SIMPLE_HEAD)
     table.add_column("role", overflow="fold")
     for col in ("layers", "entries", "src\npayload", "dst\npayload", "src\npages", "dst\npages"):
@@ -84,16 +82,16 @@ def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> 
             _mib(row["dst_page_bytes"]),
         )
     for side, prof in (("from", plan.src), ("to", plan.dst)):
-        console.print(f"[bold]{side}[/bold] {prof.spec} ({prof.version})")
+        print_wrapped(f" {prof.spec} ({prof.version})", head=side)
         for c in prof.choices:
-            console.print(f"  {c.option}={c.value} ({'given' if c.given else 'default'}; {c.source})")
+            print_wrapped(f"  {c.option}={c.value} ({'given' if c.given else 'default'}; {c.source})")
         for role, where in prof.sources.items():
-            console.print(f"  {role}: {where}")
+            print_wrapped(f"  {role}: {where}")
     console.print(table)
     for role, names in conversions.items():
-        console.print(f"  {role}: {'; '.join(sorted(names))}")
+        print_wrapped(f"  {role}: {'; '.join(sorted(names))}")
     row = totals["all"]
-    console.print(
+    print_wrapped(
         f"wire time at {link_gbps:g} GB/s: {_wire_seconds(row['src_bytes'], link_gbps) * 1e3:.2f} ms "
         f"(source-format payload, receiver transcodes) / "
         f"{_wire_seconds(row['dst_bytes'], link_gbps) * 1e3:.2f} ms (destination format, sender transcodes)"
@@ -204,7 +202,7 @@ def run_command(
         data["tables"] = tables
         print_json(data)
         return
-    console.print(
+    print_wrapped(
         f"migrated {plan.model.name}, {tokens:,} tokens, {plan.src.spec} -> {plan.dst.spec} in "
         f"{elapsed:.3f} s (pack {report.pack_s:.3f}, convert {report.convert_s:.3f}, "
         f"publish {report.publish_s:.3f}; converted on the {report.converted_on})"
@@ -216,7 +214,7 @@ def run_command(
         loss = f"KV {kv}; indexer max abs error {report.indexer_max_abs_error:g}"
         if report.state_max_abs_error is not None:
             loss += f"; state max abs error {report.state_max_abs_error:g} (fp32 -> bf16)"
-    console.print(f"payload {_mib(report.payload_bytes)} MiB in {report.transfers} transfers; {loss}")
+    print_wrapped(f"payload {_mib(report.payload_bytes)} MiB in {report.transfers} transfers; {loss}")
 
 
 def _register_network_commands() -> None:

@@ -10,9 +10,10 @@ Every statistic compares fp32 values ``src`` (the decoded source) and ``dst`` (t
 destination) with fp32 arithmetic as torch does: ``err = |dst - src|`` (one fp32 subtraction),
 ``saturated`` counts ``|src * mult| > 448`` for a per-tensor E4M3 destination with multiplier
 ``mult`` (fp32(1/s), or 1 for the ``compress`` dialect). The sum of squared errors is accumulated
-in float64 over the float64 squares of the fp32 errors, so ``rms_error`` agrees with any other
-float64 summation order to about 1e-15 relative (torch's fp32 ``err.square().mean()``, used before,
-to about 1e-6).
+in float64 over the float64 squares of the fp32 errors, so ``rms_error`` depends on the summation
+order only by float64 rounding (about 1e-12 relative measured over the 5e8 values of a 1M-token
+entry, far less on small inputs); torch's fp32 ``err.square().mean()``, used before by ``transcode``,
+differed by about 1e-6 and overflowed to inf for errors beyond about 1e19.
 """
 
 from __future__ import annotations

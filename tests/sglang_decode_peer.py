@@ -23,7 +23,6 @@ import sys
 import time
 import traceback
 
-
 #: The JSON-lines channel: the original stdout; fd 1 is pointed at stderr (NIXL and SGLang log there).
 _OUT = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
@@ -154,10 +153,10 @@ def run(cfg: dict) -> None:
 
     def raw(ptr_list, lens):
         import ctypes
-        return [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p)).copy() for p, n in zip(ptr_list, lens)]
+        return [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p)).copy() for p, n in zip(ptr_list, lens, strict=True)]
 
     arrays = {f"kv{i}": a for i, a in enumerate(raw(kv_args.kv_data_ptrs, kv_args.kv_data_lens))}
-    for c, (ptrs, lens) in enumerate(zip(kv_args.state_data_ptrs, kv_args.state_data_lens)):
+    for c, (ptrs, lens) in enumerate(zip(kv_args.state_data_ptrs, kv_args.state_data_lens, strict=True)):
         arrays.update({f"state{c}_{i}": a for i, a in enumerate(raw(ptrs, lens))})
     arrays.update({f"aux{i}": a for i, a in enumerate(raw(kv_args.aux_data_ptrs, kv_args.aux_data_lens))})
     tmp = cfg["dump"] + ".part.npz"

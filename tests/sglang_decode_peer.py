@@ -151,9 +151,11 @@ def run(cfg: dict) -> None:
         emit(result="Failed", reason=mgr.failure_records.get(room, ""))
         return
 
-    def raw(ptr_list, lens):
+    def raw(ptr_list, lens):  # a copy of each registered buffer, by address (what NIXL wrote into)
         import ctypes
-        return [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p)).copy() for p, n in zip(ptr_list, lens, strict=True)]
+
+        return [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p)).copy()
+                for p, n in zip(ptr_list, lens, strict=True)]
 
     arrays = {f"kv{i}": a for i, a in enumerate(raw(kv_args.kv_data_ptrs, kv_args.kv_data_lens))}
     for c, (ptrs, lens) in enumerate(zip(kv_args.state_data_ptrs, kv_args.state_data_lens, strict=True)):

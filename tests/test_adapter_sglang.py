@@ -45,7 +45,7 @@ def _need_sglang() -> None:
     try:
         import zmq  # noqa: F401
     except ImportError:
-        missing.append("pyzmq (pip install 'kvbridge[sglang]')")
+        missing.append("pyzmq (pip install 'kvbridge[sglang-pd]')")
     if missing:
         if os.environ.get("CI") == "true":
             pytest.fail("CI must run the SGLang adapter test; missing: " + "; ".join(missing))

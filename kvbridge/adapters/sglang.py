@@ -348,7 +348,7 @@ class SGLangPrefillPeer:
         try:
             import zmq
         except ImportError:
-            raise InputError("the SGLang peer needs pyzmq: pip install 'kvbridge[sglang]'") from None
+            raise InputError("the SGLang peer needs pyzmq: pip install 'kvbridge[sglang-pd]'") from None
         ip = _local_ip(self.host)
         self._zmq = zmq.Context()
         pull = self._zmq.socket(zmq.PULL)

@@ -194,5 +194,43 @@ def test_mismatched_buffers_fail_the_request_with_a_reason(request_pools, tmp_pa
     assert sent["status"] == "Failed" and sent["bytes"] == 0
 
 
+def test_cli_serves_a_tensorrt_llm_request_to_sglang(tmp_path):
+    """``kvbridge serve-sglang-prefill --from trtllm``: TensorRT-LLM's 512-B SWA records, converted to
+    SGLang's 584-B pages, reach SGLang's receiver byte for byte as kvbridge's SGLang writer makes them.
+    (The first two Flash layers are SWA-only: a request with compressor state cannot move between
+    TensorRT-LLM and SGLang, which store the score with and without the positional bias.)"""
+    _need_sglang()
+    from kvbridge.migration import destination_pools, migrate_local
+
+    model = FLASH.with_layers(2)
+    port, room = free_port(), 77
+    cfg = {"bootstrap": "sglang", "bootstrap_port": port, "compress_ratios": [0, 0], "room": room}
+    proc, next_line = _decode(cfg, tmp_path)
+    _until(next_line, "event", "ready")
+    cli = subprocess.run([sys.executable, "-m", "cli.main", "serve-sglang-prefill", "--from", "trtllm", "--layers",
+                          "2", "--tokens", str(TOKENS), "--room", str(room), "--first-token", "5",
+                          "--hidden-size", str(HIDDEN), "--register-with", f"127.0.0.1:{port}", "--state-memory",
+                          "DRAM", "--timeout", "90", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    result = _until(next_line, "result")
+    proc.wait(60)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    out = json.loads(cli.stdout)
+    assert out["status"] == "Success" and out["kv_layout"] == "v4" and result["result"] == "Success", (out, result)
+    # the same request, converted here as the command did (same seeds)
+    plan = plan_migration("trtllm", "sglang", model, TOKENS, include_mtp=False)
+    src, src_tables = source_request(plan, seed=0)
+    dst = destination_pools(plan)
+    tables, _ = migrate_local(plan, src, src_tables, dst, loss_report=False)
+    dump = np.load(result["dump"])
+    first = (TOKENS - MODEL.sliding_window) // 256
+    for j in range(2):
+        spec = model.caches(j)[0]
+        item = dst.storage(spec).page_bytes
+        for k, d in enumerate([9, 2]):
+            assert dump[f"state0_{j}"][d * item : (d + 1) * item].tobytes() == \
+                dst.pool(spec)[tables["swa"][first + k]].numpy().tobytes()
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

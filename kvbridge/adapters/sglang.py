@@ -311,16 +311,21 @@ class SGLangPrefillPeer:
     server to register with instead. ``kv_cache_dtype``: the string the decode runs with
     (``--kv-cache-dtype``; DeepSeek-V4 resolves ``auto`` to ``fp8_e4m3``). ``hidden_size``: the
     model's hidden size (the metadata row carries a hidden-state slot of that many bf16 values).
-    ``timeout``: seconds one request's transfer may take.
+    ``timeout``: seconds one request's transfer may take. ``state_memory``: the memory kind (``VRAM``
+    or ``DRAM``) of the decode's state buffers, which SGLang does not announce (it registers them as
+    VRAM); default: the kind of its KV buffers, VRAM when it has none.
     """
 
     def __init__(self, pools: EnginePools, *, hidden_size: int, host: str = "127.0.0.1",
                  bootstrap_port: int | None = 0, register_with: str | None = None,
-                 kv_cache_dtype: str = "fp8_e4m3", timeout: float = 60.0):
+                 kv_cache_dtype: str = "fp8_e4m3", timeout: float = 60.0, state_memory: str | None = None):
         if not isinstance(pools, EnginePools):
             raise InputError(f"pools must be EnginePools, got {type(pools).__name__}")
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise InputError(f"hidden_size must be a positive integer, got {hidden_size!r}")
+        if state_memory not in (None, "DRAM", "VRAM"):
+            raise InputError(f"state_memory must be DRAM or VRAM, got {state_memory!r}")
+        self.state_memory = state_memory
         if (bootstrap_port is None) == (register_with is None):
             raise InputError("give exactly one of bootstrap_port (serve the bootstrap route) and register_with "
                              "(an SGLang bootstrap server's host:port)")
@@ -604,9 +609,8 @@ class SGLangPrefillPeer:
             table = req.tables[pools.storage(spec).table]
             n = min(len(table), num_pages)  # pages past the table hold no complete compressed entry yet
             add(spec, table[:n], peer.kv_ptrs[i], info.kv_pages[:n], peer.kv_mem_kinds[i])
-        # SGLang registers state buffers as VRAM on a GPU decode; it does not announce their kind, so
-        # they take the kind of its KV buffers (DRAM on a host-memory decode).
-        state_kind = peer.kv_mem_kinds[0] if peer.kv_mem_kinds else "VRAM"
+        # SGLang registers state buffers as VRAM and does not announce their kind (see state_memory)
+        state_kind = self.state_memory or (peer.kv_mem_kinds[0] if peer.kv_mem_kinds else "VRAM")
         comps = [c for c in (lay.swa_state, lay.request_state) if c]
         if len(info.state_indices) != len(comps):
             raise InputError(f"decode sent {len(info.state_indices)} state index lists, the layout has {len(comps)}")

@@ -36,6 +36,55 @@ TOKENS = 1026  # ratio-4 state rows 1022..1025 straddle the SWA page boundary at
 HIDDEN = 64
 
 
+def test_pd_layout_is_sglang_buffer_order():
+    """Without SGLang: the buffer list for DeepSeek-V4-Pro (no SWA-only layer) and its sizes."""
+    from kvbridge.adapters.sglang import pd_layout
+    from kvbridge.migration import EnginePools
+    from kvbridge.topology import PRO
+
+    pools = EnginePools.create("sglang", PRO, {"full": 1, "swa": 1, "state128": 1}, include_mtp=False)
+    lay = pd_layout(pools)
+    r4, r128 = PRO.layers_with_ratio(4), PRO.layers_with_ratio(128)
+    assert [(s.layer, s.role) for s in lay.kv] == [(i, Role.COMPRESS) for i in r4] + [
+        (i, Role.INDEXER) for i in r4] + [(i, Role.COMPRESS) for i in r128]
+    assert [(s.layer, s.role) for s in lay.swa_state] == [(i, Role.SWA) for i in range(61)] + [
+        (i, Role.STATE) for i in r4] + [(i, Role.INDEXER_STATE) for i in r4]
+    assert [s.layer for s in lay.request_state] == r128
+    assert lay.kv_layout == "v4,c4:v4,c128:v4" and lay.page_size == 256
+    assert set(lay.kv_item_lens) == {37440, 8448, 1728}  # 64 and 2 records of 584 B, 576-aligned; 64 fp8 keys
+    assert set(lay.state_item_lens[0]) == {149760, 65536, 16384} and set(lay.state_item_lens[1]) == {524288}
+
+
+def test_wire_messages_and_refusals():
+    from kvbridge.adapters.sglang import SGLangPrefillPeer, TransferInfo, _pack_lists, _unpack_lists, metadata_row
+    from kvbridge.errors import InputError
+    from kvbridge.migration import EnginePools
+
+    assert _unpack_lists(_pack_lists([[1, 2], [], [7]], "i"), "i") == [[1, 2], [], [7]]
+    info = TransferInfo.parse([b"9", b"10.0.0.2", b"5555", b"agent", np.array([4, 1], "<i4").tobytes(), b"3", b"1",
+                               _pack_lists([[8], [2]], "i"), b"0", b"0"])
+    assert (info.room, info.kv_pages, info.aux_index, info.state_indices, info.dummy) == (9, [4, 1], 3, [[8], [2]],
+                                                                                          False)
+    row = metadata_row(2**40 + 5, 123, 64)
+    assert [len(b) for b in row] == [64, 64, 64, 64, 512, 512, 64, 128, 128, 64]
+    assert row[0][:4] == (123).to_bytes(4, "little") and row[-1][:8] == (2**40 + 5).to_bytes(8, "little")
+    sg = EnginePools.create("sglang", MODEL, {"full": 1, "swa": 1, "state128": 1}, include_mtp=False)
+    with pytest.raises(InputError, match="exactly one of"):
+        SGLangPrefillPeer(sg, hidden_size=64, bootstrap_port=0, register_with="h:1")
+    with pytest.raises(InputError, match="hidden_size"):
+        SGLangPrefillPeer(sg, hidden_size=0)
+    with pytest.raises(InputError, match="MTP"):
+        SGLangPrefillPeer(EnginePools.create("sglang", MODEL, {"full": 1, "swa": 1, "state128": 1}), hidden_size=64)
+    with pytest.raises(InputError, match="SGLang-profile"):
+        SGLangPrefillPeer(EnginePools.create("trtllm", FLASH.with_layers(2), {"swa": 1}, include_mtp=False),
+                          hidden_size=64)
+    peer = SGLangPrefillPeer(sg, hidden_size=64)
+    with pytest.raises(InputError, match="room"):
+        peer.add_request(0, {"full": [0], "swa": [0], "state128": [0]}, 10, 1)
+    with pytest.raises(InputError, match="block table 'state128'"):
+        peer.add_request(5, {"full": [0], "swa": [0]}, 10, 1)
+
+
 def _need_sglang() -> None:
     missing = []
     if not SGLANG_PY:
@@ -185,10 +234,11 @@ def test_sglang_handshake_refuses_a_wrong_peer(case, tmp_path):
 
 def test_mismatched_buffers_fail_the_request_with_a_reason(request_pools, tmp_path):
     """A bf16-state decode has the same layout string (SGLang's handshake passes) but other state
-    item lengths: kvbridge writes nothing and the receiver fails with kvbridge's reason."""
+    item lengths: kvbridge writes nothing and the receiver fails with kvbridge's reason. (Through
+    kvbridge's own bootstrap route: topology, rank lookup, registration, page ids, status.)"""
     _need_sglang()
     src, tables = request_pools
-    _, result, sent = _serve(src, tables, tmp_path=tmp_path, decode_cfg={"state_dtype": "bf16"})
+    _, result, sent = _serve(src, tables, tmp_path=tmp_path, decode_cfg={"state_dtype": "bf16"}, bootstrap="kvbridge")
     assert result["result"] == "Failed", result
     assert "kvbridge prefill peer" in result["reason"] and "state" in result["reason"]
     assert sent["status"] == "Failed" and sent["bytes"] == 0

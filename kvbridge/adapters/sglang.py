@@ -51,7 +51,7 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import torch
 
-from kvbridge.errors import InputError
+from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.execute import TransferError, migrate_local
 from kvbridge.migration.nixl import _Agent
 from kvbridge.migration.plan import MigrationPlan
@@ -555,8 +555,10 @@ class SGLangPrefillPeer:
                     if not info.dummy:
                         sent += self._send(req, info)
                 status = POLL_SUCCESS
-            except (TransferError, InputError) as exc:
+            except KVBridgeError as exc:
                 status, reason = POLL_FAILED, f"kvbridge prefill peer: {exc}"
+            except Exception as exc:  # a decode message this version misreads: fail the request, keep serving
+                status, reason = POLL_FAILED, f"kvbridge prefill peer: {type(exc).__name__}: {exc}"
             for endpoint, port in dict.fromkeys(targets):
                 self._push_status(endpoint, port, room, status, reason)
             req.result = {"status": "Success" if status == POLL_SUCCESS else "Failed", "reason": reason,

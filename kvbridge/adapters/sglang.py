@@ -351,9 +351,19 @@ class SGLangPrefillPeer:
     def start(self) -> SGLangPrefillPeer:
         """Start the NIXL agent, the ZMQ endpoint and the bootstrap route (or register with one)."""
         try:
-            import zmq
+            import zmq  # noqa: F401
         except ImportError:
             raise InputError("the SGLang peer needs pyzmq: pip install 'kvbridge[sglang-pd]'") from None
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        import zmq
+
         ip = _local_ip(self.host)
         self._zmq = zmq.Context()
         pull = self._zmq.socket(zmq.PULL)
@@ -373,8 +383,12 @@ class SGLangPrefillPeer:
                 "kv_layout": self.layout.kv_layout, "decode_allocation_policy": "early",
                 "enable_kv_cache_sharding": False, "prefill_http_port": None}
         if self._register_with is None:
-            self._http = _Bootstrap(self.host, self._bootstrap_port or 0, info,
-                                    {"rank_ip": ip, "rank_port": self.rank_port})
+            try:
+                self._http = _Bootstrap(self.host, self._bootstrap_port or 0, info,
+                                        {"rank_ip": ip, "rank_port": self.rank_port})
+            except OSError as exc:
+                raise TransferError(f"cannot serve the bootstrap route on {self.host}:{self._bootstrap_port}: "
+                                    f"{exc.strerror or exc}") from None
             self.bootstrap_addr = f"{ip}:{self._http.server_address[1]}"
             self._spawn(self._http.serve_forever)
         else:
@@ -382,7 +396,6 @@ class SGLangPrefillPeer:
             self._register(info, ip)
         self._spawn(self._serve, pull)
         self._spawn(self._worker)
-        return self
 
     def _spawn(self, fn, *args: Any) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True, name=f"kvbridge-sglang-{fn.__name__}")
@@ -599,11 +612,15 @@ class SGLangPrefillPeer:
         def add(spec: CacheSpec, src_pages: Sequence[int], dst_ptr: int, dst_pages: Sequence[int], kind: str) -> None:
             st = pools.storage(spec)
             base = self._regions[(spec.layer, spec.role)]
+            n_pages = pool_tensors(pools.pool(spec))[0].shape[0]
             dev = peer.gpu_id if kind == "VRAM" else 0
             for s, d in zip(src_pages, dst_pages, strict=True):
                 if s < 0:
                     raise InputError(f"layer {spec.layer} {spec.role.value}: the request's page for decode page {d} "
                                      "was released (out of the window)")
+                if s >= n_pages or d < 0:
+                    raise InputError(f"layer {spec.layer} {spec.role.value}: page {s} -> decode page {d} is outside "
+                                     f"the pools ({n_pages} pages) or negative")
                 local[kind].append((base + s * st.page_bytes, st.page_bytes, 0))
                 remote[kind].append((dst_ptr + d * st.page_bytes, st.page_bytes, dev))
 

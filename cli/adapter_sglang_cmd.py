@@ -34,8 +34,9 @@ from .migrate_net_cmd import Failure, _address, _require_nixl, _topology
               help="The request's bootstrap_room, as the decode's request names it.")
 @click.option("--first-token", type=click.IntRange(min=0, max=2**31 - 1), default=0, show_default=True,
               help="The first output token id the decode continues from.")
-@click.option("--hidden-size", type=click.IntRange(min=1), required=True,
-              help="The model's hidden_size (4096 for DeepSeek-V4-Flash, 7168 for Pro): the metadata row's size.")
+@click.option("--hidden-state-bytes", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Bytes per row of the decode's hidden-state metadata buffer (64 without speculative decoding "
+                   "that carries draft hidden states).")
 @click.option("--kv-cache-dtype", default="fp8_e4m3", show_default=True, help="The decode's --kv-cache-dtype.")
 @click.option("--state-memory", type=click.Choice(["VRAM", "DRAM"]), default=None,
               help="Memory kind of the decode's state buffers (default: that of its KV buffers; VRAM if none).")
@@ -43,8 +44,8 @@ from .migrate_net_cmd import Failure, _address, _require_nixl, _topology
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
               help="Seconds to wait for the decode.")
 @json_option
-def command(listen, register_with, src, dst, model, layers, tokens, room, first_token, hidden_size, kv_cache_dtype,
-            state_memory, seed, timeout, as_json) -> None:
+def command(listen, register_with, src, dst, model, layers, tokens, room, first_token, hidden_state_bytes,
+            kv_cache_dtype, state_memory, seed, timeout, as_json) -> None:
     """Serve one request to an SGLang decode, as its prefill server (NIXL)."""
     _require_nixl()
     from kvbridge.adapters.sglang import SGLangPrefillPeer
@@ -54,7 +55,8 @@ def command(listen, register_with, src, dst, model, layers, tokens, room, first_
         plan = plan_migration(src, dst, topo, tokens, include_mtp=False)
         src_pools, src_tables = source_request(plan, seed=seed)
         convert = plan.src.spec != plan.dst.spec
-        peer = SGLangPrefillPeer(destination_pools(plan) if convert else src_pools, hidden_size=hidden_size,
+        peer = SGLangPrefillPeer(destination_pools(plan) if convert else src_pools,
+                                 hidden_state_bytes=hidden_state_bytes,
                                  host=listen[0], bootstrap_port=None if register_with else listen[1],
                                  register_with=register_with, kv_cache_dtype=kv_cache_dtype, timeout=timeout,
                                  state_memory=state_memory)

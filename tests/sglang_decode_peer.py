@@ -73,7 +73,8 @@ def run(cfg: dict) -> None:
         c4_state_dtype=state_dtype, c128_state_dtype=state_dtype, qk_nope_head_dim=448, qk_rope_head_dim=64,
         indexer_head_dim=128, layer_num=len(ratios), device="cpu", enable_memory_saver=False,
         compression_ratios=ratios, start_layer=0, end_layer=len(ratios))
-    meta = MetadataBuffers(cfg["aux_rows"], hidden_size=cfg["hidden_size"], hidden_states_dtype=torch.bfloat16,
+    # as SGLang's scheduler builds them without speculative decoding: a 16-value fp32 hidden-state row
+    meta = MetadataBuffers(cfg["aux_rows"], hidden_size=16, hidden_states_dtype=torch.float32,
                            max_sampling_mask_tokens=1)
 
     kv_args = get_kv_class(TransferBackend.NIXL, KVClassType.KVARGS)()

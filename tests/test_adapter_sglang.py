@@ -33,7 +33,6 @@ DECODE_SIDE = Path(__file__).with_name("sglang_decode_peer.py")
 #: DeepSeek-V4-Flash cut to 5 layers (ratios 0, 0, 4, 128, 4), without its MTP layer.
 MODEL = FLASH.with_layers(5)
 TOKENS = 1026  # ratio-4 state rows 1022..1025 straddle the SWA page boundary at 1024: two rings
-HIDDEN = 64
 
 
 def test_pd_layout_is_sglang_buffer_order():
@@ -65,20 +64,19 @@ def test_wire_messages_and_refusals():
                                _pack_lists([[8], [2]], "i"), b"0", b"0"])
     assert (info.room, info.kv_pages, info.aux_index, info.state_indices, info.dummy) == (9, [4, 1], 3, [[8], [2]],
                                                                                           False)
-    row = metadata_row(2**40 + 5, 123, 64)
-    assert [len(b) for b in row] == [64, 64, 64, 64, 512, 512, 64, 128, 128, 64]
+    row = metadata_row(2**40 + 5, 123)
+    assert [len(b) for b in row] == [64, 64, 64, 64, 512, 512, 64, 128, 64, 64]
     assert row[0][:4] == (123).to_bytes(4, "little") and row[-1][:8] == (2**40 + 5).to_bytes(8, "little")
     sg = EnginePools.create("sglang", MODEL, {"full": 1, "swa": 1, "state128": 1}, include_mtp=False)
     with pytest.raises(InputError, match="exactly one of"):
-        SGLangPrefillPeer(sg, hidden_size=64, bootstrap_port=0, register_with="h:1")
-    with pytest.raises(InputError, match="hidden_size"):
-        SGLangPrefillPeer(sg, hidden_size=0)
+        SGLangPrefillPeer(sg, bootstrap_port=0, register_with="h:1")
+    with pytest.raises(InputError, match="hidden_state_bytes"):
+        SGLangPrefillPeer(sg, hidden_state_bytes=0)
     with pytest.raises(InputError, match="MTP"):
-        SGLangPrefillPeer(EnginePools.create("sglang", MODEL, {"full": 1, "swa": 1, "state128": 1}), hidden_size=64)
+        SGLangPrefillPeer(EnginePools.create("sglang", MODEL, {"full": 1, "swa": 1, "state128": 1}))
     with pytest.raises(InputError, match="SGLang-profile"):
-        SGLangPrefillPeer(EnginePools.create("trtllm", FLASH.with_layers(2), {"swa": 1}, include_mtp=False),
-                          hidden_size=64)
-    peer = SGLangPrefillPeer(sg, hidden_size=64)
+        SGLangPrefillPeer(EnginePools.create("trtllm", FLASH.with_layers(2), {"swa": 1}, include_mtp=False))
+    peer = SGLangPrefillPeer(sg)
     with pytest.raises(InputError, match="room"):
         peer.add_request(0, {"full": [0], "swa": [0], "state128": [0]}, 10, 1)
     with pytest.raises(InputError, match="block table 'state128'"):
@@ -111,7 +109,7 @@ def request_pools():
 def _decode(cfg: dict, tmp_path: Path) -> tuple[subprocess.Popen, callable]:
     base = {"kv_cache_dtype": "fp8_e4m3", "page_size": 256, "compress_ratios": list(MODEL.compress_ratios[:5]),
             "pages": 12, "req_slots": 4, "swa_pages": 12, "sliding_window": MODEL.sliding_window, "aux_rows": 4,
-            "hidden_size": HIDDEN, "timeout": 90, "room": 4242, "num_tokens": TOKENS, "swa_page_ids": [9, 2],
+            "timeout": 90, "room": 4242, "num_tokens": TOKENS, "swa_page_ids": [9, 2],
             "req_pool_idx": 2, "kv_page_ids": [7, 0, 11, 3, 5], "aux_index": 3, "dump": str(tmp_path / "decode.npz")}
     base.update(cfg)
     proc = subprocess.Popen([SGLANG_PY, str(DECODE_SIDE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -139,14 +137,14 @@ def _until(next_line, key: str, value: str | None = None) -> dict:
             return msg
 
 
-def _serve(pools, tables, *, tmp_path, decode_cfg, bootstrap="sglang", hidden=HIDDEN):
+def _serve(pools, tables, *, tmp_path, decode_cfg, bootstrap="sglang"):
     """Run one request through kvbridge's peer into SGLang's receiver; returns (events, result, peer result)."""
     from kvbridge.adapters.sglang import SGLangPrefillPeer
 
     port = free_port()
     cfg = {"bootstrap": bootstrap, "bootstrap_port": port, **decode_cfg}
     if bootstrap == "kvbridge":
-        peer = SGLangPrefillPeer(pools, hidden_size=hidden, bootstrap_port=0).start()
+        peer = SGLangPrefillPeer(pools, bootstrap_port=0).start()
         cfg["bootstrap_addr"] = peer.bootstrap_addr
         proc, next_line = _decode(cfg, tmp_path)
         layout = _until(next_line, "event", "layout")
@@ -154,7 +152,7 @@ def _serve(pools, tables, *, tmp_path, decode_cfg, bootstrap="sglang", hidden=HI
         proc, next_line = _decode(cfg, tmp_path)
         layout = _until(next_line, "event", "layout")
         _until(next_line, "event", "ready")
-        peer = SGLangPrefillPeer(pools, hidden_size=hidden, bootstrap_port=None,
+        peer = SGLangPrefillPeer(pools, bootstrap_port=None,
                                  register_with=f"127.0.0.1:{port}").start()
     try:
         peer.add_request(cfg.get("room", 4242), tables, TOKENS, first_token=31337)
@@ -178,7 +176,7 @@ def test_sglang_decode_receives_exact_bytes(request_pools, tmp_path):
     assert layout["kv_item_lens"] == list(lay.kv_item_lens)
     assert layout["state_types"] == list(lay.state_types) == ["swa", "c128_state"]
     assert layout["state_item_lens"] == [list(x) for x in lay.state_item_lens]
-    assert layout["aux_item_lens"] == metadata_item_lens(HIDDEN)
+    assert layout["aux_item_lens"] == metadata_item_lens()
     assert result["result"] == "Success", result
     assert sent["status"] == "Success" and sent["peers"] == 1
     dump = np.load(result["dump"])
@@ -259,7 +257,7 @@ def test_cli_serves_a_tensorrt_llm_request_to_sglang(tmp_path):
     _until(next_line, "event", "ready")
     cli = subprocess.run([sys.executable, "-m", "cli.main", "serve-sglang-prefill", "--from", "trtllm", "--layers",
                           "2", "--tokens", str(TOKENS), "--room", str(room), "--first-token", "5",
-                          "--hidden-size", str(HIDDEN), "--register-with", f"127.0.0.1:{port}", "--state-memory",
+                          "--register-with", f"127.0.0.1:{port}", "--state-memory",
                           "DRAM", "--timeout", "90", "--json"],
                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     result = _until(next_line, "result")

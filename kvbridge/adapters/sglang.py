@@ -67,6 +67,8 @@ KV_STATUS = b"KV_STATUS"
 POLL_FAILED, POLL_SUCCESS = 0, 4
 #: Rows of the metadata buffers' top-logprobs fields (``MetadataBuffers(max_top_logprobs_num=128)``).
 TOP_LOGPROBS = 128
+#: Bytes per row of the hidden-state metadata buffer without draft hidden states (16 fp32, RDMA padding).
+HIDDEN_STATE_BYTES = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,18 +121,18 @@ def pd_layout(pools: EnginePools) -> SGLangPDLayout:
                           tuple(tuple(pools.storage(s).page_bytes for s in g) for g in groups), types)
 
 
-def metadata_item_lens(hidden_size: int) -> list[int]:
+def metadata_item_lens(hidden_state_bytes: int = HIDDEN_STATE_BYTES) -> list[int]:
     """Bytes per row of each metadata buffer, in SGLang's order (``MetadataBuffers.get_buf_infos``):
     output ids, cached tokens, token logprob value and index (16 x 4 B each), top-logprob values and
     indices (128 x 4 B each), top-k p (16 x 4 B), top-k index (16 x 8 B), hidden states
-    (``hidden_size`` bf16), bootstrap room (8 x 8 B)."""
-    return [64, 64, 64, 64, 4 * TOP_LOGPROBS, 4 * TOP_LOGPROBS, 64, 128, 2 * hidden_size, 64]
+    (``hidden_state_bytes``), bootstrap room (8 x 8 B)."""
+    return [64, 64, 64, 64, 4 * TOP_LOGPROBS, 4 * TOP_LOGPROBS, 64, 128, hidden_state_bytes, 64]
 
 
-def metadata_row(room: int, first_token: int, hidden_size: int) -> list[bytes]:
+def metadata_row(room: int, first_token: int, hidden_state_bytes: int = HIDDEN_STATE_BYTES) -> list[bytes]:
     """The metadata row an SGLang prefill writes for a finished request: the first output token id,
     zero cached tokens, no logprobs, zero hidden states, and the room (SGLang's corruption check)."""
-    row = [bytearray(n) for n in metadata_item_lens(hidden_size)]
+    row = [bytearray(n) for n in metadata_item_lens(hidden_state_bytes)]
     struct.pack_into("<i", row[0], 0, first_token)
     struct.pack_into("<Q", row[-1], 0, room)
     return [bytes(b) for b in row]
@@ -309,20 +311,21 @@ class SGLangPrefillPeer:
     place, for the NIXL agent process). ``bootstrap_port``: serve the bootstrap route on this port
     (0: any free port, see ``bootstrap_addr``); ``register_with``: ``host:port`` of an SGLang bootstrap
     server to register with instead. ``kv_cache_dtype``: the string the decode runs with
-    (``--kv-cache-dtype``; DeepSeek-V4 resolves ``auto`` to ``fp8_e4m3``). ``hidden_size``: the
-    model's hidden size (the metadata row carries a hidden-state slot of that many bf16 values).
+    (``--kv-cache-dtype``; DeepSeek-V4 resolves ``auto`` to ``fp8_e4m3``). ``hidden_state_bytes``:
+    bytes per row of the decode's hidden-state metadata buffer: 64 (16 fp32, SGLang's padding) unless
+    its speculative decoding carries draft hidden states (then the draft's hidden size x its dtype).
     ``timeout``: seconds one request's transfer may take. ``state_memory``: the memory kind (``VRAM``
     or ``DRAM``) of the decode's state buffers, which SGLang does not announce (it registers them as
     VRAM); default: the kind of its KV buffers, VRAM when it has none.
     """
 
-    def __init__(self, pools: EnginePools, *, hidden_size: int, host: str = "127.0.0.1",
+    def __init__(self, pools: EnginePools, *, hidden_state_bytes: int = HIDDEN_STATE_BYTES, host: str = "127.0.0.1",
                  bootstrap_port: int | None = 0, register_with: str | None = None,
                  kv_cache_dtype: str = "fp8_e4m3", timeout: float = 60.0, state_memory: str | None = None):
         if not isinstance(pools, EnginePools):
             raise InputError(f"pools must be EnginePools, got {type(pools).__name__}")
-        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
-            raise InputError(f"hidden_size must be a positive integer, got {hidden_size!r}")
+        if isinstance(hidden_state_bytes, bool) or not isinstance(hidden_state_bytes, int) or hidden_state_bytes < 1:
+            raise InputError(f"hidden_state_bytes must be a positive integer, got {hidden_state_bytes!r}")
         if state_memory not in (None, "DRAM", "VRAM"):
             raise InputError(f"state_memory must be DRAM or VRAM, got {state_memory!r}")
         self.state_memory = state_memory
@@ -330,7 +333,8 @@ class SGLangPrefillPeer:
             raise InputError("give exactly one of bootstrap_port (serve the bootstrap route) and register_with "
                              "(an SGLang bootstrap server's host:port)")
         self.pools, self.layout = pools, pd_layout(pools)
-        self.hidden_size, self.kv_cache_dtype, self.timeout = hidden_size, kv_cache_dtype, float(timeout)
+        self.hidden_state_bytes, self.kv_cache_dtype = hidden_state_bytes, kv_cache_dtype
+        self.timeout = float(timeout)
         self.host = host
         self._bootstrap_port, self._register_with = bootstrap_port, register_with
         self._requests: dict[int, _Request] = {}
@@ -375,7 +379,7 @@ class SGLangPrefillPeer:
                 (t,) = pool_tensors(self.pools.pool(spec))
                 t.share_memory_()
                 self._regions[(spec.layer, spec.role)] = self._agent.register(f"{spec.layer}.{spec.role.value}", t)
-        self._aux = torch.zeros(sum(metadata_item_lens(self.hidden_size)), dtype=torch.uint8).share_memory_()
+        self._aux = torch.zeros(sum(metadata_item_lens(self.hidden_state_bytes)), dtype=torch.uint8).share_memory_()
         self._aux_addr = self._agent.register("aux", self._aux)
         info = {"attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1,
                 "page_size": self.layout.page_size, "kv_cache_dtype": self.kv_cache_dtype,
@@ -531,7 +535,7 @@ class SGLangPrefillPeer:
 
     def _on_register(self, peer: DecodePeer) -> None:
         lay = self.layout
-        aux = metadata_item_lens(self.hidden_size)
+        aux = metadata_item_lens(self.hidden_state_bytes)
         if peer.kv_item_lens != list(lay.kv_item_lens) or [list(x) for x in peer.state_item_lens] != [
                 list(x) for x in lay.state_item_lens]:
             peer.refused = (f"decode buffers (KV item bytes {peer.kv_item_lens}, state {peer.state_item_lens}) are not "
@@ -649,7 +653,7 @@ class SGLangPrefillPeer:
             for j, spec in enumerate(lay.request_state):
                 ring = req.tables[pools.storage(spec).table][:1]
                 add(spec, ring if slots else [], peer.state_ptrs[1][j], slots, state_kind)
-        row = metadata_row(info.room, req.first_token, self.hidden_size)
+        row = metadata_row(info.room, req.first_token, self.hidden_state_bytes)
         aux = np.frombuffer(b"".join(row), dtype=np.uint8)
         self._aux.numpy()[:] = aux
         off = 0

@@ -1,5 +1,8 @@
-"""Engine adapters: the glue between an engine's own cache objects and kvbridge's migration pools.
+"""Engine adapters: kvbridge joining an inference engine's own cache objects and PD machinery.
 
 - ``kvbridge.adapters.trtllm``: TensorRT-LLM's ``KVCachePageTable`` (dict form) and a request's
   slot ids as ``EnginePools`` and block tables.
+- ``kvbridge.adapters.sglang``: a prefill peer an unmodified SGLang decode accepts (bootstrap
+  route, ZMQ registration, NIXL writes into the decode's buffers).
+- ``kvbridge.adapters.vllm``: a KV connector vLLM loads by module path (consumer and producer).
 """

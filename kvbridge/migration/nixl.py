@@ -156,9 +156,9 @@ def _agent_op(agent, regions: dict, xfers: dict, op: str, args: tuple) -> Any:
         agent.remove_remote_agent(args[0])
         return None
     if op == "write":
-        xid, local, remote, peer, notif = args
+        xid, local, remote, peer, notif, *kind = args  # kind: the remote memory's type (default DRAM)
         handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
-                                       agent.get_xfer_descs(remote, "DRAM"), peer, notif)
+                                       agent.get_xfer_descs(remote, kind[0] if kind else "DRAM"), peer, notif)
         state = agent.transfer(handle)
         if state == "ERR":
             agent.release_xfer_handle(handle)

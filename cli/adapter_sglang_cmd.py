@@ -1,0 +1,81 @@
+"""``kvbridge serve-sglang-prefill``: be the prefill server of an unmodified SGLang decode.
+
+Serves one synthetic DeepSeek-V4 request, written by the ``--from`` engine's writers and converted
+to SGLang's pools when that is another engine, to the SGLang decode that asks for ``--room``: point
+the decode's request at ``bootstrap_host``/``bootstrap_port`` = the printed bootstrap address and
+``bootstrap_room`` = ``--room``. For real requests use ``kvbridge.adapters.sglang.SGLangPrefillPeer``
+with the engine's own pools.
+"""
+
+from __future__ import annotations
+
+import click
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.migration import destination_pools, plan_migration, source_request
+
+from .common import engine_spec_option, err_console, json_option, model_option, print_json
+from .migrate_net_cmd import Failure, _address, _require_nixl, _topology
+
+
+@click.command("serve-sglang-prefill")
+@click.option("--listen", default="127.0.0.1:8998", show_default=True, callback=_address,
+              help="HOST:PORT of the bootstrap route (SGLang's --disaggregation-bootstrap-port).")
+@click.option("--register-with", default=None, metavar="HOST:PORT",
+              help="Register with this SGLang bootstrap server instead of serving the route.")
+@click.option("--from", "src", default="sglang", show_default=True, callback=engine_spec_option,
+              help="Engine whose writers make the request (converted to SGLang's pools when not sglang).")
+@click.option("--to", "dst", default="sglang", show_default=True, callback=engine_spec_option,
+              help="The decode's SGLang profile (e.g. sglang:state=bf16).")
+@click.option("--model", default="deepseek-v4-flash", show_default=True, callback=model_option)
+@click.option("--layers", type=click.IntRange(min=1), default=None, help="Keep only the first N main layers.")
+@click.option("--tokens", type=click.IntRange(min=1), required=True, help="Request length in tokens.")
+@click.option("--room", type=click.IntRange(min=1, max=2**63 - 1), required=True,
+              help="The request's bootstrap_room, as the decode's request names it.")
+@click.option("--first-token", type=click.IntRange(min=0, max=2**31 - 1), default=0, show_default=True,
+              help="The first output token id the decode continues from.")
+@click.option("--hidden-state-bytes", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Bytes per row of the decode's hidden-state metadata buffer (64 without speculative decoding "
+                   "that carries draft hidden states).")
+@click.option("--kv-cache-dtype", default="fp8_e4m3", show_default=True, help="The decode's --kv-cache-dtype.")
+@click.option("--state-memory", type=click.Choice(["VRAM", "DRAM"]), default=None,
+              help="Memory kind of the decode's state buffers (default: that of its KV buffers; VRAM if none).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the synthetic request.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="Seconds to wait for the decode.")
+@json_option
+def command(listen, register_with, src, dst, model, layers, tokens, room, first_token, hidden_state_bytes,
+            kv_cache_dtype, state_memory, seed, timeout, as_json) -> None:
+    """Serve one request to an SGLang decode, as its prefill server (NIXL)."""
+    _require_nixl()
+    from kvbridge.adapters.sglang import SGLangPrefillPeer
+
+    try:
+        topo = _topology(model, layers)
+        plan = plan_migration(src, dst, topo, tokens, include_mtp=False)
+        src_pools, src_tables = source_request(plan, seed=seed)
+        convert = plan.src.spec != plan.dst.spec
+        peer = SGLangPrefillPeer(destination_pools(plan) if convert else src_pools,
+                                 hidden_state_bytes=hidden_state_bytes,
+                                 host=listen[0], bootstrap_port=None if register_with else listen[1],
+                                 register_with=register_with, kv_cache_dtype=kv_cache_dtype, timeout=timeout,
+                                 state_memory=state_memory)
+        with peer:
+            if convert:
+                peer.add_migrated_request(room, plan, src_pools, src_tables, first_token)
+            else:
+                peer.add_request(room, src_tables, tokens, first_token)
+            if not as_json:
+                err_console.print(f"serving room {room} ({tokens:,} tokens, {plan.dst.spec}, layout "
+                                  f"{peer.layout.kv_layout}) at bootstrap {peer.bootstrap_addr}")
+            result = peer.wait(room, timeout)
+    except KVBridgeError as exc:
+        raise Failure(str(exc)) from None
+    result = {"room": room, "bootstrap": peer.bootstrap_addr, "kv_layout": peer.layout.kv_layout, **result}
+    if as_json:
+        print_json(result)
+    else:
+        click.echo(f"room {room}: {result['status']} to {result['peers']} decode rank(s), {result['bytes']:,} B in "
+                   f"{result['seconds']:.3f} s" + (f" ({result['reason']})" if result["reason"] else ""))
+    if result["status"] != "Success":
+        raise Failure(result["reason"] or "the transfer failed")

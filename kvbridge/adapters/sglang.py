@@ -1,0 +1,681 @@
+"""A prefill peer that an unmodified SGLang 0.5.23 decode engine accepts (``--disaggregation-mode decode
+--disaggregation-transfer-backend nixl``).
+
+SGLang's PD transfer backends are a closed list, so kvbridge joins as a peer speaking SGLang's own NIXL
+protocol; the decode cannot tell it from an SGLang prefill:
+
+1. bootstrap: the decode asks ``GET /route`` on the prefill's bootstrap address for the prefill's
+   topology (``PrefillServerInfo``: TP/CP/DP/PP sizes 1, page size, KV-cache dtype, the layout string
+   such as ``v4,c4:v4,c128:v4``) and then for rank 0's ZMQ endpoint. SGLang's decode refuses a page
+   size, dtype or layout other than its own. The peer serves that route itself
+   (``bootstrap_port``), or registers with an SGLang bootstrap server (``register_with``, a
+   ``PUT /route`` as an SGLang prefill rank does);
+2. the decode pushes, over ZMQ, a registration (its NIXL agent metadata and the base address and item
+   length of every buffer it registered) and, per request ("room"), the page ids it allocated: KV
+   pages, SWA pages (which also address the ratio-4 compressor-state rings) and the request-state
+   slot (ratio-128 compressor ring), plus its metadata-row index;
+3. the peer checks that each buffer's item length is the one its pools hold, then NIXL-WRITEs every
+   page to ``dst_ptr + page_id * item_len`` in the order of the decode's buffer list, the metadata row
+   (first output token, room) last, waits for completion and pushes ``KV_STATUS`` Success (or Failed
+   with a one-line reason, which SGLang's decode reports as the request's failure).
+
+The buffer order is SGLang's ``DeepSeekV4TokenToKVPool``: KV = every ratio-4 compressed cache, every
+ratio-4 indexer cache, every ratio-128 compressed cache (layer order within each); state component
+``swa`` = every layer's SWA cache, then the ratio-4 attention and indexer compressor states;
+component ``c128_state`` = the ratio-128 compressor states. Pools are kvbridge ``EnginePools`` of an
+SGLang profile (``kvbridge.engines.sglang``); a request from another engine's pools is first
+converted with ``kvbridge.migration.migrate_local`` (``SGLangPrefillPeer.add_migrated_request``).
+
+Limits of this version: attention TP/PP/CP of 1 on the kvbridge side (any decode TP: MLA pages go
+to every decode rank), no MTP/draft layers, no decode-side prefix cache (``decode_prefix_len`` 0),
+metadata rows without the sampling-mask and DSA top-k buffers, no KV checksum row.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import struct
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import numpy as np
+import torch
+
+from kvbridge.errors import InputError, KVBridgeError
+from kvbridge.migration.execute import TransferError, migrate_local
+from kvbridge.migration.nixl import _Agent
+from kvbridge.migration.plan import MigrationPlan
+from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
+from kvbridge.topology import CacheSpec, Role
+
+SGLANG_VERSION = "0.5.23"
+#: First frame of every registration / transfer message (SGLang's ``nixl/conn.py`` ``GUARD``).
+GUARD = b"NixlMsgGuard"
+#: First frame of the status message the prefill pushes to the decode.
+KV_STATUS = b"KV_STATUS"
+#: SGLang's ``KVPoll`` values on the wire.
+POLL_FAILED, POLL_SUCCESS = 0, 4
+#: Rows of the metadata buffers' top-logprobs fields (``MetadataBuffers(max_top_logprobs_num=128)``).
+TOP_LOGPROBS = 128
+#: Bytes per row of the hidden-state metadata buffer without draft hidden states (16 fp32, RDMA padding).
+HIDDEN_STATE_BYTES = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang's buffer lists for a DeepSeek-V4 pool
+
+
+@dataclass(frozen=True)
+class SGLangPDLayout:
+    """The buffers an SGLang decode registers for PD, in its order, for one model and profile.
+
+    ``kv``: addressed by full-page id (one page = ``page_size`` tokens, ``page_size // r`` compressed
+    entries); ``swa_state``: by SWA page id; ``request_state``: by request slot (one ring each).
+    """
+
+    kv: tuple[CacheSpec, ...]
+    swa_state: tuple[CacheSpec, ...]
+    request_state: tuple[CacheSpec, ...]
+    page_size: int
+    kv_layout: str
+    kv_item_lens: tuple[int, ...]
+    state_item_lens: tuple[tuple[int, ...], ...]
+    state_types: tuple[str, ...]
+
+
+def pd_layout(pools: EnginePools) -> SGLangPDLayout:
+    """SGLang's PD buffer list for ``pools`` (an SGLang-profile ``EnginePools``)."""
+    prof, model = pools.profile, pools.model
+    if prof.engine != "sglang":
+        raise InputError(f"the SGLang peer serves SGLang-profile pools, got {prof.spec}; convert the request "
+                         "first (SGLangPrefillPeer.add_migrated_request)")
+    if pools.include_mtp and model.num_mtp_layers:
+        raise InputError(f"{model.name} has {model.num_mtp_layers} MTP layer(s): SGLang keeps them in a separate "
+                         "draft pool, which this adapter does not serve yet; build the pools with include_mtp=False")
+    layers = range(model.num_layers)
+    specs = {(s.layer, s.role): s for s in model.all_caches(include_mtp=False)}
+    ratio4, ratio128 = model.layers_with_ratio(4), model.layers_with_ratio(128)
+    kv = tuple([specs[(i, Role.COMPRESS)] for i in ratio4] + [specs[(i, Role.INDEXER)] for i in ratio4]
+               + [specs[(i, Role.COMPRESS)] for i in ratio128])
+    swa_state = tuple([specs[(i, Role.SWA)] for i in layers] + [specs[(i, Role.STATE)] for i in ratio4]
+                      + [specs[(i, Role.INDEXER_STATE)] for i in ratio4])
+    request_state = tuple(specs[(i, Role.STATE)] for i in ratio128)
+    ratios = sorted({model.compress_ratios[i] for i in layers} - {0})
+    layout = ",".join(["v4", *(f"c{r}:v4" for r in ratios)])
+    if prof.kv_layout != "flashmla-model1":
+        raise InputError(f"{prof.spec} stores {prof.kv_layout}; the SGLang peer serves the V4 (584 B) layout")
+    groups = [swa_state, request_state] if request_state else [swa_state]
+    types = ("swa", "c128_state")[: len(groups)]
+    return SGLangPDLayout(kv, swa_state, request_state, prof.swa_page, layout,
+                          tuple(pools.storage(s).page_bytes for s in kv),
+                          tuple(tuple(pools.storage(s).page_bytes for s in g) for g in groups), types)
+
+
+def metadata_item_lens(hidden_state_bytes: int = HIDDEN_STATE_BYTES) -> list[int]:
+    """Bytes per row of each metadata buffer, in SGLang's order (``MetadataBuffers.get_buf_infos``):
+    output ids, cached tokens, token logprob value and index (16 x 4 B each), top-logprob values and
+    indices (128 x 4 B each), top-k p (16 x 4 B), top-k index (16 x 8 B), hidden states
+    (``hidden_state_bytes``), bootstrap room (8 x 8 B)."""
+    return [64, 64, 64, 64, 4 * TOP_LOGPROBS, 4 * TOP_LOGPROBS, 64, 128, hidden_state_bytes, 64]
+
+
+def metadata_row(room: int, first_token: int, hidden_state_bytes: int = HIDDEN_STATE_BYTES) -> list[bytes]:
+    """The metadata row an SGLang prefill writes for a finished request: the first output token id,
+    zero cached tokens, no logprobs, zero hidden states, and the room (SGLang's corruption check)."""
+    row = [bytearray(n) for n in metadata_item_lens(hidden_state_bytes)]
+    struct.pack_into("<i", row[0], 0, first_token)
+    struct.pack_into("<Q", row[-1], 0, room)
+    return [bytes(b) for b in row]
+
+
+# ---------------------------------------------------------------------------------------------
+# Wire messages
+
+
+def _pack_lists(lists: Sequence[Sequence[int]], fmt: str) -> bytes:
+    """SGLang's ``pack_int_lists``: ``<I n, n x <I byte lengths``, then each list packed little-endian."""
+    if not lists:
+        return b""
+    bufs = [struct.pack(f"<{len(a)}{fmt}", *a) for a in lists]
+    return struct.pack(f"<{len(bufs) + 1}I", len(bufs), *(len(b) for b in bufs)) + b"".join(bufs)
+
+
+def _unpack_lists(buf: bytes, fmt: str) -> list[list[int]]:
+    if not buf:
+        return []
+    (n,) = struct.unpack_from("<I", buf)
+    lens = struct.unpack_from(f"<{n}I", buf, 4)
+    out, off, width = [], 4 + 4 * n, struct.calcsize(fmt)
+    for length in lens:
+        out.append(list(struct.unpack_from(f"<{length // width}{fmt}", buf, off)))
+        off += length
+    return out
+
+
+def _q(buf: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(buf) // 8}Q", buf))
+
+
+def _frame(msg: list[bytes], i: int, default: bytes = b"") -> bytes:
+    return msg[i] if len(msg) > i else default
+
+
+@dataclass
+class DecodePeer:
+    """One decode rank's registration: its NIXL agent and registered buffers."""
+
+    agent_name: str
+    endpoint: str
+    port: int
+    metadata: bytes
+    kv_ptrs: list[int]
+    kv_item_lens: list[int]
+    kv_mem_kinds: list[str]
+    aux_ptrs: list[int]
+    state_ptrs: list[list[int]]
+    state_item_lens: list[list[int]]
+    gpu_id: int
+    tp_size: int
+    refused: str | None = None  # why this peer's buffers do not fit the pools (reported per request)
+    nixl_name: str | None = None
+
+    @classmethod
+    def parse(cls, msg: list[bytes]) -> DecodePeer:
+        """``msg`` without the guard frame (SGLang's ``KVArgsRegisterInfo`` frames)."""
+        kv_ptrs = _q(msg[5])
+        item_len = int(msg[11])
+        lens = _q(msg[18]) if _frame(msg, 18) else [item_len] * len(kv_ptrs)
+        kinds = msg[17].decode().split(",") if _frame(msg, 17) else ["VRAM"] * len(kv_ptrs)
+        return cls(msg[3].decode(), msg[1].decode(), int(msg[2]), msg[4], kv_ptrs, lens, kinds, _q(msg[6]),
+                   _unpack_lists(_frame(msg, 7), "Q"), _unpack_lists(_frame(msg, 12), "I"), int(msg[8]),
+                   int(msg[9]))
+
+
+@dataclass
+class TransferInfo:
+    """One decode rank's page ids for one request (SGLang's ``TransferInfo`` frames)."""
+
+    room: int
+    endpoint: str
+    port: int
+    agent_name: str
+    kv_pages: list[int]
+    aux_index: int
+    required: int
+    state_indices: list[list[int]]
+    prefix_len: int
+    dummy: bool
+
+    @classmethod
+    def parse(cls, msg: list[bytes]) -> TransferInfo:
+        kv = np.frombuffer(msg[4], dtype="<i4").tolist()
+        prefix = int(msg[8]) if _frame(msg, 8) else 0
+        dummy = bool(int(msg[9])) if _frame(msg, 9) else (not kv and not prefix)
+        return cls(int(msg[0]), msg[1].decode(), int(msg[2]), msg[3].decode(), kv, int(msg[5]), int(msg[6]),
+                   _unpack_lists(_frame(msg, 7), "i"), prefix, dummy)
+
+
+# ---------------------------------------------------------------------------------------------
+# The bootstrap route
+
+
+class _Bootstrap(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int, info: dict, rank: dict):
+        self.info, self.rank = info, rank
+        super().__init__((host, port), _RouteHandler)
+
+
+class _RouteHandler(BaseHTTPRequestHandler):
+    server: _Bootstrap
+
+    def log_message(self, *args: Any) -> None:  # no per-request lines on stderr
+        pass
+
+    def _reply(self, code: int, body: Any) -> None:
+        data = (json.dumps(body) if not isinstance(body, str) else body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json" if not isinstance(body, str) else "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        url = urlparse(self.path)
+        if url.path == "/health":
+            return self._reply(200, "OK")
+        if url.path != "/route":
+            return self._reply(404, "not found")
+        q = {k: v[0] for k, v in parse_qs(url.query).items()}
+        keys = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+        try:
+            ranks = [int(q[k]) for k in keys]
+        except (KeyError, ValueError):
+            return self._reply(400, "Missing inputs for bootstrap server.")
+        if ranks == [-1] * 4:
+            return self._reply(200, self.server.info)
+        if ranks == [0] * 4:
+            return self._reply(200, self.server.rank)
+        return self._reply(404, f"Bootstrap info not found for ranks {ranks} (kvbridge serves rank 0 only)")
+
+    def do_POST(self) -> None:  # noqa: N802
+        length = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(length)
+        path = urlparse(self.path).path
+        if path == "/register_dp_rank":
+            return self._reply(200, "OK")
+        if path == "/query_dp_ranks":
+            return self._reply(200, {})
+        return self._reply(404, "not found")
+
+
+# ---------------------------------------------------------------------------------------------
+# The peer
+
+
+@dataclass
+class _Request:
+    tables: RequestTables
+    num_tokens: int
+    first_token: int
+    done: threading.Event = field(default_factory=threading.Event)
+    result: dict[str, Any] | None = None
+
+
+def _local_ip(host: str) -> str:
+    if host not in ("", "0.0.0.0"):
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class SGLangPrefillPeer:
+    """kvbridge as the prefill server of an SGLang decode (see the module docstring).
+
+    ``pools``: SGLang-profile pools holding the requests (their tensors are moved to shared memory, in
+    place, for the NIXL agent process). ``bootstrap_port``: serve the bootstrap route on this port
+    (0: any free port, see ``bootstrap_addr``); ``register_with``: ``host:port`` of an SGLang bootstrap
+    server to register with instead. ``kv_cache_dtype``: the string the decode runs with
+    (``--kv-cache-dtype``; DeepSeek-V4 resolves ``auto`` to ``fp8_e4m3``). ``hidden_state_bytes``:
+    bytes per row of the decode's hidden-state metadata buffer: 64 (16 fp32, SGLang's padding) unless
+    its speculative decoding carries draft hidden states (then the draft's hidden size x its dtype).
+    ``timeout``: seconds one request's transfer may take. ``state_memory``: the memory kind (``VRAM``
+    or ``DRAM``) of the decode's state buffers, which SGLang does not announce (it registers them as
+    VRAM); default: the kind of its KV buffers, VRAM when it has none.
+    """
+
+    def __init__(self, pools: EnginePools, *, hidden_state_bytes: int = HIDDEN_STATE_BYTES, host: str = "127.0.0.1",
+                 bootstrap_port: int | None = 0, register_with: str | None = None,
+                 kv_cache_dtype: str = "fp8_e4m3", timeout: float = 60.0, state_memory: str | None = None):
+        if not isinstance(pools, EnginePools):
+            raise InputError(f"pools must be EnginePools, got {type(pools).__name__}")
+        if isinstance(hidden_state_bytes, bool) or not isinstance(hidden_state_bytes, int) or hidden_state_bytes < 1:
+            raise InputError(f"hidden_state_bytes must be a positive integer, got {hidden_state_bytes!r}")
+        if state_memory not in (None, "DRAM", "VRAM"):
+            raise InputError(f"state_memory must be DRAM or VRAM, got {state_memory!r}")
+        self.state_memory = state_memory
+        if (bootstrap_port is None) == (register_with is None):
+            raise InputError("give exactly one of bootstrap_port (serve the bootstrap route) and register_with "
+                             "(an SGLang bootstrap server's host:port)")
+        self.pools, self.layout = pools, pd_layout(pools)
+        self.hidden_state_bytes, self.kv_cache_dtype = hidden_state_bytes, kv_cache_dtype
+        self.timeout = float(timeout)
+        self.host = host
+        self._bootstrap_port, self._register_with = bootstrap_port, register_with
+        self._requests: dict[int, _Request] = {}
+        self._infos: dict[int, dict[str, TransferInfo]] = {}
+        self._peers: dict[str, DecodePeer] = {}
+        self._lock = threading.Lock()
+        self._work: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._agent: _Agent | None = None
+        self._http: _Bootstrap | None = None
+        self._zmq: Any = None
+        self.bootstrap_addr = ""
+        self.rank_port = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> SGLangPrefillPeer:
+        """Start the NIXL agent, the ZMQ endpoint and the bootstrap route (or register with one)."""
+        try:
+            import zmq  # noqa: F401
+        except ImportError:
+            raise InputError("the SGLang peer needs pyzmq: pip install 'kvbridge[sglang-pd]'") from None
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        import zmq
+
+        ip = _local_ip(self.host)
+        self._zmq = zmq.Context()
+        pull = self._zmq.socket(zmq.PULL)
+        self.rank_port = pull.bind_to_random_port(f"tcp://{ip}")
+        self._agent = _Agent(f"kvbridge-sglang-{uuid.uuid4().hex[:12]}")
+        self._regions: dict[tuple[int, Role], int] = {}
+        for specs in (self.layout.kv, self.layout.swa_state, self.layout.request_state):
+            for spec in specs:
+                (t,) = pool_tensors(self.pools.pool(spec))
+                t.share_memory_()
+                self._regions[(spec.layer, spec.role)] = self._agent.register(f"{spec.layer}.{spec.role.value}", t)
+        self._aux = torch.zeros(sum(metadata_item_lens(self.hidden_state_bytes)), dtype=torch.uint8).share_memory_()
+        self._aux_addr = self._agent.register("aux", self._aux)
+        info = {"attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1,
+                "page_size": self.layout.page_size, "kv_cache_dtype": self.kv_cache_dtype,
+                "follow_bootstrap_room": True, "enable_dsa_cache_layer_split": False,
+                "kv_layout": self.layout.kv_layout, "decode_allocation_policy": "early",
+                "enable_kv_cache_sharding": False, "prefill_http_port": None}
+        if self._register_with is None:
+            try:
+                self._http = _Bootstrap(self.host, self._bootstrap_port or 0, info,
+                                        {"rank_ip": ip, "rank_port": self.rank_port})
+            except OSError as exc:
+                raise TransferError(f"cannot serve the bootstrap route on {self.host}:{self._bootstrap_port}: "
+                                    f"{exc.strerror or exc}") from None
+            self.bootstrap_addr = f"{ip}:{self._http.server_address[1]}"
+            self._spawn(self._http.serve_forever)
+        else:
+            self.bootstrap_addr = self._register_with
+            self._register(info, ip)
+        self._spawn(self._serve, pull)
+        self._spawn(self._worker)
+
+    def _spawn(self, fn, *args: Any) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True, name=f"kvbridge-sglang-{fn.__name__}")
+        t.start()
+        self._threads.append(t)
+
+    def _register(self, info: dict, ip: str) -> None:
+        """``PUT /route`` on an SGLang bootstrap server, as an SGLang prefill rank registers."""
+        body = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
+                "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+                "rank_ip": ip, "rank_port": self.rank_port, "page_size": info["page_size"],
+                "kv_cache_dtype": info["kv_cache_dtype"], "kv_layout": info["kv_layout"],
+                "load_balance_method": "follow_bootstrap_room", "decode_allocation_policy": "early"}
+        req = urllib.request.Request(f"http://{self._register_with}/route", data=json.dumps(body).encode(),
+                                     method="PUT", headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    if r.status == 200:
+                        return
+                    raise TransferError(f"the SGLang bootstrap server {self._register_with} answered {r.status}")
+            except urllib.error.HTTPError as exc:
+                raise TransferError(f"the SGLang bootstrap server {self._register_with} refused the registration: "
+                                    f"{exc.code} {exc.read().decode(errors='replace')[:200]}") from None
+            except OSError as exc:  # not up yet
+                if time.monotonic() > deadline:
+                    raise TransferError(f"cannot reach the SGLang bootstrap server {self._register_with}: "
+                                        f"{exc}") from None
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        """Stop serving; the agent process ends (requests not yet sent fail)."""
+        self._stop.set()
+        self._work.put(None)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        for t in self._threads:
+            t.join(5)
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
+        with self._lock:
+            for req in self._requests.values():
+                if not req.done.is_set():
+                    req.result = {"status": "Failed", "reason": "the peer was closed"}
+                    req.done.set()
+
+    def __enter__(self) -> SGLangPrefillPeer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, room: int, tables: RequestTables, num_tokens: int, first_token: int) -> None:
+        """Offer a prefilled request, held in ``pools`` at ``tables``, to the decode that asks for
+        ``room`` (the request's ``bootstrap_room``). ``first_token``: the token id the prefill sampled."""
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 < room < 2**63:
+            raise InputError(f"room must be a positive 63-bit integer, got {room!r}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise InputError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < 2**31:
+            raise InputError(f"first_token must be a token id (0 <= id < 2^31), got {first_token!r}")
+        for name in {self.pools.storage(s).table for s in (*self.layout.kv, *self.layout.swa_state,
+                                                           *self.layout.request_state)}:
+            if name not in tables:
+                raise InputError(f"tables lack block table {name!r} of {self.pools.profile.spec}")
+        with self._lock:
+            if room in self._requests and not self._requests[room].done.is_set():
+                raise InputError(f"room {room} is already offered")
+            self._requests[room] = _Request({k: list(v) for k, v in tables.items()}, num_tokens, first_token)
+            ready = self._ready(room)
+        if ready:
+            self._work.put(room)
+
+    def add_migrated_request(self, room: int, plan: MigrationPlan, src: EnginePools, src_tables: RequestTables,
+                             first_token: int) -> RequestTables:
+        """Convert a request from another engine's pools into ``pools`` (``migrate_local``), then offer it.
+        Returns its block tables in ``pools`` (release them after ``wait``)."""
+        if plan.dst.spec != self.pools.profile.spec:
+            raise InputError(f"plan's destination is {plan.dst.spec}, the peer's pools are {self.pools.profile.spec}")
+        tables, _ = migrate_local(plan, src, src_tables, self.pools, loss_report=False)
+        self.add_request(room, tables, plan.num_tokens, first_token)
+        return tables
+
+    def wait(self, room: int, timeout: float | None = None) -> dict[str, Any]:
+        """Block until ``room`` was sent (or failed); returns ``{"status", "reason", "bytes", "seconds",
+        "peers"}``. Raises ``TransferError`` when it did not finish within ``timeout``."""
+        with self._lock:
+            req = self._requests.get(room)
+        if req is None:
+            raise InputError(f"room {room} was never offered")
+        if not req.done.wait(self.timeout if timeout is None else timeout):
+            raise TransferError(f"room {room}: no SGLang decode asked for it within the timeout")
+        assert req.result is not None
+        return dict(req.result)
+
+    # -- serving ---------------------------------------------------------------------------------
+
+    def _ready(self, room: int) -> bool:
+        infos = self._infos.get(room, {})
+        return room in self._requests and bool(infos) and len(infos) == next(iter(infos.values())).required
+
+    def _serve(self, pull: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                if not pull.poll(100):
+                    continue
+                msg = pull.recv_multipart()
+            except Exception:  # context destroyed by close()
+                return
+            if not msg or msg[0] != GUARD or len(msg) < 8:
+                continue  # staging / abort / watermark traffic: not used by this peer
+            body = msg[1:]
+            try:
+                if body[0] == b"None":
+                    self._on_register(DecodePeer.parse(body))
+                    continue
+                info = TransferInfo.parse(body)
+            except (ValueError, IndexError, struct.error, UnicodeDecodeError):
+                continue  # malformed: SGLang's prefill asserts; this peer ignores the message
+            with self._lock:
+                self._infos.setdefault(info.room, {})[info.agent_name] = info
+                ready = self._ready(info.room)
+            if ready:
+                self._work.put(info.room)
+
+    def _on_register(self, peer: DecodePeer) -> None:
+        lay = self.layout
+        aux = metadata_item_lens(self.hidden_state_bytes)
+        if peer.kv_item_lens != list(lay.kv_item_lens) or [list(x) for x in peer.state_item_lens] != [
+                list(x) for x in lay.state_item_lens]:
+            peer.refused = (f"decode buffers (KV item bytes {peer.kv_item_lens}, state {peer.state_item_lens}) are not "
+                            f"the pools' (KV {list(lay.kv_item_lens)}, state {[list(x) for x in lay.state_item_lens]}) "
+                            f"of {self.pools.profile.spec}, {self.pools.model.name}")
+        elif len(peer.aux_ptrs) != len(aux):
+            peer.refused = (f"decode registered {len(peer.aux_ptrs)} metadata buffers, kvbridge writes {len(aux)} "
+                            "(no sampling mask, DSA top-k or KV checksum rows)")
+        elif any(k not in ("DRAM", "VRAM") for k in peer.kv_mem_kinds):
+            peer.refused = f"decode KV memory kinds {sorted(set(peer.kv_mem_kinds))} are not DRAM/VRAM"
+        else:
+            assert self._agent is not None
+            try:
+                peer.nixl_name = self._agent.call("adding the decode's NIXL agent", "add_remote", peer.metadata)
+            except TransferError as exc:
+                peer.refused = str(exc)
+        with self._lock:
+            self._peers[peer.agent_name] = peer
+
+    def _worker(self) -> None:
+        while True:
+            room = self._work.get()
+            if room is None:
+                return
+            with self._lock:
+                req, infos = self._requests.get(room), dict(self._infos.pop(room, {}))
+            if req is None or req.done.is_set():
+                continue
+            t0 = time.perf_counter()
+            sent, reason = 0, ""
+            targets = [(i.endpoint, i.port) for i in infos.values() if not i.dummy]
+            try:
+                for info in infos.values():
+                    if not info.dummy:
+                        sent += self._send(req, info)
+                status = POLL_SUCCESS
+            except KVBridgeError as exc:
+                status, reason = POLL_FAILED, f"kvbridge prefill peer: {exc}"
+            except Exception as exc:  # a decode message this version misreads: fail the request, keep serving
+                status, reason = POLL_FAILED, f"kvbridge prefill peer: {type(exc).__name__}: {exc}"
+            for endpoint, port in dict.fromkeys(targets):
+                self._push_status(endpoint, port, room, status, reason)
+            req.result = {"status": "Success" if status == POLL_SUCCESS else "Failed", "reason": reason,
+                          "bytes": sent, "seconds": time.perf_counter() - t0, "peers": len(targets)}
+            req.done.set()
+
+    def _push_status(self, endpoint: str, port: int, room: int, status: int, reason: str) -> None:
+        import zmq
+
+        sock = self._zmq.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 5000)
+        try:
+            sock.connect(f"tcp://{endpoint}:{port}")
+            sock.send_multipart([KV_STATUS, str(room).encode(), str(status).encode(), b"0", reason.encode()])
+        finally:
+            sock.close()
+
+    def _send(self, req: _Request, info: TransferInfo) -> int:
+        """NIXL-write one request to one decode rank; returns the bytes written."""
+        with self._lock:
+            peer = self._peers.get(info.agent_name)
+        if peer is None:
+            raise TransferError(f"decode agent {info.agent_name} sent page ids before registering")
+        if peer.refused:
+            raise InputError(peer.refused)
+        if info.prefix_len:
+            raise InputError(f"decode holds a {info.prefix_len}-token prefix of its own (decode radix cache); "
+                             "kvbridge sends whole requests only")
+        lay, pools = self.layout, self.pools
+        page = lay.page_size
+        num_pages = -(-req.num_tokens // page)
+        if len(info.kv_pages) != num_pages:
+            raise InputError(f"decode allocated {len(info.kv_pages)} KV pages for room {info.room}; the request's "
+                             f"{req.num_tokens} tokens take {num_pages}")
+        local: dict[str, list[tuple[int, int, int]]] = {"DRAM": [], "VRAM": []}
+        remote: dict[str, list[tuple[int, int, int]]] = {"DRAM": [], "VRAM": []}
+
+        def add(spec: CacheSpec, src_pages: Sequence[int], dst_ptr: int, dst_pages: Sequence[int], kind: str) -> None:
+            st = pools.storage(spec)
+            base = self._regions[(spec.layer, spec.role)]
+            n_pages = pool_tensors(pools.pool(spec))[0].shape[0]
+            dev = peer.gpu_id if kind == "VRAM" else 0
+            for s, d in zip(src_pages, dst_pages, strict=True):
+                if s < 0:
+                    raise InputError(f"layer {spec.layer} {spec.role.value}: the request's page for decode page {d} "
+                                     "was released (out of the window)")
+                if s >= n_pages or d < 0:
+                    raise InputError(f"layer {spec.layer} {spec.role.value}: page {s} -> decode page {d} is outside "
+                                     f"the pools ({n_pages} pages) or negative")
+                local[kind].append((base + s * st.page_bytes, st.page_bytes, 0))
+                remote[kind].append((dst_ptr + d * st.page_bytes, st.page_bytes, dev))
+
+        for i, spec in enumerate(lay.kv):
+            table = req.tables[pools.storage(spec).table]
+            n = min(len(table), num_pages)  # pages past the table hold no complete compressed entry yet
+            add(spec, table[:n], peer.kv_ptrs[i], info.kv_pages[:n], peer.kv_mem_kinds[i])
+        # SGLang registers state buffers as VRAM and does not announce their kind (see state_memory)
+        state_kind = self.state_memory or (peer.kv_mem_kinds[0] if peer.kv_mem_kinds else "VRAM")
+        comps = [c for c in (lay.swa_state, lay.request_state) if c]
+        if len(info.state_indices) != len(comps):
+            raise InputError(f"decode sent {len(info.state_indices)} state index lists, the layout has {len(comps)}")
+        if lay.swa_state:
+            swa_ids = info.state_indices[0]
+            first = max(0, req.num_tokens - pools.model.sliding_window) // page
+            src = req.tables[pools.storage(lay.swa_state[0]).table][first : first + len(swa_ids)]
+            if len(src) != len(swa_ids) or first + len(swa_ids) != num_pages:
+                raise InputError(f"decode sent {len(swa_ids)} SWA page ids; the window of {req.num_tokens} tokens "
+                                 f"spans pages {first}..{num_pages - 1}")
+            for j, spec in enumerate(lay.swa_state):
+                add(spec, src, peer.state_ptrs[0][j], swa_ids, state_kind)
+        if lay.request_state:
+            slots = info.state_indices[1]
+            if len(slots) > 1:
+                raise InputError(f"decode sent {len(slots)} request-state slots, SGLang uses one")
+            for j, spec in enumerate(lay.request_state):
+                ring = req.tables[pools.storage(spec).table][:1]
+                add(spec, ring if slots else [], peer.state_ptrs[1][j], slots, state_kind)
+        row = metadata_row(info.room, req.first_token, self.hidden_state_bytes)
+        aux = np.frombuffer(b"".join(row), dtype=np.uint8)
+        self._aux.numpy()[:] = aux
+        off = 0
+        for ptr, b in zip(peer.aux_ptrs, row, strict=True):
+            local["DRAM"].append((self._aux_addr + off, len(b), 0))
+            remote["DRAM"].append((ptr + info.aux_index * len(b), len(b), 0))
+            off += len(b)
+        assert self._agent is not None
+        total = 0
+        xids = []
+        for kind in ("VRAM", "DRAM"):
+            if not local[kind]:
+                continue
+            xid = uuid.uuid4().int & (2**62 - 1)
+            loc = np.array(local[kind], dtype=np.uint64).reshape(-1, 3)
+            rem = np.array(remote[kind], dtype=np.uint64).reshape(-1, 3)
+            self._agent.call("posting the NIXL write", "write", xid, loc, rem, peer.nixl_name, b"", kind)
+            xids.append(xid)
+            total += int(loc[:, 1].sum())
+        for xid in xids:
+            state = self._agent.call("waiting for the NIXL write", "wait", xid, self.timeout,
+                                     timeout=self.timeout + 10)
+            if state != "DONE":
+                raise TransferError(f"NIXL write to decode agent {info.agent_name} ended {state}")
+        return total

@@ -1,0 +1,184 @@
+"""An SGLang 0.5.23 decode engine's PD side, run in the SGLang environment (not kvbridge's).
+
+Run by ``tests/test_adapter_sglang.py`` with the SGLang venv's python. It builds SGLang's own
+objects the way its decode scheduler does, on CPU: a ``DeepSeekV4TokenToKVPool`` (the DeepSeek-V4
+pools), ``MetadataBuffers`` (the per-request metadata rows), the ``KVArgs`` filled by SGLang's
+``get_kv_transfer_buf_infos`` / ``setup_state_kv_args`` / ``get_pd_kv_layout`` (every buffer
+registered as DRAM), a ``NixlKVManager`` in decode mode and one ``NixlKVReceiver``. With
+``"bootstrap": "sglang"`` it also runs SGLang's ``NixlKVBootstrapServer``, which the prefill peer
+registers with.
+
+Input: one JSON object on stdin (see ``main``). Output: JSON lines on stdout; the last one is
+``{"result": ...}``: ``refused`` (SGLang's handshake raised, with its message), ``Success`` or
+``Failed`` (the receiver's final poll, with the failure reason), ``timeout``. On ``Success`` every
+registered buffer is written to ``dump`` (``numpy.savez``: ``kv<i>``, ``state<c>_<i>``, ``aux<i>``,
+as uint8, in registration order). Ends with ``os._exit``: NIXL's libraries can crash at exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+#: The JSON-lines channel: the original stdout; fd 1 is pointed at stderr (NIXL and SGLang log there).
+_OUT = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+
+
+def emit(**msg) -> None:
+    _OUT.write(json.dumps(msg) + "\n")
+    _OUT.flush()
+
+
+def run(cfg: dict) -> None:
+    import numpy as np
+    import torch
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs(model_path="dummy", disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
+                    device="cpu", kv_cache_dtype=cfg["kv_cache_dtype"], page_size=cfg["page_size"],
+                    disaggregation_bootstrap_port=cfg.get("bootstrap_port", 8998))
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+
+    from sglang.srt.disaggregation.base.conn import KVPoll, StateType
+    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVReceiver
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        KVClassType,
+        MetadataBuffers,
+        TransferBackend,
+        build_kv_layer_ids,
+        get_kv_class,
+        get_kv_transfer_buf_infos,
+        get_pd_kv_layout,
+        is_mla_backend,
+        setup_state_kv_args,
+    )
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    ratios = cfg["compress_ratios"]
+    page = cfg["page_size"]
+    pages = cfg["pages"]  # full-token pages of the pool
+    slots = cfg["req_slots"]
+    swa_pages = cfg["swa_pages"]
+    state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.get("state_dtype", "fp32")]
+    pool = DeepSeekV4TokenToKVPool(
+        max_num_reqs=slots - 1, num_req_slots=slots, swa_size=swa_pages * page, c4_size=pages * page // 4,
+        c128_size=pages * page // 128, c4_state_pool_size=swa_pages * 8, c128_state_pool_size=slots * 128,
+        page_size=page, swa_page_size=page, sliding_window=cfg["sliding_window"], dtype=torch.float8_e4m3fn,
+        c4_state_dtype=state_dtype, c128_state_dtype=state_dtype, qk_nope_head_dim=448, qk_rope_head_dim=64,
+        indexer_head_dim=128, layer_num=len(ratios), device="cpu", enable_memory_saver=False,
+        compression_ratios=ratios, start_layer=0, end_layer=len(ratios))
+    # as SGLang's scheduler builds them without speculative decoding: a 16-value fp32 hidden-state row
+    meta = MetadataBuffers(cfg["aux_rows"], hidden_size=16, hidden_states_dtype=torch.float32,
+                           max_sampling_mask_tokens=1)
+
+    kv_args = get_kv_class(TransferBackend.NIXL, KVClassType.KVARGS)()
+    kv_args.engine_rank = 0
+    kv_args.pp_rank = 0
+    kv_args.system_dp_rank = 0
+    kv_args.kv_cache_dtype_str = cfg["kv_cache_dtype"]
+    kv_args.kv_layout = get_pd_kv_layout(pool)
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(pool)
+    kv_args.kv_data_mem_kinds = ["DRAM"] * len(kv_args.kv_data_ptrs)
+    kv_args.num_draft_entries = 0
+    kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
+                                              num_draft_entries=0, num_hidden_layers=len(ratios))
+    kv_args.page_size = pool.page_size
+    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
+    setup_state_kv_args(kv_args, pool, None, total_kv_layers=len(ratios), req_to_token_pool=None)
+    kv_args.ib_device = None
+    kv_args.gpu_id = 0
+    emit(event="layout", kv_layout=kv_args.kv_layout, kv_item_lens=list(kv_args.kv_item_lens),
+         state_types=[str(st.value) for st in kv_args.state_types],
+         state_item_lens=[list(x) for x in kv_args.state_item_lens], aux_item_lens=list(kv_args.aux_item_lens))
+
+    if cfg["bootstrap"] == "sglang":
+        NixlKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"])
+        addr = f"127.0.0.1:{cfg['bootstrap_port']}"
+    else:
+        addr = cfg["bootstrap_addr"]
+    # SGLang registers the state buffers as VRAM whatever their device (register_buffer_to_engine);
+    # UCX refuses VRAM registration of host memory, so on this CPU-only machine that one call is
+    # made with DRAM. Nothing else of SGLang's is changed.
+    from nixl._api import nixl_agent
+
+    register_memory = nixl_agent.register_memory
+    nixl_agent.register_memory = lambda self, descs, mem_type=None, *a, **k: register_memory(
+        self, descs, "DRAM" if mem_type == "VRAM" else mem_type, *a, **k)
+    mgr = NixlKVManager(kv_args, DisaggregationMode.DECODE, sa, is_mla_backend(pool))
+    emit(event="ready", bootstrap_addr=addr)
+
+    deadline = time.monotonic() + cfg["timeout"]
+    try:
+        while not mgr.try_ensure_parallel_info(addr):  # 503 until the prefill registered
+            if time.monotonic() > deadline:
+                emit(result="timeout", stage="bootstrap")
+                return
+            time.sleep(0.2)
+    except RuntimeError as exc:  # SGLang's handshake refusing the prefill's page size, dtype or layout
+        emit(result="refused", reason=str(exc))
+        return
+
+    room = cfg["room"]
+    receiver = NixlKVReceiver(mgr, addr, room)
+    receiver.init(prefill_dp_rank=0)
+    while receiver.poll() == KVPoll.Bootstrapping:
+        if time.monotonic() > deadline:
+            emit(result="timeout", stage="init")
+            return
+        time.sleep(0.05)
+    seq_len = cfg["num_tokens"]
+    payloads = {StateType.SWA: lambda: np.asarray(cfg["swa_page_ids"], dtype=np.int32),
+                StateType.DSV4_REQUEST_STATE: lambda: pool.request_state_transfer_indices(cfg["req_pool_idx"],
+                                                                                          seq_len)}
+    pool.clear_request_scoped_state(cfg["req_pool_idx"])
+    state_indices = [payloads[st]() if st in payloads else None for st in kv_args.state_types]
+    emit(event="metadata", state_indices=[None if s is None else [int(i) for i in s] for s in state_indices])
+    receiver.send_metadata(np.asarray(cfg["kv_page_ids"], dtype=np.int32), cfg["aux_index"], state_indices)
+    while True:
+        status = receiver.poll()
+        if status in (KVPoll.Success, KVPoll.Failed):
+            break
+        if time.monotonic() > deadline:
+            emit(result="timeout", stage="transfer", status=int(status))
+            return
+        time.sleep(0.02)
+    if status == KVPoll.Failed:
+        emit(result="Failed", reason=mgr.failure_records.get(room, ""))
+        return
+
+    def raw(ptr_list, lens):  # a copy of each registered buffer, by address (what NIXL wrote into)
+        import ctypes
+
+        return [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p)).copy()
+                for p, n in zip(ptr_list, lens, strict=True)]
+
+    arrays = {f"kv{i}": a for i, a in enumerate(raw(kv_args.kv_data_ptrs, kv_args.kv_data_lens))}
+    for c, (ptrs, lens) in enumerate(zip(kv_args.state_data_ptrs, kv_args.state_data_lens, strict=True)):
+        arrays.update({f"state{c}_{i}": a for i, a in enumerate(raw(ptrs, lens))})
+    arrays.update({f"aux{i}": a for i, a in enumerate(raw(kv_args.aux_data_ptrs, kv_args.aux_data_lens))})
+    tmp = cfg["dump"] + ".part.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, cfg["dump"])
+    emit(result="Success", dump=cfg["dump"])
+
+
+def main() -> None:
+    cfg = json.loads(sys.stdin.readline())
+    try:
+        run(cfg)
+    except BaseException:
+        emit(result="error", traceback=traceback.format_exc())
+    finally:
+        _OUT.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -750,27 +750,29 @@ def _model1_to_fp8_kernel(
 @njit(cache=True, inline="always")
 def _e4m3_value(c):
     """fp32 value of the E4M3 code ``c`` (uint32 0..255), bit-identical to ``_E4M3_F32`` (NaN codes: its
-    quiet NaN), in branch-free 32-bit arithmetic: normal magnitudes rebias their bits, subnormal ones
-    are ``a * 2^-9``."""
-    a = c & np.uint32(0x7F)
-    normal = np.uint32((a << np.uint32(20)) + np.uint32(0x3C000000)).view(np.float32)
-    v = normal if a >= np.uint32(8) else np.float32(a) * np.float32(2.0**-9)
-    v = -v if (c & np.uint32(0x80)) != 0 else v
+    quiet NaN), in branch-free arithmetic: normal magnitudes rebias their bits, subnormal ones are
+    ``a * 2^-9``. Every integer step is cast back to uint32 (numba widens to 64 bits otherwise, and
+    LLVM then runs 8 lanes per vector instead of 16)."""
+    a = np.uint32(c & np.uint32(0x7F))
+    normal = np.uint32(np.uint32(a << np.uint32(20)) + np.uint32(0x3C000000)).view(np.float32)
+    v = normal if a >= np.uint32(8) else np.float32(np.int32(a)) * np.float32(2.0**-9)
+    v = -v if np.uint32(c & np.uint32(0x80)) != np.uint32(0) else v
     return np.float32(np.nan) if a == np.uint32(0x7F) else v
 
 
 @njit(cache=True, inline="always")
 def _e4m3_byte(y) -> int:
     """E4M3 code of the fp32 ``y`` as ``_e4m3_tile`` computes it (RNE, saturating to +-448, NaN too),
-    in 32-bit lanes."""
-    b = np.float32(y).view(np.uint32)
-    mag = b & np.uint32(0x7FFFFFFF)
-    normal = np.uint32(((mag + np.uint32(0x7FFFF) + ((mag >> np.uint32(20)) & np.uint32(1))) >> np.uint32(20))
-                       - np.uint32(960))
-    sub = np.uint32(np.float32(abs(y) + np.float32(16384.0)).view(np.uint32) - np.uint32(0x46800000))
-    code = normal if mag >= np.uint32(0x3C800000) else sub
-    code = np.uint32(0x7E) if mag >= np.uint32(0x43E00000) else code
-    return np.uint8(code | ((b >> np.uint32(24)) & np.uint32(0x80)))
+    every integer step cast back to uint32 (see ``_e4m3_value``)."""
+    u32 = np.uint32
+    b = np.float32(y).view(u32)
+    mag = u32(b & u32(0x7FFFFFFF))
+    odd = u32(u32(mag >> u32(20)) & u32(1))
+    normal = u32(u32(u32(u32(mag + u32(0x7FFFF)) + odd) >> u32(20)) - u32(960))
+    sub = u32(np.float32(abs(y) + np.float32(16384.0)).view(u32) - u32(0x46800000))
+    code = normal if mag >= u32(0x3C800000) else sub
+    code = u32(0x7E) if mag >= u32(0x43E00000) else code
+    return np.uint8(code | u32(u32(b >> u32(24)) & u32(0x80)))
 
 
 @njit(cache=True, inline="always")
@@ -844,10 +846,14 @@ def _model1_encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, dp, dpb, dsplit, 
                         foot[j] = e + 127
                     rope_bits = row_bits[448:512]
                     rope_out = data[448:576]
-                    for i in range(64):
-                        h = _bf16_bits(np.int64(rope_bits[i]))
-                        rope_out[2 * i] = h & 0xFF
-                        rope_out[2 * i + 1] = h >> 8
+                    for i in range(64):  # _bf16_bits in uint32 steps
+                        u32 = np.uint32
+                        b = rope_bits[i]
+                        rounded = u32(u32(u32(b + u32(0x7FFF)) + u32(u32(b >> u32(16)) & u32(1))) >> u32(16))
+                        quiet = u32(u32(b >> u32(16)) | u32(0x40))
+                        h = quiet if u32(b & u32(0x7FFFFFFF)) > u32(0x7F800000) else rounded
+                        rope_out[2 * i] = np.uint8(h & u32(0xFF))
+                        rope_out[2 * i + 1] = np.uint8(u32(h >> u32(8)) & u32(0xFF))
                 foot[7] = 0
                 if not in_place:
                     _scatter(rec, dst, d_at, f_at, dsplit, drb)

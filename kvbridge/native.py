@@ -560,8 +560,9 @@ def _fp8_to_model1_kernel(
     r5, r6, r7 = rope_sub[5], rope_sub[6], rope_sub[7]
     for chunk in range(c0, c1):
         rec_in = np.empty(srb, np.uint8)
-        rec_out = np.empty(drb, np.uint8)
-        rope_bits = np.empty(64, np.uint16)
+        rec_out16 = np.empty(drb // 2, np.uint16)  # the record, writable as bf16 words at even offsets
+        rec_out = rec_out16.view(np.uint8)
+        rope_bits = rec_out16[224:288]  # record bytes [448, 576)
         count = 0
         first = -1
         for p in range(chunk * per, min(npages, (chunk + 1) * per)):
@@ -617,9 +618,6 @@ def _fp8_to_model1_kernel(
                 else:
                     for i in range(64):
                         rope_bits[i] = rope_lut[rec_in[448 + i]]
-                for i in range(64):
-                    rec_out[448 + 2 * i] = rope_bits[i] & 0xFF
-                    rec_out[449 + 2 * i] = rope_bits[i] >> 8
                 rec_out[583] = 0
                 _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
             _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)

@@ -18,7 +18,10 @@ destination page (padding tail and unused rows: zero) is written by the kernels,
 start uninitialised (``_empty_output``).
 
 Accelerators: specialised kernels registered for a pair of *records* (``ACCELERATORS``; they
-serve every geometry of those records), byte-checked against the generic kernel by the tests.
+serve every geometry of those records; ``LATENTS`` on one side makes an encoder or a decoder),
+byte-checked against the generic kernel by the tests. The MODEL1 encoder and decoder have the
+record's constants compiled in, read and write pages in place, and convert E4M3 in branch-free
+32-bit vector arithmetic (``_e4m3_value``, ``_e4m3_byte``) instead of table lookups.
 Per-tensor E4M3 (TensorRT-LLM FP8) -> MODEL1 runs in the code domain: with a per-tensor source
 every decoded value is ``fp32(e4m3(c) * s)``, a function of the byte ``c`` alone and monotone in
 ``c & 0x7F``, so a tile's amax is the value of its largest code magnitude ``m`` and each output

@@ -18,7 +18,10 @@ destination page (padding tail and unused rows: zero) is written by the kernels,
 start uninitialised (``_empty_output``).
 
 Accelerators: specialised kernels registered for a pair of *records* (``ACCELERATORS``; they
-serve every geometry of those records), byte-checked against the generic kernel by the tests.
+serve every geometry of those records; ``LATENTS`` on one side makes an encoder or a decoder),
+byte-checked against the generic kernel by the tests. The MODEL1 encoder and decoder have the
+record's constants compiled in, read and write pages in place, and convert E4M3 in branch-free
+32-bit vector arithmetic (``_e4m3_value``, ``_e4m3_byte``) instead of table lookups.
 Per-tensor E4M3 (TensorRT-LLM FP8) -> MODEL1 runs in the code domain: with a per-tensor source
 every decoded value is ``fp32(e4m3(c) * s)``, a function of the byte ``c`` alone and monotone in
 ``c & 0x7F``, so a tile's amax is the value of its largest code magnitude ``m`` and each output
@@ -560,8 +563,9 @@ def _fp8_to_model1_kernel(
     r5, r6, r7 = rope_sub[5], rope_sub[6], rope_sub[7]
     for chunk in range(c0, c1):
         rec_in = np.empty(srb, np.uint8)
-        rec_out = np.empty(drb, np.uint8)
-        rope_bits = np.empty(64, np.uint16)
+        rec_out16 = np.empty(drb // 2, np.uint16)  # the record, writable as bf16 words at even offsets
+        rec_out = rec_out16.view(np.uint8)
+        rope_bits = rec_out16[224:288]  # record bytes [448, 576)
         count = 0
         first = -1
         for p in range(chunk * per, min(npages, (chunk + 1) * per)):
@@ -617,9 +621,6 @@ def _fp8_to_model1_kernel(
                 else:
                     for i in range(64):
                         rope_bits[i] = rope_lut[rec_in[448 + i]]
-                for i in range(64):
-                    rec_out[448 + 2 * i] = rope_bits[i] & 0xFF
-                    rec_out[449 + 2 * i] = rope_bits[i] >> 8
                 rec_out[583] = 0
                 _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
             _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
@@ -745,6 +746,157 @@ def _model1_to_fp8_kernel(
             _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
         bad_count[chunk] = count
         bad_first[chunk] = first
+
+
+@njit(cache=True, inline="always")
+def _e4m3_value(c):
+    """fp32 value of the E4M3 code ``c`` (uint32 0..255), bit-identical to ``_E4M3_F32`` (NaN codes: its
+    quiet NaN), in branch-free arithmetic: normal magnitudes rebias their bits, subnormal ones are
+    ``a * 2^-9``. Every integer step is cast back to uint32 (numba widens to 64 bits otherwise, and
+    LLVM then runs 8 lanes per vector instead of 16)."""
+    a = np.uint32(c & np.uint32(0x7F))
+    normal = np.uint32(np.uint32(a << np.uint32(20)) + np.uint32(0x3C000000)).view(np.float32)
+    v = normal if a >= np.uint32(8) else np.float32(np.int32(a)) * np.float32(2.0**-9)
+    v = -v if np.uint32(c & np.uint32(0x80)) != np.uint32(0) else v
+    return np.float32(np.nan) if a == np.uint32(0x7F) else v
+
+
+@njit(cache=True, inline="always")
+def _e4m3_byte(y) -> int:
+    """E4M3 code of the fp32 ``y`` as ``_e4m3_tile`` computes it (RNE, saturating to +-448, NaN too),
+    every integer step cast back to uint32 (see ``_e4m3_value``)."""
+    u32 = np.uint32
+    b = np.float32(y).view(u32)
+    mag = u32(b & u32(0x7FFFFFFF))
+    odd = u32(u32(mag >> u32(20)) & u32(1))
+    normal = u32(u32(u32(u32(mag + u32(0x7FFFF)) + odd) >> u32(20)) - u32(960))
+    sub = u32(np.float32(abs(y) + np.float32(16384.0)).view(u32) - u32(0x46800000))
+    code = normal if mag >= u32(0x3C800000) else sub
+    code = u32(0x7E) if mag >= u32(0x43E00000) else code
+    return np.uint8(code | u32(u32(b >> u32(24)) & u32(0x80)))
+
+
+@njit(cache=True, inline="always")
+def _tile_exponent(amax_bits, min_exp: int) -> int:
+    """UE8M0 exponent of a tile whose largest |value| has fp32 bits ``amax_bits`` (as ``_ue8m0_e4m3_tiles``)."""
+    exp = np.int64(amax_bits >> np.uint32(23))
+    if exp == 0:
+        return min_exp
+    return max(min_exp, exp - 135 + (1 if (amax_bits & np.uint32(0x7FFFFF)) > np.uint32(0x600000) else 0))
+
+
+@njit(cache=True, nogil=True)
+def _model1_encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, dp, dpb, dsplit, drb, min_exp, pow2):
+    """Latents (fp32 ``x32`` or bf16 bits ``x16``, flat) -> MODEL1 records, with the record's constants
+    compiled in: 7 UE8M0-scaled E4M3 tiles of 64, bf16 rope, 7 scale bytes and a zero pad byte."""
+    npages = dst.shape[0] // dpb
+    per = max(1, CHUNK_TOKENS // dp)
+    in_place = dsplit == MODEL1_DATA_BYTES or dsplit == drb
+    for chunk in range(c0, c1):
+        rec = np.empty(drb, np.uint8)
+        for p in range(chunk * per, min(npages, (chunk + 1) * per)):
+            for r in range(dp):
+                t = p * dp + r
+                d_at = p * dpb + r * dsplit
+                f_at = p * dpb + dp * dsplit + r * (drb - dsplit)
+                if t >= n:
+                    _zero(dst, d_at, d_at + dsplit)
+                    _zero(dst, f_at, f_at + drb - dsplit)
+                    continue
+                if in_place:
+                    data = dst[d_at : d_at + MODEL1_DATA_BYTES]
+                    foot = dst[f_at : f_at + 8] if dsplit == MODEL1_DATA_BYTES else dst[d_at + 576 : d_at + 584]
+                else:
+                    data = rec[:MODEL1_DATA_BYTES]
+                    foot = rec[MODEL1_DATA_BYTES:]
+                lo = t * HEAD_DIM
+                if from_bf16:
+                    row16 = x16[lo : lo + HEAD_DIM]
+                    for j in range(7):
+                        tile = row16[64 * j : 64 * j + 64]
+                        m16 = np.uint16(0)
+                        for i in range(64):
+                            m16 = max(m16, np.uint16(tile[i] & np.uint16(0x7FFF)))
+                        e = _tile_exponent(np.uint32(m16) << np.uint32(16), min_exp)
+                        mult = pow2[149 - e]
+                        out = data[64 * j : 64 * j + 64]
+                        for i in range(64):
+                            out[i] = _e4m3_byte(np.uint32(np.uint32(tile[i]) << np.uint32(16)).view(np.float32) * mult)
+                        foot[j] = e + 127
+                    rope = row16[448:512]
+                    rope_out = data[448:576]
+                    for i in range(64):
+                        h = rope[i]
+                        h = h | np.uint16(0x40) if (h & np.uint16(0x7FFF)) > np.uint16(0x7F80) else h
+                        rope_out[2 * i] = h & np.uint16(0xFF)
+                        rope_out[2 * i + 1] = h >> np.uint16(8)
+                else:
+                    row = x32[lo : lo + HEAD_DIM]
+                    row_bits = row.view(np.uint32)
+                    for j in range(7):
+                        tile = row[64 * j : 64 * j + 64]
+                        tile_bits = row_bits[64 * j : 64 * j + 64]
+                        m32 = np.uint32(0)
+                        for i in range(64):
+                            m32 = max(m32, np.uint32(tile_bits[i] & np.uint32(0x7FFFFFFF)))
+                        e = _tile_exponent(m32, min_exp)
+                        mult = pow2[149 - e]
+                        out = data[64 * j : 64 * j + 64]
+                        for i in range(64):
+                            out[i] = _e4m3_byte(tile[i] * mult)
+                        foot[j] = e + 127
+                    rope_bits = row_bits[448:512]
+                    rope_out = data[448:576]
+                    for i in range(64):  # _bf16_bits in uint32 steps
+                        u32 = np.uint32
+                        b = rope_bits[i]
+                        rounded = u32(u32(u32(b + u32(0x7FFF)) + u32(u32(b >> u32(16)) & u32(1))) >> u32(16))
+                        quiet = u32(u32(b >> u32(16)) | u32(0x40))
+                        h = quiet if u32(b & u32(0x7FFFFFFF)) > u32(0x7F800000) else rounded
+                        rope_out[2 * i] = np.uint8(h & u32(0xFF))
+                        rope_out[2 * i + 1] = np.uint8(u32(h >> u32(8)) & u32(0xFF))
+                foot[7] = 0
+                if not in_place:
+                    _scatter(rec, dst, d_at, f_at, dsplit, drb)
+            _zero(dst, p * dpb + dp * drb, (p + 1) * dpb)
+
+
+@njit(cache=True, nogil=True)
+def _model1_decode_kernel(c0, c1, src, sp, spb, ssplit, srb, n, out, ue8m0):
+    """MODEL1 records -> fp32 latents ``out`` (flat, ``n * 512``), with the record's constants compiled
+    in and each E4M3 value computed by ``_e4m3_value`` rather than looked up."""
+    out_bits = out.view(np.uint32)
+    in_place = ssplit == MODEL1_DATA_BYTES or ssplit == srb
+    for chunk in range(c0, c1):
+        rec = np.empty(srb, np.uint8)
+        t0 = chunk * CHUNK_TOKENS
+        s_page = t0 // sp  # source page and row of the chunk's first token, then stepped
+        s_row = t0 - s_page * sp
+        for t in range(t0, min(n, t0 + CHUNK_TOKENS)):
+            s_at = s_page * spb + s_row * ssplit
+            sf_at = s_page * spb + sp * ssplit + s_row * (srb - ssplit)
+            s_row += 1
+            if s_row == sp:
+                s_row = 0
+                s_page += 1
+            if in_place:
+                data = src[s_at : s_at + MODEL1_DATA_BYTES]
+                foot = src[sf_at : sf_at + 8] if ssplit == MODEL1_DATA_BYTES else src[s_at + 576 : s_at + 584]
+            else:
+                _gather(src, s_at, sf_at, ssplit, srb, rec)
+                data = rec[:MODEL1_DATA_BYTES]
+                foot = rec[MODEL1_DATA_BYTES:]
+            lo = t * HEAD_DIM
+            for j in range(7):
+                s = ue8m0[foot[j]]
+                tile = data[64 * j : 64 * j + 64]
+                vals = out[lo + 64 * j : lo + 64 * j + 64]
+                for i in range(64):
+                    vals[i] = _e4m3_value(np.uint32(tile[i])) * s
+            rope = data[448:MODEL1_DATA_BYTES]
+            rope_bits = out_bits[lo + 448 : lo + HEAD_DIM]
+            for i in range(64):
+                rope_bits[i] = (np.uint32(rope[2 * i]) | (np.uint32(rope[2 * i + 1]) << np.uint32(8))) << np.uint32(16)
 
 
 @njit(cache=True, nogil=True)
@@ -955,15 +1107,21 @@ def _x_arrays(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
     return _flat(x.float()), np.empty(0, np.uint16), False
 
 
-def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float) -> torch.Tensor:
-    """fp32 or bf16 ``[N, 512]`` (CPU) -> pages ``[ceil(N/P), page_bytes]`` uint8."""
+def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float,
+                 *, accelerated: bool = True) -> torch.Tensor:
+    """fp32 or bf16 ``[N, 512]`` (CPU) -> pages ``[ceil(N/P), page_bytes]`` uint8. ``accelerated=False``
+    runs the generic kernel even where an encoder is registered (the tests compare the two)."""
     n = x.shape[0]
     out = _new_pages(layout, n, page_size)
     if n == 0:
         return out
     x32, x16, from_bf16 = _x_arrays(x)
-    mult, min_exp = _encode_params(dialect, scale)
     dp, dpb, dsplit, drb = _geometry(layout, page_size)
+    fast = accelerator(LATENTS, layout) if accelerated else None
+    if fast is not None:
+        fast(x32, x16, from_bf16, n, dialect, scale, (_flat(out), dp, dpb, dsplit, drb))
+        return out
+    mult, min_exp = _encode_params(dialect, scale)
     _run_chunks(
         _encode_kernel, _page_chunks(out.shape[0], dp),
         x32, x16, from_bf16, n, _flat(out), program(layout), dp, dpb, dsplit, drb, mult, min_exp, _POW2_F32,
@@ -973,12 +1131,17 @@ def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str |
 
 
 def decode_pages(
-    pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None, scale: float
+    pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None, scale: float,
+    *, accelerated: bool = True,
 ) -> torch.Tensor:
-    """Pages -> fp32 ``[num_tokens, 512]`` (all rows when ``num_tokens`` is None)."""
+    """Pages -> fp32 ``[num_tokens, 512]`` (all rows when ``num_tokens`` is None). ``accelerated=False``
+    runs the generic kernel even where a decoder is registered (the tests compare the two)."""
     n = layout.token_count(pages, page_size, num_tokens)
     out = _empty_output(n, HEAD_DIM * 4, torch.float32)
-    if n:
+    fast = accelerator(layout, LATENTS) if accelerated else None
+    if n and fast is not None:
+        fast(n, np.float32(scale), (_flat(pages), *_geometry(layout, page_size)), _flat(out))
+    elif n:
         sp, spb, ssplit, srb = _geometry(layout, page_size)
         _run_chunks(
             _decode_kernel, -(-n // CHUNK_TOKENS),
@@ -1094,17 +1257,37 @@ def _model1_to_fp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, ba
                 bad_count, bad_first)
 
 
-#: Specialised transcode kernels per (source record, destination record) ``Layout.segments``.
+def _model1_encode(x32, x16, from_bf16, n, dialect, scale, geometry) -> None:
+    _, min_exp = _encode_params(dialect, scale)
+    dp, dpb = geometry[1], geometry[2]
+    _run_chunks(_model1_encode_kernel, _page_chunks(geometry[0].shape[0] // dpb, dp), x32, x16, from_bf16, n,
+                *geometry, min_exp, _POW2_F32)
+
+
+def _model1_decode(n, scale, geometry, out) -> None:
+    _run_chunks(_model1_decode_kernel, -(-n // CHUNK_TOKENS), *geometry, n, out, _UE8M0_F32)
+
+
+#: Stands for fp32/bf16 latents on one side of an ``ACCELERATORS`` key (encode: (LATENTS, record),
+#: decode: (record, LATENTS)).
+LATENTS = "latents"
+
+#: Specialised kernels per (source, destination) pair of ``Layout.segments`` (or ``LATENTS``):
+#: transcodes ``f(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first)``, encoders
+#: ``f(x32, x16, from_bf16, n, dialect, scale, geometry)``, decoders ``f(n, scale, geometry, out)``.
 ACCELERATORS = {
     (get_layout("trtllm-fp8").segments, get_layout("flashmla-model1").segments): _fp8_to_model1,
     (get_layout("flashmla-model1").segments, get_layout("trtllm-fp8").segments): _model1_to_fp8,
     (get_layout("trtllm-fp8").segments, get_layout("v41-fp8").segments): _fp8_to_mxfp8,
+    (LATENTS, get_layout("flashmla-model1").segments): _model1_encode,
+    (get_layout("flashmla-model1").segments, LATENTS): _model1_decode,
 }
 
 
-def accelerator(src: Layout, dst: Layout):
-    """The specialised kernel registered for ``src``'s and ``dst``'s records, or None."""
-    return ACCELERATORS.get((src.segments, dst.segments))
+def accelerator(src: Layout | str, dst: Layout | str):
+    """The specialised kernel registered for ``src``'s and ``dst``'s records (either may be ``LATENTS``), or None."""
+    key = (src if src == LATENTS else src.segments, dst if dst == LATENTS else dst.segments)
+    return ACCELERATORS.get(key)
 
 
 def transcode_pages(

@@ -341,6 +341,28 @@ def test_accelerators_equal_the_generic_kernel(latents):
             assert torch.equal(native.transcode_pages(*args), generic), args[1:]
 
 
+def test_encode_decode_accelerators_equal_the_generic_kernel(latents):
+    """Each registered encoder and decoder writes the bytes (decoded bits) the generic kernel writes:
+    every dialect, fp32 and bf16 input with NaN/Inf among the values, arbitrary page bytes, other geometries."""
+    layouts = all_layouts() + [TOKEN_MAJOR_MODEL1, SPLIT_FP8]
+    encoders = [lay for lay in layouts if native.accelerator(native.LATENTS, lay) is not None]
+    decoders = [lay for lay in layouts if native.accelerator(lay, native.LATENTS) is not None]
+    assert get_layout("flashmla-model1") in encoders and get_layout("flashmla-model1") in decoders
+    assert TOKEN_MAJOR_MODEL1 in encoders and TOKEN_MAJOR_MODEL1 in decoders  # records, not layout names
+    x = latents.repeat(3, 1)[:200].clone()
+    x[5, 7], x[6, 100], x[7, 450], x[8, 0] = math.nan, math.inf, -math.inf, -math.nan
+    for lay in encoders:
+        for dialect, values, p in itertools.product(lay.dialects or (None,), (x, x.bfloat16()), (3, 64)):
+            want = native.encode_pages(values, lay, p, dialect, 1.0, accelerated=False)
+            assert torch.equal(native.encode_pages(values, lay, p, dialect, 1.0), want), (lay.name, dialect, p)
+    g = torch.Generator().manual_seed(5)
+    for lay, p in itertools.product(decoders, (3, 61)):
+        pages = torch.randint(0, 256, (5, lay.page_bytes(p)), dtype=torch.uint8, generator=g)
+        for n in (None, 5 * p - 2):
+            want = native.decode_pages(pages, lay, p, n, 1.0, accelerated=False)
+            assert torch.equal(bits(native.decode_pages(pages, lay, p, n, 1.0)), bits(want)), (lay.name, p, n)
+
+
 def test_backend_env_var(monkeypatch, latents):
     model1 = get_layout("flashmla-model1")
     assert fastpath.backend_name(latents, model1) == "native"

@@ -1,0 +1,140 @@
+"""Hot native kernels against a same-run single-threaded ``np.copyto`` of the same bytes.
+
+For each case (trtllm-fp8 <-> MODEL1 transcodes fresh and ``out=``, encode bf16 -> MODEL1,
+decode MODEL1 -> fp32) and each thread count, calls of the kernel (through ``kvbridge.fastpath``)
+alternate with ``np.copyto`` of a buffer half the size of the bytes the call reads plus writes
+(so the copy reads and writes the same total); the ratio is best copy time / best kernel time
+(best of ``--repeat``). Also prints the one-thread CPU time (``time.process_time``, best of
+``--repeat``) of each case at ``--cpu-tokens`` tokens, the measure of the layout-rebuild check.
+
+    PYTHONPATH=$PWD python3 scripts/bench_kernels.py [--tokens 1048576] [--repeat 7] [--threads 1 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+
+from kvbridge import fastpath
+from kvbridge.layouts import get_layout
+
+P = 64
+
+
+def _cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown"
+    for line in out.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def _cases(n: int) -> dict[str, tuple]:
+    """name -> (call, bytes read, bytes written)."""
+    fp8, m1 = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(n, 512, generator=gen) * 2).to(torch.bfloat16)
+    src_fp8 = fastpath.encode_pages(x, fp8, P, "swa", 1.0)
+    src_m1 = fastpath.encode_pages(x, m1, P, "flashmla", 1.0)
+    out_m1 = torch.empty_like(src_m1)
+    out_fp8 = torch.empty_like(src_fp8)
+    nb = lambda t: t.numel() * t.element_size()  # noqa: E731
+
+    def to_m1(out=None):
+        return fastpath.transcode_pages(src_fp8, fp8, P, m1, P, n, 1.0, 1.0, "flashmla", out=out)
+
+    def to_fp8(out=None):
+        return fastpath.transcode_pages(src_m1, m1, P, fp8, P, n, 1.0, 1.0, "swa", out=out)
+
+    return {
+        "trtllm-fp8 -> MODEL1, out=": (lambda: to_m1(out_m1), nb(src_fp8), nb(out_m1)),
+        "trtllm-fp8 -> MODEL1, fresh": (to_m1, nb(src_fp8), nb(out_m1)),
+        "MODEL1 -> trtllm-fp8, out=": (lambda: to_fp8(out_fp8), nb(src_m1), nb(out_fp8)),
+        "MODEL1 -> trtllm-fp8, fresh": (to_fp8, nb(src_m1), nb(out_fp8)),
+        "encode bf16 -> MODEL1": (lambda: fastpath.encode_pages(x, m1, P, "flashmla", 1.0), nb(x), nb(src_m1)),
+        "decode MODEL1 -> fp32": (lambda: fastpath.decode_pages(src_m1, m1, P, n, 1.0), nb(src_m1), n * 2048),
+    }
+
+
+def _wall(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def paired(cases: dict[str, tuple], threads: list[int], repeat: int) -> list[dict]:
+    rows = []
+    for name, (fn, read, written) in cases.items():
+        half = (read + written) // 2
+        src, dst = np.ones(half, np.uint8), np.ones(half, np.uint8)
+        for th in threads:
+            fn()  # warm-up (compile or cache load, first touch)
+            k_times, c_times = [], []
+            for _ in range(repeat):
+                torch.set_num_threads(th)
+                k_times.append(_wall(fn))
+                torch.set_num_threads(1)
+                t0 = time.perf_counter()
+                np.copyto(dst, src)
+                c_times.append(time.perf_counter() - t0)
+            k, c = min(k_times), min(c_times)
+            rows.append({"case": name, "threads": th, "kernel_s": k, "copy_s": c,
+                         "copy_gb_s": 2 * half / c / 1e9, "x_copy": c / k})
+    return rows
+
+
+def cpu_times(cases: dict[str, tuple], repeat: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    result = {}
+    for name, (fn, _, _) in cases.items():
+        fn()
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.process_time()
+            fn()
+            best = min(best, time.process_time() - t0)
+        result[name] = best
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=1 << 20)
+    ap.add_argument("--cpu-tokens", type=int, default=1 << 15)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--only", default="", help="substring of the case names to run")
+    ap.add_argument("--no-cpu-time", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    header = {"cpu": _cpu_model(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "tokens": args.tokens, "page_size": P, "repeat": args.repeat}
+    sel = lambda cs: {k: v for k, v in cs.items() if args.only in k}  # noqa: E731
+    rows = paired(sel(_cases(args.tokens)), args.threads, args.repeat)
+    cpu = {} if args.no_cpu_time else cpu_times(sel(_cases(args.cpu_tokens)), args.repeat)
+    if args.json:
+        print(json.dumps({**header, "rows": rows, "cpu_time_one_thread_s": cpu}, indent=1))
+        return
+    print(f"# {header['cpu']}, {header['date']}, {args.tokens} tokens, P={P}, best of {args.repeat}")
+    print(f"{'case':32} {'thr':>3} {'kernel ms':>10} {'copy ms':>8} {'copy GB/s':>9} {'x copy':>7}")
+    for r in rows:
+        print(f"{r['case']:32} {r['threads']:3d} {1e3 * r['kernel_s']:10.2f} {1e3 * r['copy_s']:8.2f} "
+              f"{r['copy_gb_s']:9.1f} {r['x_copy']:7.3f}")
+    if cpu:
+        print(f"# one-thread CPU time, {args.cpu_tokens} tokens, best of {args.repeat}")
+        for name, s in cpu.items():
+            print(f"{name:32} {1e3 * s:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

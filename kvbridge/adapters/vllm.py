@@ -175,8 +175,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        groups = [g.layer_names for g in self._kv_cache_config.kv_cache_groups]
-        self.caches = VllmCaches(self.profile, self.model, kv_caches, groups)
+        groups = self._kv_cache_config.kv_cache_groups
+        pages = {}
+        for g in groups:
+            specs = getattr(g.kv_cache_spec, "kv_cache_specs", None)
+            for name in g.layer_names:
+                pages[name] = (specs[name] if specs is not None else g.kv_cache_spec).page_size_bytes
+        self.caches = VllmCaches(self.profile, self.model, kv_caches, [g.layer_names for g in groups], pages)
         if self.server is not None:
             self.server.dst = self.caches.pools
 

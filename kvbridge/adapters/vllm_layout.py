@@ -37,33 +37,45 @@ def cache_of(layer_name: str) -> tuple[int, Role] | None:
     return None if m is None else (int(m.group(1)), _ROLE[m.group(2)])
 
 
-def block_bytes(tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:
-    """uint8 ``[num_blocks, page_bytes]`` view of the first ``page_bytes`` bytes of each block of ``tensor``
-    (no copy). Refuses a tensor whose blocks are not contiguous pages of at least that size."""
+def block_bytes(tensor: torch.Tensor, page_bytes: int, engine_page_bytes: int | None = None) -> torch.Tensor:
+    """uint8 ``[num_blocks, page_bytes]`` view of each block's page of a vLLM cache tensor (no copy).
+
+    vLLM's per-layer view shows a block's content; its page (``engine_page_bytes``, the spec's
+    ``page_size_bytes``) may extend past it to an alignment (576 B for ``fp8_ds_mla``). The page
+    must be what kvbridge's profile expects, the content contiguous, the blocks a page apart or more."""
     if tensor.dim() < 1 or tensor.shape[0] < 1:
         raise InputError(f"a vLLM cache tensor needs a leading block dimension, got shape {list(tensor.shape)}")
+    if engine_page_bytes is not None and engine_page_bytes != page_bytes:
+        raise InputError(f"vLLM pages this cache in {engine_page_bytes}-B blocks, kvbridge's profile in {page_bytes}-B "
+                         "blocks: the connector's engine spec (block size, GPU family, kv layout) does not match "
+                         "this vLLM")
     size = tensor.element_size()
     block = tensor[0]
-    if not block.is_contiguous() or block.numel() * size < page_bytes:
-        raise InputError(f"a block of this vLLM cache tensor ({block.numel() * size} B, strides {tensor.stride()}) "
-                         f"is not one contiguous page of {page_bytes} B")
+    content = block.numel() * size
+    if not block.is_contiguous() or content > page_bytes or (engine_page_bytes is None and content < page_bytes):
+        raise InputError(f"a block of this vLLM cache tensor ({content} B, strides {tensor.stride()}) is not one "
+                         f"contiguous page of {page_bytes} B")
     stride = tensor.stride(0) * size
     if tensor.shape[0] > 1 and stride < page_bytes:
         raise InputError(f"vLLM cache blocks are {stride} B apart, less than a {page_bytes}-B page")
     raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
-    return raw.as_strided((tensor.shape[0], page_bytes), (stride, 1), tensor.storage_offset() * size)
+    offset = tensor.storage_offset() * size
+    if offset + (tensor.shape[0] - 1) * stride + page_bytes > raw.numel():
+        raise InputError(f"the last {page_bytes}-B block of this vLLM cache tensor lies past its buffer")
+    return raw.as_strided((tensor.shape[0], page_bytes), (stride, 1), offset)
 
 
 class VllmCaches:
     """A vLLM worker's registered DeepSeek-V4 caches as kvbridge pools, and where each cache's blocks are.
 
     ``group_layers[g]``: the layer names of KV-cache group g (``KVCacheConfig.kv_cache_groups``).
-    Every cache of ``model`` (without MTP layers) must be registered; names that are not
-    DeepSeek-V4 caches are refused.
+    ``page_bytes``: vLLM's page size per layer name (its specs' ``page_size_bytes``), checked against
+    the profile. Every cache of ``model`` (without MTP layers) must be registered; names that are
+    not DeepSeek-V4 caches are refused.
     """
 
     def __init__(self, profile: EngineProfile, model: ModelTopology, kv_caches: Mapping[str, torch.Tensor],
-                 group_layers: Sequence[Sequence[str]]):
+                 group_layers: Sequence[Sequence[str]], page_bytes: Mapping[str, int] | None = None):
         self.profile, self.model = profile, model
         self.group: dict[tuple[int, Role], int] = {}
         self.names: dict[tuple[int, Role], str] = {}
@@ -81,7 +93,8 @@ class VllmCaches:
                 raise InputError(f"vLLM registered no cache for layer {spec.layer} {spec.role.value} "
                                  f"(expected {name or f'model.layers.{spec.layer}.attn...'}); is the model "
                                  f"{model.name}?")
-            pools[key] = block_bytes(kv_caches[name], profile.storage(spec).page_bytes)
+            pools[key] = block_bytes(kv_caches[name], profile.storage(spec).page_bytes,
+                                     None if page_bytes is None else page_bytes[name])
         self.pools = EnginePools.wrap(profile, model, pools, include_mtp=False)
 
     def tables(self, block_ids: Sequence[Sequence[int]]) -> list[list[int]]:

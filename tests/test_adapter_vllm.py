@@ -1,13 +1,21 @@
 """kvbridge's vLLM connector under vLLM 0.33.0's own config, KV-cache grouping, allocation, connector factory
-and scheduler (tests/vllm_engine_side.py, in the vLLM venv named by KVBRIDGE_VLLM_PYTHON), fed by a kvbridge
-producer in this process over gloo from TensorRT-LLM-layout pools: every group's blocks must hold exactly
-what vLLM's writers hold for the same latents, and every other byte of vLLM's caches must stay zero."""
+and scheduler (tests/vllm_engine_side.py, run in the vLLM venv named by KVBRIDGE_VLLM_PYTHON), against a
+kvbridge peer in this process over gloo, TensorRT-LLM-layout pools on the kvbridge side:
+
+- consumer: the request lands in every vLLM group's blocks exactly as vLLM's writers store the same
+  latents, no other byte of vLLM's KV buffer is written, and vLLM then computes only the last
+  prompt token from those blocks;
+- producer: vLLM hands a finished request's blocks of every group to the connector, which sends
+  it; the TensorRT-LLM pools receive exactly TensorRT-LLM's writer bytes, and vLLM frees the blocks
+  only after the send.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,40 +23,75 @@ import torch
 from safetensors.torch import load_file
 
 from kvbridge.adapters.vllm_layout import VllmCaches
-from kvbridge.migration import gather_records, plan_migration, source_request, table_of
-from kvbridge.migration.transport import send_request_tcp
+from kvbridge.migration import destination_pools, gather_records, plan_migration, source_request, table_of
+from kvbridge.migration.transport import GlooServer, send_request_tcp
 from kvbridge.topology import from_hf_config
 from tests.migration_helpers import expected_records
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = os.environ.get("KVBRIDGE_VLLM_PYTHON")
+#: A 4-layer DeepSeek-V4 (two SWA-only layers, one ratio-4 and one ratio-128 layer) that vLLM's config accepts.
 CONFIG = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 256,
           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 512,
           "qk_rope_head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 4096, "intermediate_size": 512,
           "compress_ratios": [0, 0, 4, 128], "sliding_window": 128, "index_head_dim": 128, "index_n_heads": 4,
           "index_topk": 64, "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
+TRTLLM = "trtllm:fp8:tpb=128:scale=0.5"
+VLLM = "vllm:block=256"
 
 
 def _vllm_python() -> str:
     if PYTHON:
         return PYTHON
     if os.environ.get("CI") == "true":
-        pytest.fail("KVBRIDGE_VLLM_PYTHON is unset: CI must run the vLLM adapter test (.ci/engine-vllm.sh)")
-    pytest.skip("KVBRIDGE_VLLM_PYTHON (a vLLM 0.33.0 venv's python, see .ci/engine-vllm.sh) is unset")
+        pytest.fail("KVBRIDGE_VLLM_PYTHON is unset: CI must run the vLLM adapter tests (.ci/engine-vllm.sh)")
+    pytest.skip("KVBRIDGE_VLLM_PYTHON (the python of a vLLM 0.33.0 venv, see .ci/engine-vllm.sh) is unset")
 
 
-@pytest.mark.parametrize("num_tokens", [600])
-def test_vllm_scheduler_receives_trtllm_request(tmp_path, num_tokens):
-    python = _vllm_python()
+def _model(tmp_path: Path) -> Path:
     model_dir = tmp_path / "dsv4-mini"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "out").mkdir()
+    return model_dir
+
+
+def _engine(python: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([python, str(ROOT / "tests" / "vllm_engine_side.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "DONE" in stdout, stderr[-4000:]
+    return stdout
+
+
+def _vllm_buffer(out: Path, plan, model):
+    """vLLM's KV buffer as the engine side left it, its layers as kvbridge pools, and the result JSON."""
+    result = json.loads((out / "result.json").read_text())
+    raw = load_file(str(out / "buffer.safetensors"))["raw"]
+    layers = result["layers"]
+    assert all(info["same_buffer"] for info in layers.values())
+    views = {name: raw.as_strided((result["num_blocks"], info["page_bytes"]), (info["block_stride"], 1),
+                                  info["offset"]) for name, info in layers.items()}
+    # vLLM's own grouping: a group per SWA layer, compressed KV and indexer keys of both ratios in one,
+    # the ratio-4 compressor states in one, the ratio-128 state in one
+    assert len(result["groups"]) == 7, result["groups"]
+    caches = VllmCaches(plan.dst if plan.dst.engine == "vllm" else plan.src, model, views, result["groups"])
+    return result, raw, caches
+
+
+@pytest.mark.parametrize("num_tokens", [600])
+def test_vllm_consumer_receives_a_trtllm_request(tmp_path, num_tokens):
+    python = _vllm_python()
+    model_dir = _model(tmp_path)
     out = tmp_path / "out"
-    out.mkdir()
-    src = "trtllm:fp8:tpb=128:scale=0.5"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([python, str(ROOT / "tests" / "vllm_engine_side.py"), str(model_dir), str(out), "req-7",
-                             str(num_tokens), src], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = _engine(python, "consumer", str(model_dir), str(out), "req-7", str(num_tokens), TRTLLM)
     try:
         line = proc.stdout.readline()
         while line and not line.startswith("LISTEN"):
@@ -56,29 +99,23 @@ def test_vllm_scheduler_receives_trtllm_request(tmp_path, num_tokens):
         assert line.startswith("LISTEN"), proc.stderr.read()[-4000:]
         _, host, port = line.split()
         model = from_hf_config(str(model_dir / "config.json"))
-        plan = plan_migration(src, "vllm:block=256", model, num_tokens, include_mtp=False)
+        plan = plan_migration(TRTLLM, VLLM, model, num_tokens, include_mtp=False)
         src_pools, src_tables = source_request(plan, spare_pages=2, seed=3)
         summary = send_request_tcp(plan, src_pools, src_tables, host=host, port=int(port), request_id="req-7",
                                    timeout=120)
-        stdout, stderr = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stderr[-4000:]
-    assert "DONE" in stdout
+        _finish(proc)
     assert summary["num_tokens"] == num_tokens
-    result = json.loads((out / "result.json").read_text())
-    assert result["received"] == ["vllm-req-0"]
+    result, raw, caches = _vllm_buffer(out, plan, model)
     assert result["status_after_schedule"] == "WAITING_FOR_REMOTE_KVS"
-    raw = load_file(str(out / "buffer.safetensors"))["raw"]
-    assert raw.any(), "nothing was written"
-    layers = result["layers"]
-    assert all(info["same_buffer"] for info in layers.values())
-    views = {name: raw.as_strided((result["num_blocks"], info["page_bytes"]), (info["block_stride"], 1),
-                                  info["offset"]) for name, info in layers.items()}
-    # vLLM's groups: per-layer SWA groups, compressed KV + indexer keys share one, the ratio-4 states one
-    assert len(result["groups"]) >= 5, result["groups"]
-    caches = VllmCaches(plan.dst, model, views, result["groups"])
+    assert result["received"] == ["vllm-req-0"]
+    # vLLM takes the load: it schedules only the last prompt token (recomputed to sample the next one),
+    # on the blocks kvbridge wrote (num_computed_tokens counts the scheduled token already)
+    assert result["status_after_load"] == "RUNNING"
+    assert result["scheduled_after_load"] == 1 and result["computed_after_load"] == num_tokens
+    assert [ids[: len(b)] for ids, b in zip(result["block_ids_after_load"], result["block_ids"], strict=True)] == \
+        result["block_ids"]
+    assert result["finished"] == "FINISHED_LENGTH_CAPPED"
     tables = caches.tables(result["block_ids"])
     written = torch.zeros(raw.numel(), dtype=torch.bool)
     for t in plan.transfers:
@@ -88,8 +125,59 @@ def test_vllm_scheduler_receives_trtllm_request(tmp_path, num_tokens):
         table = tables[caches.group[key]]
         got = gather_records(caches.pools.pool(t.spec), t.dst, table, t.first, t.count)
         assert torch.equal(got, want), f"layer {t.spec.layer} {t.spec.role.value}: bytes differ"
-        info = layers[caches.names[key]]
+        info = result["layers"][caches.names[key]]
         for slot in t.table_slots(t.dst):
             start = info["offset"] + table[slot] * info["block_stride"]
             written[start : start + info["page_bytes"]] = True
     assert not raw[~written].any(), "bytes outside the request's blocks of its own caches were written"
+
+
+@pytest.mark.parametrize("num_tokens", [600])
+def test_vllm_producer_sends_finished_blocks_to_a_trtllm_peer(tmp_path, num_tokens):
+    python = _vllm_python()
+    model_dir = _model(tmp_path)
+    out = tmp_path / "out"
+    model = from_hf_config(str(model_dir / "config.json"))
+    plan = plan_migration(VLLM, TRTLLM, model, num_tokens, include_mtp=False)
+    dst = destination_pools(plan, spare_pages=2)
+    server = GlooServer(dst, plan=plan)
+    got: dict = {}
+    stop = threading.Event()
+
+    def receive():
+        try:
+            while not stop.is_set() and "result" not in got:
+                got["result"] = server.receive(timeout=120, accept_timeout=0.5, request_id="req-9")
+                if got["result"] is None:
+                    del got["result"]
+        except Exception as exc:  # reported by the assertion below
+            got["error"] = exc
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    try:
+        host, port = server.address
+        _finish(_engine(python, "producer", str(model_dir), str(out), "req-9", str(num_tokens), TRTLLM,
+                        f"{host}:{port}"))
+    finally:
+        stop.set()
+        thread.join(timeout=150)
+        server.close()
+    assert "error" not in got, got.get("error")
+    _, rid, tables, _ = got["result"]
+    assert rid == "req-9"
+    result = json.loads((out / "result.json").read_text())
+    assert result["status_after_prefill"] == "FINISHED_LENGTH_CAPPED"
+    assert result["held_after_finish"] and result["sends"] == ["req-9"] and result["sent"] == ["vllm-req-0"]
+    assert result["freed_after_send"]
+    records = load_file(str(out / "records.safetensors"))
+    _, _, caches = _vllm_buffer(out, plan, model)
+    src_tables = caches.tables(result["block_ids"])
+    for i, t in enumerate(plan.transfers):
+        key = (t.spec.layer, t.spec.role)
+        # the bytes vLLM's blocks held are the bytes the engine side wrote (its writers' records) ...
+        held = gather_records(caches.pools.pool(t.spec), t.src, src_tables[caches.group[key]], t.first, t.count)
+        assert torch.equal(held, records[str(i)])
+        # ... and TensorRT-LLM's pools hold what its writers store for those latents
+        landed = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
+        assert torch.equal(landed, expected_records(t, held)), f"layer {t.spec.layer} {t.spec.role.value}"

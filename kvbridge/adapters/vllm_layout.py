@@ -104,28 +104,31 @@ class VllmCaches:
                              f"are in {1 + max(self.group.values(), default=-1)}")
         return [[-1 if b == NULL_BLOCK else int(b) for b in ids] for ids in block_ids]
 
-    def write(self, transfers: Sequence, records: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]]) -> None:
-        """Write each transfer's destination records through the block ids of its layer's group.
+    def write(self, transfers: Sequence, records: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], *,
+              side: str = "dst") -> None:
+        """Write each transfer's records (in its ``side``'s format: this vLLM is the plan's ``dst`` or
+        ``src``) through the block ids of its layer's group.
 
         Every block is checked before any byte is written: a live entry in a null, missing or
         out-of-pool block raises ``InputError`` and leaves the caches untouched."""
+        if side not in ("src", "dst"):
+            raise InputError(f"side must be 'src' or 'dst', got {side!r}")
         tables = self.tables(block_ids)
         pairs = list(zip(transfers, records, strict=True))
         for t, rec in pairs:
-            where = f"layer {t.spec.layer} {t.spec.role.value}"
-            if tuple(rec.shape) != (t.count, t.dst.record_bytes):
-                raise InputError(f"{where}: {list(rec.shape)} records, the plan wants "
-                                 f"[{t.count}, {t.dst.record_bytes}]")
+            where, st = f"layer {t.spec.layer} {t.spec.role.value}", getattr(t, side)
+            if tuple(rec.shape) != (t.count, st.record_bytes):
+                raise InputError(f"{where}: {list(rec.shape)} records, the plan wants [{t.count}, {st.record_bytes}]")
             table = tables[self.group[(t.spec.layer, t.spec.role)]]
             num_blocks = self.pools.pool(t.spec).shape[0]
-            for slot in t.table_slots(t.dst):
+            for slot in t.table_slots(st):
                 if slot >= len(table) or not 0 <= table[slot] < num_blocks:
                     have = "missing" if slot >= len(table) else f"block {table[slot]}"
                     raise InputError(f"{where}: entries need block-table index {slot} of its vLLM KV-cache group, "
                                      f"which is {have}; nothing was written")
         for t, rec in pairs:
-            scatter_records(self.pools.pool(t.spec), t.dst, tables[self.group[(t.spec.layer, t.spec.role)]], t.first,
-                            rec)
+            scatter_records(self.pools.pool(t.spec), getattr(t, side), tables[self.group[(t.spec.layer, t.spec.role)]],
+                            t.first, rec)
 
     def request_pools(self, plan: MigrationPlan, block_ids: Sequence[Sequence[int]]
                       ) -> tuple[EnginePools, RequestTables]:

@@ -27,6 +27,7 @@ COMMANDS = {
     "migrate": ("migrate_cmd", "Plan, run or check a DeepSeek-V4 request migration."),
     "accuracy": ("accuracy_cmd", "Accuracy study: per-tensor FP8 against per-tile MODEL1."),
     "bench": ("bench_cmd", "Throughput of transcode/encode/decode against a memory copy."),
+    "vllm-config": ("adapter_vllm_cmd", "Print vLLM's --kv-transfer-config for the kvbridge connector."),
 }
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

@@ -181,3 +181,152 @@ def test_vllm_producer_sends_finished_blocks_to_a_trtllm_peer(tmp_path, num_toke
         # ... and TensorRT-LLM's pools hold what its writers store for those latents
         landed = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
         assert torch.equal(landed, expected_records(t, held)), f"layer {t.spec.layer} {t.spec.role.value}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Without vLLM: the connector's view of vLLM's caches, and its configuration
+
+
+def _packed_caches(model, profile, num_blocks: int = 16, pad: int = 64):
+    """Caches laid out as vLLM's block-outermost layouts do: per block, every layer's page, padded;
+    one int8 buffer, one strided view per layer (content only, as vLLM's views show it)."""
+    names, pages = [], []
+    for spec in model.all_caches(include_mtp=False):
+        a = f"model.layers.{spec.layer}.attn"
+        suffix = {"swa": ".swa_cache", "compress": "", "indexer_compress": ".indexer.k_cache",
+                  "compressor_state": ".compressor.state_cache",
+                  "indexer_compressor_state": ".indexer.compressor.state_cache"}[spec.role.value]
+        names.append(a + suffix)
+        pages.append(profile.storage(spec).page_bytes)
+    stride = sum(pages) + pad
+    buf = torch.zeros(num_blocks * stride, dtype=torch.int8)
+    views, offset = {}, 0
+    for name, page in zip(names, pages, strict=True):
+        views[name] = buf.as_strided((num_blocks, page - 8), (stride, 1), offset)  # 8 B of alignment not shown
+        offset += page
+    return buf, views, dict(zip(names, pages, strict=True))
+
+
+def _small_model():
+    return from_hf_config(CONFIG)
+
+
+def test_cache_names():
+    from kvbridge.adapters.vllm_layout import cache_of
+    from kvbridge.topology import Role
+
+    assert cache_of("model.layers.3.attn") == (3, Role.COMPRESS)
+    assert cache_of("model.layers.0.attn.swa_cache") == (0, Role.SWA)
+    assert cache_of("model.layers.2.attn.indexer.k_cache") == (2, Role.INDEXER)
+    assert cache_of("model.layers.2.attn.compressor.state_cache") == (2, Role.STATE)
+    assert cache_of("model.layers.2.attn.indexer.compressor.state_cache") == (2, Role.INDEXER_STATE)
+    assert cache_of("model.layers.2.mlp") is None
+
+
+def test_write_goes_through_each_groups_blocks_only():
+    from kvbridge.engines import parse_engine
+
+    model, profile = _small_model(), parse_engine(VLLM)
+    buf, views, pages = _packed_caches(model, profile)
+    groups = [[name] for name in views]  # every cache a group of its own: block ids differ per cache
+    caches = VllmCaches(profile, model, views, groups, pages)
+    plan = plan_migration(TRTLLM, VLLM, model, 300, include_mtp=False)
+    records = [torch.randint(0, 256, (t.count, t.dst.record_bytes), dtype=torch.uint8) for t in plan.transfers]
+    block_ids = []
+    for i, name in enumerate(views):
+        key = next(k for k, n in caches.names.items() if n == name)
+        t = next(t for t in plan.transfers if (t.spec.layer, t.spec.role) == key)
+        need = t.table_slots(t.dst)[-1] + 1
+        block_ids.append([0] * (need - len(t.table_slots(t.dst))) + [1 + (i + k) % 15 for k in range(
+            len(t.table_slots(t.dst)))])
+    caches.write(plan.transfers, records, block_ids)
+    tables = caches.tables(block_ids)
+    for t, rec in zip(plan.transfers, records, strict=True):
+        table = tables[caches.group[(t.spec.layer, t.spec.role)]]
+        assert torch.equal(gather_records(caches.pools.pool(t.spec), t.dst, table, t.first, t.count), rec)
+    assert not buf.view(16, -1)[0].any(), "the null block was written"
+
+
+def test_write_refuses_a_null_or_foreign_block_before_writing_anything():
+    from kvbridge.engines import parse_engine
+    from kvbridge.errors import InputError
+
+    model, profile = _small_model(), parse_engine(VLLM)
+    buf, views, pages = _packed_caches(model, profile)
+    caches = VllmCaches(profile, model, views, [list(views)], pages)
+    plan = plan_migration(TRTLLM, VLLM, model, 300, include_mtp=False)
+    records = [torch.full((t.count, t.dst.record_bytes), 7, dtype=torch.uint8) for t in plan.transfers]
+    need = max(t.table_slots(t.dst)[-1] + 1 for t in plan.transfers)
+    with pytest.raises(InputError, match="nothing was written"):
+        caches.write(plan.transfers, records, [[1] * (need - 1) + [0]])  # the last block is vLLM's null block
+    with pytest.raises(InputError, match="nothing was written"):
+        caches.write(plan.transfers, records, [[1] * (need - 1) + [99]])  # outside the pool
+    with pytest.raises(InputError, match="KV-cache groups"):
+        caches.write(plan.transfers, records, [[1] * need, [2] * need])
+    assert not buf.any()
+
+
+def test_caches_refuse_a_profile_that_does_not_match_vllms_pages():
+    from kvbridge.engines import parse_engine
+    from kvbridge.errors import InputError
+
+    model, profile = _small_model(), parse_engine(VLLM)
+    _, views, pages = _packed_caches(model, profile)
+    with pytest.raises(InputError, match="does not match"):
+        VllmCaches(parse_engine("vllm:block=512"), model, views, [list(views)], pages)
+    with pytest.raises(InputError, match="not a DeepSeek-V4 cache"):
+        VllmCaches(profile, model, views, [[*views, "model.layers.0.mlp"]], pages)
+    missing = dict(views)
+    missing.pop("model.layers.2.attn.indexer.k_cache")
+    with pytest.raises(InputError, match="registered no cache for layer 2 indexer_compress"):
+        VllmCaches(profile, model, missing, [list(views)], pages)
+
+
+def test_request_pools_copy_each_groups_blocks_in_table_order():
+    from kvbridge.engines import parse_engine
+
+    model, profile = _small_model(), parse_engine(VLLM)
+    _, views, pages = _packed_caches(model, profile)
+    groups = [[name] for name in views]
+    caches = VllmCaches(profile, model, views, groups, pages)
+    plan = plan_migration(VLLM, TRTLLM, model, 300, include_mtp=False)
+    records = [torch.randint(0, 256, (t.count, t.src.record_bytes), dtype=torch.uint8) for t in plan.transfers]
+    block_ids = []
+    for i, name in enumerate(views):
+        key = next(k for k, n in caches.names.items() if n == name)
+        t = next(t for t in plan.transfers if (t.spec.layer, t.spec.role) == key)
+        slots = t.table_slots(t.src)
+        block_ids.append([0] * slots[0] + [1 + (i + k) % 15 for k in range(len(slots))])
+    caches.write(plan.transfers, records, block_ids, side="src")
+    pools, tables = caches.request_pools(plan, block_ids)
+    for t, rec in zip(plan.transfers, records, strict=True):
+        assert torch.equal(gather_records(pools.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count), rec)
+
+
+def test_kv_transfer_config_and_cli():
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from kvbridge.adapters.vllm_config import kv_transfer_config
+    from kvbridge.errors import InputError
+
+    assert kv_transfer_config("consumer") == {"kv_connector": "KVBridgeConnector",
+                                              "kv_connector_module_path": "kvbridge.adapters.vllm",
+                                              "kv_role": "kv_consumer"}
+    cfg = kv_transfer_config("consumer", listen="0.0.0.0:7300", engine="vllm:gpu=sm100", timeout=30)
+    assert cfg["kv_connector_extra_config"] == {"listen": "0.0.0.0:7300", "timeout": 30,
+                                                "engine": "vllm:block=256:idx=fp8:gpu=sm100:kv=fp8_ds_mla"}
+    for kwargs, match in (({"listen": "nohost"}, "host:port"), ({"engine": "sglang"}, "vLLM spec"),
+                          ({"timeout": 0}, "positive"), ({"convert_on": "both"}, "sender or receiver")):
+        with pytest.raises(InputError, match=match):
+            kv_transfer_config("consumer", **kwargs)
+    with pytest.raises(InputError, match="consumer setting"):
+        kv_transfer_config("producer", listen="h:1")
+    result = CliRunner().invoke(cli, ["vllm-config", "producer", "--convert-on", "sender"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["kv_connector_extra_config"] == {"convert_on": "sender"}
+    result = CliRunner().invoke(cli, ["vllm-config", "consumer", "--serve", "/models/v4", "--engine", "vllm:block=512"])
+    assert result.exit_code == 0 and result.output.startswith("vllm serve /models/v4 --kv-cache-dtype fp8_ds_mla "
+                                                              "--block-size 512 --kv-transfer-config '{")
+    result = CliRunner().invoke(cli, ["vllm-config", "consumer", "--listen", "x"])
+    assert result.exit_code == 1 and "host:port" in result.output

@@ -79,8 +79,9 @@ class Engine:
 
         max_len = 1024
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_len, dtype="bfloat16")
-        kt = KVTransferConfig(kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.adapters.vllm",
-                              kv_role=role, kv_connector_extra_config={"timeout": 120})
+        from kvbridge.adapters.vllm_config import kv_transfer_config
+
+        kt = KVTransferConfig(**kv_transfer_config(role, timeout=120))  # what ``kvbridge vllm-config`` prints
         vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
                         device_config=DeviceConfig("cpu"), kv_transfer_config=kt,
                         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_len, max_num_seqs=4,
@@ -158,7 +159,7 @@ class Engine:
 
 
 def consumer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, src: str) -> None:
-    eng = Engine(model_dir, "kv_consumer")
+    eng = Engine(model_dir, "consumer")
     host, port = eng.worker.server.address
     print(f"LISTEN {host} {port}", flush=True)
     req = eng.request(num_tokens, {"kvbridge_src": src, "kvbridge_request_id": request_id}, max_tokens=2)
@@ -187,7 +188,7 @@ def producer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, dst
 
     from kvbridge.migration.plan import plan_migration
 
-    eng = Engine(model_dir, "kv_producer")
+    eng = Engine(model_dir, "producer")
     req = eng.request(num_tokens, {"kvbridge_peer": peer, "kvbridge_dst": dst, "kvbridge_request_id": request_id},
                       max_tokens=1)
     out = eng.scheduler.schedule()

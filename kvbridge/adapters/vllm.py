@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvbridge.adapters.vllm_config import CONVERT_SIDES, host_port
 from kvbridge.adapters.vllm_layout import VllmCaches
 from kvbridge.engines import parse_engine
 from kvbridge.errors import InputError
@@ -88,13 +89,6 @@ class KVBridgeMetadata(KVConnectorMetadata):
     sends: list[Send] = field(default_factory=list)
 
 
-def _host_port(value: str, what: str) -> tuple[str, int]:
-    host, sep, port = str(value).rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise InputError(f"{what} must be host:port, got {value!r}")
-    return host or "127.0.0.1", int(port)
-
-
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring: both roles, every DeepSeek-V4 KV-cache group."""
 
@@ -108,6 +102,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             raise InputError(f"kv_connector_extra_config engine must be a vLLM spec, got {self.profile.spec!r}")
         self.timeout = float(extra.get("timeout", 120.0))
         self.convert_on = extra.get("convert_on", "receiver")
+        if self.convert_on not in CONVERT_SIDES or not self.timeout > 0:
+            raise InputError(f"kv_connector_extra_config: convert_on must be sender or receiver and timeout positive, "
+                             f"got {self.convert_on!r}, {self.timeout}")
         self.is_consumer = self._kv_transfer_config.is_kv_consumer
         self.is_producer = self._kv_transfer_config.is_kv_producer
         # scheduler side
@@ -122,7 +119,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.WORKER and self.is_consumer:
             from kvbridge.migration.transport import GlooServer
 
-            host, port = _host_port(extra.get("listen", "127.0.0.1:0"), "kv_connector_extra_config listen")
+            host, port = host_port(extra.get("listen", "127.0.0.1:0"), "kv_connector_extra_config listen")
             self.server = GlooServer(EnginePools(self.profile, self.model, False, {}), plan=self._plan,
                                      host=host, port=port)
             log.info("kvbridge connector listening on %s:%d", *self.server.address)
@@ -241,7 +238,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             raise InputError("KVBridgeConnector: a send before register_kv_caches")
         plan = plan_migration(self.profile, send.dst, self.model, send.num_tokens, include_mtp=False)
         pools, tables = self.caches.request_pools(plan, send.block_ids)
-        host, port = _host_port(send.peer, "kvbridge_peer")
+        host, port = host_port(send.peer, "kvbridge_peer")
         return send_request_tcp(plan, pools, tables, host=host, port=port, convert_on=self.convert_on,
                                 timeout=self.timeout, request_id=send.request_id)
 

@@ -23,7 +23,14 @@ import torch
 from safetensors.torch import load_file
 
 from kvbridge.adapters.vllm_layout import VllmCaches
-from kvbridge.migration import destination_pools, gather_records, plan_migration, source_request, table_of
+from kvbridge.migration import (
+    MigrationError,
+    destination_pools,
+    gather_records,
+    plan_migration,
+    source_request,
+    table_of,
+)
 from kvbridge.migration.transport import GlooServer, send_request_tcp
 from kvbridge.topology import from_hf_config
 from tests.migration_helpers import expected_records
@@ -86,12 +93,13 @@ def _vllm_buffer(out: Path, plan, model):
     return result, raw, caches
 
 
-@pytest.mark.parametrize("num_tokens", [600])
-def test_vllm_consumer_receives_a_trtllm_request(tmp_path, num_tokens):
+def _consumer(tmp_path: Path, num_tokens: int, send_src: str, *policy: str):
+    """Run the consumer engine side; send it a request from ``send_src`` pools; returns what the sender
+    got (its summary, or the receiver's error), the plan and the source pools and tables."""
     python = _vllm_python()
     model_dir = _model(tmp_path)
     out = tmp_path / "out"
-    proc = _engine(python, "consumer", str(model_dir), str(out), "req-7", str(num_tokens), TRTLLM)
+    proc = _engine(python, "consumer", str(model_dir), str(out), "req-7", str(num_tokens), TRTLLM, *policy)
     try:
         line = proc.stdout.readline()
         while line and not line.startswith("LISTEN"):
@@ -99,16 +107,26 @@ def test_vllm_consumer_receives_a_trtllm_request(tmp_path, num_tokens):
         assert line.startswith("LISTEN"), proc.stderr.read()[-4000:]
         _, host, port = line.split()
         model = from_hf_config(str(model_dir / "config.json"))
-        plan = plan_migration(TRTLLM, VLLM, model, num_tokens, include_mtp=False)
+        plan = plan_migration(send_src, VLLM, model, num_tokens, include_mtp=False)
         src_pools, src_tables = source_request(plan, spare_pages=2, seed=3)
-        summary = send_request_tcp(plan, src_pools, src_tables, host=host, port=int(port), request_id="req-7",
-                                   timeout=120)
+        try:
+            summary = send_request_tcp(plan, src_pools, src_tables, host=host, port=int(port), request_id="req-7",
+                                       timeout=120)
+        except MigrationError as exc:
+            summary = exc
     finally:
         _finish(proc)
+    return summary, plan, model, src_pools, src_tables
+
+
+@pytest.mark.parametrize("num_tokens", [600])
+def test_vllm_consumer_receives_a_trtllm_request(tmp_path, num_tokens):
+    summary, plan, model, src_pools, src_tables = _consumer(tmp_path, num_tokens, TRTLLM)
+    out = tmp_path / "out"
     assert summary["num_tokens"] == num_tokens
     result, raw, caches = _vllm_buffer(out, plan, model)
     assert result["status_after_schedule"] == "WAITING_FOR_REMOTE_KVS"
-    assert result["received"] == ["vllm-req-0"]
+    assert result["received"] == ["vllm-req-0"] and result["errors"] == []
     # vLLM takes the load: it schedules only the last prompt token (recomputed to sample the next one),
     # on the blocks kvbridge wrote (num_computed_tokens counts the scheduled token already)
     assert result["status_after_load"] == "RUNNING"
@@ -181,6 +199,24 @@ def test_vllm_producer_sends_finished_blocks_to_a_trtllm_peer(tmp_path, num_toke
         # ... and TensorRT-LLM's pools hold what its writers store for those latents
         landed = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
         assert torch.equal(landed, expected_records(t, held)), f"layer {t.spec.layer} {t.spec.role.value}"
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_vllm_consumer_refuses_a_request_from_other_pools(tmp_path, policy):
+    # the producer sends under the right request id, but from TensorRT-LLM pools of 256-token blocks, not the
+    # pools the request names: refused before any byte is written; vLLM is told the load failed and, by its
+    # kv_load_failure_policy, ends the request with an error or recomputes the whole prompt
+    summary, plan, model, _, _ = _consumer(tmp_path, 600, "trtllm:fp8:tpb=256:scale=0.5", policy)
+    assert isinstance(summary, MigrationError) and "vLLM expects" in str(summary), summary
+    result, raw, _ = _vllm_buffer(tmp_path / "out", plan_migration(TRTLLM, VLLM, model, 600, include_mtp=False),
+                                  model)
+    assert result["received"] == ["vllm-req-0"] and len(result["errors"]) == 1
+    assert "vLLM expects trtllm:fp8:tpb=128" in result["errors"][0]
+    if policy == "fail":
+        assert result["status_after_load"] == "FINISHED_ERROR"
+    else:
+        assert result["status_after_load"] == "RUNNING" and result["scheduled_after_load"] == 600
+    assert not raw.any(), "a refused request wrote bytes"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,5 +364,6 @@ def test_kv_transfer_config_and_cli():
     result = CliRunner().invoke(cli, ["vllm-config", "consumer", "--serve", "/models/v4", "--engine", "vllm:block=512"])
     assert result.exit_code == 0 and result.output.startswith("vllm serve /models/v4 --kv-cache-dtype fp8_ds_mla "
                                                               "--block-size 512 --kv-transfer-config '{")
+    assert kv_transfer_config("consumer", on_load_failure="recompute")["kv_load_failure_policy"] == "recompute"
     result = CliRunner().invoke(cli, ["vllm-config", "consumer", "--listen", "x"])
     assert result.exit_code == 1 and "host:port" in result.output

@@ -1,6 +1,6 @@
 """Engine side of tests/test_adapter_vllm.py; runs in the vLLM 0.33.0 venv (never collected by pytest).
 
-Usage: python tests/vllm_engine_side.py consumer MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS SRC_SPEC
+Usage: python tests/vllm_engine_side.py consumer MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS SRC_SPEC [fail|recompute]
        python tests/vllm_engine_side.py producer MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS DST_SPEC HOST:PORT
 
 Builds vLLM's own config, DeepSeek-V4 cache specs (vLLM's cache-layer classes, one MLAAttentionSpec
@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -63,7 +64,7 @@ def specs_for(vc, ratios):
 class Engine:
     """vLLM's config, KV-cache groups and allocation, the connector (both sides) and the scheduler."""
 
-    def __init__(self, model_dir: str, role: str) -> None:
+    def __init__(self, model_dir: str, role: str, on_load_failure: str | None = None) -> None:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -81,7 +82,8 @@ class Engine:
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_len, dtype="bfloat16")
         from kvbridge.adapters.vllm_config import kv_transfer_config
 
-        kt = KVTransferConfig(**kv_transfer_config(role, timeout=120))  # what ``kvbridge vllm-config`` prints
+        # what ``kvbridge vllm-config`` prints
+        kt = KVTransferConfig(**kv_transfer_config(role, timeout=120, on_load_failure=on_load_failure))
         vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
                         device_config=DeviceConfig("cpu"), kv_transfer_config=kt,
                         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_len, max_num_seqs=4,
@@ -130,15 +132,30 @@ class Engine:
         self.worker.start_load_kv(None)
         self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
-        sent, received = self.worker.get_finished(set(out.finished_req_ids))
+        results = self.worker.get_transfer_results(set(out.finished_req_ids))  # as vLLM's model runner asks
+        sent, received = results.finished_sending, results.finished_recving
         output = copy(EMPTY_MODEL_RUNNER_OUTPUT)
         if sampled:
             output.req_ids = list(sampled)
             output.req_id_to_index = {r: i for i, r in enumerate(sampled)}
             output.sampled_token_ids = list(sampled.values())
-        output.kv_connector_output = KVConnectorOutput(finished_sending=sent, finished_recving=received)
+        output.kv_connector_output = KVConnectorOutput(finished_sending=sent or None, finished_recving=received or None,
+                                                       failed_recving=results.failed_recving)
         self.scheduler.update_from_output(out, output)
         return sent, received
+
+    def until_done(self, out, what: str, timeout: float = 200.0) -> tuple[set[str], set[str]]:
+        """Keep stepping (as vLLM's engine loop does) until the worker reports a request sent or received."""
+        deadline = time.monotonic() + timeout
+        sent, received = set(), set()
+        while True:
+            s, r = self.step(out)
+            sent |= s or set()
+            received |= r or set()
+            if (sent if what == "sent" else received) or time.monotonic() > deadline:
+                return sent, received
+            time.sleep(0.05)
+            out = self.scheduler.schedule()
 
     def dump(self, out_dir: str, result: dict) -> None:
         from safetensors.torch import save_file
@@ -158,8 +175,9 @@ class Engine:
         json.dump(result, open(os.path.join(out_dir, "result.json"), "w"))
 
 
-def consumer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, src: str) -> None:
-    eng = Engine(model_dir, "consumer")
+def consumer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, src: str,
+             on_load_failure: str | None = None) -> None:
+    eng = Engine(model_dir, "consumer", on_load_failure)
     host, port = eng.worker.server.address
     print(f"LISTEN {host} {port}", flush=True)
     req = eng.request(num_tokens, {"kvbridge_src": src, "kvbridge_request_id": request_id}, max_tokens=2)
@@ -167,8 +185,9 @@ def consumer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, src
     loads = out.kv_connector_metadata.loads
     assert len(loads) == 1 and out.num_scheduled_tokens.get(req.request_id, 0) == 0, (loads, out.num_scheduled_tokens)
     result = {"block_ids": [list(ids) for ids in loads[0].block_ids], "status_after_schedule": req.status.name}
-    _, received = eng.step(out)
-    result["received"] = sorted(received or [])
+    _, received = eng.until_done(out, "received")
+    result["received"] = sorted(received)
+    result["errors"] = list(eng.worker.errors)
     out = eng.scheduler.schedule()  # the load is in: vLLM computes the last prompt token from the loaded blocks
     result["status_after_load"] = req.status.name
     result["scheduled_after_load"] = out.num_scheduled_tokens.get(req.request_id, 0)
@@ -204,8 +223,9 @@ def producer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, dst
               "held_after_finish": req.request_id in eng.scheduler.requests}
     out = eng.scheduler.schedule()  # carries the send to the worker
     result["sends"] = [s.request_id for s in out.kv_connector_metadata.sends]
-    sent, _ = eng.step(out)
-    result["sent"] = sorted(sent or [])
+    sent, _ = eng.until_done(out, "sent")
+    result["sent"] = sorted(sent)
+    result["errors"] = list(eng.worker.errors)
     eng.scheduler.schedule()
     result["freed_after_send"] = req.request_id not in eng.scheduler.requests
     eng.dump(out_dir, result)
@@ -235,7 +255,7 @@ def synthetic_records(plan, seed: int) -> list[torch.Tensor]:
 def main() -> None:
     mode, model_dir, out_dir, request_id, num_tokens, engine, *rest = sys.argv[1:]
     if mode == "consumer":
-        consumer(model_dir, out_dir, request_id, int(num_tokens), engine)
+        consumer(model_dir, out_dir, request_id, int(num_tokens), engine, *rest)
     else:
         producer(model_dir, out_dir, request_id, int(num_tokens), engine, rest[0])
     print("DONE", flush=True)

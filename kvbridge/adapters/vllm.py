@@ -29,13 +29,17 @@ Per request, ``kv_transfer_params``:
   ``kvbridge_request_id``. When the request finishes, its blocks of every group stay held until
   the worker has sent them.
 
-One request is received or sent at a time per worker (tensor parallel size 1: DeepSeek-V4's
-latent caches are not split across ranks).
+Transfers run on one background thread per worker, one request at a time, so vLLM keeps
+stepping its other requests meanwhile; vLLM learns of finished (and failed) transfers through
+``get_transfer_results``. A failed receive (producer gone, checksum mismatch, wrong request,
+refused plan) writes nothing and is reported failed: vLLM recomputes the prompt. Tensor
+parallel size 1 (DeepSeek-V4's latent caches are not split across ranks).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -110,11 +115,16 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler side
         self._loads: dict[str, Load] = {}
         self._sends: dict[str, Send] = {}
+        self._offered: set[str] = set()  # requests whose tokens were offered as external once
         # worker side
         self.caches: VllmCaches | None = None
         self._done_recv: set[str] = set()
         self._done_send: set[str] = set()
+        self._failed_recv: set[str] = set()
         self._lock = threading.Lock()
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.errors: list[str] = []  # one line per failed transfer, also logged
         self.server = None
         if role == KVConnectorRole.WORKER and self.is_consumer:
             from kvbridge.migration.transport import GlooServer
@@ -127,9 +137,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The prompt tokens a kvbridge producer sends, loaded asynchronously; none for a request that was
+        loaded (or failed to load) once already: a producer sends a request once, so vLLM computes what
+        a preemption or a failed load lost."""
         params = request.kv_transfer_params or {}
-        if not self.is_consumer or "kvbridge_src" not in params:
+        if not self.is_consumer or "kvbridge_src" not in params or request.request_id in self._offered:
             return 0, False
+        self._offered.add(request.request_id)
         n = int(params.get("kvbridge_num_tokens", len(request.prompt_token_ids)))
         return max(0, n - num_computed_tokens), n > num_computed_tokens
 
@@ -159,6 +173,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """Producer: hand a finished request's blocks of every group to the worker for its kvbridge peer;
         the blocks stay held until the worker reports the send done."""
+        self._offered.discard(request.request_id)
         params = request.kv_transfer_params or {}
         if not self.is_producer or "kvbridge_peer" not in params:
             return False, None
@@ -187,68 +202,106 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                               draft_tokens=int(info.get("draft_tokens", 0)), include_mtp=False)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        """Receive every request of this step's metadata and write it through its blocks (blocking)."""
+        """Queue this step's loads for the transfer thread; they are reported by ``get_transfer_results``."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVBridgeMetadata) or not meta.loads:
-            return
-        if self.caches is None or self.server is None:
-            raise InputError("KVBridgeConnector: start_load_kv before register_kv_caches (or not a consumer)")
-        caches = self.caches
-        for load in meta.loads:
-            def publish(assembly, load=load):
-                plan = assembly.plan
-                if plan.src.spec != parse_engine(load.src).spec or plan.num_tokens != load.num_tokens:
-                    raise InputError(f"request {load.request_id}: the producer sent {plan.src.spec}, "
-                                     f"{plan.num_tokens} tokens; vLLM expects {load.src}, {load.num_tokens}")
-                if assembly.missing():
-                    raise InputError(f"request {load.request_id}: {assembly.missing()} transfers never arrived")
-                caches.write(plan.transfers, assembly.records, load.block_ids)
-                return {}
-
-            got = self.server.receive(timeout=self.timeout, accept_timeout=self.timeout, request_id=load.request_id,
-                                      publish=publish)
-            if got is None:
-                raise InputError(f"request {load.request_id}: no kvbridge producer connected within {self.timeout} s")
-            log.info("kvbridge: received request %s from %s", load.request_id, got[0])
-            with self._lock:
-                self._done_recv.add(load.req_id)
+        if isinstance(meta, KVBridgeMetadata) and meta.loads:
+            if self.caches is None or self.server is None:
+                raise InputError("KVBridgeConnector: start_load_kv before register_kv_caches (or not a consumer)")
+            self._submit(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: ``start_load_kv`` returns once every layer is in place."""
+        """Nothing to wait for: a request's pages are written whole, before vLLM schedules it again."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         """Nothing per layer: a finished request is sent whole from its blocks (``wait_for_save``)."""
 
     def wait_for_save(self):
-        """Producer: send every finished request of this step's metadata to its kvbridge peer."""
+        """Producer: queue this step's finished requests for the transfer thread (their blocks stay held
+        until ``get_transfer_results`` reports them sent)."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVBridgeMetadata):
-            return
-        for send in meta.sends:
-            self._send(send)
-            with self._lock:
-                self._done_send.add(send.req_id)
+        if isinstance(meta, KVBridgeMetadata) and meta.sends:
+            if self.caches is None:
+                raise InputError("KVBridgeConnector: a send before register_kv_caches")
+            self._submit(meta.sends)
 
-    def _send(self, send: Send) -> dict:
+    def _submit(self, jobs: list) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvbridge-transfers", daemon=True)
+            self._thread.start()
+        for job in jobs:
+            self._jobs.put(job)
+
+    def _run(self) -> None:
+        """The transfer thread: one request at a time, in the order vLLM scheduled them."""
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._load(job) if isinstance(job, Load) else self._send(job)
+                failed = False
+            except Exception as exc:  # reported to vLLM (a failed load is recomputed), never raised in its step
+                failed = True
+                self.errors.append(f"request {job.request_id}: {' '.join(str(exc).split())}")
+                log.error("kvbridge: %s", self.errors[-1])
+            with self._lock:
+                if isinstance(job, Load):
+                    self._done_recv.add(job.req_id)
+                    if failed:
+                        self._failed_recv.add(job.req_id)
+                else:
+                    self._done_send.add(job.req_id)
+
+    def _load(self, load: Load) -> None:
+        caches, server = self.caches, self.server
+        assert caches is not None and server is not None
+
+        def publish(assembly):
+            plan = assembly.plan
+            if plan.src.spec != parse_engine(load.src).spec or plan.num_tokens != load.num_tokens:
+                raise InputError(f"the producer sent {plan.src.spec}, {plan.num_tokens} tokens; vLLM expects "
+                                 f"{parse_engine(load.src).spec}, {load.num_tokens}")
+            if assembly.missing():
+                raise InputError(f"{assembly.missing()} transfers never arrived")
+            caches.write(plan.transfers, assembly.records, load.block_ids)
+            return {}
+
+        got = server.receive(timeout=self.timeout, accept_timeout=self.timeout, request_id=load.request_id,
+                             publish=publish)
+        if got is None:
+            raise InputError(f"no kvbridge producer connected within {self.timeout:g} s")
+        log.info("kvbridge: received request %s from %s", load.request_id, got[0])
+
+    def _send(self, send: Send) -> None:
         from kvbridge.migration.transport import send_request_tcp
 
-        if self.caches is None:
-            raise InputError("KVBridgeConnector: a send before register_kv_caches")
+        assert self.caches is not None
         plan = plan_migration(self.profile, send.dst, self.model, send.num_tokens, include_mtp=False)
         pools, tables = self.caches.request_pools(plan, send.block_ids)
         host, port = host_port(send.peer, "kvbridge_peer")
-        return send_request_tcp(plan, pools, tables, host=host, port=port, convert_on=self.convert_on,
-                                timeout=self.timeout, request_id=send.request_id)
+        send_request_tcp(plan, pools, tables, host=host, port=port, convert_on=self.convert_on,
+                         timeout=self.timeout, request_id=send.request_id)
+        log.info("kvbridge: sent request %s to %s", send.request_id, send.peer)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Requests sent, received and failed to receive since the last call (failed ones count as received,
+        as vLLM wants; it recomputes them: nothing of a failed request was written)."""
         with self._lock:
-            sent, received = self._done_send, self._done_recv
-            self._done_send, self._done_recv = set(), set()
-        return sent or None, received or None
+            out = KVConnectorTransferResults(self._done_send, self._done_recv, self._failed_recv)
+            self._done_send, self._done_recv, self._failed_recv = set(), set(), set()
+        return out
 
     def shutdown(self):
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=self.timeout)
+            self._thread = None
         if self.server is not None:
             self.server.close()
             self.server = None

@@ -10,6 +10,8 @@ from kvbridge.errors import InputError
 #: vLLM's ``kv_role`` for each kvbridge role name.
 ROLES = {"consumer": "kv_consumer", "producer": "kv_producer", "both": "kv_both"}
 CONVERT_SIDES = ("sender", "receiver")
+#: vLLM's ``kv_load_failure_policy``: what it does with a request whose load failed.
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
 def host_port(value: str, what: str) -> tuple[str, int]:
@@ -21,11 +23,14 @@ def host_port(value: str, what: str) -> tuple[str, int]:
 
 
 def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | None = None, model: str | None = None,
-                       timeout: float | None = None, convert_on: str | None = None) -> dict[str, Any]:
+                       timeout: float | None = None, convert_on: str | None = None,
+                       on_load_failure: str | None = None) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for kvbridge's connector (``kvbridge.adapters.vllm``) in ``role``.
 
     Only the keys given go into ``kv_connector_extra_config`` (the connector's defaults apply to
-    the rest); each is checked here as the connector would check it.
+    the rest); each is checked here as the connector would check it. ``on_load_failure`` sets
+    vLLM's own ``kv_load_failure_policy`` (``fail``, vLLM's default: the request ends with an
+    error; ``recompute``: vLLM computes the prompt itself).
     """
     if role not in ROLES:
         raise InputError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -53,6 +58,10 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
         extra["convert_on"] = convert_on
     config: dict[str, Any] = {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.adapters.vllm",
                               "kv_role": ROLES[role]}
+    if on_load_failure is not None:
+        if on_load_failure not in LOAD_FAILURE_POLICIES:
+            raise InputError(f"on_load_failure must be fail or recompute, got {on_load_failure!r}")
+        config["kv_load_failure_policy"] = on_load_failure
     if extra:
         config["kv_connector_extra_config"] = extra
     return config

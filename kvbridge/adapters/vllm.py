@@ -105,9 +105,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.profile = parse_engine(extra.get("engine") or f"vllm:block={vllm_config.cache_config.block_size}")
         if self.profile.engine != "vllm":
             raise InputError(f"kv_connector_extra_config engine must be a vLLM spec, got {self.profile.spec!r}")
-        self.timeout = float(extra.get("timeout", 120.0))
+        self.timeout = extra.get("timeout", 120.0)
         self.convert_on = extra.get("convert_on", "receiver")
-        if self.convert_on not in CONVERT_SIDES or not self.timeout > 0:
+        if self.convert_on not in CONVERT_SIDES or isinstance(self.timeout, bool) or \
+                not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise InputError(f"kv_connector_extra_config: convert_on must be sender or receiver and timeout positive, "
                              f"got {self.convert_on!r}, {self.timeout}")
         self.is_consumer = self._kv_transfer_config.is_kv_consumer
@@ -143,15 +144,26 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         params = request.kv_transfer_params or {}
         if not self.is_consumer or "kvbridge_src" not in params or request.request_id in self._offered:
             return 0, False
-        self._offered.add(request.request_id)
-        n = int(params.get("kvbridge_num_tokens", len(request.prompt_token_ids)))
+        n = self._num_tokens(request)
         return max(0, n - num_computed_tokens), n > num_computed_tokens
+
+    def _num_tokens(self, request) -> int:
+        """``kvbridge_num_tokens`` (default the prompt length); a value vLLM cannot take is logged and read as
+        0 (vLLM computes the prompt) rather than raised in vLLM's scheduler."""
+        prompt = len(request.prompt_token_ids)
+        raw = (request.kv_transfer_params or {}).get("kvbridge_num_tokens", prompt)
+        if isinstance(raw, bool) or not isinstance(raw, int) or not 0 < raw <= prompt:
+            log.error("kvbridge: request %s: kvbridge_num_tokens must be an integer in 1..%d (the prompt), got %r; "
+                      "vLLM computes the prompt itself", request.request_id, prompt, raw)
+            return 0
+        return raw
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         params = request.kv_transfer_params or {}
         if num_external_tokens <= 0 or "kvbridge_src" not in params:
             return
-        n = int(params.get("kvbridge_num_tokens", len(request.prompt_token_ids)))
+        self._offered.add(request.request_id)  # blocks are allocated: this request's load is under way
+        n = self._num_tokens(request)
         self._loads[request.request_id] = Load(request.request_id, str(params.get("kvbridge_request_id",
                                                request.request_id)), str(params["kvbridge_src"]), n,
                                                tuple(list(ids) for ids in blocks.get_block_ids()))

@@ -343,14 +343,18 @@ def send_request(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *
 
 #: Called after each layer group verified, with (groups verified, total groups).
 GroupDone = Callable[[int, int], None]
+#: Writes a fully received, verified and converted request into its destination; returns its block tables.
+Publish = Callable[[RequestAssembly], RequestTables]
 
 
 def receive_request(plan: MigrationPlan, dst: EnginePools, *, src_rank: int, group: dist.ProcessGroup | None = None,
                     timeout: float = 60.0, device: torch.device | str = "cpu", loss_report: bool = True,
-                    on_group: GroupDone | None = None) -> tuple[RequestTables, MigrationReport]:
+                    on_group: GroupDone | None = None, publish: Publish | None = None
+                    ) -> tuple[RequestTables, MigrationReport]:
     """Decode side: receive each layer group, verify its checksums and convert it (if the sender did
     not) as it lands; after the last group, claim and fill destination pages. Returns the
-    request's block tables and a report."""
+    request's block tables and a report. ``publish`` replaces the claim-and-fill step (an engine
+    that allocated the request's blocks itself writes them through its own block ids)."""
     check_pools(plan, dst, "dst")
     t0 = time.perf_counter()
     rx = _Receiver(plan, _Link(src_rank, group, time.monotonic() + _check_timeout(timeout), device))
@@ -360,7 +364,7 @@ def receive_request(plan: MigrationPlan, dst: EnginePools, *, src_rank: int, gro
         if on_group is not None:
             on_group(g + 1, len(rx.groups))
     t1 = time.perf_counter()
-    tables = assembly.publish(dst)
+    tables = assembly.publish(dst) if publish is None else publish(assembly)
     report = assembly.report(wire_s=t1 - t0 - assembly.convert_s - assembly.verify_s,
                              publish_s=time.perf_counter() - t1)
     return tables, report
@@ -395,9 +399,12 @@ class GlooServer:
     def close(self) -> None:
         self.listener.close()
 
-    def receive(self, *, timeout: float = 60.0, accept_timeout: float | None = None
-                ) -> tuple[str, str, RequestTables, MigrationReport] | None:
-        """(peer, request id, tables, report) of one request, or None after ``accept_timeout`` s idle."""
+    def receive(self, *, timeout: float = 60.0, accept_timeout: float | None = None, request_id: str | None = None,
+                publish: Publish | None = None) -> tuple[str, str, RequestTables, MigrationReport] | None:
+        """(peer, request id, tables, report) of one request, or None after ``accept_timeout`` s idle.
+
+        ``request_id``: refuse a sender announcing another request id. ``publish``: see
+        ``receive_request``."""
         timeout = _check_timeout(timeout)
         chan = self.listener.accept(accept_timeout)
         if chan is None:
@@ -410,6 +417,9 @@ class GlooServer:
             if hello.get("kind") != "request" or hello.get("transport") != "gloo":
                 raise MigrationError(f"refused request {rid} from {chan.peer}: this receiver takes requests over "
                                      f"gloo, the sender offers a {hello.get('kind')} over {hello.get('transport')}")
+            if request_id is not None and rid != request_id:
+                raise MigrationError(f"refused request {rid} from {chan.peer}: this receiver waits for request "
+                                     f"{request_id}")
             try:
                 plan = self.plan(hello["request"]) if callable(self.plan) else self.plan
             except KVBridgeError as exc:
@@ -426,7 +436,7 @@ class GlooServer:
             group = _pair_group(store, rid, 1, remaining)
             tables, report = receive_request(plan, self.dst, src_rank=0, group=group,
                                              timeout=max(0.01, deadline - time.monotonic()),
-                                             loss_report=self.loss_report)
+                                             loss_report=self.loss_report, publish=publish)
             try:
                 chan.send({"type": "result", "ok": True, "summary": report.to_dict()}, deadline=deadline)
             except TransferError:
@@ -450,16 +460,19 @@ class GlooServer:
 def send_request_tcp(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, host: str, port: int,
                      convert_on: ConvertSide = "receiver", layers_per_group: int = 1, timeout: float = 60.0,
                      progress: Progress | None = None, loss_report: bool = True,
-                     chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, request_id: str | None = None) -> dict:
     """Prefill side for a ``GlooServer``: handshake, form the gloo pair, stream the request; returns the
-    receiver's report (a dict), or raises its error."""
+    receiver's report (a dict), or raises its error. ``request_id`` names the request to the receiver
+    (default: a random id; up to 64 characters)."""
     import uuid
 
     from kvbridge import __version__
     from kvbridge.migration.control import Channel
 
     deadline = time.monotonic() + _check_timeout(timeout)
-    rid = uuid.uuid4().hex[:16]
+    if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):
+        raise InputError(f"request_id must be a string of 1 to 64 characters, got {repr(request_id)[:40]}")
+    rid = request_id or uuid.uuid4().hex[:16]
     chan = Channel.connect(host, port, deadline)
     try:
         chan.send({"type": "hello", "kvbridge": __version__, "transport": "gloo", "kind": "request",

@@ -1,0 +1,42 @@
+"""``kvbridge vllm-config``: the ``--kv-transfer-config`` that makes vLLM load kvbridge's connector."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import click
+
+from kvbridge.adapters.vllm_config import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, kv_transfer_config
+from kvbridge.engines import parse_engine
+
+
+@click.command("vllm-config", short_help="Print vLLM's --kv-transfer-config for the kvbridge connector.")
+@click.argument("role", type=click.Choice(list(ROLES)))
+@click.option("--listen", metavar="HOST:PORT", help="Consumer: where kvbridge producers send (default 127.0.0.1:0).")
+@click.option("--engine", metavar="SPEC", help="kvbridge spec of these vLLM pools (default vllm:block=<--block-size>).")
+@click.option("--model", metavar="MODEL", help="kvbridge model: preset or config.json (default: the served model's).")
+@click.option("--timeout", type=float, help="Seconds one transfer may take (default 120).")
+@click.option("--convert-on", type=click.Choice(CONVERT_SIDES), help="Producer: the side that converts.")
+@click.option("--on-load-failure", type=click.Choice(LOAD_FAILURE_POLICIES),
+              help="Consumer: vLLM fails (its default) or recomputes a request whose load failed.")
+@click.option("--serve", "serve_model", metavar="MODEL", help="Print a whole 'vllm serve MODEL ...' command instead.")
+def command(role: str, listen: str | None, engine: str | None, model: str | None, timeout: float | None,
+            convert_on: str | None, on_load_failure: str | None, serve_model: str | None) -> None:
+    """Print the --kv-transfer-config JSON (one line) for a kvbridge connector in ROLE.
+
+    \b
+    vllm serve MODEL --kv-cache-dtype fp8_ds_mla --block-size 256 \\
+        --kv-transfer-config "$(kvbridge vllm-config consumer --listen 0.0.0.0:7300)"
+    """
+    config = kv_transfer_config(role, listen=listen, engine=engine, model=model, timeout=timeout,
+                                convert_on=convert_on, on_load_failure=on_load_failure)
+    text = json.dumps(config, separators=(",", ":"))
+    if serve_model is None:
+        click.echo(text)
+        return
+    spec = parse_engine(config.get("kv_connector_extra_config", {}).get("engine", "vllm"))
+    block = next(c.value for c in spec.choices if c.option == "block")
+    dtype = "fp8_ds_mla" if spec.kv_layout == "flashmla-model1" else "auto"
+    click.echo(f"vllm serve {shlex.quote(serve_model)} --kv-cache-dtype {dtype} --block-size {block} "
+               f"--kv-transfer-config {shlex.quote(text)}")

@@ -1,0 +1,67 @@
+"""The ``--kv-transfer-config`` that makes vLLM load kvbridge's connector (no vLLM import: the CLI uses it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbridge.engines import parse_engine
+from kvbridge.errors import InputError
+
+#: vLLM's ``kv_role`` for each kvbridge role name.
+ROLES = {"consumer": "kv_consumer", "producer": "kv_producer", "both": "kv_both"}
+CONVERT_SIDES = ("sender", "receiver")
+#: vLLM's ``kv_load_failure_policy``: what it does with a request whose load failed.
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+def host_port(value: str, what: str) -> tuple[str, int]:
+    """``host:port`` (host may be empty: 127.0.0.1) as a pair; ``InputError`` naming ``what`` otherwise."""
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise InputError(f"{what} must be host:port, got {value!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | None = None, model: str | None = None,
+                       timeout: float | None = None, convert_on: str | None = None,
+                       on_load_failure: str | None = None) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for kvbridge's connector (``kvbridge.adapters.vllm``) in ``role``.
+
+    Only the keys given go into ``kv_connector_extra_config`` (the connector's defaults apply to
+    the rest); each is checked here as the connector would check it. ``on_load_failure`` sets
+    vLLM's own ``kv_load_failure_policy`` (``fail``, vLLM's default: the request ends with an
+    error; ``recompute``: vLLM computes the prompt itself).
+    """
+    if role not in ROLES:
+        raise InputError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    extra: dict[str, Any] = {}
+    if listen is not None:
+        if role == "producer":
+            raise InputError("listen is a consumer setting (where kvbridge producers send); a producer sends to "
+                             "each request's kvbridge_peer")
+        host_port(listen, "listen")
+        extra["listen"] = listen
+    if engine is not None:
+        profile = parse_engine(engine)
+        if profile.engine != "vllm":
+            raise InputError(f"engine must be a vLLM spec (vllm:block=...), got {engine!r}")
+        extra["engine"] = profile.spec
+    if model is not None:
+        extra["model"] = model
+    if timeout is not None:
+        if not timeout > 0:
+            raise InputError(f"timeout must be a positive number of seconds, got {timeout}")
+        extra["timeout"] = timeout
+    if convert_on is not None:
+        if convert_on not in CONVERT_SIDES:
+            raise InputError(f"convert_on must be sender or receiver, got {convert_on!r}")
+        extra["convert_on"] = convert_on
+    config: dict[str, Any] = {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.adapters.vllm",
+                              "kv_role": ROLES[role]}
+    if on_load_failure is not None:
+        if on_load_failure not in LOAD_FAILURE_POLICIES:
+            raise InputError(f"on_load_failure must be fail or recompute, got {on_load_failure!r}")
+        config["kv_load_failure_policy"] = on_load_failure
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return config

@@ -1,0 +1,369 @@
+"""kvbridge's vLLM connector under vLLM 0.33.0's own config, KV-cache grouping, allocation, connector factory
+and scheduler (tests/vllm_engine_side.py, run in the vLLM venv named by KVBRIDGE_VLLM_PYTHON), against a
+kvbridge peer in this process over gloo, TensorRT-LLM-layout pools on the kvbridge side:
+
+- consumer: the request lands in every vLLM group's blocks exactly as vLLM's writers store the same
+  latents, no other byte of vLLM's KV buffer is written, and vLLM then computes only the last
+  prompt token from those blocks;
+- producer: vLLM hands a finished request's blocks of every group to the connector, which sends
+  it; the TensorRT-LLM pools receive exactly TensorRT-LLM's writer bytes, and vLLM frees the blocks
+  only after the send.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvbridge.adapters.vllm_layout import VllmCaches
+from kvbridge.migration import (
+    MigrationError,
+    destination_pools,
+    gather_records,
+    plan_migration,
+    source_request,
+    table_of,
+)
+from kvbridge.migration.transport import GlooServer, send_request_tcp
+from kvbridge.topology import from_hf_config
+from tests.migration_helpers import expected_records
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = os.environ.get("KVBRIDGE_VLLM_PYTHON")
+#: A 4-layer DeepSeek-V4 (two SWA-only layers, one ratio-4 and one ratio-128 layer) that vLLM's config accepts.
+CONFIG = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 256,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 512,
+          "qk_rope_head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 4096, "intermediate_size": 512,
+          "compress_ratios": [0, 0, 4, 128], "sliding_window": 128, "index_head_dim": 128, "index_n_heads": 4,
+          "index_topk": 64, "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
+TRTLLM = "trtllm:fp8:tpb=128:scale=0.5"
+VLLM = "vllm:block=256"
+
+
+def _vllm_python() -> str:
+    if PYTHON:
+        return PYTHON
+    if os.environ.get("CI") == "true":
+        pytest.fail("KVBRIDGE_VLLM_PYTHON is unset: CI must run the vLLM adapter tests (.ci/engine-vllm.sh)")
+    pytest.skip("KVBRIDGE_VLLM_PYTHON (the python of a vLLM 0.33.0 venv, see .ci/engine-vllm.sh) is unset")
+
+
+def _model(tmp_path: Path) -> Path:
+    model_dir = tmp_path / "dsv4-mini"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "out").mkdir()
+    return model_dir
+
+
+def _engine(python: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([python, str(ROOT / "tests" / "vllm_engine_side.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "DONE" in stdout, stderr[-4000:]
+    return stdout
+
+
+def _vllm_buffer(out: Path, plan, model):
+    """vLLM's KV buffer as the engine side left it, its layers as kvbridge pools, and the result JSON."""
+    result = json.loads((out / "result.json").read_text())
+    raw = load_file(str(out / "buffer.safetensors"))["raw"]
+    layers = result["layers"]
+    assert all(info["same_buffer"] for info in layers.values())
+    views = {name: raw.as_strided((result["num_blocks"], info["page_bytes"]), (info["block_stride"], 1),
+                                  info["offset"]) for name, info in layers.items()}
+    # vLLM's own grouping: a group per SWA layer, compressed KV and indexer keys of both ratios in one,
+    # the ratio-4 compressor states in one, the ratio-128 state in one
+    assert len(result["groups"]) == 7, result["groups"]
+    caches = VllmCaches(plan.dst if plan.dst.engine == "vllm" else plan.src, model, views, result["groups"])
+    return result, raw, caches
+
+
+def _consumer(tmp_path: Path, num_tokens: int, send_src: str, *policy: str):
+    """Run the consumer engine side; send it a request from ``send_src`` pools; returns what the sender
+    got (its summary, or the receiver's error), the plan and the source pools and tables."""
+    python = _vllm_python()
+    model_dir = _model(tmp_path)
+    out = tmp_path / "out"
+    proc = _engine(python, "consumer", str(model_dir), str(out), "req-7", str(num_tokens), TRTLLM, *policy)
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith("LISTEN"):
+            line = proc.stdout.readline()
+        assert line.startswith("LISTEN"), proc.stderr.read()[-4000:]
+        _, host, port = line.split()
+        model = from_hf_config(str(model_dir / "config.json"))
+        plan = plan_migration(send_src, VLLM, model, num_tokens, include_mtp=False)
+        src_pools, src_tables = source_request(plan, spare_pages=2, seed=3)
+        try:
+            summary = send_request_tcp(plan, src_pools, src_tables, host=host, port=int(port), request_id="req-7",
+                                       timeout=120)
+        except MigrationError as exc:
+            summary = exc
+    finally:
+        _finish(proc)
+    return summary, plan, model, src_pools, src_tables
+
+
+@pytest.mark.parametrize("num_tokens", [600])
+def test_vllm_consumer_receives_a_trtllm_request(tmp_path, num_tokens):
+    summary, plan, model, src_pools, src_tables = _consumer(tmp_path, num_tokens, TRTLLM)
+    out = tmp_path / "out"
+    assert summary["num_tokens"] == num_tokens
+    result, raw, caches = _vllm_buffer(out, plan, model)
+    assert result["status_after_schedule"] == "WAITING_FOR_REMOTE_KVS"
+    assert result["received"] == ["vllm-req-0"] and result["errors"] == []
+    # vLLM takes the load: it schedules only the last prompt token (recomputed to sample the next one),
+    # on the blocks kvbridge wrote (num_computed_tokens counts the scheduled token already)
+    assert result["status_after_load"] == "RUNNING"
+    assert result["scheduled_after_load"] == 1 and result["computed_after_load"] == num_tokens
+    assert [ids[: len(b)] for ids, b in zip(result["block_ids_after_load"], result["block_ids"], strict=True)] == \
+        result["block_ids"]
+    assert result["finished"] == "FINISHED_LENGTH_CAPPED"
+    tables = caches.tables(result["block_ids"])
+    written = torch.zeros(raw.numel(), dtype=torch.bool)
+    for t in plan.transfers:
+        want = expected_records(t, gather_records(src_pools.pool(t.spec), t.src, table_of(src_tables, t.src),
+                                                  t.first, t.count))
+        key = (t.spec.layer, t.spec.role)
+        table = tables[caches.group[key]]
+        got = gather_records(caches.pools.pool(t.spec), t.dst, table, t.first, t.count)
+        assert torch.equal(got, want), f"layer {t.spec.layer} {t.spec.role.value}: bytes differ"
+        info = result["layers"][caches.names[key]]
+        for slot in t.table_slots(t.dst):
+            start = info["offset"] + table[slot] * info["block_stride"]
+            written[start : start + info["page_bytes"]] = True
+    assert not raw[~written].any(), "bytes outside the request's blocks of its own caches were written"
+
+
+@pytest.mark.parametrize("num_tokens", [600])
+def test_vllm_producer_sends_finished_blocks_to_a_trtllm_peer(tmp_path, num_tokens):
+    python = _vllm_python()
+    model_dir = _model(tmp_path)
+    out = tmp_path / "out"
+    model = from_hf_config(str(model_dir / "config.json"))
+    plan = plan_migration(VLLM, TRTLLM, model, num_tokens, include_mtp=False)
+    dst = destination_pools(plan, spare_pages=2)
+    server = GlooServer(dst, plan=plan)
+    got: dict = {}
+    stop = threading.Event()
+
+    def receive():
+        try:
+            while not stop.is_set() and "result" not in got:
+                got["result"] = server.receive(timeout=120, accept_timeout=0.5, request_id="req-9")
+                if got["result"] is None:
+                    del got["result"]
+        except Exception as exc:  # reported by the assertion below
+            got["error"] = exc
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    try:
+        host, port = server.address
+        _finish(_engine(python, "producer", str(model_dir), str(out), "req-9", str(num_tokens), TRTLLM,
+                        f"{host}:{port}"))
+    finally:
+        stop.set()
+        thread.join(timeout=150)
+        server.close()
+    assert "error" not in got, got.get("error")
+    _, rid, tables, _ = got["result"]
+    assert rid == "req-9"
+    result = json.loads((out / "result.json").read_text())
+    assert result["status_after_prefill"] == "FINISHED_LENGTH_CAPPED"
+    assert result["held_after_finish"] and result["sends"] == ["req-9"] and result["sent"] == ["vllm-req-0"]
+    assert result["freed_after_send"]
+    records = load_file(str(out / "records.safetensors"))
+    _, _, caches = _vllm_buffer(out, plan, model)
+    src_tables = caches.tables(result["block_ids"])
+    for i, t in enumerate(plan.transfers):
+        key = (t.spec.layer, t.spec.role)
+        # the bytes vLLM's blocks held are the bytes the engine side wrote (its writers' records) ...
+        held = gather_records(caches.pools.pool(t.spec), t.src, src_tables[caches.group[key]], t.first, t.count)
+        assert torch.equal(held, records[str(i)])
+        # ... and TensorRT-LLM's pools hold what its writers store for those latents
+        landed = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
+        assert torch.equal(landed, expected_records(t, held)), f"layer {t.spec.layer} {t.spec.role.value}"
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_vllm_consumer_refuses_a_request_from_other_pools(tmp_path, policy):
+    # the producer sends under the right request id, but from TensorRT-LLM pools of 256-token blocks, not the
+    # pools the request names: refused before any byte is written; vLLM is told the load failed and, by its
+    # kv_load_failure_policy, ends the request with an error or recomputes the whole prompt
+    summary, plan, model, _, _ = _consumer(tmp_path, 600, "trtllm:fp8:tpb=256:scale=0.5", policy)
+    assert isinstance(summary, MigrationError) and "vLLM expects" in str(summary), summary
+    result, raw, _ = _vllm_buffer(tmp_path / "out", plan_migration(TRTLLM, VLLM, model, 600, include_mtp=False),
+                                  model)
+    assert result["received"] == ["vllm-req-0"] and len(result["errors"]) == 1
+    assert "vLLM expects trtllm:fp8:tpb=128" in result["errors"][0]
+    if policy == "fail":
+        assert result["status_after_load"] == "FINISHED_ERROR"
+    else:
+        assert result["status_after_load"] == "RUNNING" and result["scheduled_after_load"] == 600
+    assert not raw.any(), "a refused request wrote bytes"
+
+
+# ---------------------------------------------------------------------------------------------
+# Without vLLM: the connector's view of vLLM's caches, and its configuration
+
+
+def _packed_caches(model, profile, num_blocks: int = 16, pad: int = 64):
+    """Caches laid out as vLLM's block-outermost layouts do: per block, every layer's page, padded;
+    one int8 buffer, one strided view per layer (content only, as vLLM's views show it)."""
+    names, pages = [], []
+    for spec in model.all_caches(include_mtp=False):
+        a = f"model.layers.{spec.layer}.attn"
+        suffix = {"swa": ".swa_cache", "compress": "", "indexer_compress": ".indexer.k_cache",
+                  "compressor_state": ".compressor.state_cache",
+                  "indexer_compressor_state": ".indexer.compressor.state_cache"}[spec.role.value]
+        names.append(a + suffix)
+        pages.append(profile.storage(spec).page_bytes)
+    stride = sum(pages) + pad
+    buf = torch.zeros(num_blocks * stride, dtype=torch.int8)
+    views, offset = {}, 0
+    for name, page in zip(names, pages, strict=True):
+        views[name] = buf.as_strided((num_blocks, page - 8), (stride, 1), offset)  # 8 B of alignment not shown
+        offset += page
+    return buf, views, dict(zip(names, pages, strict=True))
+
+
+def _small_model():
+    return from_hf_config(CONFIG)
+
+
+def test_cache_names():
+    from kvbridge.adapters.vllm_layout import cache_of
+    from kvbridge.topology import Role
+
+    assert cache_of("model.layers.3.attn") == (3, Role.COMPRESS)
+    assert cache_of("model.layers.0.attn.swa_cache") == (0, Role.SWA)
+    assert cache_of("model.layers.2.attn.indexer.k_cache") == (2, Role.INDEXER)
+    assert cache_of("model.layers.2.attn.compressor.state_cache") == (2, Role.STATE)
+    assert cache_of("model.layers.2.attn.indexer.compressor.state_cache") == (2, Role.INDEXER_STATE)
+    assert cache_of("model.layers.2.mlp") is None
+
+
+def test_write_goes_through_each_groups_blocks_only():
+    from kvbridge.engines import parse_engine
+
+    model, profile = _small_model(), parse_engine(VLLM)
+    buf, views, pages = _packed_caches(model, profile)
+    groups = [[name] for name in views]  # every cache a group of its own: block ids differ per cache
+    caches = VllmCaches(profile, model, views, groups, pages)
+    plan = plan_migration(TRTLLM, VLLM, model, 300, include_mtp=False)
+    records = [torch.randint(0, 256, (t.count, t.dst.record_bytes), dtype=torch.uint8) for t in plan.transfers]
+    block_ids = []
+    for i, name in enumerate(views):
+        key = next(k for k, n in caches.names.items() if n == name)
+        t = next(t for t in plan.transfers if (t.spec.layer, t.spec.role) == key)
+        need = t.table_slots(t.dst)[-1] + 1
+        block_ids.append([0] * (need - len(t.table_slots(t.dst))) + [1 + (i + k) % 15 for k in range(
+            len(t.table_slots(t.dst)))])
+    caches.write(plan.transfers, records, block_ids)
+    tables = caches.tables(block_ids)
+    for t, rec in zip(plan.transfers, records, strict=True):
+        table = tables[caches.group[(t.spec.layer, t.spec.role)]]
+        assert torch.equal(gather_records(caches.pools.pool(t.spec), t.dst, table, t.first, t.count), rec)
+    assert not buf.view(16, -1)[0].any(), "the null block was written"
+
+
+def test_write_refuses_a_null_or_foreign_block_before_writing_anything():
+    from kvbridge.engines import parse_engine
+    from kvbridge.errors import InputError
+
+    model, profile = _small_model(), parse_engine(VLLM)
+    buf, views, pages = _packed_caches(model, profile)
+    caches = VllmCaches(profile, model, views, [list(views)], pages)
+    plan = plan_migration(TRTLLM, VLLM, model, 300, include_mtp=False)
+    records = [torch.full((t.count, t.dst.record_bytes), 7, dtype=torch.uint8) for t in plan.transfers]
+    need = max(t.table_slots(t.dst)[-1] + 1 for t in plan.transfers)
+    with pytest.raises(InputError, match="nothing was written"):
+        caches.write(plan.transfers, records, [[1] * (need - 1) + [0]])  # the last block is vLLM's null block
+    with pytest.raises(InputError, match="nothing was written"):
+        caches.write(plan.transfers, records, [[1] * (need - 1) + [99]])  # outside the pool
+    with pytest.raises(InputError, match="KV-cache groups"):
+        caches.write(plan.transfers, records, [[1] * need, [2] * need])
+    assert not buf.any()
+
+
+def test_caches_refuse_a_profile_that_does_not_match_vllms_pages():
+    from kvbridge.engines import parse_engine
+    from kvbridge.errors import InputError
+
+    model, profile = _small_model(), parse_engine(VLLM)
+    _, views, pages = _packed_caches(model, profile)
+    with pytest.raises(InputError, match="does not match"):
+        VllmCaches(parse_engine("vllm:block=512"), model, views, [list(views)], pages)
+    with pytest.raises(InputError, match="not a DeepSeek-V4 cache"):
+        VllmCaches(profile, model, views, [[*views, "model.layers.0.mlp"]], pages)
+    missing = dict(views)
+    missing.pop("model.layers.2.attn.indexer.k_cache")
+    with pytest.raises(InputError, match="registered no cache for layer 2 indexer_compress"):
+        VllmCaches(profile, model, missing, [list(views)], pages)
+
+
+def test_request_pools_copy_each_groups_blocks_in_table_order():
+    from kvbridge.engines import parse_engine
+
+    model, profile = _small_model(), parse_engine(VLLM)
+    _, views, pages = _packed_caches(model, profile)
+    groups = [[name] for name in views]
+    caches = VllmCaches(profile, model, views, groups, pages)
+    plan = plan_migration(VLLM, TRTLLM, model, 300, include_mtp=False)
+    records = [torch.randint(0, 256, (t.count, t.src.record_bytes), dtype=torch.uint8) for t in plan.transfers]
+    block_ids = []
+    for i, name in enumerate(views):
+        key = next(k for k, n in caches.names.items() if n == name)
+        t = next(t for t in plan.transfers if (t.spec.layer, t.spec.role) == key)
+        slots = t.table_slots(t.src)
+        block_ids.append([0] * slots[0] + [1 + (i + k) % 15 for k in range(len(slots))])
+    caches.write(plan.transfers, records, block_ids, side="src")
+    pools, tables = caches.request_pools(plan, block_ids)
+    for t, rec in zip(plan.transfers, records, strict=True):
+        assert torch.equal(gather_records(pools.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count), rec)
+
+
+def test_kv_transfer_config_and_cli():
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from kvbridge.adapters.vllm_config import kv_transfer_config
+    from kvbridge.errors import InputError
+
+    assert kv_transfer_config("consumer") == {"kv_connector": "KVBridgeConnector",
+                                              "kv_connector_module_path": "kvbridge.adapters.vllm",
+                                              "kv_role": "kv_consumer"}
+    cfg = kv_transfer_config("consumer", listen="0.0.0.0:7300", engine="vllm:gpu=sm100", timeout=30)
+    assert cfg["kv_connector_extra_config"] == {"listen": "0.0.0.0:7300", "timeout": 30,
+                                                "engine": "vllm:block=256:idx=fp8:gpu=sm100:kv=fp8_ds_mla"}
+    for kwargs, match in (({"listen": "nohost"}, "host:port"), ({"engine": "sglang"}, "vLLM spec"),
+                          ({"timeout": 0}, "positive"), ({"convert_on": "both"}, "sender or receiver")):
+        with pytest.raises(InputError, match=match):
+            kv_transfer_config("consumer", **kwargs)
+    with pytest.raises(InputError, match="consumer setting"):
+        kv_transfer_config("producer", listen="h:1")
+    result = CliRunner().invoke(cli, ["vllm-config", "producer", "--convert-on", "sender"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["kv_connector_extra_config"] == {"convert_on": "sender"}
+    result = CliRunner().invoke(cli, ["vllm-config", "consumer", "--serve", "/models/v4", "--engine", "vllm:block=512"])
+    assert result.exit_code == 0 and result.output.startswith("vllm serve /models/v4 --kv-cache-dtype fp8_ds_mla "
+                                                              "--block-size 512 --kv-transfer-config '{")
+    assert kv_transfer_config("consumer", on_load_failure="recompute")["kv_load_failure_policy"] == "recompute"
+    result = CliRunner().invoke(cli, ["vllm-config", "consumer", "--listen", "x"])
+    assert result.exit_code == 1 and "host:port" in result.output

@@ -1,0 +1,265 @@
+"""Engine side of tests/test_adapter_vllm.py; runs in the vLLM 0.33.0 venv (never collected by pytest).
+
+Usage: python tests/vllm_engine_side.py consumer MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS SRC_SPEC [fail|recompute]
+       python tests/vllm_engine_side.py producer MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS DST_SPEC HOST:PORT
+
+Builds vLLM's own config, DeepSeek-V4 cache specs (vLLM's cache-layer classes, one MLAAttentionSpec
+built with DeepseekV4Attention.get_kv_cache_spec's arguments), vLLM's own KV-cache groups and
+tensor views, the kvbridge connector through vLLM's KVConnectorFactory (both roles) and vLLM's
+Scheduler, then drives one request through it.
+
+consumer: the scheduler asks the connector for external tokens, allocates blocks, builds the
+connector metadata; the worker connector receives the request from a kvbridge producer (the
+test) and writes it; the worker reports it received, the scheduler schedules the request's last
+prompt token and finishes it. Prints ``LISTEN host port`` once the worker listens.
+producer: a request is scheduled and its prompt "computed" (its blocks filled with records made
+by kvbridge's vLLM-profile writers, saved for the test); it finishes; the scheduler hands its
+blocks of every group to the connector, which sends it to the kvbridge receiver at HOST:PORT.
+Both write vLLM's KV buffer, each layer's place in it and the request's block ids to OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def specs_for(vc, ratios):
+    """DeepSeek-V4 cache specs per vLLM layer name, as vLLM's DeepSeek-V4 layers make them."""
+    from vllm.config import set_current_vllm_config
+    from vllm.models.deepseek_v4.attention import DeepseekV4IndexerCache
+    from vllm.models.deepseek_v4.compressor import CompressorStateCache
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, get_kv_quant_mode
+
+    specs, layers = {}, {}
+    with set_current_vllm_config(vc):
+        for i, r in enumerate(ratios):
+            a = f"model.layers.{i}.attn"
+            layers[a + ".swa_cache"] = DeepseekV4SWACache(512, vc.model_config.hf_config.sliding_window, torch.uint8,
+                                                          a + ".swa_cache", vc.cache_config)
+            if r:
+                # DeepseekV4Attention.get_kv_cache_spec for fp8_ds_mla (the whole attention layer needs its weights)
+                specs[a] = MLAAttentionSpec(block_size=vc.cache_config.block_size, num_kv_heads=1, max_tp_shards=1,
+                                            head_size=512, dtype=torch.uint8, tokens_per_state=r,
+                                            cache_dtype_str="fp8_ds_mla", alignment=576, model_version="deepseek_v4",
+                                            kv_quant_mode=get_kv_quant_mode("fp8_ds_mla"), state_content_bytes=584)
+                coff = 2 if r == 4 else 1
+                name = a + ".compressor.state_cache"
+                layers[name] = CompressorStateCache(2 * coff * 512, torch.float32, r, name)
+            if r == 4:
+                name = a + ".indexer.k_cache"
+                layers[name] = DeepseekV4IndexerCache(132, torch.uint8, name, vc.cache_config, 4)
+                name = a + ".indexer.compressor.state_cache"
+                layers[name] = CompressorStateCache(2 * 2 * 128, torch.float32, 4, name)
+        for name, layer in layers.items():
+            specs[name] = layer.get_kv_cache_spec(vc)
+    return specs, layers
+
+
+class Engine:
+    """vLLM's config, KV-cache groups and allocation, the connector (both sides) and the scheduler."""
+
+    def __init__(self, model_dir: str, role: str, on_load_failure: str | None = None) -> None:
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.models.deepseek_v4.attention import DeepseekV4IndexerBackend
+        from vllm.models.deepseek_v4.compressor import CompressorBackend
+        from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
+        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, resolve_kv_cache_block_sizes
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        max_len = 1024
+        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_len, dtype="bfloat16")
+        from kvbridge.adapters.vllm_config import kv_transfer_config
+
+        # what ``kvbridge vllm-config`` prints
+        kt = KVTransferConfig(**kv_transfer_config(role, timeout=120, on_load_failure=on_load_failure))
+        vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
+                        device_config=DeviceConfig("cpu"), kv_transfer_config=kt,
+                        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_len, max_num_seqs=4,
+                                                         max_model_len=max_len, is_encoder_decoder=False))
+        # vLLM's CPU platform turns the hybrid allocator off; a GPU platform keeps it on (DeepSeek-V4 needs it)
+        vc.scheduler_config.disable_hybrid_kv_cache_manager = False
+        ratios = json.load(open(os.path.join(model_dir, "config.json")))["compress_ratios"]
+        self.specs, self.layers = specs_for(vc, ratios)
+        backends = [DeepseekSparseSWABackend, CompressorBackend, DeepseekV4IndexerBackend]
+        self.layout = resolve_kv_cache_layout(vc, [[x.name for x in get_supported_kv_cache_layouts(backends)]],
+                                              list(self.specs.values()))
+        groups = get_global_kv_cache_groups(vc, [self.specs])
+        self.config = get_kv_cache_configs(vc, [self.specs], [32 << 20], groups)[0]
+        self.config.kv_cache_layout = self.layout.name
+        # worker: vLLM's own allocation of the KV cache and its per-layer views (as its model runner does)
+        self.kv_caches = allocate_kv_cache(self.config, torch.device("cpu"), self.layout)
+        self.worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, self.config)
+        self.worker.register_kv_caches({n: self.kv_caches[n] for n in self.specs})
+        sched_config = generate_scheduler_kv_cache_config([self.config])
+        # what vLLM's engine core does between the KV-cache config and the scheduler
+        vc.cache_config.num_gpu_blocks = sched_config.num_blocks
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(sched_config, vc)
+        self.vc = vc
+        self.scheduler = Scheduler(vc, sched_config, StructuredOutputManager(vc), block_size=block_size,
+                                   hash_block_size=hash_block_size)
+        assert type(self.scheduler.connector).__name__ == "KVBridgeConnector", type(self.scheduler.connector)
+
+    def request(self, num_tokens: int, params: dict, max_tokens: int):
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        req = Request(request_id="vllm-req-0", prompt_token_ids=list(range(1, num_tokens + 1)),
+                      sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                     extra_args={"kv_transfer_params": params}),
+                      pooling_params=None)
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self, out, sampled: dict[str, list[int]] | None = None):
+        """Run the worker connector over one scheduler step, then report to the scheduler."""
+        from copy import copy
+
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
+
+        self.worker.bind_connector_metadata(out.kv_connector_metadata)
+        self.worker.start_load_kv(None)
+        self.worker.wait_for_save()
+        self.worker.clear_connector_metadata()
+        results = self.worker.get_transfer_results(set(out.finished_req_ids))  # as vLLM's model runner asks
+        sent, received = results.finished_sending, results.finished_recving
+        output = copy(EMPTY_MODEL_RUNNER_OUTPUT)
+        if sampled:
+            output.req_ids = list(sampled)
+            output.req_id_to_index = {r: i for i, r in enumerate(sampled)}
+            output.sampled_token_ids = list(sampled.values())
+        output.kv_connector_output = KVConnectorOutput(finished_sending=sent or None, finished_recving=received or None,
+                                                       failed_recving=results.failed_recving)
+        self.scheduler.update_from_output(out, output)
+        return sent, received
+
+    def until_done(self, out, what: str, timeout: float = 200.0) -> tuple[set[str], set[str]]:
+        """Keep stepping (as vLLM's engine loop does) until the worker reports a request sent or received."""
+        deadline = time.monotonic() + timeout
+        sent, received = set(), set()
+        while True:
+            s, r = self.step(out)
+            sent |= s or set()
+            received |= r or set()
+            if (sent if what == "sent" else received) or time.monotonic() > deadline:
+                return sent, received
+            time.sleep(0.05)
+            out = self.scheduler.schedule()
+
+    def dump(self, out_dir: str, result: dict) -> None:
+        from safetensors.torch import save_file
+
+        # the one backing buffer every group overlays, and where each layer's blocks lie in it
+        first = self.kv_caches[next(iter(self.specs))]
+        raw = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
+        result["groups"] = [list(g.layer_names) for g in self.config.kv_cache_groups]
+        result["num_blocks"] = self.config.num_blocks
+        result["layout"] = self.layout.name
+        result["layers"] = {
+            name: {"offset": t.storage_offset() * t.element_size(), "block_stride": t.stride(0) * t.element_size(),
+                   "page_bytes": self.specs[name].page_size_bytes,
+                   "same_buffer": t.untyped_storage().data_ptr() == raw.data_ptr()}
+            for name, t in ((n, self.kv_caches[n]) for n in self.specs)}
+        save_file({"raw": raw.clone()}, os.path.join(out_dir, "buffer.safetensors"))
+        json.dump(result, open(os.path.join(out_dir, "result.json"), "w"))
+
+
+def consumer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, src: str,
+             on_load_failure: str | None = None) -> None:
+    eng = Engine(model_dir, "consumer", on_load_failure)
+    host, port = eng.worker.server.address
+    print(f"LISTEN {host} {port}", flush=True)
+    req = eng.request(num_tokens, {"kvbridge_src": src, "kvbridge_request_id": request_id}, max_tokens=2)
+    out = eng.scheduler.schedule()
+    loads = out.kv_connector_metadata.loads
+    assert len(loads) == 1 and out.num_scheduled_tokens.get(req.request_id, 0) == 0, (loads, out.num_scheduled_tokens)
+    result = {"block_ids": [list(ids) for ids in loads[0].block_ids], "status_after_schedule": req.status.name}
+    _, received = eng.until_done(out, "received")
+    result["received"] = sorted(received)
+    result["errors"] = list(eng.worker.errors)
+    out = eng.scheduler.schedule()  # the load is in: vLLM computes the last prompt token from the loaded blocks
+    result["status_after_load"] = req.status.name
+    result["scheduled_after_load"] = out.num_scheduled_tokens.get(req.request_id, 0)
+    result["computed_after_load"] = req.num_computed_tokens
+    result["block_ids_after_load"] = [list(ids) for ids in eng.scheduler.kv_cache_manager.get_block_ids(
+        req.request_id)]
+    eng.step(out, {req.request_id: [7]})
+    out = eng.scheduler.schedule()
+    eng.step(out, {req.request_id: [8]})
+    result["finished"] = req.status.name
+    eng.dump(out_dir, result)
+    eng.worker.shutdown()
+
+
+def producer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, dst: str, peer: str) -> None:
+    from safetensors.torch import save_file
+
+    from kvbridge.migration.plan import plan_migration
+
+    eng = Engine(model_dir, "producer")
+    req = eng.request(num_tokens, {"kvbridge_peer": peer, "kvbridge_dst": dst, "kvbridge_request_id": request_id},
+                      max_tokens=1)
+    out = eng.scheduler.schedule()
+    assert out.num_scheduled_tokens[req.request_id] == num_tokens, out.num_scheduled_tokens
+    block_ids = eng.scheduler.kv_cache_manager.get_block_ids(req.request_id)
+    # the prefill "computes" the prompt: each cache's live entries as vLLM's writers store them
+    plan = plan_migration(eng.worker.profile, dst, eng.worker.model, num_tokens, include_mtp=False)
+    records = synthetic_records(plan, seed=11)
+    eng.worker.caches.write(plan.transfers, records, block_ids, side="src")
+    save_file({str(i): r for i, r in enumerate(records)}, os.path.join(out_dir, "records.safetensors"))
+    eng.step(out, {req.request_id: [5]})  # one sampled token: max_tokens reached, the request finishes
+    result = {"block_ids": [list(ids) for ids in block_ids], "status_after_prefill": req.status.name,
+              "held_after_finish": req.request_id in eng.scheduler.requests}
+    out = eng.scheduler.schedule()  # carries the send to the worker
+    result["sends"] = [s.request_id for s in out.kv_connector_metadata.sends]
+    sent, _ = eng.until_done(out, "sent")
+    result["sent"] = sorted(sent)
+    result["errors"] = list(eng.worker.errors)
+    eng.scheduler.schedule()
+    result["freed_after_send"] = req.request_id not in eng.scheduler.requests
+    eng.dump(out_dir, result)
+
+
+def synthetic_records(plan, seed: int) -> list[torch.Tensor]:
+    """Each transfer's source records as the source engine's writers store them (kvbridge's profile encoders)."""
+    import kvbridge
+    from kvbridge import indexer as ix
+    from kvbridge.migration.execute import state_rows_from_f32
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for t in plan.transfers:
+        st = t.src
+        if st.kind == "kv":
+            x = torch.randn(t.count, 512, generator=gen).bfloat16().float()
+            pages = kvbridge.encode(x, st.layout, page_size=t.count, dialect=st.dialect, scale=st.scale)
+            out.append(st.layout.pages_to_records(pages, t.count))
+        elif st.kind == "indexer":
+            out.append(ix.encode_keys(torch.randn(t.count, t.spec.width, generator=gen), st.indexer, st.dialect or ""))
+        else:
+            out.append(state_rows_from_f32(torch.randn(t.count, st.record_bytes // 4, generator=gen), st.fmt))
+    return out
+
+
+def main() -> None:
+    mode, model_dir, out_dir, request_id, num_tokens, engine, *rest = sys.argv[1:]
+    if mode == "consumer":
+        consumer(model_dir, out_dir, request_id, int(num_tokens), engine, *rest)
+    else:
+        producer(model_dir, out_dir, request_id, int(num_tokens), engine, rest[0])
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -337,7 +337,8 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
 def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo: bool, request: bool,
                   as_json: bool) -> None:
     """NIXL pages/s and GB/s for one request's destination bytes, next to a memory copy of the same
-    bytes, CRC-32 over them, and the gloo path, in one run (GB = 1e9 B)."""
+    bytes (np.copyto and torch copy_), the XXH3-64 checksum over them (and zlib's CRC-32 for comparison),
+    and the gloo path, in one run (GB = 1e9 B)."""
     _require_nixl()
     from kvbridge.migration.bench import bench_transports
 
@@ -356,12 +357,13 @@ def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo
                   f"{req['page_chunks']:,} destination page chunks, {req['layers']} layers; "
                   f"{res['machine']['cpu']}, {res['date']}; medians of {res['repeat']}", highlight=False)
     table = Table(box=None, header_style="bold")
-    for col in ("path", "seconds", "GB/s", "pages/s", "x np.copyto"):
+    for col in ("path", "seconds", "GB/s", "pages/s", "x np.copyto", "x copy_"):
         table.add_column(col, justify="right" if col != "path" else "left")
-    base = res["memcpy"]["np_copyto"]["seconds"]
+    base, base_torch = res["memcpy"]["np_copyto"]["seconds"], res["memcpy"]["torch_copy_"]["seconds"]
     rows = [("np.copyto (contiguous)", res["memcpy"]["np_copyto"]),
             ("torch copy_ (contiguous)", res["memcpy"]["torch_copy_"]),
-            ("zlib.crc32 per page chunk", res["crc32"]),
+            (f"{res['checksum']['name']} per page chunk", res["checksum"]),
+            ("zlib.crc32 per page chunk (protocol 1)", res["crc32"]),
             (f"NIXL, one WRITE ({res['nixl']['one_write']['descriptors']:,} descriptors)", res["nixl"]["one_write"]),
             (f"NIXL, one WRITE per layer ({res['nixl']['per_layer']['writes']})", res["nixl"]["per_layer"])]
     if "gloo" in res:
@@ -371,7 +373,8 @@ def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo
     for name, row in rows:
         pages = row.get("pages_per_s")
         table.add_row(name, f"{row['seconds']:.4f}", f"{row['GB_per_s']:.2f}",
-                      "-" if pages is None else f"{pages:,.0f}", f"{row['seconds'] / base:.2f}")
+                      "-" if pages is None else f"{pages:,.0f}", f"{row['seconds'] / base:.2f}",
+                      f"{row['seconds'] / base_torch:.2f}")
     console.print(table)
     if not res["nixl"]["bytes_exact"]:
         raise Failure("NIXL moved bytes that differ from the staged ones")

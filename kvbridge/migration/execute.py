@@ -17,10 +17,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 import xxhash
 
 import kvbridge
+from kvbridge import fastpath
 from kvbridge import indexer as ix
 from kvbridge import numerics as nx
 from kvbridge.api import LossReport
@@ -129,6 +131,9 @@ def xxh3_chunks(records: torch.Tensor, rows: list[int]) -> list[int]:
 #: Entries converted per call. Batching the transfers of many layers amortises per-call work;
 #: the cap bounds the codecs' temporaries (a few int64 copies of 512 values per entry).
 BATCH_ENTRIES = 1 << 16
+#: Pieces of at least this many entries are converted on their own, straight from the gathered
+#: records (no concatenation) into the transfer's output (no copy back).
+ALONE_ENTRIES = 1 << 12
 
 
 def _needs_conversion(t: Transfer) -> bool:
@@ -175,11 +180,37 @@ def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool) -> tup
         return ix.encode_keys(values, t.dst.indexer, t.dst.dialect or ""), None, None
     src, dst, n = t.src.layout, t.dst.layout, records.shape[0]
     result = kvbridge.transcode(
-        src.records_to_pages(records, n), src, dst, src_page_size=n, dst_page_size=n, src_scale=t.src.scale,
+        _one_page(src, records), src, dst, src_page_size=n, dst_page_size=n, src_scale=t.src.scale,
         dst_scale=t.dst.scale, dialect=t.dst.dialect, report=loss_report,
     )
     pages, report = result if isinstance(result, tuple) else (result, None)
-    return dst.pages_to_records(pages, n), report, None
+    return _page_records(dst, pages, n), report, None
+
+
+#: Rows per span when copying a page's parts into records (spans are spread over the threads).
+SPAN_ROWS = 1 << 12
+
+
+def _page_records(layout, page: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` records ``[n, record_bytes]`` of one page of ``n`` rows (a copy): each record part's
+    rows are one run of the page, copied natively in spans of ``SPAN_ROWS`` rows."""
+    if not page.is_contiguous():
+        return layout.pages_to_records(page, n)
+    records = torch.empty(n, layout.record_bytes, dtype=torch.uint8, device=page.device)
+    for _, lo, hi in layout.geometry.page_views(page, n):
+        spans = np.array([(n * lo + first * (hi - lo), first, min(SPAN_ROWS, n - first))
+                          for first in range(0, n, SPAN_ROWS)], np.int64).reshape(-1, 3)
+        fastpath.move_rows(page, records, spans, lo, hi - lo, False)
+    return records
+
+
+def _one_page(layout, records: torch.Tensor) -> torch.Tensor:
+    """Records ``[N, record_bytes]`` as one page of ``N`` rows: a view when the layout is token-major
+    with no page padding (the records are then the page's bytes), else a copy."""
+    n = records.shape[0]
+    if layout.geometry.split is None and layout.page_bytes(n) == records.numel() and records.is_contiguous():
+        return records.view(1, -1)
+    return layout.records_to_pages(records, n)
 
 
 def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool = True) -> Payload:
@@ -191,28 +222,34 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
     """
     if payload.converted:
         return payload
-    out = [torch.empty(t.count, t.dst.record_bytes, dtype=torch.uint8) if _needs_conversion(t) else rec
-           for t, rec in zip(plan.transfers, payload.records, strict=True)]
+    out: list[torch.Tensor | None] = [None if _needs_conversion(t) else rec
+                                      for t, rec in zip(plan.transfers, payload.records, strict=True)]
     groups: dict[tuple, list[tuple[int, int, int]]] = {}
     for i, t in enumerate(plan.transfers):
         if _needs_conversion(t):
             key = (t.src.kind, t.src.fmt, t.src.record_bytes, t.src.scale, t.src.dialect, t.conversion)
             groups.setdefault(key, []).extend(
                 (i, lo, min(lo + BATCH_ENTRIES, t.count)) for lo in range(0, t.count, BATCH_ENTRIES))
+            if t.count > BATCH_ENTRIES:  # converted in pieces: written into one output
+                out[i] = torch.empty(t.count, t.dst.record_bytes, dtype=torch.uint8)
     loss: list[LossReport] = []
     idx_err: float | None = 0.0 if loss_report else None
     state_err: float | None = None  # set once a state batch changes dtype with loss_report
     for pieces in groups.values():
-        batches: list[list[tuple[int, int, int]]] = [[]]
+        batches: list[list[tuple[int, int, int]]] = [[p] for p in pieces if p[2] - p[1] >= ALONE_ENTRIES]
+        batches.append([])
         size = 0
         for piece in pieces:
+            if piece[2] - piece[1] >= ALONE_ENTRIES:
+                continue
             if size + piece[2] - piece[1] > BATCH_ENTRIES and batches[-1]:
                 batches.append([])
                 size = 0
             batches[-1].append(piece)
             size += piece[2] - piece[1]
-        for batch in batches:
-            records = torch.cat([payload.records[i][lo:hi] for i, lo, hi in batch])
+        for batch in filter(None, batches):
+            records = payload.records[batch[0][0]][batch[0][1] : batch[0][2]] if len(batch) == 1 else \
+                torch.cat([payload.records[i][lo:hi] for i, lo, hi in batch])
             converted, report, err = _convert_batch(plan.transfers[batch[0][0]], records, loss_report)
             if report is not None:
                 loss.append(report)
@@ -222,9 +259,14 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
                 idx_err = max(idx_err, err)
             offset = 0
             for i, lo, hi in batch:
-                out[i][lo:hi] = converted[offset : offset + hi - lo]
+                if hi - lo == plan.transfers[i].count:  # the whole transfer: keep the converted rows
+                    out[i] = converted[offset : offset + hi - lo]
+                else:
+                    out[i][lo:hi] = converted[offset : offset + hi - lo]  # type: ignore[index]
                 offset += hi - lo
-    return Payload(payload.fingerprint, True, out, payload.chunks, payload.checksums, loss, idx_err, state_err)
+    records = [r if r is not None else torch.empty(0, t.dst.record_bytes, dtype=torch.uint8)
+               for t, r in zip(plan.transfers, out, strict=True)]
+    return Payload(payload.fingerprint, True, records, payload.chunks, payload.checksums, loss, idx_err, state_err)
 
 
 def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, convert: bool,

@@ -213,6 +213,23 @@ def _one_page(layout, records: torch.Tensor) -> torch.Tensor:
     return layout.records_to_pages(records, n)
 
 
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` of record tensors; on CPU through numpy (one thread): torch's multi-threaded copies of
+    many small tensors wait on every thread at each one, seconds on a loaded machine (0.6 s against numpy's
+    2 ms for 64 x 64 KiB measured at load 10 on 2 cores)."""
+    if all(p.device.type == "cpu" for p in parts):
+        return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
+    return torch.cat(parts)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, through numpy on CPU (see ``_concat``)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
+
+
 def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool = True) -> Payload:
     """Source-format records -> destination-format records (chunks follow the source pages).
 
@@ -249,7 +266,7 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
             size += piece[2] - piece[1]
         for batch in filter(None, batches):
             records = payload.records[batch[0][0]][batch[0][1] : batch[0][2]] if len(batch) == 1 else \
-                torch.cat([payload.records[i][lo:hi] for i, lo, hi in batch])
+                _concat([payload.records[i][lo:hi] for i, lo, hi in batch])
             converted, report, err = _convert_batch(plan.transfers[batch[0][0]], records, loss_report)
             if report is not None:
                 loss.append(report)
@@ -262,7 +279,7 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
                 if hi - lo == plan.transfers[i].count:  # the whole transfer: keep the converted rows
                     out[i] = converted[offset : offset + hi - lo]
                 else:
-                    out[i][lo:hi] = converted[offset : offset + hi - lo]  # type: ignore[index]
+                    _copy_into(out[i][lo:hi], converted[offset : offset + hi - lo])  # type: ignore[index]
                 offset += hi - lo
     records = [r if r is not None else torch.empty(0, t.dst.record_bytes, dtype=torch.uint8)
                for t, r in zip(plan.transfers, out, strict=True)]

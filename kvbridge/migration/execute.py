@@ -193,8 +193,8 @@ SPAN_ROWS = 1 << 12
 
 def _page_records(layout, page: torch.Tensor, n: int) -> torch.Tensor:
     """The ``n`` records ``[n, record_bytes]`` of one page of ``n`` rows (a copy): each record part's
-    rows are one run of the page, copied natively in spans of ``SPAN_ROWS`` rows."""
-    if not page.is_contiguous():
+    rows are one run of the page, copied natively in spans of ``SPAN_ROWS`` rows (torch's copies elsewhere)."""
+    if not page.is_contiguous() or page.device.type != "cpu":
         return layout.pages_to_records(page, n)
     records = torch.empty(n, layout.record_bytes, dtype=torch.uint8, device=page.device)
     for _, lo, hi in layout.geometry.page_views(page, n):

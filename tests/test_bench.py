@@ -50,3 +50,17 @@ def test_reference_defaults_to_the_same_size_and_the_table_says_so():
 def test_bad_thread_list_is_a_usage_error():
     run = CliRunner().invoke(cli, ["bench", "--threads", "0,x"])
     assert run.exit_code == 2 and "thread counts" in run.output
+
+
+def test_migrate_bench_local_reports_every_stage_beside_both_copies():
+    from kvbridge.migration.bench import bench_local
+
+    res = bench_local(tokens=512, repeat=1)
+    assert res["request"]["payload_bytes"] > 0 and res["request"]["loss_report"] is False
+    for key in ("np_copyto", "torch_copy_", "gather", "checksum", "verify", "convert", "publish", "migrate_local"):
+        assert res[key]["seconds"] > 0 and res[key]["x_np_copyto"] > 0 and res[key]["x_torch_copy_"] > 0, key
+    run = CliRunner().invoke(cli, ["migrate", "bench", "--local", "--tokens", "300", "--repeat", "1", "--json"])
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.output)["request"]["tokens"] == 300
+    refused = CliRunner().invoke(cli, ["migrate", "bench", "--loss-report", "--no-gloo"])
+    assert refused.exit_code == 2 and "--local only" in refused.output

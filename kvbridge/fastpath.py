@@ -147,15 +147,3 @@ def gather_transcode(
     return backend(pool, layout, scratch_layout).gather_transcode(
         pool, layout, page_size, indices, scale, dialect, byte_move, out_page_size, scratch_layout
     )
-
-
-def empty_rows(rows: int, row_bytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Uninitialised uint8 ``[rows, row_bytes]`` for a backend to fill completely; large CPU outputs
-    on transparent huge pages (first-touch faults of fresh 4 KiB pages cost more than the copy that
-    fills them: 16 MiB took 80-110 ms fresh against 1.3 ms touched, 2-40 ms on huge pages)."""
-    device = torch.device(device)
-    if device.type == "cpu" and not _forced_reference():
-        from kvbridge import native
-
-        return native._empty_output(rows, row_bytes)
-    return torch.empty(rows, row_bytes, dtype=torch.uint8, device=device)

@@ -196,7 +196,7 @@ def _page_records(layout, page: torch.Tensor, n: int) -> torch.Tensor:
     rows are one run of the page, copied natively in spans of ``SPAN_ROWS`` rows (torch's copies elsewhere)."""
     if not page.is_contiguous() or page.device.type != "cpu":
         return layout.pages_to_records(page, n)
-    records = fastpath.empty_rows(n, layout.record_bytes)
+    records = torch.empty(n, layout.record_bytes, dtype=torch.uint8, device=page.device)
     for _, lo, hi in layout.geometry.page_views(page, n):
         spans = np.array([(n * lo + first * (hi - lo), first, min(SPAN_ROWS, n - first))
                           for first in range(0, n, SPAN_ROWS)], np.int64).reshape(-1, 3)

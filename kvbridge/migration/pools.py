@@ -135,7 +135,7 @@ def gather_records(pool: Pool, storage: Storage, table: Table, first: int, count
     Entries in one page are consecutive rows, so each run is one span copy per record part.
     ``table``: the storage's page ids (``table_of``: a pair when its two pools have two tables).
     """
-    out = fastpath.empty_rows(count, storage.record_bytes, pool_tensors(pool)[0].device)
+    out = torch.empty(count, storage.record_bytes, dtype=torch.uint8, device=pool_tensors(pool)[0].device)
     if _move(pool, storage, table, first, out, to_pool=False):
         return out
     views = _page_views(pool, storage)

@@ -333,11 +333,20 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
 @click.option("--gloo/--no-gloo", default=True, show_default=True, help="Time the gloo path too.")
 @click.option("--request/--no-request", default=True, show_default=True,
               help="Time a whole kvbridge request over NIXL too (no conversion: --to -> --to).")
+@click.option("--local", is_flag=True,
+              help="Time the request migrated in this process instead, stage by stage (no NIXL needed).")
+@click.option("--loss-report", is_flag=True, help="With --local: measure the conversion loss too.")
 @json_option
-def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo: bool, request: bool,
-                  as_json: bool) -> None:
+def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo: bool, request: bool, local: bool,
+                  loss_report: bool, as_json: bool) -> None:
     """NIXL pages/s and GB/s for one request's destination bytes, next to a memory copy of the same
-    bytes, CRC-32 over them, and the gloo path, in one run (GB = 1e9 B)."""
+    bytes (np.copyto and torch copy_), the XXH3-64 checksum over them (and zlib's CRC-32 for comparison),
+    and the gloo path, in one run (GB = 1e9 B). With --local: an in-process migration's stages."""
+    if local:
+        _bench_local(tokens, model, src, dst, repeat, loss_report, as_json)
+        return
+    if loss_report:
+        raise click.UsageError("--loss-report applies to --local only")
     _require_nixl()
     from kvbridge.migration.bench import bench_transports
 
@@ -356,12 +365,13 @@ def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo
                   f"{req['page_chunks']:,} destination page chunks, {req['layers']} layers; "
                   f"{res['machine']['cpu']}, {res['date']}; medians of {res['repeat']}", highlight=False)
     table = Table(box=None, header_style="bold")
-    for col in ("path", "seconds", "GB/s", "pages/s", "x np.copyto"):
+    for col in ("path", "seconds", "GB/s", "pages/s", "x np.copyto", "x copy_"):
         table.add_column(col, justify="right" if col != "path" else "left")
-    base = res["memcpy"]["np_copyto"]["seconds"]
+    base, base_torch = res["memcpy"]["np_copyto"]["seconds"], res["memcpy"]["torch_copy_"]["seconds"]
     rows = [("np.copyto (contiguous)", res["memcpy"]["np_copyto"]),
             ("torch copy_ (contiguous)", res["memcpy"]["torch_copy_"]),
-            ("zlib.crc32 per page chunk", res["crc32"]),
+            (f"{res['checksum']['name']} per page chunk", res["checksum"]),
+            ("zlib.crc32 per page chunk (protocol 1)", res["crc32"]),
             (f"NIXL, one WRITE ({res['nixl']['one_write']['descriptors']:,} descriptors)", res["nixl"]["one_write"]),
             (f"NIXL, one WRITE per layer ({res['nixl']['per_layer']['writes']})", res["nixl"]["per_layer"])]
     if "gloo" in res:
@@ -371,10 +381,42 @@ def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo
     for name, row in rows:
         pages = row.get("pages_per_s")
         table.add_row(name, f"{row['seconds']:.4f}", f"{row['GB_per_s']:.2f}",
-                      "-" if pages is None else f"{pages:,.0f}", f"{row['seconds'] / base:.2f}")
+                      "-" if pages is None else f"{pages:,.0f}", f"{row['seconds'] / base:.2f}",
+                      f"{row['seconds'] / base_torch:.2f}")
     console.print(table)
     if not res["nixl"]["bytes_exact"]:
         raise Failure("NIXL moved bytes that differ from the staged ones")
+
+
+def _bench_local(tokens: int, model: str, src: str, dst: str, repeat: int, loss_report: bool, as_json: bool) -> None:
+    from kvbridge.migration.bench import bench_local
+
+    with err_console.status("benchmarking") as status:
+        res = bench_local(tokens=tokens, model=model, src=src, dst=dst, repeat=repeat, loss_report=loss_report,
+                          progress=lambda what: status.update(f"benchmarking: {what}"))
+    if as_json:
+        click.echo(json.dumps(res, indent=2))
+        return
+    from rich.table import Table
+
+    from .common import console
+
+    req = res["request"]
+    console.print(f"{req['model']}, {req['tokens']:,} tokens, {req['src']} -> {req['dst']} in process, loss report "
+                  f"{'on' if req['loss_report'] else 'off'}: payload {req['payload_bytes']:,} B, "
+                  f"{req['transfers']} transfers; {res['machine']['cpu']}, {res['machine']['threads']} threads, "
+                  f"{res['date']}; medians of {res['repeat']}", highlight=False)
+    table = Table(box=None, header_style="bold")
+    for col in ("stage", "seconds", "x np.copyto", "x copy_"):
+        table.add_column(col, justify="right" if col != "stage" else "left")
+    names = {"np_copyto": "np.copyto of the payload", "torch_copy_": "torch copy_ of the payload",
+             "gather": "gather (source pools -> records)", "checksum": "checksum (sender, XXH3-64)",
+             "verify": "verify (receiver)", "convert": "convert", "publish": "publish (claim + scatter)",
+             "migrate_local": "whole migrate_local"}
+    for key, name in names.items():
+        row = res[key]
+        table.add_row(name, f"{row['seconds']:.4f}", f"{row['x_np_copyto']:.1f}", f"{row['x_torch_copy_']:.1f}")
+    console.print(table)
 
 
 COMMANDS = (serve_command, send_command, bench_command)

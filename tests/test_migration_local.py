@@ -121,7 +121,7 @@ def test_corrupted_chunk_is_refused_and_nothing_is_claimed():
     payload.records[k][40, 3] ^= 0x01
     dst = destination_pools(plan)
     before = dst.num_free()
-    with pytest.raises(ChecksumError, match=r"layer 2 indexer_compress, source page chunk 1 \(crc32"):
+    with pytest.raises(ChecksumError, match=r"layer 2 indexer_compress, source page chunk 1 \(xxh3-64"):
         verify(plan, payload)
     assert dst.num_free() == before and not any(bool(p.any()) for p in _flat(dst).values())
 

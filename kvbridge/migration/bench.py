@@ -5,7 +5,8 @@ bytes that travel when the sender converts are the destination records, written 
 into the receiver's pools. In one run, median of ``repeat``:
 
 - ``memcpy``: ``np.copyto`` and ``torch.Tensor.copy_`` of the same number of bytes, contiguous;
-- ``crc32``: ``zlib.crc32`` over every destination page chunk (what each side pays to verify);
+- ``checksum``: XXH3-64 over every destination page chunk (what each side pays to verify), and
+  ``crc32``: ``zlib.crc32`` over the same chunks (the checksum of protocol version 1, for comparison);
 - ``nixl``: the same bytes, from a registered staging buffer into the receiver's registered
   pools, as the request's page-run descriptors (merged where adjacent), between two NIXL agent
   processes over UCX: once as one WRITE, once as one WRITE per layer (as the stream sends);
@@ -13,6 +14,8 @@ into the receiver's pools. In one run, median of ``repeat``:
   messages of ``DEFAULT_CHUNK_BYTES`` (as ``kvbridge.migration.transport`` sends);
 - ``request``: a whole kvbridge request over NIXL with no conversion (``dst`` -> ``dst``): pack,
   checksum, stage, write, verify, publish, end to end.
+
+``bench_local`` times a request migrated in one process instead, stage by stage (no NIXL needed).
 """
 
 from __future__ import annotations
@@ -29,10 +32,22 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import xxhash
 
-from kvbridge.migration.execute import destination_pools, source_request
+from kvbridge.migration.execute import (
+    CHECKSUM,
+    Payload,
+    _chunk_rows,
+    convert_payload,
+    destination_pools,
+    migrate_local,
+    publish,
+    source_request,
+    verify,
+    xxh3_chunks,
+)
 from kvbridge.migration.plan import plan_migration
-from kvbridge.migration.pools import pool_tensors
+from kvbridge.migration.pools import gather_records, pool_tensors, table_of
 from kvbridge.migration.stream import layer_groups
 
 
@@ -128,15 +143,17 @@ def bench_transports(*, tokens: int = 131072, model: str = "deepseek-v4-flash", 
     }
     say("memory copy")
     result["memcpy"] = _bench_copy(staging, pages, repeat)
-    say("crc32")
     offsets = np.cumsum([0] + [c.nbytes for c in chunks]).tolist()
+    for key, fn in (("checksum", xxhash.xxh3_64_intdigest), ("crc32", zlib.crc32)):
+        say(key)
 
-    def crc_all() -> None:
-        for a, b in zip(offsets, offsets[1:], strict=False):
-            zlib.crc32(staged[a:b])
+        def every_chunk(fn=fn) -> None:
+            for a, b in zip(offsets, offsets[1:], strict=False):
+                fn(staged[a:b])
 
-    result["crc32"] = _rate(nbytes, _median(lambda: _timed(crc_all), repeat), pages)
-    result["crc32"]["ratio_to_np_copyto"] = result["crc32"]["seconds"] / result["memcpy"]["np_copyto"]["seconds"]
+        result[key] = _rate(nbytes, _median(lambda: _timed(every_chunk), repeat), pages)
+        result[key]["ratio_to_np_copyto"] = result[key]["seconds"] / result["memcpy"]["np_copyto"]["seconds"]
+    result["checksum"]["name"] = CHECKSUM
     say("nixl")
     result["nixl"] = _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat)
     base = result["memcpy"]["np_copyto"]["seconds"]
@@ -230,7 +247,7 @@ def _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat: int) 
         one = _median(lambda: run([(local, remote)]), repeat)
         layered = _median(lambda: run(per_layer), repeat)
         staged = staging.numpy()
-        exact = all(nx._crc(memory, c) == zlib.crc32(staged[a:b])
+        exact = all(nx._xxh3(memory, c) == xxhash.xxh3_64_intdigest(staged[a:b])
                     for c, a, b in zip(chunks, offsets, offsets[1:], strict=False))
         nbytes = int(offsets[-1])
         return {"one_write": {**_rate(nbytes, one, len(chunks)), "descriptors": int(local.shape[0])},
@@ -283,3 +300,79 @@ def _bench_request(nx, engine: str, model: str, tokens: int) -> dict:
     nbytes = summary["payload_bytes"]
     return {**_rate(nbytes, seconds), "bytes": nbytes, "plan": f"{plan.src.spec} -> {plan.dst.spec}",
             "receiver_wire_s": summary["wire_s"], "receiver_publish_s": summary["publish_s"]}
+
+
+def bench_local(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: str = "trtllm:fp8:tpb=128",
+                dst: str = "vllm", repeat: int = 3, loss_report: bool = False,
+                progress: Callable[[str], None] | None = None) -> dict:
+    """One request migrated in process (``migrate_local``, the receiver converting), stage by stage,
+    next to ``np.copyto`` and ``torch.Tensor.copy_`` of its payload's bytes (the source records),
+    in one run. Each round times every stage, then a whole ``migrate_local`` into fresh destination
+    pools, between two copies whose mean is the round's baseline; a stage's ``x_np_copyto`` is the
+    median over rounds of its time over that baseline. Stages: ``gather`` (source records out of the pools),
+    ``checksum`` (the sender's XXH3-64 per source page chunk), ``verify`` (the receiver's),
+    ``convert`` (every conversion, with the loss report when ``loss_report``), ``publish``
+    (claiming pages and scattering the records)."""
+    say = progress or (lambda _: None)
+    plan = plan_migration(src, dst, model, tokens)
+    say("filling the source pools")
+    pools, tables = source_request(plan, seed=2)
+    nbytes = sum(t.src_bytes for t in plan.transfers)
+    a = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    rounds: list[dict[str, float]] = []
+    for r in range(repeat + 1):  # round 0 warms up (JIT cache loads, first-touch of the pools)
+        say(f"round {r + 1}/{repeat + 1}")
+        times = {"np_copyto": _timed(lambda: np.copyto(b, a)), "torch_copy_": _timed(lambda: tb.copy_(ta))}
+        for key, seconds in _stages(plan, pools, tables, loss_report):
+            times[key] = seconds
+        times["np_copyto"] = (times["np_copyto"] + _timed(lambda: np.copyto(b, a))) / 2
+        times["torch_copy_"] = (times["torch_copy_"] + _timed(lambda: tb.copy_(ta))) / 2
+        if r:
+            rounds.append(times)
+    stages = ("gather", "checksum", "verify", "convert", "publish", "migrate_local")
+    out: dict = {
+        "request": {"model": plan.model.name, "tokens": tokens, "src": plan.src.spec, "dst": plan.dst.spec,
+                    "payload_bytes": nbytes, "transfers": len(plan.transfers), "loss_report": loss_report},
+        "machine": {"cpu": _cpu(), "threads": torch.get_num_threads(), "python": platform.python_version(),
+                    "torch": torch.__version__},
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "repeat": repeat,
+    }
+    for key in ("np_copyto", "torch_copy_", *stages):
+        out[key] = {"seconds": statistics.median(t[key] for t in rounds),
+                    "x_np_copyto": statistics.median(t[key] / t["np_copyto"] for t in rounds),
+                    "x_torch_copy_": statistics.median(t[key] / t["torch_copy_"] for t in rounds)}
+    out["stages_s"] = sum(out[k]["seconds"] for k in stages[:-1])
+    return out
+
+
+def _stages(plan, pools, tables, loss_report: bool):
+    """(stage, seconds) of one in-process migration taken apart, then of a whole ``migrate_local``."""
+    target = destination_pools(plan, seed=1)
+    t0 = time.perf_counter()
+    records = [gather_records(pools.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count)
+               for t in plan.transfers]
+    t1 = time.perf_counter()
+    yield "gather", t1 - t0
+    chunks = [_chunk_rows(t, t.src) for t in plan.transfers]
+    sums = [xxh3_chunks(rec, rows) for rec, rows in zip(records, chunks, strict=True)]
+    t2 = time.perf_counter()
+    yield "checksum", t2 - t1
+    payload = Payload(plan.fingerprint(), False, records, chunks, sums)
+    t2 = time.perf_counter()
+    verify(plan, payload)
+    t3 = time.perf_counter()
+    yield "verify", t3 - t2
+    converted = convert_payload(plan, payload, loss_report=loss_report)
+    t4 = time.perf_counter()
+    yield "convert", t4 - t3
+    publish(plan, converted, target)
+    yield "publish", time.perf_counter() - t4
+    del payload, converted, records, target
+    target = destination_pools(plan, seed=1)
+    t0 = time.perf_counter()
+    migrate_local(plan, pools, tables, target, loss_report=loss_report)
+    yield "migrate_local", time.perf_counter() - t0

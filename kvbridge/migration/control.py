@@ -19,7 +19,10 @@ import time
 from kvbridge.migration.execute import MigrationError, TransferError
 
 MAGIC = b"KVBRIDGE-MIGRATE"
-PROTOCOL_VERSION = 1
+#: 2: page-chunk checksums are XXH3-64 (1: CRC-32).
+PROTOCOL_VERSION = 2
+#: What each earlier protocol version was, for the line that refuses it.
+OLD_VERSIONS = {1: "CRC-32 page-chunk checksums"}
 #: JSON bodies larger than this are refused (a 128K request's largest message is about 1 MB).
 MAX_JSON_BYTES = 64 << 20
 MAX_BLOB_BYTES = 64 << 20
@@ -62,6 +65,10 @@ class Channel:
         if bytes(got[: len(MAGIC)]) != MAGIC or len(got) < want:
             raise MigrationError(f"refused {self.peer}: not a kvbridge migration peer (it sent {bytes(got)!r})")
         (version,) = struct.unpack(">H", bytes(got[len(MAGIC) :]))
+        if version in OLD_VERSIONS:
+            raise MigrationError(f"refused {self.peer}: it speaks kvbridge migration protocol {version} "
+                                 f"({OLD_VERSIONS[version]}), this side {PROTOCOL_VERSION} (XXH3-64 checksums): "
+                                 "install the same kvbridge version on both sides")
         if version != PROTOCOL_VERSION:
             raise MigrationError(f"refused {self.peer}: kvbridge migration protocol {version}, this side speaks "
                                  f"{PROTOCOL_VERSION}")

@@ -16,7 +16,7 @@ and the verdict:
    are adjacent). When the receiver converts, the sender writes the source records into the
    receiver's staging buffer, one descriptor per group;
 3. per group, the sender posts one NIXL WRITE (with a notification), and once it completed
-   sends the group's CRC-32 list (one per page chunk). The receiver waits for both, verifies
+   sends the group's XXH3-64 checksums (one per page chunk). The receiver waits for both, verifies
    every chunk on the bytes that landed, and converts the group while the next one flies;
 4. after the last group the receiver publishes (returns the block tables; or claims pages and
    scatters the converted records; or writes the dump atomically) and sends the ``result``.
@@ -42,7 +42,6 @@ import os
 import sys
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.multiprocessing as tmp
+import xxhash
 
 from kvbridge import __version__
 from kvbridge.api import LossReport
@@ -59,6 +59,7 @@ from kvbridge.engines import Storage
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.control import Channel, Listener
 from kvbridge.migration.execute import (
+    CHECKSUM,
     ChecksumError,
     ConvertSide,
     MigrationError,
@@ -393,11 +394,15 @@ def _descriptors(pieces: Sequence[Piece], local_base: int, remote: dict[str, int
     return np.array(loc, dtype=np.uint64).reshape(-1, 3), np.array(rem, dtype=np.uint64).reshape(-1, 3)
 
 
-def _crc(memory: dict[str, np.ndarray], chunk: _Chunk) -> int:
-    crc = 0
+def _xxh3(memory: dict[str, np.ndarray], chunk: _Chunk) -> int:
+    """XXH3-64 of a chunk's segments, in order (as of their bytes back to back)."""
+    if len(chunk.segments) == 1:
+        key, off, n = chunk.segments[0]
+        return xxhash.xxh3_64_intdigest(memory[key][off : off + n])
+    h = xxhash.xxh3_64()
     for key, off, n in chunk.segments:
-        crc = zlib.crc32(memory[key][off : off + n], crc)
-    return crc
+        h.update(memory[key][off : off + n])
+    return h.intdigest()
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -673,14 +678,14 @@ class _Session:
                     self.chan.readable(min(0.05, remaining))
             yield g, head
 
-    def _check(self, chunks: Sequence[_Chunk], crcs: Sequence[int], what: Callable[[int], str]) -> None:
-        if len(crcs) != len(chunks):
-            raise MigrationError(f"{self.chan.peer} sent {len(crcs)} checksums for {len(chunks)} chunks")
-        for i, (c, want) in enumerate(zip(chunks, crcs, strict=True)):
-            have = _crc(self.rx.memory, c)
+    def _check(self, chunks: Sequence[_Chunk], sums: Sequence[int], what: Callable[[int], str]) -> None:
+        if len(sums) != len(chunks):
+            raise MigrationError(f"{self.chan.peer} sent {len(sums)} checksums for {len(chunks)} chunks")
+        for i, (c, want) in enumerate(zip(chunks, sums, strict=True)):
+            have = _xxh3(self.rx.memory, c)
             if have != want:
-                raise ChecksumError(f"checksum mismatch in {what(i)} (crc32 {have:#010x}, sender sent {want:#010x}); "
-                                    "nothing was published")
+                raise ChecksumError(f"checksum mismatch in {what(i)} ({CHECKSUM} {have:#018x}, sender sent "
+                                    f"{want:#018x}); nothing was published")
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -730,7 +735,7 @@ class _Session:
                 return f"layer {t.spec.layer} {t.spec.role.value}, {side} {k}"
 
             t1 = time.perf_counter()
-            self._check(chunks, head["crc32"], where)
+            self._check(chunks, head["xxh3_64"], where)
             assembly.verify_s += time.perf_counter() - t1
             if converted:
                 assembly.converted_on = "sender"
@@ -805,7 +810,7 @@ class _Session:
         for g, head in self._groups(hello):
             chunks = [c for i in groups[g] for c in layouts[i]]
             names = [(wire[i]["name"], k) for i in groups[g] for k in range(len(layouts[i]))]
-            self._check(chunks, head["crc32"], lambda j, names=names: f"entry {names[j][0]}, chunk {names[j][1]}")
+            self._check(chunks, head["xxh3_64"], lambda j, names=names: f"entry {names[j][0]}, chunk {names[j][1]}")
             if self.on_group is not None:
                 self.on_group(g + 1, len(groups))
         self.chan.expect("done", self.deadline, "the sender's end of dump")
@@ -928,14 +933,14 @@ class NixlSender:
         conn = _Connection(self, hello, int(bases[-1]), progress)
         try:
             for g, idx in enumerate(groups):
-                crcs, pieces = [], []
+                sums, pieces = [], []
                 for i in idx:
                     conn.staged[bases[i] : bases[i + 1]] = _np(wire_entries[i].data.contiguous())
                     layout = _staging_chunks(_entry_chunk_rows(wire[i]), sizes[i] // max(1, wire[i]["shape"][0]),
                                              bases[i])
                     pieces.extend(_pieces_of(layout, bases[i]))
-                    crcs.extend(_crc({"staging": conn.staged}, c) for c in layout)
-                conn.post(g, pieces, {"crc32": crcs})
+                    sums.extend(_xxh3({"staging": conn.staged}, c) for c in layout)
+                conn.post(g, pieces, {"xxh3_64": sums})
             return conn.finish()
         except BaseException:
             conn.abort()
@@ -1081,8 +1086,8 @@ class RequestStream:
         payload = pack_group(self.plan, self.src, self.tables, idx, convert=self.convert, loss_report=self.loss_report)
         staged = self.conn.staged
         pieces: list[Piece] = []
-        crcs: list[int] = []
-        for i, rec, rows, sums in zip(idx, payload.records, payload.chunks, payload.checksums, strict=True):
+        sums: list[int] = []
+        for i, rec, rows, chunk_sums in zip(idx, payload.records, payload.chunks, payload.checksums, strict=True):
             t, off = self.plan.transfers[i], int(self.bases[i])
             if self.convert:  # destination records, by page index into the receiver's pools
                 dst_tables = self.conn.tables
@@ -1092,12 +1097,12 @@ class RequestStream:
                     base = off + parts[0][0] * t.dst.record_bytes
                     pieces.extend((base + n * lo, key, roff, size)
                                   for (key, roff, size), (_, n, lo, _) in zip(chunk.segments, parts, strict=True))
-                    crcs.append(zlib.crc32(staged[base : base + chunk.nbytes]))
-            else:  # source records, into the receiver's staging buffer (the sender's CRC-32 per source page)
+                    sums.append(xxhash.xxh3_64_intdigest(staged[base : base + chunk.nbytes]))
+            else:  # source records, into the receiver's staging buffer (the sender's checksum per source page)
                 staged[off : off + rec.numel()] = rec.reshape(-1).numpy()
                 pieces.extend(_pieces_of(_staging_chunks(rows, t.src.record_bytes, off), off))
-                crcs.extend(sums)
-        header = {"crc32": crcs, "loss": [r.to_dict() for r in payload.loss],
+                sums.extend(chunk_sums)
+        header = {"xxh3_64": sums, "loss": [r.to_dict() for r in payload.loss],
                   "indexer_max_abs_error": payload.indexer_max_abs_error}
         self.conn.post(g, pieces, header)
         self.next_group += 1

@@ -92,7 +92,7 @@ def pack_group(plan: MigrationPlan, src: EnginePools, tables: RequestTables, ind
 class RequestAssembly:
     """Receiver side: verified, converted groups of one request, held until ``publish``.
 
-    ``add`` verifies a group's page-chunk CRC-32 values (``ChecksumError`` names the chunk) and
+    ``add`` verifies a group's page-chunk XXH3-64 checksums (``ChecksumError`` names the chunk) and
     converts it when the sender did not; ``publish`` claims the destination pages and writes
     every record, only once all groups are in.
     """

@@ -7,12 +7,12 @@ The sender (prefill side) sends, point to point to the receiver's rank:
    groups (transfer indices of each, see ``kvbridge.migration.stream``);
 3. per group, in order: a group meta message, int64 ``[group_header_bytes, group_data_bytes]``,
    the group header (JSON: per transfer its row count, record size, page-chunk row counts and
-   CRC-32 values, and the sender's loss reports when it converted), then the group's records
+   XXH3-64 checksums, and the sender's loss reports when it converted), then the group's records
    back to back in messages of at most ``chunk_bytes``.
 
 The sender packs (and, with ``convert_on="sender"``, converts) one group at a time, so a
 prefill engine can send its first layers while it computes the last (``GlooSender``). The
-receiver verifies each group's CRC-32 values and converts it as soon as it lands, and claims
+receiver verifies each group's checksums and converts it as soon as it lands, and claims
 and fills destination pages only after the last group verified. A dead sender, a broken
 link or a timeout raises ``TransferError``; a corrupted chunk raises ``ChecksumError``; in
 both cases no destination page is claimed. Few large messages: a 128K-token Flash request
@@ -52,7 +52,9 @@ from kvbridge.migration.stream import (
     wire_fingerprint,
 )
 
-MAGIC = 0x4B5642_4D494732  # "KVB" "MIG2": the layer-group protocol
+MAGIC = 0x4B5642_4D494733  # "KVB" "MIG3": the layer-group protocol, XXH3-64 checksums
+#: Magics of earlier versions of this protocol, refused with a line naming what changed.
+OLD_MAGICS = {0x4B5642_4D494732: "MIG2 (CRC-32 page-chunk checksums)"}
 DEFAULT_CHUNK_BYTES = 256 << 20
 
 #: Called after each data message with (bytes sent so far, total bytes).
@@ -186,7 +188,7 @@ class GlooSender:
 
 def _send_group(link: _Link, payload: Payload, chunk_bytes: int, label: str, advance: Callable[[int], None]) -> None:
     header = {
-        "items": [{"rows": int(r.shape[0]), "record_bytes": int(r.shape[1]), "chunks": c, "crc32": s}
+        "items": [{"rows": int(r.shape[0]), "record_bytes": int(r.shape[1]), "chunks": c, "xxh3_64": s}
                   for r, c, s in zip(payload.records, payload.chunks, payload.checksums, strict=True)],
         "loss": [r.to_dict() for r in payload.loss],
         "indexer_max_abs_error": payload.indexer_max_abs_error,
@@ -237,6 +239,9 @@ class _Receiver:
         link.recv(meta, "the meta message")
         magic, head_len, self.total, groups, self.chunk = (int(v) for v in meta.cpu())
         src = link.peer
+        if magic in OLD_MAGICS:
+            raise MigrationError(f"rank {src} speaks an older kvbridge migration protocol, {OLD_MAGICS[magic]}; "
+                                 "this side MIG3 (XXH3-64 checksums): install the same kvbridge version on both sides")
         if magic != MAGIC:
             raise MigrationError(f"rank {src} is not a kvbridge migration sender of this version (magic {magic:#x})")
         if not 0 < head_len <= _MAX_HEADER_BYTES or self.chunk < 1 or groups < 1:
@@ -290,7 +295,7 @@ class _Receiver:
             offset += n
         loss = [LossReport(**r) for r in header["loss"]]
         return Payload(self.plan.fingerprint(), self.converted, records, [i["chunks"] for i in items],
-                       [i["crc32"] for i in items], loss, header["indexer_max_abs_error"],
+                       [i["xxh3_64"] for i in items], loss, header["indexer_max_abs_error"],
                        header.get("state_max_abs_error"))
 
 

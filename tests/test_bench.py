@@ -1,0 +1,66 @@
+"""`kvbridge bench` reports what it measured: both copy baselines, thread counts, output modes, the
+reference's size and the machine (fields and consistency only; no timed assertions)."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from cli.main import cli
+from kvbridge import bench
+
+
+def test_json_has_both_copies_threads_outputs_and_the_reference_size():
+    run = CliRunner().invoke(cli, ["bench", "--tokens", "96", "--repeat", "2", "--threads", "2,1",
+                                   "--reference-tokens", "40", "--json"])
+    assert run.exit_code == 0, run.output
+    report = json.loads(run.output)
+    machine = report["machine"]
+    assert machine["cpu"] and machine["cpu_cores"] >= 1 and isinstance(machine["cpu_vector"], list)
+    assert report["tokens"] == 96 and report["reference_tokens"] == 40 and report["repeat"] == 2
+    rows = report["results"]
+    assert {(r["threads"], r["output"]) for r in rows} == {(1, "fresh"), (2, "fresh"), (1, "out="), (2, "out=")}
+    for r in rows:
+        assert r["exact"] and r["device"] == "cpu"
+        assert r["kvbridge"]["tokens"] == 96 and r["reference"]["tokens"] == 40 and r["reference_capped"] is True
+        for copy in ("copy", "np_copy"):  # same bytes as kvbridge moves, same token count
+            assert r[copy]["bytes_moved"] == r["kvbridge"]["bytes_moved"] and r[copy]["tokens"] == 96
+            assert r[copy]["gb_per_s"] > 0
+        assert r["vs_np_copyto"] > 0 and r["vs_copy"] > 0
+        assert r["case"].endswith(" into out=") == (r["output"] == "out=")
+    cases = {r["case"] for r in rows}
+    out_cases = {c.removesuffix(" into out=") for c in cases if c.endswith(" into out=")}
+    assert bench.TARGET_CASE in cases and out_cases <= cases  # every out= case is also timed fresh
+    assert not any(c.startswith(("encode", "decode")) and c.endswith("out=") for c in cases)
+    assert report["cpu_target"]["threads"] == 2 and report["cpu_target"]["reference_tokens"] == 40
+
+
+def test_reference_defaults_to_the_same_size_and_the_table_says_so():
+    results = bench.run_bench(tokens=64, devices=["cpu"], repeat=1, threads=[1])
+    assert all(r.reference.tokens == 64 and not r.reference_capped for r in results)
+    table = CliRunner().invoke(cli, ["bench", "--tokens", "64", "--repeat", "1", "--threads", "1"])
+    assert table.exit_code == 0, table.output
+    assert "reference timed on the same 64 tokens" in table.output and "np.copyto" in table.output
+    capped = CliRunner().invoke(cli, ["bench", "--tokens", "64", "--repeat", "1", "--threads", "1",
+                                      "--reference-tokens", "32"])
+    assert "reference timed on 32 tokens, capped below 64" in capped.output
+
+
+def test_bad_thread_list_is_a_usage_error():
+    run = CliRunner().invoke(cli, ["bench", "--threads", "0,x"])
+    assert run.exit_code == 2 and "thread counts" in run.output
+
+
+def test_migrate_bench_local_reports_every_stage_beside_both_copies():
+    from kvbridge.migration.bench import bench_local
+
+    res = bench_local(tokens=512, repeat=1)
+    assert res["request"]["payload_bytes"] > 0 and res["request"]["loss_report"] is False
+    for key in ("np_copyto", "torch_copy_", "gather", "checksum", "verify", "convert", "publish", "migrate_local"):
+        assert res[key]["seconds"] > 0 and res[key]["x_np_copyto"] > 0 and res[key]["x_torch_copy_"] > 0, key
+    run = CliRunner().invoke(cli, ["migrate", "bench", "--local", "--tokens", "300", "--repeat", "1", "--json"])
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.output)["request"]["tokens"] == 300
+    refused = CliRunner().invoke(cli, ["migrate", "bench", "--loss-report", "--no-gloo"])
+    assert refused.exit_code == 2 and "--local only" in refused.output

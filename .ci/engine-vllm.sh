@@ -17,7 +17,7 @@ py="$venv/bin/python"
     openai_harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo prometheus_client \
     "xgrammar==0.2.8" fastapi partial_json_parser "llguidance>=1.7.0,<1.8.0" einops "transformers>=5.16.1,<5.21.0"
 "$py" -m pip install -q --no-deps -e .
-"$py" -m pip install -q safetensors "numba==0.65.0"
+"$py" -m pip install -q safetensors "numba==0.65.0" "xxhash>=3.0"
 # vLLM must import its connector and scheduler path, and torch must still be the CPU build
 "$py" -c "import torch, vllm.v1.core.sched.scheduler; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 echo "$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"

@@ -350,11 +350,9 @@ def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo
     _require_nixl()
     from kvbridge.migration.bench import bench_transports
 
-    with err_console.status("benchmarking") as status:
-        res = bench_transports(tokens=tokens, model=model, src=src, dst=dst, repeat=repeat, gloo=gloo,
-                               request=request, progress=lambda what: status.update(f"benchmarking: {what}"))
-    if as_json:
-        click.echo(json.dumps(res, indent=2))
+    res = _measure(bench_transports, as_json, tokens=tokens, model=model, src=src, dst=dst, repeat=repeat,
+                   gloo=gloo, request=request)
+    if res is None:
         return
     from rich.table import Table
 
@@ -388,14 +386,22 @@ def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo
         raise Failure("NIXL moved bytes that differ from the staged ones")
 
 
+def _measure(bench, as_json: bool, **kwargs) -> dict | None:
+    """Run a migration benchmark under a spinner; with --json print its result and return None."""
+    with err_console.status("benchmarking") as status:
+        res = bench(progress=lambda what: status.update(f"benchmarking: {what}"), **kwargs)
+    if as_json:
+        click.echo(json.dumps(res, indent=2))
+        return None
+    return res
+
+
 def _bench_local(tokens: int, model: str, src: str, dst: str, repeat: int, loss_report: bool, as_json: bool) -> None:
     from kvbridge.migration.bench import bench_local
 
-    with err_console.status("benchmarking") as status:
-        res = bench_local(tokens=tokens, model=model, src=src, dst=dst, repeat=repeat, loss_report=loss_report,
-                          progress=lambda what: status.update(f"benchmarking: {what}"))
-    if as_json:
-        click.echo(json.dumps(res, indent=2))
+    res = _measure(bench_local, as_json, tokens=tokens, model=model, src=src, dst=dst, repeat=repeat,
+                   loss_report=loss_report)
+    if res is None:
         return
     from rich.table import Table
 

@@ -23,12 +23,15 @@ import json
 import math
 import os
 import re
+import signal
 import stat
 import struct
+import threading
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -600,6 +603,25 @@ def _new_file_mode() -> int:
     return 0o666 & ~umask
 
 
+@contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) until the block ends, then deliver it: an interrupt arriving between the
+    creation of a temp file and the recording of its descriptor would otherwise leave the file behind.
+    Main thread only (signal handlers live there); elsewhere the block runs unchanged."""
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous is None:
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        signal.raise_signal(signal.SIGINT)  # now handled as the caller asked (KeyboardInterrupt by default)
+
+
 def partial_path(path: str | os.PathLike) -> Path:
     """The temp file a dump at ``path`` is written into: ``.{name}.kvbridge-partial`` beside it."""
     path = Path(path)
@@ -663,8 +685,9 @@ class DumpWriter:
         parent = self.path.parent
         if not parent.is_dir():
             raise InputError(f"output directory {parent} does not exist")
-        self._open_temp()
         try:
+            with _interrupts_held():
+                self._open_temp()
             self._reserve(reserve)
         except BaseException:
             self.abort()

@@ -67,3 +67,23 @@ def test_two_racing_converts_exactly_one_wins(dump: Path, tmp_path: Path):
     got = read_dump(out)["layer.0.swa"]
     want = kb.transcode(read_dump(dump)["layer.0.swa"].data, "trtllm-fp8", "model1", src_page_size=64)
     assert torch.equal(got.data, want)
+
+
+def test_an_interrupt_as_the_temp_file_is_created_leaves_nothing_behind(tmp_path: Path, monkeypatch):
+    """Ctrl-C landing just as ``os.open`` creates the temp file (before its descriptor is recorded,
+    the window a loaded machine hits) is delivered once the writer can remove the file again."""
+    import kvbridge.dump as dump_module
+
+    real_open = os.open
+
+    def open_then_interrupted(*args, **kwargs):
+        fd = real_open(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        return fd
+
+    monkeypatch.setattr(dump_module.os, "open", open_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dump_module.DumpWriter(tmp_path / "o.safetensors")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

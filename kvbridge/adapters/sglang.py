@@ -25,10 +25,10 @@ buffer, a row of 8 uint64): SGLang's digest is Adler-32 over the bytes of every 
 concatenated in transfer order (each KV buffer at the request's pages, then the state buffers), which
 its kernel computes per item and combines in order (``kv_checksum``); the row holds the digest and, in
 its second slot, a layout signature the decode compares with its own before comparing digests.
-SGLang 0.5.23 has no index for DeepSeek-V4's state components in its digest (it stops on an assertion
-on either side when the signatures match), so the peer writes its digest with signature 0, which that
-decode reads as "not comparable": it admits the request unverified, as from a prefill that sent no
-digest. ``wait`` reports the digest (``kv_checksum``).
+SGLang 0.5.23 has no index for DeepSeek-V4's state components in its digest: it stops on an assertion,
+on a prefill whenever it digests and on a decode whose signature matches the prefill's. So the peer
+writes its digest with signature 0, which that decode reads as "not comparable": it admits the request
+unverified, as from a prefill that sent no digest. ``wait`` reports the digest (``kv_checksum``).
 
 The buffer order is SGLang's ``DeepSeekV4TokenToKVPool``: KV = every ratio-4 compressed cache, every
 ratio-4 indexer cache, every ratio-128 compressed cache (layer order within each); state component

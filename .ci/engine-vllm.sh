@@ -18,6 +18,9 @@ py="$venv/bin/python"
     "xgrammar==0.2.8" fastapi partial_json_parser "llguidance>=1.7.0,<1.8.0" einops "transformers>=5.16.1,<5.21.0"
 "$py" -m pip install -q --no-deps -e .
 "$py" -m pip install -q safetensors "numba==0.65.0" "xxhash>=3.0"
-# vLLM must import its connector and scheduler path, and torch must still be the CPU build
-"$py" -c "import torch, vllm.v1.core.sched.scheduler; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+# the connector's NIXL transport (after the CPU torch, which nixl's CUDA sub-packages must not replace)
+"$py" -m pip install -q "nixl==1.5.1"
+# vLLM must import its connector and scheduler path, nixl its API, and torch must still be the CPU build
+"$py" -c "import torch, nixl._api, vllm.v1.core.sched.scheduler; assert torch.__version__.startswith('2.13.0'), \
+torch.__version__"
 echo "$(cd "$(dirname "$py")" && pwd)/$(basename "$py")"

@@ -76,6 +76,7 @@ def command(listen, register_with, src, dst, model, layers, tokens, room, first_
         print_json(result)
     else:
         click.echo(f"room {room}: {result['status']} to {result['peers']} decode rank(s), {result['bytes']:,} B in "
-                   f"{result['seconds']:.3f} s" + (f" ({result['reason']})" if result["reason"] else ""))
+                   f"{result['seconds']:.3f} s" + (f" ({result['reason']})" if result["reason"] else "")
+                   + (f", KV checksum {result['kv_checksum']:#010x}" if result.get("kv_checksum") is not None else ""))
     if result["status"] != "Success":
         raise Failure(result["reason"] or "the transfer failed")

@@ -7,7 +7,7 @@ import shlex
 
 import click
 
-from kvbridge.adapters.vllm_config import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, kv_transfer_config
+from kvbridge.adapters.vllm_config import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, TRANSPORTS, kv_transfer_config
 from kvbridge.engines import parse_engine
 
 
@@ -18,11 +18,16 @@ from kvbridge.engines import parse_engine
 @click.option("--model", metavar="MODEL", help="kvbridge model: preset or config.json (default: the served model's).")
 @click.option("--timeout", type=float, help="Seconds one transfer may take (default 120).")
 @click.option("--convert-on", type=click.Choice(CONVERT_SIDES), help="Producer: the side that converts.")
+@click.option("--transport", type=click.Choice(TRANSPORTS),
+              help="gloo (default) or nixl: kvbridge's transport to and from this vLLM (both sides must match).")
+@click.option("--landing-tokens", type=click.IntRange(min=1), metavar="N",
+              help="Consumer, nixl: the longest request its host-memory landing area holds (default max_model_len).")
 @click.option("--on-load-failure", type=click.Choice(LOAD_FAILURE_POLICIES),
               help="Consumer: vLLM fails (its default) or recomputes a request whose load failed.")
 @click.option("--serve", "serve_model", metavar="MODEL", help="Print a whole 'vllm serve MODEL ...' command instead.")
 def command(role: str, listen: str | None, engine: str | None, model: str | None, timeout: float | None,
-            convert_on: str | None, on_load_failure: str | None, serve_model: str | None) -> None:
+            convert_on: str | None, transport: str | None, landing_tokens: int | None, on_load_failure: str | None,
+            serve_model: str | None) -> None:
     """Print the --kv-transfer-config JSON (one line) for a kvbridge connector in ROLE.
 
     \b
@@ -30,7 +35,8 @@ def command(role: str, listen: str | None, engine: str | None, model: str | None
         --kv-transfer-config "$(kvbridge vllm-config consumer --listen 0.0.0.0:7300)"
     """
     config = kv_transfer_config(role, listen=listen, engine=engine, model=model, timeout=timeout,
-                                convert_on=convert_on, on_load_failure=on_load_failure)
+                                convert_on=convert_on, on_load_failure=on_load_failure, transport=transport,
+                                landing_tokens=landing_tokens)
     text = json.dumps(config, separators=(",", ":"))
     if serve_model is None:
         click.echo(text)

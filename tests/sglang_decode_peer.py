@@ -12,7 +12,11 @@ Input: one JSON object on stdin (see ``main``). Output: JSON lines on stdout; th
 ``{"result": ...}``: ``refused`` (SGLang's handshake raised, with its message), ``Success`` or
 ``Failed`` (the receiver's final poll, with the failure reason), ``timeout``. On ``Success`` every
 registered buffer is written to ``dump`` (``numpy.savez``: ``kv<i>``, ``state<c>_<i>``, ``aux<i>``,
-as uint8, in registration order). Ends with ``os._exit``: NIXL's libraries can crash at exit.
+as uint8, in registration order). With ``"kv_checksum": true`` the decode runs as with
+``--disaggregation-enable-kv-checksum`` (one more metadata buffer, the checksum row) and ``Success``
+also carries what SGLang's own code reads from that row (``MetadataBuffers.get_kv_checksum``) and this
+decode's layout signature (``kv_layout_signature``). Ends with ``os._exit``: NIXL's libraries can
+crash at exit.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def run(cfg: dict) -> None:
 
     sa = ServerArgs(model_path="dummy", disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
                     device="cpu", kv_cache_dtype=cfg["kv_cache_dtype"], page_size=cfg["page_size"],
-                    disaggregation_bootstrap_port=cfg.get("bootstrap_port", 8998))
+                    disaggregation_bootstrap_port=cfg.get("bootstrap_port", 8998),
+                    disaggregation_enable_kv_checksum=cfg.get("kv_checksum", False))
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
 
     from sglang.srt.disaggregation.base.conn import KVPoll, StateType
@@ -56,6 +61,7 @@ def run(cfg: dict) -> None:
         get_kv_transfer_buf_infos,
         get_pd_kv_layout,
         is_mla_backend,
+        kv_layout_signature,
         setup_state_kv_args,
     )
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
@@ -75,7 +81,7 @@ def run(cfg: dict) -> None:
         compression_ratios=ratios, start_layer=0, end_layer=len(ratios))
     # as SGLang's scheduler builds them without speculative decoding: a 16-value fp32 hidden-state row
     meta = MetadataBuffers(cfg["aux_rows"], hidden_size=16, hidden_states_dtype=torch.float32,
-                           max_sampling_mask_tokens=1)
+                           max_sampling_mask_tokens=1, kv_checksum_enabled=cfg.get("kv_checksum", False))
 
     kv_args = get_kv_class(TransferBackend.NIXL, KVClassType.KVARGS)()
     kv_args.engine_rank = 0
@@ -165,7 +171,11 @@ def run(cfg: dict) -> None:
     tmp = cfg["dump"] + ".part.npz"
     np.savez(tmp, **arrays)
     os.replace(tmp, cfg["dump"])
-    emit(result="Success", dump=cfg["dump"])
+    checksum = {}
+    if meta.kv_checksum is not None:  # what SGLang's decode reads from the row when the request commits
+        checksum = {"kv_checksum_row": list(meta.get_kv_checksum(cfg["aux_index"])),
+                    "layout_signature": kv_layout_signature(kv_args)}
+    emit(result="Success", dump=cfg["dump"], **checksum)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,24 @@ def test_pd_layout_is_sglang_buffer_order():
     assert set(lay.state_item_lens[0]) == {149760, 65536, 16384} and set(lay.state_item_lens[1]) == {524288}
 
 
+def test_kv_checksum_is_sglang_digest():
+    """kvbridge's KV digest equals SGLang 0.5.23's Adler-32 kernel on its golden cases (fixtures/README.md)."""
+    from safetensors import safe_open
+
+    from kvbridge.adapters.sglang import kv_checksum
+
+    path = Path(__file__).parents[1] / "fixtures" / "sglang_adler32_reference.safetensors"
+    with safe_open(str(path), "np") as f:
+        cases = json.loads(f.metadata()["cases"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert len(cases) == 6
+    for case in cases:
+        items = [tensors[it["buffer"]][it["offset"] + j * it["item_len"]:][: it["item_len"]]
+                 for it in case["items"] for j in tensors[it["indices"]].tolist()]
+        assert kv_checksum(items) == case["digest"], case["name"]
+    assert kv_checksum([]) == 1
+
+
 def test_wire_messages_and_refusals():
     from kvbridge.adapters.sglang import SGLangPrefillPeer, TransferInfo, _pack_lists, _unpack_lists, metadata_row
     from kvbridge.errors import InputError
@@ -66,6 +85,7 @@ def test_wire_messages_and_refusals():
                                                                                           False)
     row = metadata_row(2**40 + 5, 123)
     assert [len(b) for b in row] == [64, 64, 64, 64, 512, 512, 64, 128, 64, 64]
+    assert metadata_row(9, 1, kv_checksum=0x1234ABCD)[10] == (0x1234ABCD).to_bytes(8, "little") + bytes(56)
     assert row[0][:4] == (123).to_bytes(4, "little") and row[-1][:8] == (2**40 + 5).to_bytes(8, "little")
     sg = EnginePools.create("sglang", MODEL, {"full": 1, "swa": 1, "state128": 1}, include_mtp=False)
     with pytest.raises(InputError, match="exactly one of"):
@@ -164,19 +184,23 @@ def _serve(pools, tables, *, tmp_path, decode_cfg, bootstrap="sglang"):
     return layout, result, sent
 
 
-def test_sglang_decode_receives_exact_bytes(request_pools, tmp_path):
+@pytest.mark.parametrize("kv_checksum", [False, True], ids=["plain", "kv-checksum"])
+def test_sglang_decode_receives_exact_bytes(request_pools, tmp_path, kv_checksum):
+    """With ``kv_checksum`` the decode runs as with ``--disaggregation-enable-kv-checksum``: its checksum
+    row holds, as SGLang's own code reads it, the Adler-32 of exactly the bytes that landed, in SGLang's
+    order, and signature 0 ("not comparable": SGLang 0.5.23 cannot digest DeepSeek-V4 state)."""
     _need_sglang()
-    from kvbridge.adapters.sglang import metadata_item_lens, pd_layout
+    from kvbridge.adapters.sglang import CHECKSUM_ROW_BYTES, metadata_item_lens, pd_layout
 
     src, tables = request_pools
-    layout, result, sent = _serve(src, tables, tmp_path=tmp_path, decode_cfg={})
+    layout, result, sent = _serve(src, tables, tmp_path=tmp_path, decode_cfg={"kv_checksum": kv_checksum})
     lay = pd_layout(src)
     # SGLang's own buffer list is the one the adapter models
     assert layout["kv_layout"] == lay.kv_layout == "v4,c4:v4,c128:v4"
     assert layout["kv_item_lens"] == list(lay.kv_item_lens)
     assert layout["state_types"] == list(lay.state_types) == ["swa", "c128_state"]
     assert layout["state_item_lens"] == [list(x) for x in lay.state_item_lens]
-    assert layout["aux_item_lens"] == metadata_item_lens()
+    assert layout["aux_item_lens"] == metadata_item_lens() + [CHECKSUM_ROW_BYTES] * kv_checksum
     assert result["result"] == "Success", result
     assert sent["status"] == "Success" and sent["peers"] == 1
     dump = np.load(result["dump"])
@@ -187,11 +211,12 @@ def test_sglang_decode_receives_exact_bytes(request_pools, tmp_path):
     def ours(spec, pid: int) -> bytes:
         return src.pool(spec)[pid].numpy().tobytes()
 
-    kv_pages, checked = [7, 0, 11, 3, 5], 0
+    kv_pages, checked, landed = [7, 0, 11, 3, 5], 0, []
     for i, spec in enumerate(lay.kv):
         table = tables[src.storage(spec).table]
         for j, d in enumerate(kv_pages[: len(table)]):
             assert page(f"kv{i}", lay.kv_item_lens[i], d) == ours(spec, table[j]), (spec, j)
+            landed.append(page(f"kv{i}", lay.kv_item_lens[i], d))
             checked += 1
         for d in set(range(12)) - set(kv_pages):
             assert not dump[f"kv{i}"].reshape(-1, lay.kv_item_lens[i])[d].any(), "a page the decode did not allocate"
@@ -200,9 +225,11 @@ def test_sglang_decode_receives_exact_bytes(request_pools, tmp_path):
     for j, spec in enumerate(lay.swa_state):
         for k, d in enumerate([9, 2]):
             assert page(f"state0_{j}", lay.state_item_lens[0][j], d) == ours(spec, swa_table[first + k]), (spec, k)
+            landed.append(page(f"state0_{j}", lay.state_item_lens[0][j], d))
             checked += 1
     for j, spec in enumerate(lay.request_state):
         assert page(f"state1_{j}", lay.state_item_lens[1][j], 2) == ours(spec, tables[src.storage(spec).table][0])
+        landed.append(page(f"state1_{j}", lay.state_item_lens[1][j], 2))
         checked += 1
     roles = {s.role for s in (*lay.kv, *lay.swa_state, *lay.request_state)}
     assert roles == {Role.SWA, Role.COMPRESS, Role.INDEXER, Role.STATE, Role.INDEXER_STATE}
@@ -211,6 +238,13 @@ def test_sglang_decode_receives_exact_bytes(request_pools, tmp_path):
     assert int(dump["aux9"].view("<u8").reshape(-1, 8)[3, 0]) == 4242
     assert checked == 5 * 4 + 5 * 2 + 2 * 2 + 2 * 2 + 1  # KV pages, SWA pages, two state rings each, c128 ring
     assert sent["bytes"] > 0
+    if not kv_checksum:
+        assert sent["kv_checksum"] is None and "kv_checksum_row" not in result
+        return
+    digest = zlib.adler32(b"".join(landed))
+    assert result["kv_checksum_row"] == [digest, 0] and sent["kv_checksum"] == digest
+    assert result["layout_signature"] != 0  # so SGLang's decode compares nothing: 0 is never a layout's
+    assert int(dump["aux10"].view("<u8").reshape(-1, 8)[3, 0]) == digest
 
 
 @pytest.mark.parametrize("case", ["layout", "page_size"])

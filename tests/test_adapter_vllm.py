@@ -1,6 +1,7 @@
 """kvbridge's vLLM connector under vLLM 0.33.0's own config, KV-cache grouping, allocation, connector factory
 and scheduler (tests/vllm_engine_side.py, run in the vLLM venv named by KVBRIDGE_VLLM_PYTHON), against a
-kvbridge peer in this process over gloo, TensorRT-LLM-layout pools on the kvbridge side:
+kvbridge peer in this process over gloo and over NIXL (the connector's ``transport``), TensorRT-LLM-layout
+pools on the kvbridge side:
 
 - consumer: the request lands in every vLLM group's blocks exactly as vLLM's writers store the same
   latents, no other byte of vLLM's KV buffer is written, and vLLM then computes only the last
@@ -31,6 +32,7 @@ from kvbridge.migration import (
     source_request,
     table_of,
 )
+from kvbridge.migration.nixl import NixlReceiver, NixlSender, nixl_available
 from kvbridge.migration.transport import GlooServer, send_request_tcp
 from kvbridge.topology import from_hf_config
 from tests.migration_helpers import expected_records
@@ -47,7 +49,11 @@ TRTLLM = "trtllm:fp8:tpb=128:scale=0.5"
 VLLM = "vllm:block=256"
 
 
-def _vllm_python() -> str:
+def _vllm_python(transport: str = "gloo") -> str:
+    if transport == "nixl" and not nixl_available():
+        if os.environ.get("CI") == "true":
+            pytest.fail("nixl is not importable: CI must run the vLLM connector's NIXL tests")
+        pytest.skip("needs nixl (pip install 'kvbridge[nixl]')")
     if PYTHON:
         return PYTHON
     if os.environ.get("CI") == "true":
@@ -93,13 +99,16 @@ def _vllm_buffer(out: Path, plan, model):
     return result, raw, caches
 
 
-def _consumer(tmp_path: Path, num_tokens: int, send_src: str, *policy: str):
-    """Run the consumer engine side; send it a request from ``send_src`` pools; returns what the sender
-    got (its summary, or the receiver's error), the plan and the source pools and tables."""
-    python = _vllm_python()
+def _consumer(tmp_path: Path, num_tokens: int, send_src: str, *policy: str, transport: str = "gloo",
+              convert_on: str = "receiver"):
+    """Run the consumer engine side; send it a request from ``send_src`` pools over ``transport``, converted
+    on ``convert_on``; returns what the sender got (its summary, or the receiver's error), the plan and the
+    source pools and tables."""
+    python = _vllm_python(transport)
     model_dir = _model(tmp_path)
     out = tmp_path / "out"
-    proc = _engine(python, "consumer", str(model_dir), str(out), "req-7", str(num_tokens), TRTLLM, *policy)
+    proc = _engine(python, "consumer", transport, str(model_dir), str(out), "req-7", str(num_tokens), TRTLLM,
+                   *policy)
     try:
         line = proc.stdout.readline()
         while line and not line.startswith("LISTEN"):
@@ -110,8 +119,13 @@ def _consumer(tmp_path: Path, num_tokens: int, send_src: str, *policy: str):
         plan = plan_migration(send_src, VLLM, model, num_tokens, include_mtp=False)
         src_pools, src_tables = source_request(plan, spare_pages=2, seed=3)
         try:
-            summary = send_request_tcp(plan, src_pools, src_tables, host=host, port=int(port), request_id="req-7",
-                                       timeout=120)
+            if transport == "nixl":
+                with NixlSender(host, int(port), timeout=120) as sender:
+                    summary = sender.send_request(plan, src_pools, src_tables, request_id="req-7",
+                                                  convert_on=convert_on)
+            else:
+                summary = send_request_tcp(plan, src_pools, src_tables, host=host, port=int(port),
+                                           request_id="req-7", timeout=120, convert_on=convert_on)
         except MigrationError as exc:
             summary = exc
     finally:
@@ -119,9 +133,14 @@ def _consumer(tmp_path: Path, num_tokens: int, send_src: str, *policy: str):
     return summary, plan, model, src_pools, src_tables
 
 
-@pytest.mark.parametrize("num_tokens", [600])
-def test_vllm_consumer_receives_a_trtllm_request(tmp_path, num_tokens):
-    summary, plan, model, src_pools, src_tables = _consumer(tmp_path, num_tokens, TRTLLM)
+@pytest.mark.parametrize(("transport", "convert_on"), [("gloo", "receiver"), ("nixl", "receiver")])
+def test_vllm_consumer_receives_a_trtllm_request(tmp_path, transport, convert_on, num_tokens=600):
+    """Over NIXL the request lands in the connector's host-memory landing area first (converted there; a
+    sender that converts writes pages there the same way, see the request-id test below), then goes through
+    the same block-id writes as over gloo. (``convert_on="sender"`` through vLLM passed too; it is left out
+    to keep the run short.)"""
+    summary, plan, model, src_pools, src_tables = _consumer(tmp_path, num_tokens, TRTLLM, transport=transport,
+                                                            convert_on=convert_on)
     out = tmp_path / "out"
     assert summary["num_tokens"] == num_tokens
     result, raw, caches = _vllm_buffer(out, plan, model)
@@ -150,15 +169,15 @@ def test_vllm_consumer_receives_a_trtllm_request(tmp_path, num_tokens):
     assert not raw[~written].any(), "bytes outside the request's blocks of its own caches were written"
 
 
-@pytest.mark.parametrize("num_tokens", [600])
-def test_vllm_producer_sends_finished_blocks_to_a_trtllm_peer(tmp_path, num_tokens):
-    python = _vllm_python()
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
+def test_vllm_producer_sends_finished_blocks_to_a_trtllm_peer(tmp_path, transport, num_tokens=600):
+    python = _vllm_python(transport)
     model_dir = _model(tmp_path)
     out = tmp_path / "out"
     model = from_hf_config(str(model_dir / "config.json"))
     plan = plan_migration(VLLM, TRTLLM, model, num_tokens, include_mtp=False)
     dst = destination_pools(plan, spare_pages=2)
-    server = GlooServer(dst, plan=plan)
+    server = NixlReceiver(dst, plan=plan) if transport == "nixl" else GlooServer(dst, plan=plan)
     got: dict = {}
     stop = threading.Event()
 
@@ -175,14 +194,17 @@ def test_vllm_producer_sends_finished_blocks_to_a_trtllm_peer(tmp_path, num_toke
     thread.start()
     try:
         host, port = server.address
-        _finish(_engine(python, "producer", str(model_dir), str(out), "req-9", str(num_tokens), TRTLLM,
+        _finish(_engine(python, "producer", transport, str(model_dir), str(out), "req-9", str(num_tokens), TRTLLM,
                         f"{host}:{port}"))
     finally:
         stop.set()
         thread.join(timeout=150)
         server.close()
     assert "error" not in got, got.get("error")
-    _, rid, tables, _ = got["result"]
+    if transport == "nixl":
+        rid, tables = got["result"].request_id, got["result"].tables
+    else:
+        _, rid, tables, _ = got["result"]
     assert rid == "req-9"
     result = json.loads((out / "result.json").read_text())
     assert result["status_after_prefill"] == "FINISHED_LENGTH_CAPPED"
@@ -201,12 +223,14 @@ def test_vllm_producer_sends_finished_blocks_to_a_trtllm_peer(tmp_path, num_toke
         assert torch.equal(landed, expected_records(t, held)), f"layer {t.spec.layer} {t.spec.role.value}"
 
 
-@pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_vllm_consumer_refuses_a_request_from_other_pools(tmp_path, policy):
+@pytest.mark.parametrize(("policy", "transport"), [("fail", "gloo"), ("recompute", "gloo"), ("recompute", "nixl")])
+def test_vllm_consumer_refuses_a_request_from_other_pools(tmp_path, policy, transport):
     # the producer sends under the right request id, but from TensorRT-LLM pools of 256-token blocks, not the
-    # pools the request names: refused before any byte is written; vLLM is told the load failed and, by its
-    # kv_load_failure_policy, ends the request with an error or recomputes the whole prompt
-    summary, plan, model, _, _ = _consumer(tmp_path, 600, "trtllm:fp8:tpb=256:scale=0.5", policy)
+    # pools the request names: refused before any byte is written (over NIXL before anything moves); vLLM is
+    # told the load failed and, by its kv_load_failure_policy, ends the request with an error or recomputes
+    # the whole prompt
+    summary, plan, model, _, _ = _consumer(tmp_path, 600, "trtllm:fp8:tpb=256:scale=0.5", policy,
+                                           transport=transport)
     assert isinstance(summary, MigrationError) and "vLLM expects" in str(summary), summary
     result, raw, _ = _vllm_buffer(tmp_path / "out", plan_migration(TRTLLM, VLLM, model, 600, include_mtp=False),
                                   model)
@@ -339,6 +363,43 @@ def test_request_pools_copy_each_groups_blocks_in_table_order():
         assert torch.equal(gather_records(pools.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count), rec)
 
 
+def test_nixl_transfers_carry_the_request_id_and_a_receiver_refuses_another():
+    """What the connector relies on over NIXL: the sender names the request, and a receiver waiting for
+    another refuses it before claiming a page or connecting agents."""
+    if not nixl_available():
+        pytest.skip("needs nixl (pip install 'kvbridge[nixl]')")
+    model = _small_model()
+    plan = plan_migration(TRTLLM, VLLM, model, 300, include_mtp=False)
+    src, tables = source_request(plan, seed=5)
+    dst = destination_pools(plan)
+    free = dst.num_free()
+    got: dict = {}
+    with NixlReceiver(dst, plan=plan) as rx, NixlSender(*rx.address, timeout=60) as sender:
+        for want in ("req-other", "req-1"):
+            thread = threading.Thread(target=lambda want=want: got.update(
+                {want: _outcome(lambda: rx.receive(timeout=60, accept_timeout=60, request_id=want))}))
+            thread.start()
+            sent = _outcome(lambda: sender.send_request(plan, src, tables, convert_on="sender", request_id="req-1"))
+            thread.join(90)
+            if want == "req-other":
+                assert isinstance(sent, MigrationError) and "waits for request req-other" in str(sent), sent
+                assert isinstance(got[want], MigrationError) and dst.num_free() == free
+            else:
+                assert sent["num_tokens"] == 300 and got[want].request_id == "req-1"
+        for t in plan.transfers:
+            landed = gather_records(dst.pool(t.spec), t.dst, table_of(got["req-1"].tables, t.dst), t.first, t.count)
+            want = expected_records(t, gather_records(src.pool(t.spec), t.src, table_of(tables, t.src), t.first,
+                                                      t.count))
+            assert torch.equal(landed, want)
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except MigrationError as exc:
+        return exc
+
+
 def test_kv_transfer_config_and_cli():
     from click.testing import CliRunner
 
@@ -365,5 +426,16 @@ def test_kv_transfer_config_and_cli():
     assert result.exit_code == 0 and result.output.startswith("vllm serve /models/v4 --kv-cache-dtype fp8_ds_mla "
                                                               "--block-size 512 --kv-transfer-config '{")
     assert kv_transfer_config("consumer", on_load_failure="recompute")["kv_load_failure_policy"] == "recompute"
+    cfg = kv_transfer_config("both", transport="nixl", landing_tokens=4096)
+    assert cfg["kv_connector_extra_config"] == {"transport": "nixl", "landing_tokens": 4096}
+    with pytest.raises(InputError, match="gloo or nixl"):
+        kv_transfer_config("consumer", transport="rdma")
+    for role, transport in (("producer", "nixl"), ("consumer", "gloo"), ("consumer", None)):
+        with pytest.raises(InputError, match="landing_tokens"):
+            kv_transfer_config(role, transport=transport, landing_tokens=4096)
+    with pytest.raises(InputError, match="positive integer"):
+        kv_transfer_config("consumer", transport="nixl", landing_tokens=0)
+    result = CliRunner().invoke(cli, ["vllm-config", "producer", "--transport", "nixl"])
+    assert result.exit_code == 0 and json.loads(result.output)["kv_connector_extra_config"] == {"transport": "nixl"}
     result = CliRunner().invoke(cli, ["vllm-config", "consumer", "--listen", "x"])
     assert result.exit_code == 1 and "host:port" in result.output

@@ -1,7 +1,10 @@
 """Engine side of tests/test_adapter_vllm.py; runs in the vLLM 0.33.0 venv (never collected by pytest).
 
-Usage: python tests/vllm_engine_side.py consumer MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS SRC_SPEC [fail|recompute]
-       python tests/vllm_engine_side.py producer MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS DST_SPEC HOST:PORT
+Usage: python tests/vllm_engine_side.py consumer TRANSPORT MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS SRC_SPEC
+                                          [fail|recompute]
+       python tests/vllm_engine_side.py producer TRANSPORT MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS DST_SPEC HOST:PORT
+
+TRANSPORT (gloo or nixl) is the connector's ``transport`` key.
 
 Builds vLLM's own config, DeepSeek-V4 cache specs (vLLM's cache-layer classes, one MLAAttentionSpec
 built with DeepseekV4Attention.get_kv_cache_spec's arguments), vLLM's own KV-cache groups and
@@ -64,7 +67,7 @@ def specs_for(vc, ratios):
 class Engine:
     """vLLM's config, KV-cache groups and allocation, the connector (both sides) and the scheduler."""
 
-    def __init__(self, model_dir: str, role: str, on_load_failure: str | None = None) -> None:
+    def __init__(self, model_dir: str, role: str, transport: str, on_load_failure: str | None = None) -> None:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -83,7 +86,8 @@ class Engine:
         from kvbridge.adapters.vllm_config import kv_transfer_config
 
         # what ``kvbridge vllm-config`` prints
-        kt = KVTransferConfig(**kv_transfer_config(role, timeout=120, on_load_failure=on_load_failure))
+        kt = KVTransferConfig(**kv_transfer_config(role, timeout=120, on_load_failure=on_load_failure,
+                                                   transport=transport))
         vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
                         device_config=DeviceConfig("cpu"), kv_transfer_config=kt,
                         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_len, max_num_seqs=4,
@@ -175,9 +179,9 @@ class Engine:
         json.dump(result, open(os.path.join(out_dir, "result.json"), "w"))
 
 
-def consumer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, src: str,
+def consumer(transport: str, model_dir: str, out_dir: str, request_id: str, num_tokens: int, src: str,
              on_load_failure: str | None = None) -> None:
-    eng = Engine(model_dir, "consumer", on_load_failure)
+    eng = Engine(model_dir, "consumer", transport, on_load_failure)
     host, port = eng.worker.server.address
     print(f"LISTEN {host} {port}", flush=True)
     req = eng.request(num_tokens, {"kvbridge_src": src, "kvbridge_request_id": request_id}, max_tokens=2)
@@ -202,12 +206,13 @@ def consumer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, src
     eng.worker.shutdown()
 
 
-def producer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, dst: str, peer: str) -> None:
+def producer(transport: str, model_dir: str, out_dir: str, request_id: str, num_tokens: int, dst: str,
+             peer: str) -> None:
     from safetensors.torch import save_file
 
     from kvbridge.migration.plan import plan_migration
 
-    eng = Engine(model_dir, "producer")
+    eng = Engine(model_dir, "producer", transport)
     req = eng.request(num_tokens, {"kvbridge_peer": peer, "kvbridge_dst": dst, "kvbridge_request_id": request_id},
                       max_tokens=1)
     out = eng.scheduler.schedule()
@@ -229,6 +234,7 @@ def producer(model_dir: str, out_dir: str, request_id: str, num_tokens: int, dst
     eng.scheduler.schedule()
     result["freed_after_send"] = req.request_id not in eng.scheduler.requests
     eng.dump(out_dir, result)
+    eng.worker.shutdown()
 
 
 def synthetic_records(plan, seed: int) -> list[torch.Tensor]:
@@ -253,11 +259,11 @@ def synthetic_records(plan, seed: int) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    mode, model_dir, out_dir, request_id, num_tokens, engine, *rest = sys.argv[1:]
+    mode, transport, model_dir, out_dir, request_id, num_tokens, engine, *rest = sys.argv[1:]
     if mode == "consumer":
-        consumer(model_dir, out_dir, request_id, int(num_tokens), engine, *rest)
+        consumer(transport, model_dir, out_dir, request_id, int(num_tokens), engine, *rest)
     else:
-        producer(model_dir, out_dir, request_id, int(num_tokens), engine, rest[0])
+        producer(transport, model_dir, out_dir, request_id, int(num_tokens), engine, rest[0])
     print("DONE", flush=True)
 
 

@@ -16,8 +16,19 @@ protocol; the decode cannot tell it from an SGLang prefill:
    slot (ratio-128 compressor ring), plus its metadata-row index;
 3. the peer checks that each buffer's item length is the one its pools hold, then NIXL-WRITEs every
    page to ``dst_ptr + page_id * item_len`` in the order of the decode's buffer list, the metadata row
-   (first output token, room) last, waits for completion and pushes ``KV_STATUS`` Success (or Failed
-   with a one-line reason, which SGLang's decode reports as the request's failure).
+   (first output token, room; the KV checksum row when the decode asks for it) last, waits for
+   completion and pushes ``KV_STATUS`` Success (or Failed with a one-line reason, which SGLang's decode
+   reports as the request's failure).
+
+KV checksum (a decode started with ``--disaggregation-enable-kv-checksum`` registers one more metadata
+buffer, a row of 8 uint64): SGLang's digest is Adler-32 over the bytes of every transferred item
+concatenated in transfer order (each KV buffer at the request's pages, then the state buffers), which
+its kernel computes per item and combines in order (``kv_checksum``); the row holds the digest and, in
+its second slot, a layout signature the decode compares with its own before comparing digests.
+SGLang 0.5.23 has no index for DeepSeek-V4's state components in its digest: it stops on an assertion,
+on a prefill whenever it digests and on a decode whose signature matches the prefill's. So the peer
+writes its digest with signature 0, which that decode reads as "not comparable": it admits the request
+unverified, as from a prefill that sent no digest. ``wait`` reports the digest (``kv_checksum``).
 
 The buffer order is SGLang's ``DeepSeekV4TokenToKVPool``: KV = every ratio-4 compressed cache, every
 ratio-4 indexer cache, every ratio-128 compressed cache (layer order within each); state component
@@ -28,7 +39,7 @@ converted with ``kvbridge.migration.migrate_local`` (``SGLangPrefillPeer.add_mig
 
 Limits of this version: attention TP/PP/CP of 1 on the kvbridge side (any decode TP: MLA pages go
 to every decode rank), no MTP/draft layers, no decode-side prefix cache (``decode_prefix_len`` 0),
-metadata rows without the sampling-mask and DSA top-k buffers, no KV checksum row.
+metadata rows without the sampling-mask and DSA top-k buffers.
 """
 
 from __future__ import annotations
@@ -42,7 +53,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -69,6 +81,8 @@ POLL_FAILED, POLL_SUCCESS = 0, 4
 TOP_LOGPROBS = 128
 #: Bytes per row of the hidden-state metadata buffer without draft hidden states (16 fp32, RDMA padding).
 HIDDEN_STATE_BYTES = 64
+#: Bytes per row of the KV-checksum metadata buffer (8 uint64: digest, layout signature, 6 unused).
+CHECKSUM_ROW_BYTES = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,13 +143,30 @@ def metadata_item_lens(hidden_state_bytes: int = HIDDEN_STATE_BYTES) -> list[int
     return [64, 64, 64, 64, 4 * TOP_LOGPROBS, 4 * TOP_LOGPROBS, 64, 128, hidden_state_bytes, 64]
 
 
-def metadata_row(room: int, first_token: int, hidden_state_bytes: int = HIDDEN_STATE_BYTES) -> list[bytes]:
+def metadata_row(room: int, first_token: int, hidden_state_bytes: int = HIDDEN_STATE_BYTES,
+                 kv_checksum: int | None = None) -> list[bytes]:
     """The metadata row an SGLang prefill writes for a finished request: the first output token id,
-    zero cached tokens, no logprobs, zero hidden states, and the room (SGLang's corruption check)."""
+    zero cached tokens, no logprobs, zero hidden states, and the room (SGLang's corruption check);
+    with ``kv_checksum``, the checksum row after them: the digest, then signature 0 (see the module
+    docstring)."""
     row = [bytearray(n) for n in metadata_item_lens(hidden_state_bytes)]
     struct.pack_into("<i", row[0], 0, first_token)
     struct.pack_into("<Q", row[-1], 0, room)
+    if kv_checksum is not None:
+        row.append(bytearray(CHECKSUM_ROW_BYTES))
+        struct.pack_into("<Q", row[-1], 0, kv_checksum)
     return [bytes(b) for b in row]
+
+
+def kv_checksum(items: Iterable[Any]) -> int:
+    """SGLang's KV digest of ``items`` (bytes-like, in transfer order): Adler-32 of their bytes
+    concatenated (1 for none). Its CUDA kernel digests each item on its own and combines the
+    per-item values in order, A = A1 + A2 - 1, B = B1 + B2 + len2 * (A1 - 1) (mod 65521), which is
+    that value."""
+    digest = 1
+    for item in items:
+        digest = zlib.adler32(item, digest)
+    return digest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,6 +219,7 @@ class DecodePeer:
     tp_size: int
     refused: str | None = None  # why this peer's buffers do not fit the pools (reported per request)
     nixl_name: str | None = None
+    kv_checksum: bool = False  # the decode registered the KV-checksum metadata row
 
     @classmethod
     def parse(cls, msg: list[bytes]) -> DecodePeer:
@@ -379,7 +411,8 @@ class SGLangPrefillPeer:
                 (t,) = pool_tensors(self.pools.pool(spec))
                 t.share_memory_()
                 self._regions[(spec.layer, spec.role)] = self._agent.register(f"{spec.layer}.{spec.role.value}", t)
-        self._aux = torch.zeros(sum(metadata_item_lens(self.hidden_state_bytes)), dtype=torch.uint8).share_memory_()
+        self._aux = torch.zeros(sum(metadata_item_lens(self.hidden_state_bytes)) + CHECKSUM_ROW_BYTES,
+                                dtype=torch.uint8).share_memory_()
         self._aux_addr = self._agent.register("aux", self._aux)
         info = {"attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1,
                 "page_size": self.layout.page_size, "kv_cache_dtype": self.kv_cache_dtype,
@@ -493,7 +526,8 @@ class SGLangPrefillPeer:
 
     def wait(self, room: int, timeout: float | None = None) -> dict[str, Any]:
         """Block until ``room`` was sent (or failed); returns ``{"status", "reason", "bytes", "seconds",
-        "peers"}``. Raises ``TransferError`` when it did not finish within ``timeout``."""
+        "peers", "kv_checksum"}`` (the digest in the decode's checksum row; None when it has none).
+        Raises ``TransferError`` when it did not finish within ``timeout``."""
         with self._lock:
             req = self._requests.get(room)
         if req is None:
@@ -541,12 +575,13 @@ class SGLangPrefillPeer:
             peer.refused = (f"decode buffers (KV item bytes {peer.kv_item_lens}, state {peer.state_item_lens}) are not "
                             f"the pools' (KV {list(lay.kv_item_lens)}, state {[list(x) for x in lay.state_item_lens]}) "
                             f"of {self.pools.profile.spec}, {self.pools.model.name}")
-        elif len(peer.aux_ptrs) != len(aux):
-            peer.refused = (f"decode registered {len(peer.aux_ptrs)} metadata buffers, kvbridge writes {len(aux)} "
-                            "(no sampling mask, DSA top-k or KV checksum rows)")
+        elif len(peer.aux_ptrs) not in (len(aux), len(aux) + 1):
+            peer.refused = (f"decode registered {len(peer.aux_ptrs)} metadata buffers, kvbridge writes {len(aux)}, "
+                            f"or {len(aux) + 1} with the KV checksum row (no sampling mask or DSA top-k rows)")
         elif any(k not in ("DRAM", "VRAM") for k in peer.kv_mem_kinds):
             peer.refused = f"decode KV memory kinds {sorted(set(peer.kv_mem_kinds))} are not DRAM/VRAM"
         else:
+            peer.kv_checksum = len(peer.aux_ptrs) == len(aux) + 1
             assert self._agent is not None
             try:
                 peer.nixl_name = self._agent.call("adding the decode's NIXL agent", "add_remote", peer.metadata)
@@ -565,12 +600,13 @@ class SGLangPrefillPeer:
             if req is None or req.done.is_set():
                 continue
             t0 = time.perf_counter()
-            sent, reason = 0, ""
+            sent, reason, digest = 0, "", None
             targets = [(i.endpoint, i.port) for i in infos.values() if not i.dummy]
             try:
                 for info in infos.values():
                     if not info.dummy:
-                        sent += self._send(req, info)
+                        n, digest = self._send(req, info)
+                        sent += n
                 status = POLL_SUCCESS
             except KVBridgeError as exc:
                 status, reason = POLL_FAILED, f"kvbridge prefill peer: {exc}"
@@ -579,7 +615,8 @@ class SGLangPrefillPeer:
             for endpoint, port in dict.fromkeys(targets):
                 self._push_status(endpoint, port, room, status, reason)
             req.result = {"status": "Success" if status == POLL_SUCCESS else "Failed", "reason": reason,
-                          "bytes": sent, "seconds": time.perf_counter() - t0, "peers": len(targets)}
+                          "bytes": sent, "seconds": time.perf_counter() - t0, "peers": len(targets),
+                          "kv_checksum": digest if status == POLL_SUCCESS else None}
             req.done.set()
 
     def _push_status(self, endpoint: str, port: int, room: int, status: int, reason: str) -> None:
@@ -593,8 +630,9 @@ class SGLangPrefillPeer:
         finally:
             sock.close()
 
-    def _send(self, req: _Request, info: TransferInfo) -> int:
-        """NIXL-write one request to one decode rank; returns the bytes written."""
+    def _send(self, req: _Request, info: TransferInfo) -> tuple[int, int | None]:
+        """NIXL-write one request to one decode rank; returns the bytes written and, when the decode
+        asked for it, the KV checksum (SGLang's digest of the pages and state rows written)."""
         with self._lock:
             peer = self._peers.get(info.agent_name)
         if peer is None:
@@ -612,11 +650,13 @@ class SGLangPrefillPeer:
                              f"{req.num_tokens} tokens take {num_pages}")
         local: dict[str, list[tuple[int, int, int]]] = {"DRAM": [], "VRAM": []}
         remote: dict[str, list[tuple[int, int, int]]] = {"DRAM": [], "VRAM": []}
+        items: list[np.ndarray] = []  # every page / state row written, in SGLang's transfer order
 
         def add(spec: CacheSpec, src_pages: Sequence[int], dst_ptr: int, dst_pages: Sequence[int], kind: str) -> None:
             st = pools.storage(spec)
             base = self._regions[(spec.layer, spec.role)]
-            n_pages = pool_tensors(pools.pool(spec))[0].shape[0]
+            (tensor,) = pool_tensors(pools.pool(spec))
+            n_pages = tensor.shape[0]
             dev = peer.gpu_id if kind == "VRAM" else 0
             for s, d in zip(src_pages, dst_pages, strict=True):
                 if s < 0:
@@ -627,6 +667,7 @@ class SGLangPrefillPeer:
                                      f"the pools ({n_pages} pages) or negative")
                 local[kind].append((base + s * st.page_bytes, st.page_bytes, 0))
                 remote[kind].append((dst_ptr + d * st.page_bytes, st.page_bytes, dev))
+                items.append(tensor[s].numpy())
 
         for i, spec in enumerate(lay.kv):
             table = req.tables[pools.storage(spec).table]
@@ -653,9 +694,10 @@ class SGLangPrefillPeer:
             for j, spec in enumerate(lay.request_state):
                 ring = req.tables[pools.storage(spec).table][:1]
                 add(spec, ring if slots else [], peer.state_ptrs[1][j], slots, state_kind)
-        row = metadata_row(info.room, req.first_token, self.hidden_state_bytes)
+        digest = kv_checksum(items) if peer.kv_checksum else None
+        row = metadata_row(info.room, req.first_token, self.hidden_state_bytes, digest)
         aux = np.frombuffer(b"".join(row), dtype=np.uint8)
-        self._aux.numpy()[:] = aux
+        self._aux.numpy()[: aux.size] = aux
         off = 0
         for ptr, b in zip(peer.aux_ptrs, row, strict=True):
             local["DRAM"].append((self._aux_addr + off, len(b), 0))
@@ -678,4 +720,4 @@ class SGLangPrefillPeer:
                                      timeout=self.timeout + 10)
             if state != "DONE":
                 raise TransferError(f"NIXL write to decode agent {info.agent_name} ended {state}")
-        return total
+        return total, digest

@@ -15,7 +15,14 @@ vLLM loads it by module path::
 - ``listen`` (consumer): ``host:port`` where kvbridge producers send requests; default
   ``127.0.0.1:0`` (an ephemeral port, logged);
 - ``timeout``: seconds one transfer may take (default 120);
-- ``convert_on`` (producer): ``sender`` or ``receiver`` (default ``receiver``).
+- ``convert_on`` (producer): ``sender`` or ``receiver`` (default ``receiver``);
+- ``transport``: ``gloo`` (default: a torch.distributed gloo pair per request) or ``nixl``
+  (kvbridge's NIXL transport: one-sided writes into registered host memory, XXH3-64 checksums per
+  page chunk). Both sides of a transfer must use the same one. A NIXL consumer lands each request
+  in a host-memory area of its own (registered once, sized by ``landing_tokens``), then writes it
+  through the request's block ids;
+- ``landing_tokens`` (consumer, ``nixl``): the longest request that area holds (default the
+  model's ``max_model_len``).
 
 Per request, ``kv_transfer_params``:
 
@@ -54,12 +61,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvbridge.adapters.vllm_config import CONVERT_SIDES, host_port
+from kvbridge.adapters.vllm_config import CONVERT_SIDES, TRANSPORTS, host_port
 from kvbridge.adapters.vllm_layout import VllmCaches
 from kvbridge.engines import parse_engine
 from kvbridge.errors import InputError
 from kvbridge.migration.plan import plan_migration
-from kvbridge.migration.pools import EnginePools
+from kvbridge.migration.pools import EnginePools, gather_records, table_of
 from kvbridge.topology import get_model
 
 log = logging.getLogger("kvbridge.vllm")
@@ -111,6 +118,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise InputError(f"kv_connector_extra_config: convert_on must be sender or receiver and timeout positive, "
                              f"got {self.convert_on!r}, {self.timeout}")
+        self.transport = extra.get("transport", "gloo")
+        if self.transport not in TRANSPORTS:
+            raise InputError(f"kv_connector_extra_config: transport must be gloo or nixl, got {self.transport!r}")
         self.is_consumer = self._kv_transfer_config.is_kv_consumer
         self.is_producer = self._kv_transfer_config.is_kv_producer
         # scheduler side
@@ -127,13 +137,40 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._thread: threading.Thread | None = None
         self.errors: list[str] = []  # one line per failed transfer, also logged
         self.server = None
+        self._senders: dict[str, Any] = {}  # NIXL senders by peer (each keeps its agent process)
+        self._receiving: Load | None = None  # the load a NIXL receive is for (its plan checks the sender)
+        self._received_plan = None
         if role == KVConnectorRole.WORKER and self.is_consumer:
-            from kvbridge.migration.transport import GlooServer
-
             host, port = host_port(extra.get("listen", "127.0.0.1:0"), "kv_connector_extra_config listen")
-            self.server = GlooServer(EnginePools(self.profile, self.model, False, {}), plan=self._plan,
-                                     host=host, port=port)
-            log.info("kvbridge connector listening on %s:%d", *self.server.address)
+            if self.transport == "nixl":
+                self.server = self._nixl_receiver(extra.get("landing_tokens", vllm_config.model_config.max_model_len),
+                                                  host, port)
+            else:
+                from kvbridge.migration.transport import GlooServer
+
+                self.server = GlooServer(EnginePools(self.profile, self.model, False, {}), plan=self._plan,
+                                         host=host, port=port)
+            log.info("kvbridge connector listening on %s:%d (%s)", *self.server.address, self.transport)
+
+    def _nixl_receiver(self, landing_tokens: Any, host: str, port: int):
+        """A NIXL receiver whose pools are the landing area: one request of ``landing_tokens`` tokens in this
+        vLLM's layout, in host memory (kvbridge's NIXL registers host memory only)."""
+        from kvbridge.migration.nixl import NixlReceiver
+
+        if isinstance(landing_tokens, bool) or not isinstance(landing_tokens, int) or landing_tokens < 1:
+            raise InputError(f"kv_connector_extra_config: landing_tokens must be a positive integer, "
+                             f"got {landing_tokens!r}")
+        # the most pages a request of up to landing_tokens holds per table: the SWA window and the state
+        # rings take more or fewer pages with the length's phase in a block, so over the last two blocks
+        block = int(next(c.value for c in self.profile.choices if c.option == "block"))
+        held: dict[str, int] = {}
+        for n in range(max(1, landing_tokens - 2 * block + 1), landing_tokens + 1):
+            for name, pages in plan_migration(self.profile, self.profile, self.model, n,
+                                              include_mtp=False).held_pages("dst").items():
+                held[name] = max(held.get(name, 0), pages)
+        landing = EnginePools.create(self.profile, self.model, held, include_mtp=False)
+        self.landing_tokens = landing_tokens
+        return NixlReceiver(landing, plan=self._nixl_plan, host=host, port=port, loss_report=False)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -206,12 +243,31 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             for name in g.layer_names:
                 pages[name] = (specs[name] if specs is not None else g.kv_cache_spec).page_size_bytes
         self.caches = VllmCaches(self.profile, self.model, kv_caches, [g.layer_names for g in groups], pages)
-        if self.server is not None:
+        if self.server is not None and self.transport == "gloo":  # gloo publishes straight into vLLM's blocks
             self.server.dst = self.caches.pools
 
     def _plan(self, info: dict):
         return plan_migration(info["src"], self.profile, self.model, int(info["num_tokens"]),
                               draft_tokens=int(info.get("draft_tokens", 0)), include_mtp=False)
+
+    def _check_sender(self, plan, load: Load) -> None:
+        if plan.src.spec != parse_engine(load.src).spec or plan.num_tokens != load.num_tokens:
+            raise InputError(f"the producer sent {plan.src.spec}, {plan.num_tokens} tokens; vLLM expects "
+                             f"{parse_engine(load.src).spec}, {load.num_tokens}")
+
+    def _nixl_plan(self, info: dict):
+        """The NIXL receiver's plan for a sender: refused (before anything moves) unless it is the request
+        the load waits for and every live entry has a block of the request."""
+        load, caches = self._receiving, self.caches
+        assert load is not None and caches is not None
+        plan = self._plan(info)
+        self._check_sender(plan, load)
+        if plan.num_tokens > self.landing_tokens:
+            raise InputError(f"{plan.num_tokens} tokens do not fit the NIXL landing area ({self.landing_tokens} "
+                             "tokens: kv_connector_extra_config landing_tokens)")
+        caches.check(plan.transfers, load.block_ids)
+        self._received_plan = plan
+        return plan
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Queue this step's loads for the transfer thread; they are reported by ``get_transfer_results``."""
@@ -269,12 +325,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def _load(self, load: Load) -> None:
         caches, server = self.caches, self.server
         assert caches is not None and server is not None
+        if self.transport == "nixl":
+            return self._load_nixl(load)
 
         def publish(assembly):
             plan = assembly.plan
-            if plan.src.spec != parse_engine(load.src).spec or plan.num_tokens != load.num_tokens:
-                raise InputError(f"the producer sent {plan.src.spec}, {plan.num_tokens} tokens; vLLM expects "
-                                 f"{parse_engine(load.src).spec}, {load.num_tokens}")
+            self._check_sender(plan, load)
             if assembly.missing():
                 raise InputError(f"{assembly.missing()} transfers never arrived")
             caches.write(plan.transfers, assembly.records, load.block_ids)
@@ -286,16 +342,45 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             raise InputError(f"no kvbridge producer connected within {self.timeout:g} s")
         log.info("kvbridge: received request %s from %s", load.request_id, got[0])
 
-    def _send(self, send: Send) -> None:
-        from kvbridge.migration.transport import send_request_tcp
+    def _load_nixl(self, load: Load) -> None:
+        """Receive into the landing area (verified there), then write through the request's block ids."""
+        caches, rx = self.caches, self.server
+        assert caches is not None and rx is not None
+        self._receiving, self._received_plan = load, None
+        try:
+            got = rx.receive(timeout=self.timeout, accept_timeout=self.timeout, request_id=load.request_id)
+        finally:
+            self._receiving = None
+        if got is None:
+            raise InputError(f"no kvbridge producer connected within {self.timeout:g} s")
+        plan, landing = self._received_plan, rx.dst
+        try:
+            records = [gather_records(landing.pool(t.spec), t.dst, table_of(got.tables, t.dst), t.first, t.count)
+                       for t in plan.transfers]
+            caches.write(plan.transfers, records, load.block_ids)
+        finally:
+            landing.release(got.tables)
+        log.info("kvbridge: received request %s from %s over NIXL", load.request_id, got.peer)
 
+    def _send(self, send: Send) -> None:
         assert self.caches is not None
         plan = plan_migration(self.profile, send.dst, self.model, send.num_tokens, include_mtp=False)
         pools, tables = self.caches.request_pools(plan, send.block_ids)
         host, port = host_port(send.peer, "kvbridge_peer")
-        send_request_tcp(plan, pools, tables, host=host, port=port, convert_on=self.convert_on,
-                         timeout=self.timeout, request_id=send.request_id)
-        log.info("kvbridge: sent request %s to %s", send.request_id, send.peer)
+        if self.transport == "nixl":
+            from kvbridge.migration.nixl import NixlSender
+
+            sender = self._senders.get(send.peer)
+            if sender is None:
+                sender = self._senders[send.peer] = NixlSender(host, port, timeout=self.timeout)
+            sender.send_request(plan, pools, tables, convert_on=self.convert_on, loss_report=False,
+                                request_id=send.request_id)
+        else:
+            from kvbridge.migration.transport import send_request_tcp
+
+            send_request_tcp(plan, pools, tables, host=host, port=port, convert_on=self.convert_on,
+                             timeout=self.timeout, request_id=send.request_id)
+        log.info("kvbridge: sent request %s to %s over %s", send.request_id, send.peer, self.transport)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -317,6 +402,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if self.server is not None:
             self.server.close()
             self.server = None
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()
 
 
 __all__ = ["KVBridgeConnector", "KVBridgeMetadata", "Load", "Send"]

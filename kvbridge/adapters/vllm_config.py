@@ -10,6 +10,8 @@ from kvbridge.errors import InputError
 #: vLLM's ``kv_role`` for each kvbridge role name.
 ROLES = {"consumer": "kv_consumer", "producer": "kv_producer", "both": "kv_both"}
 CONVERT_SIDES = ("sender", "receiver")
+#: The connector's transports (``kv_connector_extra_config`` ``transport``).
+TRANSPORTS = ("gloo", "nixl")
 #: vLLM's ``kv_load_failure_policy``: what it does with a request whose load failed.
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
@@ -24,7 +26,8 @@ def host_port(value: str, what: str) -> tuple[str, int]:
 
 def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | None = None, model: str | None = None,
                        timeout: float | None = None, convert_on: str | None = None,
-                       on_load_failure: str | None = None) -> dict[str, Any]:
+                       on_load_failure: str | None = None, transport: str | None = None,
+                       landing_tokens: int | None = None) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for kvbridge's connector (``kvbridge.adapters.vllm``) in ``role``.
 
     Only the keys given go into ``kv_connector_extra_config`` (the connector's defaults apply to
@@ -56,6 +59,17 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
         if convert_on not in CONVERT_SIDES:
             raise InputError(f"convert_on must be sender or receiver, got {convert_on!r}")
         extra["convert_on"] = convert_on
+    if transport is not None:
+        if transport not in TRANSPORTS:
+            raise InputError(f"transport must be gloo or nixl, got {transport!r}")
+        extra["transport"] = transport
+    if landing_tokens is not None:
+        if role == "producer" or transport != "nixl":
+            raise InputError("landing_tokens sizes a NIXL consumer's landing area: give it with transport nixl "
+                             "and role consumer or both")
+        if isinstance(landing_tokens, bool) or not isinstance(landing_tokens, int) or landing_tokens < 1:
+            raise InputError(f"landing_tokens must be a positive integer, got {landing_tokens!r}")
+        extra["landing_tokens"] = landing_tokens
     config: dict[str, Any] = {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.adapters.vllm",
                               "kv_role": ROLES[role]}
     if on_load_failure is not None:

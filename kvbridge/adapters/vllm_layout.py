@@ -104,28 +104,36 @@ class VllmCaches:
                              f"are in {1 + max(self.group.values(), default=-1)}")
         return [[-1 if b == NULL_BLOCK else int(b) for b in ids] for ids in block_ids]
 
+    def check(self, transfers: Sequence, block_ids: Sequence[Sequence[int]], *, side: str = "dst") -> list[list[int]]:
+        """The request's tables (``tables``) once every live entry of ``transfers`` (in its ``side``'s
+        format) has a block of this pool in its group; ``InputError`` (nothing was written) otherwise."""
+        if side not in ("src", "dst"):
+            raise InputError(f"side must be 'src' or 'dst', got {side!r}")
+        tables = self.tables(block_ids)
+        for t in transfers:
+            table = tables[self.group[(t.spec.layer, t.spec.role)]]
+            num_blocks = self.pools.pool(t.spec).shape[0]
+            for slot in t.table_slots(getattr(t, side)):
+                if slot >= len(table) or not 0 <= table[slot] < num_blocks:
+                    have = "missing" if slot >= len(table) else f"block {table[slot]}"
+                    raise InputError(f"layer {t.spec.layer} {t.spec.role.value}: entries need block-table index "
+                                     f"{slot} of its vLLM KV-cache group, which is {have}; nothing was written")
+        return tables
+
     def write(self, transfers: Sequence, records: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], *,
               side: str = "dst") -> None:
         """Write each transfer's records (in its ``side``'s format: this vLLM is the plan's ``dst`` or
         ``src``) through the block ids of its layer's group.
 
-        Every block is checked before any byte is written: a live entry in a null, missing or
-        out-of-pool block raises ``InputError`` and leaves the caches untouched."""
-        if side not in ("src", "dst"):
-            raise InputError(f"side must be 'src' or 'dst', got {side!r}")
-        tables = self.tables(block_ids)
+        Every block is checked before any byte is written (``check``): a live entry in a null, missing
+        or out-of-pool block raises ``InputError`` and leaves the caches untouched."""
+        tables = self.check(transfers, block_ids, side=side)
         pairs = list(zip(transfers, records, strict=True))
         for t, rec in pairs:
-            where, st = f"layer {t.spec.layer} {t.spec.role.value}", getattr(t, side)
+            st = getattr(t, side)
             if tuple(rec.shape) != (t.count, st.record_bytes):
-                raise InputError(f"{where}: {list(rec.shape)} records, the plan wants [{t.count}, {st.record_bytes}]")
-            table = tables[self.group[(t.spec.layer, t.spec.role)]]
-            num_blocks = self.pools.pool(t.spec).shape[0]
-            for slot in t.table_slots(st):
-                if slot >= len(table) or not 0 <= table[slot] < num_blocks:
-                    have = "missing" if slot >= len(table) else f"block {table[slot]}"
-                    raise InputError(f"{where}: entries need block-table index {slot} of its vLLM KV-cache group, "
-                                     f"which is {have}; nothing was written")
+                raise InputError(f"layer {t.spec.layer} {t.spec.role.value}: {list(rec.shape)} records, the plan "
+                                 f"wants [{t.count}, {st.record_bytes}]; nothing was written")
         for t, rec in pairs:
             scatter_records(self.pools.pool(t.spec), getattr(t, side), tables[self.group[(t.spec.layer, t.spec.role)]],
                             t.first, rec)

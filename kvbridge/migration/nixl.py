@@ -569,10 +569,10 @@ class NixlReceiver:
         self.close()
 
     def receive(self, *, timeout: float = 60.0, accept_timeout: float | None = None,
-                on_group: Callable[[int, int], None] | None = None) -> Received | None:
+                on_group: Callable[[int, int], None] | None = None, request_id: str | None = None) -> Received | None:
         """Wait for one sender (None after ``accept_timeout`` seconds without one) and receive its request
-        within ``timeout`` seconds. Raises ``MigrationError``/``TransferError`` with one line;
-        the receiver stays usable."""
+        within ``timeout`` seconds. ``request_id``: refuse a sender announcing another request id.
+        Raises ``MigrationError``/``TransferError`` with one line; the receiver stays usable."""
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._ensure_agent()
@@ -580,7 +580,7 @@ class NixlReceiver:
         if chan is None:
             return None
         deadline = time.monotonic() + timeout
-        session = _Session(self, chan, deadline, on_group)
+        session = _Session(self, chan, deadline, on_group, request_id)
         try:
             return session.run()
         except KVBridgeError as exc:
@@ -601,8 +601,9 @@ class NixlReceiver:
 class _Session:
     """One connection on the receiver."""
 
-    def __init__(self, rx: NixlReceiver, chan: Channel, deadline: float, on_group):
+    def __init__(self, rx: NixlReceiver, chan: Channel, deadline: float, on_group, expect_id: str | None = None):
         self.rx, self.chan, self.deadline, self.on_group = rx, chan, deadline, on_group
+        self.expect_id = expect_id
         self.claimed: RequestTables | None = None
         self.remote: str | None = None
         self.notifs: set[bytes] = set()
@@ -632,6 +633,8 @@ class _Session:
         chan.accept_handshake(deadline)
         hello, meta = chan.expect("hello", deadline, "the sender's hello")
         self.request_id = str(hello.get("request_id", "?"))[:64]
+        if self.expect_id is not None and self.request_id != self.expect_id:
+            raise self._refuse(f"this receiver waits for request {self.expect_id}")
         kind = hello.get("kind")
         if kind == "request":
             return self._request(hello, meta)
@@ -881,13 +884,16 @@ class NixlSender:
 
     def start_request(self, plan: MigrationPlan, src: EnginePools, tables: RequestTables, *,
                       convert_on: ConvertSide = "receiver", layers_per_group: int = 1, loss_report: bool = True,
-                      progress: Progress | None = None) -> RequestStream:
-        """Open a request: handshake now, then ``send_group()`` once per layer group, then ``close()``."""
+                      progress: Progress | None = None, request_id: str | None = None) -> RequestStream:
+        """Open a request: handshake now, then ``send_group()`` once per layer group, then ``close()``.
+        ``request_id`` names it to the receiver (default: a random id; up to 64 characters)."""
         if convert_on not in ("sender", "receiver"):
             raise InputError(f"convert_on must be 'sender' or 'receiver', got {convert_on!r}")
+        if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):
+            raise InputError(f"request_id must be a string of 1 to 64 characters, got {repr(request_id)[:40]}")
         check_pools(plan, src, "src")
         return RequestStream(self, plan, src, tables, convert_on == "sender", layer_groups(plan, layers_per_group),
-                             loss_report, progress)
+                             loss_report, progress, request_id)
 
     def send_request(self, plan: MigrationPlan, src: EnginePools, tables: RequestTables, **kwargs: Any) -> dict:
         """Send a whole request (``start_request`` options); returns the receiver's report (a dict)."""
@@ -950,7 +956,8 @@ class NixlSender:
 class _Connection:
     """Sender side of one transfer: handshake, then one posted WRITE per group, then the verdict."""
 
-    def __init__(self, sender: NixlSender, hello: dict, nbytes: int, progress: Progress | None):
+    def __init__(self, sender: NixlSender, hello: dict, nbytes: int, progress: Progress | None,
+                 request_id: str | None = None):
         self.deadline = time.monotonic() + sender.timeout
         self.chan = Channel.connect(sender.host, sender.port, self.deadline)  # fail fast when nobody listens
         self.remote: str | None = None
@@ -959,7 +966,7 @@ class _Connection:
             self.staged = sender.staging.numpy()
             self.base = self.agent.addresses["staging"]
             self.total, self.sent, self.progress = nbytes, 0, progress
-            self.request_id = uuid.uuid4().hex[:16]
+            self.request_id = request_id or uuid.uuid4().hex[:16]
             hello = {"type": "hello", "kvbridge": __version__, "transport": "nixl", "request_id": self.request_id,
                      **hello}
             meta = self.agent.call("reading this agent's metadata", "metadata")
@@ -1064,14 +1071,15 @@ class RequestStream:
     """
 
     def __init__(self, sender: NixlSender, plan: MigrationPlan, src: EnginePools, tables: RequestTables,
-                 convert: bool, groups: list[list[int]], loss_report: bool, progress: Progress | None):
+                 convert: bool, groups: list[list[int]], loss_report: bool, progress: Progress | None,
+                 request_id: str | None = None):
         self.plan, self.src, self.tables, self.convert = plan, src, tables, convert
         self.groups, self.loss_report = groups, loss_report
         self.next_group = 0
         sizes = [t.dst_bytes if convert else t.src_bytes for t in plan.transfers]
         hello = {"kind": "request", "request": request_info(plan), "fingerprint": wire_fingerprint(plan),
                  "convert_on": "sender" if convert else "receiver", "groups": groups}
-        self.conn = _Connection(sender, hello, sum(sizes), progress)
+        self.conn = _Connection(sender, hello, sum(sizes), progress, request_id)
         self.bases = np.cumsum([0] + sizes).tolist()
         if convert and not isinstance(self.conn.tables, dict):
             self.abort()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kvbridge.migration import EnginePools, migrate_local, plan_migration, source_request
 from kvbridge.migration.nixl import nixl_available
@@ -359,8 +360,49 @@ def test_other_state_buffers_fail_and_leave_nothing(tmp_path):
         _stop(proc)
     assert result["result"] == "Failed" and "NIXL_ERR_NOT_FOUND" in result["reason"], result
     assert "SGLang prefill failed the transfer" in str(exc.value) and "NIXL_ERR_NOT_FOUND" in str(exc.value)
+    assert peer.quarantined == []  # SGLang reports Failed after its writes settled: the pages are free again
     assert {k: sorted(v) for k, v in dst.free.items()} == free
     assert not any(t.any() for p in dst.pools.values() for t in (p if isinstance(p, tuple) else (p,)))
+
+
+def test_cli_receives_converts_and_writes_a_dump(tmp_path):
+    """``kvbridge sglang-decode --to trtllm --out``: SGLang's prefill sends the first two Flash
+    layers, the command converts them to TensorRT-LLM's 512-B records and writes a kvbridge dump whose
+    entries hold exactly the records of kvbridge's direct conversion."""
+    _need_sglang()
+    from kvbridge.dump import read_dump
+    from kvbridge.migration import destination_pools
+    from kvbridge.migration.pools import gather_records, table_of
+
+    model = FLASH.with_layers(2)
+    plan = plan_migration("sglang", "sglang", model, TOKENS, include_mtp=False)
+    src, src_tables = source_request(plan, seed=5)
+    proc, next_line, layout = _prefill({"compress_ratios": [0, 0]}, tmp_path,
+                                       lambda lay: _sglang_buffers(src, src_tables, lay, TOKENS))
+    out = tmp_path / "request.safetensors"
+    try:
+        cli = subprocess.run([sys.executable, "-m", "cli.main", "sglang-decode", "--bootstrap",
+                              layout["bootstrap_addr"], "--room", str(ROOM), "--tokens", str(TOKENS), "--layers", "2",
+                              "--to", "trtllm", "--out", str(out), "--timeout", "60", "--json"],
+                             capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+        result = _until_result(next_line)
+    finally:
+        _stop(proc)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert result["result"] == "Success", result
+    summary = json.loads(cli.stdout)
+    assert (summary["room"], summary["first_token"], summary["kv_layout"]) == (ROOM, FIRST_TOKEN, "v4")
+    assert summary["converted"]["engine"].startswith("trtllm") and summary["out"] == str(out)
+    conv = plan_migration("sglang", "trtllm", model, TOKENS, include_mtp=False)
+    direct = destination_pools(conv)
+    tables, _ = migrate_local(conv, src, src_tables, direct, loss_report=False)
+    dump = read_dump(out)
+    assert dump.attrs["room"] == str(ROOM) and dump.attrs["layer.0.swa.first_position"] == str(conv.transfers[0].first)
+    for t in conv.transfers:
+        entry = next(e for e in dump.entries if (e.layer, e.role) == (t.spec.layer, t.spec.role.value))
+        want = gather_records(direct.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
+        assert entry.layout == "trtllm-fp8" and entry.num_tokens == t.count
+        assert torch.equal(t.dst.layout.pages_to_records(entry.data, entry.page_size, t.count), want)
 
 
 if __name__ == "__main__":

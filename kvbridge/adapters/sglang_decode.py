@@ -18,8 +18,9 @@ from one:
    pushes ``KV_STATUS``; on Success kvbridge checks the room recorded in the row and hands back the
    request's block tables in its ``EnginePools`` (an SGLang profile), ready for
    ``kvbridge.migration.migrate_local`` into any engine's pools (``SGLangDecodePeer.migrate``).
-   On Failed (or a timeout) the request's pages are zeroed and released: nothing half-written
-   looks like a request.
+   On Failed the request's pages are zeroed and released (SGLang reports Failed once its writes
+   settled); on a timeout they are zeroed and kept out of use (``quarantined``), as writes may
+   still land. Nothing half-written looks like a request.
 
 Limits of this version: a prefill with attention TP/CP/PP/DP of 1 (one rank), no MTP/draft layers,
 no decode-side prefix cache, metadata rows without the sampling-mask, DSA top-k and KV checksum
@@ -140,6 +141,9 @@ class SGLangDecodePeer:
         self._agent: _Agent | None = None
         self._zmq: Any = None
         self._push: dict[tuple[str, int], Any] = {}
+        #: Block tables of requests that timed out mid-transfer: zeroed, but kept out of the free
+        #: lists, as the prefill may still write into them.
+        self.quarantined: list[RequestTables] = []
         self.ip = ""
         self.rank_port = 0
 
@@ -224,7 +228,7 @@ class SGLangDecodePeer:
         page, lay = self.layout.page_size, self.layout
         num_pages = math.ceil(num_tokens / page)
         first_swa = max(0, num_tokens - self.pools.model.sliding_window) // page
-        lengths = {"full": num_pages, "swa": num_pages}
+        lengths = {"swa": num_pages, **({"full": num_pages} if lay.kv else {})}
         if lay.request_state:
             lengths["state128"] = 1 if num_tokens % 128 else 0  # nothing pends at a 128-token boundary
         want, released = plan.table_lengths("dst"), plan.released("dst")
@@ -240,11 +244,12 @@ class SGLangDecodePeer:
             tables = self.pools.claim(lengths, {"swa": first_swa})
             aux_index = self._free_aux.pop()
             waiter = self._waiters[room] = _Waiter()
-        ok = False
+        ok = sent = False
         t0 = time.perf_counter()
         try:
             self._register(target)
             self._send(target, self._metadata_message(room, tables, aux_index, first_swa))
+            sent = True
             self._progress(waiter, deadline)
             if waiter.status is None:
                 raise TransferError(f"room {room}: the SGLang prefill at {bootstrap_addr} did not finish the transfer "
@@ -269,10 +274,15 @@ class SGLangDecodePeer:
                 self._waiters.pop(room, None)
                 for t in self._aux:
                     t[aux_index].zero_()
-                self._free_aux.append(aux_index)
+                settled = ok or not sent or waiter.status is not None  # the prefill reports after its writes
+                if settled:
+                    self._free_aux.append(aux_index)
                 if not ok:
                     self._scrub(tables)
-                    self.pools.release(tables)
+                    if settled:
+                        self.pools.release(tables)
+                    else:  # writes may still land: keep the pages (and the row) out of use
+                        self.quarantined.append(tables)
 
     def _progress(self, waiter: _Waiter, deadline: float) -> None:
         """Drive the NIXL agent until the prefill's status arrives: the prefill connects to it and
@@ -395,7 +405,9 @@ class SGLangDecodePeer:
             state.append(list(tables["state128"]))
         assert self._agent is not None
         return [GUARD, str(room).encode(), self.ip.encode(), str(self.rank_port).encode(), self._agent.name.encode(),
-                np.asarray(tables["full"], dtype="<i4").tobytes(), str(aux_index).encode(), b"1",
+                # without compressed layers there are no KV buffers: the page ids address nothing
+                np.asarray(tables.get("full", range(len(tables["swa"]))), dtype="<i4").tobytes(),
+                str(aux_index).encode(), b"1",
                 _pack_lists(state, "i"), b"0", b"0"]
 
     def _listen(self, pull: Any) -> None:
@@ -429,7 +441,7 @@ class SGLangDecodePeer:
 
     def _written(self, tables: RequestTables, first_swa: int) -> dict[str, int]:
         lay = self.layout
-        n_full = len(tables["full"])
+        n_full = len(tables.get("full", []))
         n_swa = len(tables["swa"]) - first_swa
         out = {"kv": n_full * sum(lay.kv_item_lens), "swa": n_swa * sum(lay.state_item_lens[0]),
                "metadata": sum(metadata_item_lens(self.hidden_state_bytes))}

@@ -323,7 +323,7 @@ def test_kvbridge_refuses_a_mismatching_prefill(case, tmp_path):
         dst = EnginePools.create("sglang", model, {"full": 8, "swa": 8}, include_mtp=False)
         want = "KV layout mismatch"
     free = {k: sorted(v) for k, v in dst.free.items()}
-    proc, next_line, layout = _prefill({"timeout": 8}, tmp_path,
+    proc, next_line, layout = _prefill({"timeout": 4}, tmp_path,
                                        lambda lay: _sglang_buffers(src, src_tables, lay, TOKENS))
     try:
         with SGLangDecodePeer(dst, timeout=30) as peer, pytest.raises(MigrationError) as exc:

@@ -24,10 +24,11 @@ from one:
 
 Limits of this version: a prefill with attention TP/CP/PP/DP of 1 (one rank), no MTP/draft layers,
 no decode-side prefix cache, metadata rows without the sampling-mask, DSA top-k and KV checksum
-buffers. SGLang's prefill addresses the decode's state buffers as GPU memory (``VRAM``) whatever
-kind the decode registered; kvbridge's pools are host memory (``DRAM``), so a CUDA prefill's state
-write reaches them only where its NIXL backend maps that kind (the KV and metadata writes use the
-announced kind).
+buffers. SGLang's prefill addresses the decode's SWA and state buffers (components ``swa`` and
+``c128_state``) as GPU memory (``VRAM``) whatever kind the decode registered; kvbridge's pools are
+registered as host memory (``DRAM``), for which NIXL finds no GPU-memory descriptor
+(``NIXL_ERR_NOT_FOUND``): a CUDA prefill fails the request with that reason (the compressed KV and
+metadata writes use the announced kind).
 """
 
 from __future__ import annotations

@@ -74,6 +74,17 @@ def test_registration_and_page_id_messages():
         peer.receive("127.0.0.1:1", 5, 10)
     with pytest.raises(InputError, match="num_tokens"):
         peer.receive("127.0.0.1:1", 5, 0)
+    # the handshake checks SGLang's decode makes, and one prefill rank
+    from kvbridge.migration import MigrationError
+
+    good = {"attn_tp_size": 1, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 256,
+            "kv_cache_dtype": "fp8_e4m3", "kv_layout": "v4,c4:v4,c128:v4", "decode_allocation_policy": "early"}
+    peer._check_prefill("h:1", good)
+    for change, want in (({"page_size": 128}, "page size mismatch"), ({"kv_cache_dtype": "bf16"}, "dtype mismatch"),
+                         ({"kv_layout": "v4,c4:v4"}, "KV layout mismatch"), ({"attn_tp_size": 2}, "one prefill rank"),
+                         ({"decode_allocation_policy": "prefill_complete"}, "allocates early")):
+        with pytest.raises(MigrationError, match=want):
+            peer._check_prefill("h:1", {**good, **change})
     # the frames, built as the peer builds them (without starting an agent)
     peer.ip, peer.rank_port = "10.0.0.7", 5123
     lay = pd_layout(pools)

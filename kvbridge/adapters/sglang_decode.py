@@ -288,9 +288,11 @@ class SGLangDecodePeer:
     def _progress(self, waiter: _Waiter, deadline: float) -> None:
         """Drive the NIXL agent until the prefill's status arrives: the prefill connects to it and
         writes, and an agent without a progress thread answers only while it is polled."""
-        assert self._agent is not None
         while not waiter.done.is_set() and time.monotonic() < deadline:
-            self._agent.call("waiting for the SGLang prefill's writes", "notifs", 0.02)
+            agent = self._agent
+            if agent is None:  # closed
+                return
+            agent.call("waiting for the SGLang prefill's writes", "notifs", 0.005)
 
     def release(self, request: SGLangRequest) -> None:
         """Return a received request's pages to the pools' free lists."""

@@ -14,8 +14,9 @@ each the whole content of that buffer, which it copies into SGLang's buffers by 
 prefill's forward pass and ``MetadataBuffers.set_buf`` would have written). It then answers
 ``{"event": "ready", "bootstrap_addr": ...}``, waits for a decode to send the request's page ids
 (``KVPoll.WaitingForInput``), sends the request as SGLang's prefill scheduler does
-(``sender.send(page_indices, state_indices)``) and ends with ``{"result": "Success" | "Failed" |
-"timeout" | "error", ...}`` (the sender's final poll, the failure reason SGLang recorded, seconds).
+(``sender.send(page_indices, state_indices)``; ``"requests"`` serves several rooms in turn) and
+ends with ``{"result": "Success" | "Failed" | "timeout" | "error", ...}`` (the sender's final poll,
+the failure reason SGLang recorded, seconds).
 It stays up until stdin is closed, then ends with ``os._exit``: NIXL's libraries can crash at exit.
 """
 
@@ -153,39 +154,46 @@ def run(cfg: dict) -> None:
     addr = f"127.0.0.1:{cfg['bootstrap_port']}"
     cpu_only_nixl()
     mgr = NixlKVManager(kv_args, DisaggregationMode.PREFILL, sa, is_mla_backend(pool))
-    room = cfg["room"]
-    sender = NixlKVSender(mgr, addr, room)
+    # one request by default; "requests": [{"room", "aux_index"}, ...] serves several, in order, with
+    # the same pages (a prefill cache hit), each through a sender of its own
+    requests = cfg.get("requests") or [{"room": cfg["room"], "aux_index": cfg["aux_index"]}]
     kv_pages = np.asarray(cfg["kv_page_ids"], dtype=np.int32)
-    sender.init(len(kv_pages), cfg["aux_index"])
+    senders = []
+    for r in requests:
+        senders.append(NixlKVSender(mgr, addr, r["room"]))
+        senders[-1].init(len(kv_pages), r["aux_index"])
     emit(event="ready", bootstrap_addr=addr)
-
-    deadline = time.monotonic() + cfg["timeout"]
-    while (status := sender.poll()) == KVPoll.Bootstrapping:  # until the decode sent its page ids
-        if time.monotonic() > deadline:
-            emit(result="timeout", stage="bootstrap")
-            return
-        time.sleep(0.02)
-    if status == KVPoll.Failed:
-        emit(result="Failed", stage="bootstrap", reason=mgr.failure_records.get(room, ""))
-        return
     # the state payloads SGLang's prefill scheduler builds (send_kv_chunk): the SWA pages of the window
     # (they also address the ratio-4 compressor-state rings), then the ratio-128 ring of the request slot
     payloads = {"swa": lambda: np.asarray(cfg["swa_page_ids"], dtype=np.int32),
                 "c128_state": lambda: pool.request_state_transfer_indices(cfg["req_pool_idx"], cfg["num_tokens"])}
     state_indices = [payloads[st.value]() if st.value in payloads else None for st in kv_args.state_types]
     emit(event="sending", state_indices=[None if s is None else [int(i) for i in s] for s in state_indices])
-    t0 = time.perf_counter()
-    sender.send(kv_pages, state_indices, num_kv_tokens=cfg["num_tokens"])
-    while (status := sender.poll()) not in (KVPoll.Success, KVPoll.Failed):
-        if time.monotonic() > deadline:
-            emit(result="timeout", stage="transfer", status=int(status))
+    deadline = time.monotonic() + cfg["timeout"]
+    times = []
+    for r, sender in zip(requests, senders, strict=True):
+        room = r["room"]
+        while (status := sender.poll()) == KVPoll.Bootstrapping:  # until the decode sent its page ids
+            if time.monotonic() > deadline:
+                emit(result="timeout", stage="bootstrap", room=room)
+                return
+            time.sleep(0.002)
+        if status == KVPoll.Failed:
+            emit(result="Failed", stage="bootstrap", room=room, reason=mgr.failure_records.get(room, ""))
             return
-        time.sleep(0.005)
-    seconds = time.perf_counter() - t0
-    if status == KVPoll.Failed:
-        emit(result="Failed", stage="transfer", reason=mgr.failure_records.get(room, ""), seconds=seconds)
-        return
-    emit(result="Success", seconds=seconds)
+        t0 = time.perf_counter()
+        sender.send(kv_pages, state_indices, num_kv_tokens=cfg["num_tokens"])
+        while (status := sender.poll()) not in (KVPoll.Success, KVPoll.Failed):
+            if time.monotonic() > deadline:
+                emit(result="timeout", stage="transfer", room=room, status=int(status))
+                return
+            time.sleep(0.001)
+        times.append(time.perf_counter() - t0)
+        if status == KVPoll.Failed:
+            emit(result="Failed", stage="transfer", room=room, reason=mgr.failure_records.get(room, ""),
+                 seconds=times[-1])
+            return
+    emit(result="Success", seconds=times[0] if len(times) == 1 else times)
 
 
 def main() -> None:

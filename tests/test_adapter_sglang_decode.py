@@ -165,9 +165,10 @@ def _until_result(next_line) -> dict:
     return msg
 
 
-def _sglang_buffers(src: EnginePools, tables: dict, layout: dict, num_tokens: int) -> dict[str, np.ndarray]:
+def _sglang_buffers(src: EnginePools, tables: dict, layout: dict, num_tokens: int,
+                    rows: dict[int, int] | None = None) -> dict[str, np.ndarray]:
     """SGLang's prefill buffers holding the request ``tables`` addresses in ``src``, at the page ids
-    SGLang's allocators hand it, and its metadata row."""
+    SGLang's allocators hand it, and its metadata row (``rows``: metadata row -> room)."""
     from kvbridge.adapters.sglang import metadata_row, pd_layout
 
     lay = pd_layout(src)
@@ -189,8 +190,9 @@ def _sglang_buffers(src: EnginePools, tables: dict, layout: dict, num_tokens: in
             put(f"state0_{i}", spec, tables["swa"][first + k], d)
     for i, spec in enumerate(lay.request_state):
         put(f"state1_{i}", spec, tables["state128"][0], PREFILL_SLOT)
-    for i, b in enumerate(metadata_row(ROOM, FIRST_TOKEN)):
-        out[f"aux{i}"][PREFILL_AUX * len(b) : (PREFILL_AUX + 1) * len(b)] = np.frombuffer(b, np.uint8)
+    for row, room in (rows or {PREFILL_AUX: ROOM}).items():
+        for i, b in enumerate(metadata_row(room, FIRST_TOKEN + row)):
+            out[f"aux{i}"][row * len(b) : (row + 1) * len(b)] = np.frombuffer(b, np.uint8)
     return out
 
 
@@ -233,7 +235,7 @@ def test_sglang_prefill_sends_exact_bytes_to_kvbridge(request_pools, tmp_path):
     finally:
         _stop(proc)
     assert result["result"] == "Success", result  # SGLang's sender reached KVPoll.Success
-    assert (req.room, req.num_tokens, req.first_token) == (ROOM, TOKENS, FIRST_TOKEN)
+    assert (req.room, req.num_tokens, req.first_token) == (ROOM, TOKENS, FIRST_TOKEN + PREFILL_AUX)
     assert req.prefill["page_size"] == 256 and req.prefill["kv_layout"] == "v4,c4:v4,c128:v4"
     assert {k: len(v) for k, v in req.tables.items()} == {"full": 4, "swa": 5, "state128": 1}
     assert req.pages == {"full": 5, "swa": 2, "state128": 1}  # what SGLang wrote: 5 KV pages (the last
@@ -277,6 +279,34 @@ def test_sglang_prefill_sends_exact_bytes_to_kvbridge(request_pools, tmp_path):
                               include_mtp=False)
     with pytest.raises(InputError, match="positional bias"):
         peer.migrate(req, vllm)
+
+
+def test_one_peer_receives_requests_in_turn(request_pools, tmp_path):
+    """Three requests (rooms) from the same prefill through one peer: one registration, each request
+    in pages of its own, each byte-exact, its metadata row naming its room."""
+    _need_sglang()
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+
+    src, src_tables = request_pools
+    rows = {2: ROOM, 3: ROOM + 1, 0: ROOM + 2}
+    dst = EnginePools.create("sglang", MODEL, {"full": 16, "swa": 16, "state128": 4}, include_mtp=False, seed=3)
+    proc, next_line, layout = _prefill({"requests": [{"room": r, "aux_index": a} for a, r in rows.items()]},
+                                       tmp_path, lambda lay: _sglang_buffers(src, src_tables, lay, TOKENS, rows))
+    plan = plan_migration("sglang", "sglang", MODEL, TOKENS, include_mtp=False)
+    want = _records(src, src_tables, plan)
+    try:
+        with SGLangDecodePeer(dst, timeout=45) as peer:
+            reqs = [peer.receive(layout["bootstrap_addr"], room, TOKENS) for room in rows.values()]
+            assert len(peer._registered) == 1
+        result = _until_result(next_line)
+    finally:
+        _stop(proc)
+    assert result["result"] == "Success" and len(result["seconds"]) == 3, result
+    assert [(r.room, r.first_token) for r in reqs] == [(room, FIRST_TOKEN + a) for a, room in rows.items()]
+    held = [p for r in reqs for p in r.tables["full"]]
+    assert len(held) == len(set(held)) == 12
+    for r in reqs:
+        assert _records(dst, r.tables, plan) == want
 
 
 @pytest.mark.parametrize("dst_engine", ["trtllm", "vllm"])
@@ -402,7 +432,7 @@ def test_cli_receives_converts_and_writes_a_dump(tmp_path):
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert result["result"] == "Success", result
     summary = json.loads(cli.stdout)
-    assert (summary["room"], summary["first_token"], summary["kv_layout"]) == (ROOM, FIRST_TOKEN, "v4")
+    assert (summary["room"], summary["first_token"], summary["kv_layout"]) == (ROOM, FIRST_TOKEN + PREFILL_AUX, "v4")
     assert summary["converted"]["engine"].startswith("trtllm") and summary["out"] == str(out)
     conv = plan_migration("sglang", "trtllm", model, TOKENS, include_mtp=False)
     direct = destination_pools(conv)

@@ -108,9 +108,11 @@ def test_registration_and_page_id_messages():
     assert int(sent[0][17]) == 6  # dst_num_slots: pages of every KV buffer
     assert _unpack_lists(sent[0][24], "Q") == [[6 * n for n in lay.state_item_lens[0]], [2 * 524288]]
     tables = {"full": [3, 0, 5, 1, 2], "swa": [-1, -1, -1, 4, 2], "state128": [1]}
-    info = TransferInfo.parse(peer._metadata_message(77, tables, 3, 3)[1:])
+    info = TransferInfo.parse(peer._metadata_message(77, tables, 3, 3, True)[1:])
     assert (info.room, info.kv_pages, info.aux_index, info.required, info.state_indices, info.prefix_len,
             info.dummy) == (77, [3, 0, 5, 1, 2], 3, 1, [[4, 2], [1]], 0, False)
+    # at a 128-token boundary nothing pends in the ratio-128 ring: SGLang's decode sends no slot
+    assert TransferInfo.parse(peer._metadata_message(77, tables, 3, 3, False)[1:]).state_indices == [[4, 2], []]
 
 
 def _prefill(cfg: dict, tmp_path: Path, fill_for) -> tuple[subprocess.Popen, callable, dict]:
@@ -166,9 +168,11 @@ def _until_result(next_line) -> dict:
 
 
 def _sglang_buffers(src: EnginePools, tables: dict, layout: dict, num_tokens: int,
-                    rows: dict[int, int] | None = None) -> dict[str, np.ndarray]:
+                    rows: dict[int, int] | None = None, kv_pages: list[int] = PREFILL_KV_PAGES,
+                    swa_pages: list[int] = PREFILL_SWA_PAGES) -> dict[str, np.ndarray]:
     """SGLang's prefill buffers holding the request ``tables`` addresses in ``src``, at the page ids
-    SGLang's allocators hand it, and its metadata row (``rows``: metadata row -> room)."""
+    SGLang's allocators hand it (``kv_pages``, ``swa_pages``), and its metadata row (``rows``:
+    metadata row -> room)."""
     from kvbridge.adapters.sglang import metadata_row, pd_layout
 
     lay = pd_layout(src)
@@ -183,10 +187,10 @@ def _sglang_buffers(src: EnginePools, tables: dict, layout: dict, num_tokens: in
 
     for i, spec in enumerate(lay.kv):
         for j, p in enumerate(tables["full"]):
-            put(f"kv{i}", spec, p, PREFILL_KV_PAGES[j])
+            put(f"kv{i}", spec, p, kv_pages[j])
     first = max(0, num_tokens - src.model.sliding_window) // 256
     for i, spec in enumerate(lay.swa_state):
-        for k, d in enumerate(PREFILL_SWA_PAGES):
+        for k, d in enumerate(swa_pages):
             put(f"state0_{i}", spec, tables["swa"][first + k], d)
     for i, spec in enumerate(lay.request_state):
         put(f"state1_{i}", spec, tables["state128"][0], PREFILL_SLOT)
@@ -307,6 +311,32 @@ def test_one_peer_receives_requests_in_turn(request_pools, tmp_path):
     assert len(held) == len(set(held)) == 12
     for r in reqs:
         assert _records(dst, r.tables, plan) == want
+
+
+def test_a_request_at_a_ratio_128_boundary(tmp_path):
+    """4,096 tokens: no ratio-128 row pends, so no ring travels (SGLang's rule on both sides); the
+    16 KV pages, the window's SWA page and the ratio-4 rings arrive byte-exact."""
+    _need_sglang()
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+
+    tokens = 4096
+    plan = plan_migration("sglang", "sglang", MODEL, tokens, include_mtp=False)
+    src, src_tables = source_request(plan, seed=8)
+    kv_pages, swa_pages = list(range(1, 17)), [16]
+    dst = EnginePools.create("sglang", MODEL, {"full": 20, "swa": 20, "state128": 2}, include_mtp=False, seed=4)
+    cfg = {"num_tokens": tokens, "pages": 20, "swa_pages": 20, "kv_page_ids": kv_pages, "swa_page_ids": swa_pages}
+
+    proc, next_line, layout = _prefill(cfg, tmp_path, lambda lay: _sglang_buffers(
+        src, src_tables, lay, tokens, kv_pages=kv_pages, swa_pages=swa_pages))
+    try:
+        with SGLangDecodePeer(dst, timeout=45) as peer:
+            req = peer.receive(layout["bootstrap_addr"], ROOM, tokens)
+        result = _until_result(next_line)
+    finally:
+        _stop(proc)
+    assert result["result"] == "Success", result
+    assert req.pages == {"full": 16, "swa": 1, "state128": 0} and len(req.tables["state128"]) == 1
+    assert _records(dst, req.tables, plan) == _records(src, src_tables, plan)
 
 
 @pytest.mark.parametrize("dst_engine", ["trtllm", "vllm"])

@@ -231,7 +231,8 @@ class SGLangDecodePeer:
         first_swa = max(0, num_tokens - self.pools.model.sliding_window) // page
         lengths = {"swa": num_pages, **({"full": num_pages} if lay.kv else {})}
         if lay.request_state:
-            lengths["state128"] = 1 if num_tokens % 128 else 0  # nothing pends at a 128-token boundary
+            lengths["state128"] = 1  # the request's ring; SGLang sends it only when a block pends
+        ring = bool(lay.request_state) and num_tokens % 128 != 0
         want, released = plan.table_lengths("dst"), plan.released("dst")
         if want.get("swa", 0) != num_pages or released.get("swa", 0) != first_swa or want.get("full", 0) > num_pages:
             raise MigrationError(f"{self.pools.profile.spec} holds {want} pages ({released} released) for "
@@ -249,7 +250,7 @@ class SGLangDecodePeer:
         t0 = time.perf_counter()
         try:
             self._register(target)
-            self._send(target, self._metadata_message(room, tables, aux_index, first_swa))
+            self._send(target, self._metadata_message(room, tables, aux_index, first_swa, ring))
             sent = True
             self._progress(waiter, deadline)
             if waiter.status is None:
@@ -264,12 +265,14 @@ class SGLangDecodePeer:
             if meta_room != room:
                 raise TransferError(f"room {room}: the metadata row names room {meta_room}: corrupted or another "
                                     "request's row")
-            written = self._written(tables, first_swa)
+            pages = {k: len([i for i in v if i >= 0]) for k, v in tables.items()}
+            if not ring and lay.request_state:  # no live ratio-128 rows: the ring was not sent
+                pages["state128"] = 0
+                self._scrub({"state128": tables["state128"]})
             kept = {name: ids[: want.get(name, 0)] for name, ids in tables.items()}
             self.pools.release({name: ids[len(kept[name]):] for name, ids in tables.items()})
             ok = True
-            return SGLangRequest(room, num_tokens, first_token, kept, sum(written.values()),
-                                 {k: len([i for i in v if i >= 0]) for k, v in tables.items()}, seconds, info)
+            return SGLangRequest(room, num_tokens, first_token, kept, self._written(pages), pages, seconds, info)
         finally:
             with self._lock:
                 self._waiters.pop(room, None)
@@ -401,11 +404,12 @@ class SGLangDecodePeer:
         self._send(target, frames)
         self._registered.add(target)
 
-    def _metadata_message(self, room: int, tables: RequestTables, aux_index: int, first_swa: int) -> list[bytes]:
+    def _metadata_message(self, room: int, tables: RequestTables, aux_index: int, first_swa: int,
+                          ring: bool) -> list[bytes]:
         lay = self.layout
         state = [tables["swa"][first_swa:]]
         if lay.request_state:
-            state.append(list(tables["state128"]))
+            state.append(list(tables["state128"]) if ring else [])
         assert self._agent is not None
         return [GUARD, str(room).encode(), self.ip.encode(), str(self.rank_port).encode(), self._agent.name.encode(),
                 # without compressed layers there are no KV buffers: the page ids address nothing
@@ -442,15 +446,13 @@ class SGLangDecodePeer:
         room = int(np.frombuffer(self._aux[-1][aux_index].numpy().tobytes()[:8], "<u8")[0])
         return first, room
 
-    def _written(self, tables: RequestTables, first_swa: int) -> dict[str, int]:
+    def _written(self, pages: dict[str, int]) -> int:
+        """Bytes the prefill wrote for ``pages`` (pages per block table) and one metadata row."""
         lay = self.layout
-        n_full = len(tables.get("full", []))
-        n_swa = len(tables["swa"]) - first_swa
-        out = {"kv": n_full * sum(lay.kv_item_lens), "swa": n_swa * sum(lay.state_item_lens[0]),
-               "metadata": sum(metadata_item_lens(self.hidden_state_bytes))}
+        total = pages.get("full", 0) * sum(lay.kv_item_lens) + pages["swa"] * sum(lay.state_item_lens[0])
         if lay.request_state:
-            out["state128"] = len(tables["state128"]) * sum(lay.state_item_lens[1])
-        return out
+            total += pages.get("state128", 0) * sum(lay.state_item_lens[1])
+        return total + sum(metadata_item_lens(self.hidden_state_bytes))
 
     def _scrub(self, tables: RequestTables) -> None:
         """Zero every page of a request that did not arrive whole."""

@@ -28,6 +28,7 @@ COMMANDS = {
     "accuracy": ("accuracy_cmd", "Accuracy study: per-tensor FP8 against per-tile MODEL1."),
     "bench": ("bench_cmd", "Throughput of transcode/encode/decode against a memory copy."),
     "serve-sglang-prefill": ("adapter_sglang_cmd", "Be the prefill server of an SGLang decode (PD over NIXL)."),
+    "sglang-decode": ("adapter_sglang_decode_cmd", "Be the decode server of an SGLang prefill (PD over NIXL)."),
     "vllm-config": ("adapter_vllm_cmd", "Print vLLM's --kv-transfer-config for the kvbridge connector."),
 }
 

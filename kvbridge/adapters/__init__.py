@@ -4,5 +4,7 @@
   slot ids as ``EnginePools`` and block tables.
 - ``kvbridge.adapters.sglang``: a prefill peer an unmodified SGLang decode accepts (bootstrap
   route, ZMQ registration, NIXL writes into the decode's buffers).
+- ``kvbridge.adapters.sglang_decode``: the mirror, a decode peer an unmodified SGLang prefill sends
+  requests to (bootstrap query, registration and page ids, NIXL writes into kvbridge's pools).
 - ``kvbridge.adapters.vllm``: a KV connector vLLM loads by module path (consumer and producer).
 """

@@ -1,0 +1,470 @@
+"""A decode peer that an unmodified SGLang 0.5.23 prefill engine accepts (``--disaggregation-mode prefill
+--disaggregation-transfer-backend nixl``): the mirror image of ``kvbridge.adapters.sglang``.
+
+kvbridge does what an SGLang decode does for one request ("room"), and the prefill cannot tell it
+from one:
+
+1. bootstrap: ``GET /route`` on the prefill's bootstrap server (the one the prefill registered with)
+   for its topology (``PrefillServerInfo``). kvbridge refuses, with a one-line ``MigrationError``,
+   a prefill whose page size, KV-cache dtype or layout string (e.g. ``v4,c4:v4,c128:v4``) is not the
+   one of its own pools, as SGLang's decode does; then it asks for rank 0's ZMQ endpoint;
+2. it pushes, over ZMQ, a registration (its NIXL agent metadata, the base address and item length
+   of every buffer, in the order of SGLang's ``DeepSeekV4TokenToKVPool`` buffer infos, and of its
+   metadata buffers) and the request's page ids: full-token KV pages, the SWA pages of the window
+   (they also address the ratio-4 compressor-state rings), the request-state slot of the ratio-128
+   ring, and its metadata-row index. The prefill checks that each state buffer's item length is
+   its own (another state dtype is refused there, with SGLang's reason);
+3. the prefill NIXL-WRITEs the pages into kvbridge's registered pools and the metadata row, then
+   pushes ``KV_STATUS``; on Success kvbridge checks the room recorded in the row and hands back the
+   request's block tables in its ``EnginePools`` (an SGLang profile), ready for
+   ``kvbridge.migration.migrate_local`` into any engine's pools (``SGLangDecodePeer.migrate``).
+   On Failed the request's pages are zeroed and released (SGLang reports Failed once its writes
+   settled); on a timeout they are zeroed and kept out of use (``quarantined``), as writes may
+   still land. Nothing half-written looks like a request.
+
+Limits of this version: a prefill with attention TP/CP/PP/DP of 1 (one rank), no MTP/draft layers,
+no decode-side prefix cache, metadata rows without the sampling-mask, DSA top-k and KV checksum
+buffers. SGLang's prefill addresses the decode's SWA and state buffers (components ``swa`` and
+``c128_state``) as GPU memory (``VRAM``) whatever kind the decode registered; kvbridge's pools are
+registered as host memory (``DRAM``), for which NIXL finds no GPU-memory descriptor
+(``NIXL_ERR_NOT_FOUND``): a CUDA prefill fails the request with that reason (the compressed KV and
+metadata writes use the announced kind).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbridge.adapters.sglang import (
+    GUARD,
+    HIDDEN_STATE_BYTES,
+    KV_STATUS,
+    POLL_FAILED,
+    POLL_SUCCESS,
+    SGLangPDLayout,
+    _local_ip,
+    _pack_lists,
+    metadata_item_lens,
+    pd_layout,
+)
+from kvbridge.errors import InputError
+from kvbridge.migration.execute import MigrationError, MigrationReport, TransferError, migrate_local
+from kvbridge.migration.nixl import _Agent
+from kvbridge.migration.plan import MigrationPlan, plan_migration
+from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
+from kvbridge.topology import CacheSpec
+
+#: Rows of metadata buffers the peer registers (requests it can hold in flight at once).
+AUX_ROWS = 8
+
+
+@dataclass
+class SGLangRequest:
+    """One request received from an SGLang prefill, held in the peer's pools at ``tables``."""
+
+    room: int
+    num_tokens: int
+    first_token: int  # the token id the prefill sampled (metadata row, output ids)
+    tables: RequestTables
+    bytes: int  # bytes the prefill wrote: KV pages, SWA pages and state rings, metadata row
+    pages: dict[str, int]  # pages the prefill wrote per block table
+    seconds: float  # from sending the page ids to the prefill's Success
+    prefill: dict[str, Any] = field(default_factory=dict)  # its PrefillServerInfo, as served
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"room": self.room, "num_tokens": self.num_tokens, "first_token": self.first_token,
+                "tables": {k: list(v) for k, v in self.tables.items()}, "bytes": self.bytes,
+                "pages": dict(self.pages), "seconds": self.seconds, "prefill": dict(self.prefill)}
+
+
+@dataclass
+class _Waiter:
+    done: threading.Event = field(default_factory=threading.Event)
+    status: int | None = None
+    reason: str = ""
+
+
+def _get_json(url: str, what: str) -> tuple[int, Any]:
+    """(HTTP status, parsed body or text) of ``GET url``; raises ``OSError`` when unreachable."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            body = r.read().decode(errors="replace")
+            return r.status, json.loads(body)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")[:300]
+    except json.JSONDecodeError:
+        raise TransferError(f"{what} answered with something that is not JSON") from None
+
+
+class SGLangDecodePeer:
+    """kvbridge as the decode server of an SGLang prefill (see the module docstring).
+
+    ``pools``: SGLang-profile pools the requests land in (their tensors are moved to shared memory,
+    in place, for the NIXL agent process); their profile must be the prefill's (page size, state
+    dtype, indexer format). ``aux_rows``: metadata rows (requests in flight at once).
+    ``hidden_state_bytes``: bytes per row of the hidden-state metadata buffer, as the prefill's
+    (64 without speculative decoding that carries draft hidden states). ``kv_cache_dtype``: the
+    prefill's ``--kv-cache-dtype`` (DeepSeek-V4 resolves ``auto`` to ``fp8_e4m3``). ``timeout``:
+    seconds one request may take, bootstrap included.
+    """
+
+    def __init__(self, pools: EnginePools, *, aux_rows: int = AUX_ROWS, hidden_state_bytes: int = HIDDEN_STATE_BYTES,
+                 host: str = "127.0.0.1", kv_cache_dtype: str = "fp8_e4m3", timeout: float = 60.0):
+        if not isinstance(pools, EnginePools):
+            raise InputError(f"pools must be EnginePools, got {type(pools).__name__}")
+        for name, v in (("aux_rows", aux_rows), ("hidden_state_bytes", hidden_state_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InputError(f"{name} must be a positive integer, got {v!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.pools, self.layout = pools, pd_layout(pools)
+        self.aux_rows, self.hidden_state_bytes = aux_rows, hidden_state_bytes
+        self.host, self.kv_cache_dtype, self.timeout = host, kv_cache_dtype, float(timeout)
+        self._lock = threading.Lock()
+        self._waiters: dict[int, _Waiter] = {}
+        self._registered: set[tuple[str, int]] = set()
+        self._free_aux = list(range(aux_rows - 1, -1, -1))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._agent: _Agent | None = None
+        self._zmq: Any = None
+        self._push: dict[tuple[str, int], Any] = {}
+        #: Block tables of requests that timed out mid-transfer: zeroed, but kept out of the free
+        #: lists, as the prefill may still write into them.
+        self.quarantined: list[RequestTables] = []
+        self.ip = ""
+        self.rank_port = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> SGLangDecodePeer:
+        """Start the NIXL agent (registering every pool and metadata buffer) and the status endpoint."""
+        try:
+            import zmq  # noqa: F401
+        except ImportError:
+            raise InputError("the SGLang peer needs pyzmq: pip install 'kvbridge[sglang-pd]'") from None
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        import zmq
+
+        self.ip = _local_ip(self.host)
+        self._zmq = zmq.Context()
+        pull = self._zmq.socket(zmq.PULL)
+        self.rank_port = pull.bind_to_random_port(f"tcp://{self.ip}")
+        self._agent = _Agent(f"kvbridge-sglang-decode-{uuid.uuid4().hex[:12]}")
+        lay = self.layout
+        self._ptrs: dict[tuple[int, Any], int] = {}
+        for spec in (*lay.kv, *lay.swa_state, *lay.request_state):
+            (t,) = pool_tensors(self.pools.pool(spec))
+            t.share_memory_()
+            self._ptrs[(spec.layer, spec.role)] = self._agent.register(f"{spec.layer}.{spec.role.value}", t)
+        self._aux = [torch.zeros(self.aux_rows, n, dtype=torch.uint8).share_memory_()
+                     for n in metadata_item_lens(self.hidden_state_bytes)]
+        self._aux_ptrs = [self._agent.register(f"aux{i}", t) for i, t in enumerate(self._aux)]
+        self._metadata = self._agent.call("reading the NIXL agent metadata", "metadata")
+        self._thread = threading.Thread(target=self._listen, args=(pull,), daemon=True,
+                                        name="kvbridge-sglang-decode-status")
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop; requests still waiting fail with ``TransferError``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
+        with self._lock:
+            for w in self._waiters.values():
+                w.done.set()
+
+    def __enter__(self) -> SGLangDecodePeer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- the request -----------------------------------------------------------------------------
+
+    def receive(self, bootstrap_addr: str, room: int, num_tokens: int) -> SGLangRequest:
+        """Fetch request ``room`` (its ``bootstrap_room``) of ``num_tokens`` prompt tokens from the SGLang
+        prefill whose bootstrap server is ``bootstrap_addr`` (``host:port``); blocks until it arrived.
+        Release the returned request's pages with ``release`` once done with them."""
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63:
+            raise InputError(f"room must be a 63-bit non-negative integer, got {room!r}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise InputError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+        if not isinstance(bootstrap_addr, str) or ":" not in bootstrap_addr:
+            raise InputError(f"bootstrap_addr must be 'host:port', got {bootstrap_addr!r}")
+        if self._agent is None:
+            raise InputError("start the peer first (SGLangDecodePeer.start or a with block)")
+        deadline = time.monotonic() + self.timeout
+        info = self._prefill_info(bootstrap_addr, deadline)
+        rank = self._rank(bootstrap_addr)
+        target = (str(rank["rank_ip"]), int(rank["rank_port"]))
+        plan = plan_migration(self.pools.profile, self.pools.profile, self.pools.model, num_tokens, include_mtp=False)
+        page, lay = self.layout.page_size, self.layout
+        num_pages = math.ceil(num_tokens / page)
+        first_swa = max(0, num_tokens - self.pools.model.sliding_window) // page
+        lengths = {"swa": num_pages, **({"full": num_pages} if lay.kv else {})}
+        if lay.request_state:
+            lengths["state128"] = 1  # the request's ring; SGLang sends it only when a block pends
+        ring = bool(lay.request_state) and num_tokens % 128 != 0
+        want, released = plan.table_lengths("dst"), plan.released("dst")
+        if want.get("swa", 0) != num_pages or released.get("swa", 0) != first_swa or want.get("full", 0) > num_pages:
+            raise MigrationError(f"{self.pools.profile.spec} holds {want} pages ({released} released) for "
+                                 f"{num_tokens} tokens, SGLang's prefill sends {num_pages} KV pages and SWA pages "
+                                 f"from {first_swa}: this profile does not match SGLang's PD rule")
+        with self._lock:
+            if room in self._waiters:
+                raise InputError(f"room {room} is already being received")
+            if not self._free_aux:
+                raise InputError(f"all {self.aux_rows} metadata rows are in use (aux_rows)")
+            tables = self.pools.claim(lengths, {"swa": first_swa})
+            aux_index = self._free_aux.pop()
+            waiter = self._waiters[room] = _Waiter()
+        ok = sent = False
+        t0 = time.perf_counter()
+        try:
+            self._register(target)
+            self._send(target, self._metadata_message(room, tables, aux_index, first_swa, ring))
+            sent = True
+            self._progress(waiter, deadline)
+            if waiter.status is None:
+                raise TransferError(f"room {room}: the SGLang prefill at {bootstrap_addr} did not finish the transfer "
+                                    f"within {self.timeout:.0f} s" if not self._stop.is_set() else
+                                    f"room {room}: the peer was closed")
+            seconds = time.perf_counter() - t0
+            if waiter.status != POLL_SUCCESS:
+                raise TransferError(f"room {room}: the SGLang prefill failed the transfer: "
+                                    f"{waiter.reason or 'no reason given'}")
+            first_token, meta_room = self._read_row(aux_index)
+            if meta_room != room:
+                raise TransferError(f"room {room}: the metadata row names room {meta_room}: corrupted or another "
+                                    "request's row")
+            pages = {k: len([i for i in v if i >= 0]) for k, v in tables.items()}
+            if not ring and lay.request_state:  # no live ratio-128 rows: the ring was not sent
+                pages["state128"] = 0
+                self._scrub({"state128": tables["state128"]})
+            kept = {name: ids[: want.get(name, 0)] for name, ids in tables.items()}
+            self.pools.release({name: ids[len(kept[name]):] for name, ids in tables.items()})
+            ok = True
+            return SGLangRequest(room, num_tokens, first_token, kept, self._written(pages), pages, seconds, info)
+        finally:
+            with self._lock:
+                self._waiters.pop(room, None)
+                for t in self._aux:
+                    t[aux_index].zero_()
+                settled = ok or not sent or waiter.status is not None  # the prefill reports after its writes
+                if settled:
+                    self._free_aux.append(aux_index)
+                if not ok:
+                    self._scrub(tables)
+                    if settled:
+                        self.pools.release(tables)
+                    else:  # writes may still land: keep the pages (and the row) out of use
+                        self.quarantined.append(tables)
+
+    def _progress(self, waiter: _Waiter, deadline: float) -> None:
+        """Drive the NIXL agent until the prefill's status arrives: the prefill connects to it and
+        writes, and an agent without a progress thread answers only while it is polled."""
+        while not waiter.done.is_set() and time.monotonic() < deadline:
+            agent = self._agent
+            if agent is None:  # closed
+                return
+            agent.call("waiting for the SGLang prefill's writes", "notifs", 0.005)
+
+    def release(self, request: SGLangRequest) -> None:
+        """Return a received request's pages to the pools' free lists."""
+        self.pools.release(request.tables)
+
+    def migrate(self, request: SGLangRequest, dst: EnginePools, *, plan: MigrationPlan | None = None,
+                loss_report: bool = False) -> tuple[RequestTables, MigrationReport]:
+        """Convert a received request into ``dst`` (any engine's pools, ``migrate_local``); returns its
+        block tables there. The planner refuses, with its reason, what kvbridge cannot write exactly:
+        SGLang's compressor state (scores without the positional bias) into vLLM or TensorRT-LLM, so
+        a model with compressed layers moves only between SGLang profiles."""
+        if plan is None:
+            plan = plan_migration(self.pools.profile, dst.profile, self.pools.model, request.num_tokens,
+                                  include_mtp=False)
+        return migrate_local(plan, self.pools, request.tables, dst, loss_report=loss_report)
+
+    # -- bootstrap -------------------------------------------------------------------------------
+
+    def _prefill_info(self, addr: str, deadline: float) -> dict[str, Any]:
+        url = f"http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+        while True:
+            try:
+                code, body = _get_json(url, f"the SGLang bootstrap server {addr}")
+            except OSError as exc:
+                code, body = None, str(getattr(exc, "reason", exc))
+            if code == 200 and isinstance(body, dict):
+                break
+            if code not in (None, 503) or time.monotonic() > deadline:
+                raise TransferError(f"the SGLang bootstrap server {addr} did not describe its prefill "
+                                    f"({code or 'unreachable'}: {str(body)[:200]})")
+            time.sleep(0.2)
+        self._check_prefill(addr, body)
+        return body
+
+    def _check_prefill(self, addr: str, info: dict[str, Any]) -> None:
+        """SGLang's decode-side handshake checks, plus what this peer serves (one prefill rank)."""
+        lay = self.layout
+        if info.get("page_size") is not None and int(info["page_size"]) != lay.page_size:
+            raise MigrationError(f"the SGLang prefill at {addr} has page_size={info['page_size']}, kvbridge's "
+                                 f"{self.pools.profile.spec} pools {lay.page_size}: page size mismatch")
+        if info.get("kv_cache_dtype") is not None and info["kv_cache_dtype"] != self.kv_cache_dtype:
+            raise MigrationError(f"the SGLang prefill at {addr} has kv_cache_dtype={info['kv_cache_dtype']}, "
+                                 f"kvbridge expects {self.kv_cache_dtype}: KV cache dtype mismatch")
+        if info.get("kv_layout") is not None and info["kv_layout"] != lay.kv_layout:
+            raise MigrationError(f"the SGLang prefill at {addr} has kv_layout={info['kv_layout']}, kvbridge's "
+                                 f"{self.pools.model.name} pools {lay.kv_layout}: KV layout mismatch")
+        if info.get("dsv41_spec_layout") is not None:
+            raise MigrationError(f"the SGLang prefill at {addr} runs a DeepSeek-V4.1 DSpark layout, which this peer "
+                                 "does not serve")
+        sizes = {k: int(info.get(k, 1)) for k in ("attn_tp_size", "attn_cp_size", "pp_size", "dp_size")}
+        if any(v != 1 for v in sizes.values()):
+            raise MigrationError(f"the SGLang prefill at {addr} runs {sizes}; kvbridge's decode peer pairs with one "
+                                 "prefill rank (all 1)")
+        if info.get("decode_allocation_policy", "early") != "early":
+            raise MigrationError(f"the SGLang prefill at {addr} uses decode allocation policy "
+                                 f"{info['decode_allocation_policy']!r}; kvbridge allocates early")
+
+    def _rank(self, addr: str) -> dict[str, Any]:
+        url = f"http://{addr}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+        try:
+            code, body = _get_json(url, f"the SGLang bootstrap server {addr}")
+        except OSError as exc:
+            raise TransferError(f"cannot reach the SGLang bootstrap server {addr}: "
+                                f"{getattr(exc, 'reason', exc)}") from None
+        if code != 200 or not isinstance(body, dict) or "rank_ip" not in body or "rank_port" not in body:
+            raise TransferError(f"the SGLang bootstrap server {addr} has no prefill rank 0 ({code}: {str(body)[:200]})")
+        return body
+
+    # -- wire ------------------------------------------------------------------------------------
+
+    def _send(self, target: tuple[str, int], frames: list[bytes]) -> None:
+        import zmq
+
+        with self._lock:
+            sock = self._push.get(target)
+            if sock is None:
+                sock = self._zmq.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDTIMEO, 5000)
+                sock.connect(f"tcp://{target[0]}:{target[1]}")
+                self._push[target] = sock
+            try:
+                sock.send_multipart(frames)
+            except zmq.ZMQError as exc:
+                raise TransferError(f"cannot reach the SGLang prefill rank {target[0]}:{target[1]}: {exc}") from None
+
+    def _register(self, target: tuple[str, int]) -> None:
+        """Announce the agent and every buffer once per prefill rank (SGLang's registration frames)."""
+        if target in self._registered:
+            return
+        assert self._agent is not None
+        lay, pools = self.layout, self.pools
+        kv_ptrs = [self._ptrs[(s.layer, s.role)] for s in lay.kv]
+        groups = [g for g in (lay.swa_state, lay.request_state) if g]
+        state_ptrs = [[self._ptrs[(s.layer, s.role)] for s in g] for g in groups]
+        state_lens = [[pool_tensors(pools.pool(s))[0].numel() for s in g] for g in groups]
+        num_slots = min((pool_tensors(pools.pool(s))[0].shape[0] for s in lay.kv), default=0)
+        q = lambda xs: struct.pack(f"<{len(xs)}Q", *xs)  # noqa: E731
+        frames = [GUARD, b"None", self.ip.encode(), str(self.rank_port).encode(), self._agent.name.encode(),
+                  self._metadata, q(kv_ptrs), q(self._aux_ptrs), _pack_lists(state_ptrs, "Q"), b"0", b"1", b"0",
+                  str(lay.kv_item_lens[0] if lay.kv_item_lens else 0).encode(),
+                  _pack_lists([list(x) for x in lay.state_item_lens], "I"), _pack_lists([[] for _ in groups], "I"),
+                  b"", b"", str(num_slots).encode(), ",".join(["DRAM"] * len(kv_ptrs)).encode(),
+                  q(list(lay.kv_item_lens)), _pack_lists([[] for _ in groups], "I"), b"", b"1", b"0",
+                  _pack_lists(state_lens, "Q")]
+        self._send(target, frames)
+        self._registered.add(target)
+
+    def _metadata_message(self, room: int, tables: RequestTables, aux_index: int, first_swa: int,
+                          ring: bool) -> list[bytes]:
+        lay = self.layout
+        state = [tables["swa"][first_swa:]]
+        if lay.request_state:
+            state.append(list(tables["state128"]) if ring else [])
+        assert self._agent is not None
+        return [GUARD, str(room).encode(), self.ip.encode(), str(self.rank_port).encode(), self._agent.name.encode(),
+                # without compressed layers there are no KV buffers: the page ids address nothing
+                np.asarray(tables.get("full", range(len(tables["swa"]))), dtype="<i4").tobytes(),
+                str(aux_index).encode(), b"1",
+                _pack_lists(state, "i"), b"0", b"0"]
+
+    def _listen(self, pull: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                if not pull.poll(100):
+                    continue
+                msg = pull.recv_multipart()
+            except Exception:  # context destroyed by close()
+                return
+            if len(msg) < 4 or msg[0] != KV_STATUS:
+                continue  # staging / abort-ack traffic: not used by this peer
+            try:
+                room, status = int(msg[1]), int(msg[2])
+            except ValueError:
+                continue
+            reason = msg[4].decode(errors="replace") if len(msg) > 4 else ""
+            with self._lock:
+                w = self._waiters.get(room)
+            if w is not None and status in (POLL_SUCCESS, POLL_FAILED):
+                w.status, w.reason = status, reason
+                w.done.set()
+
+    # -- received bytes --------------------------------------------------------------------------
+
+    def _read_row(self, aux_index: int) -> tuple[int, int]:
+        """(first output token, bootstrap room) of metadata row ``aux_index``."""
+        first = int(np.frombuffer(self._aux[0][aux_index].numpy().tobytes()[:4], "<i4")[0])
+        room = int(np.frombuffer(self._aux[-1][aux_index].numpy().tobytes()[:8], "<u8")[0])
+        return first, room
+
+    def _written(self, pages: dict[str, int]) -> int:
+        """Bytes the prefill wrote for ``pages`` (pages per block table) and one metadata row."""
+        lay = self.layout
+        total = pages.get("full", 0) * sum(lay.kv_item_lens) + pages["swa"] * sum(lay.state_item_lens[0])
+        if lay.request_state:
+            total += pages.get("state128", 0) * sum(lay.state_item_lens[1])
+        return total + sum(metadata_item_lens(self.hidden_state_bytes))
+
+    def _scrub(self, tables: RequestTables) -> None:
+        """Zero every page of a request that did not arrive whole."""
+        for spec in self._specs():
+            ids = [i for i in tables.get(self.pools.storage(spec).table, []) if i >= 0]
+            if ids:
+                for t in pool_tensors(self.pools.pool(spec)):
+                    t[ids] = 0
+
+    def _specs(self) -> Sequence[CacheSpec]:
+        lay: SGLangPDLayout = self.layout
+        return (*lay.kv, *lay.swa_state, *lay.request_state)
+
+
+__all__ = ["AUX_ROWS", "SGLangDecodePeer", "SGLangRequest"]

@@ -1,0 +1,215 @@
+"""An SGLang 0.5.23 prefill engine's PD side, run in the SGLang environment (not kvbridge's).
+
+Run by ``tests/test_adapter_sglang_decode.py`` with the SGLang venv's python. It builds SGLang's own
+objects the way its prefill scheduler does, on CPU: a ``DeepSeekV4TokenToKVPool``, ``MetadataBuffers``,
+the ``KVArgs`` filled by SGLang's ``get_kv_transfer_buf_infos`` / ``setup_state_kv_args`` /
+``get_pd_kv_layout`` (KV and metadata buffers registered as DRAM), SGLang's ``NixlKVBootstrapServer``
+(a prefill server runs it), a ``NixlKVManager`` in prefill mode (it registers itself with that
+bootstrap server) and one ``NixlKVSender`` for the request.
+
+Protocol (JSON lines): one config object on stdin (see ``run``); the script answers
+``{"event": "layout", ...}`` (SGLang's buffer list: item lengths, buffer sizes, layer ids), then reads
+one line ``{"fill": path}``: a ``numpy.savez`` of uint8 arrays ``kv<i>``, ``state<c>_<i>``, ``aux<i>``,
+each the whole content of that buffer, which it copies into SGLang's buffers by address (what the
+prefill's forward pass and ``MetadataBuffers.set_buf`` would have written). It then answers
+``{"event": "ready", "bootstrap_addr": ...}``, waits for a decode to send the request's page ids
+(``KVPoll.WaitingForInput``), sends the request as SGLang's prefill scheduler does
+(``sender.send(page_indices, state_indices)``; ``"requests"`` serves several rooms in turn) and
+ends with ``{"result": "Success" | "Failed" | "timeout" | "error", ...}`` (the sender's final poll,
+the failure reason SGLang recorded, seconds).
+It stays up until stdin is closed, then ends with ``os._exit``: NIXL's libraries can crash at exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+#: The JSON-lines channel: the original stdout; fd 1 is pointed at stderr (NIXL and SGLang log there).
+_OUT = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+
+
+def emit(**msg) -> None:
+    _OUT.write(json.dumps(msg) + "\n")
+    _OUT.flush()
+
+
+def cpu_only_nixl() -> None:
+    """SGLang registers and addresses its state buffers as VRAM whatever their device
+    (``register_buffer_to_engine``, ``_send_kvcache_generic``'s default memory kinds); UCX refuses VRAM
+    registration of host memory, so on this CPU-only machine those calls are made with DRAM (all
+    memory here is host memory). Nothing else of SGLang's is changed."""
+    from nixl._api import nixl_agent
+
+    def dram(kind):
+        return "DRAM" if kind == "VRAM" else kind
+
+    register_memory, get_xfer_descs, prep_xfer_dlist = (nixl_agent.register_memory, nixl_agent.get_xfer_descs,
+                                                        nixl_agent.prep_xfer_dlist)
+    nixl_agent.register_memory = lambda self, descs, mem_type=None, *a, **k: register_memory(
+        self, descs, dram(mem_type), *a, **k)
+    nixl_agent.get_xfer_descs = lambda self, descs, mem_type=None, *a, **k: get_xfer_descs(
+        self, descs, dram(mem_type), *a, **k)
+    nixl_agent.prep_xfer_dlist = lambda self, agent, descs, mem_type=None, *a, **k: prep_xfer_dlist(
+        self, agent, descs, dram(mem_type), *a, **k)
+
+
+def run(cfg: dict) -> None:
+    import ctypes
+    import logging
+
+    logging.basicConfig(level=cfg.get("log_level", "WARNING"), stream=sys.stderr)
+
+    import numpy as np
+    import torch
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs(model_path="dummy", disaggregation_mode="prefill", disaggregation_transfer_backend="nixl",
+                    device="cpu", kv_cache_dtype=cfg["kv_cache_dtype"], page_size=cfg["page_size"],
+                    disaggregation_bootstrap_port=cfg["bootstrap_port"], host="127.0.0.1")
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    from sglang.srt.runtime_context import get_parallel
+
+    # one prefill rank, no torch.distributed groups: the pipeline group is read only when pp_size > 1
+    get_parallel().override_permanently(pp_group=None)
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVSender
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        KVClassType,
+        MetadataBuffers,
+        TransferBackend,
+        build_kv_layer_ids,
+        get_kv_class,
+        get_kv_transfer_buf_infos,
+        get_pd_kv_layout,
+        is_mla_backend,
+        setup_state_kv_args,
+    )
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    ratios = cfg["compress_ratios"]
+    page = cfg["page_size"]
+    pages, slots, swa_pages = cfg["pages"], cfg["req_slots"], cfg["swa_pages"]
+    state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.get("state_dtype", "fp32")]
+    pool = DeepSeekV4TokenToKVPool(
+        max_num_reqs=slots - 1, num_req_slots=slots, swa_size=swa_pages * page, c4_size=pages * page // 4,
+        c128_size=pages * page // 128, c4_state_pool_size=swa_pages * 8, c128_state_pool_size=slots * 128,
+        page_size=page, swa_page_size=page, sliding_window=cfg["sliding_window"], dtype=torch.float8_e4m3fn,
+        c4_state_dtype=state_dtype, c128_state_dtype=state_dtype, qk_nope_head_dim=448, qk_rope_head_dim=64,
+        indexer_head_dim=128, layer_num=len(ratios), device="cpu", enable_memory_saver=False,
+        compression_ratios=ratios, start_layer=0, end_layer=len(ratios))
+    meta = MetadataBuffers(cfg["aux_rows"], hidden_size=16, hidden_states_dtype=torch.float32,
+                           max_sampling_mask_tokens=1)
+
+    kv_args = get_kv_class(TransferBackend.NIXL, KVClassType.KVARGS)()
+    kv_args.engine_rank = 0
+    kv_args.pp_rank = 0
+    kv_args.system_dp_rank = 0
+    kv_args.prefill_start_layer = 0
+    kv_args.prefill_end_layer = len(ratios)
+    kv_args.kv_cache_dtype_str = cfg["kv_cache_dtype"]
+    kv_args.kv_layout = get_pd_kv_layout(pool)
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(pool)
+    kv_args.kv_data_mem_kinds = ["DRAM"] * len(kv_args.kv_data_ptrs)
+    kv_args.num_draft_entries = 0
+    kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
+                                              num_draft_entries=0, num_hidden_layers=len(ratios))
+    kv_args.page_size = pool.page_size
+    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
+    setup_state_kv_args(kv_args, pool, None, total_kv_layers=len(ratios), req_to_token_pool=None)
+    kv_args.ib_device = None
+    kv_args.gpu_id = 0
+    emit(event="layout", kv_layout=kv_args.kv_layout, kv_item_lens=list(kv_args.kv_item_lens),
+         kv_data_lens=list(kv_args.kv_data_lens), kv_layer_ids=list(kv_args.kv_layer_ids),
+         state_types=[str(st.value) for st in kv_args.state_types],
+         state_item_lens=[list(x) for x in kv_args.state_item_lens],
+         state_data_lens=[list(x) for x in kv_args.state_data_lens],
+         state_layer_ids=[list(x) for x in kv_args.state_layer_ids],
+         aux_item_lens=list(kv_args.aux_item_lens), aux_data_lens=list(kv_args.aux_data_lens))
+
+    fill = np.load(json.loads(sys.stdin.readline())["fill"])
+
+    def put(name: str, ptr: int, size: int) -> None:
+        data = np.ascontiguousarray(fill[name], dtype=np.uint8)
+        if data.size != size:
+            raise ValueError(f"{name}: {data.size} bytes for a {size}-byte buffer")
+        ctypes.memmove(ptr, data.ctypes.data, size)
+
+    for i, (p, n) in enumerate(zip(kv_args.kv_data_ptrs, kv_args.kv_data_lens, strict=True)):
+        put(f"kv{i}", p, n)
+    for c, (ptrs, lens) in enumerate(zip(kv_args.state_data_ptrs, kv_args.state_data_lens, strict=True)):
+        for i, (p, n) in enumerate(zip(ptrs, lens, strict=True)):
+            put(f"state{c}_{i}", p, n)
+    for i, (p, n) in enumerate(zip(kv_args.aux_data_ptrs, kv_args.aux_data_lens, strict=True)):
+        put(f"aux{i}", p, n)
+
+    NixlKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"])
+    addr = f"127.0.0.1:{cfg['bootstrap_port']}"
+    cpu_only_nixl()
+    mgr = NixlKVManager(kv_args, DisaggregationMode.PREFILL, sa, is_mla_backend(pool))
+    # one request by default; "requests": [{"room", "aux_index"}, ...] serves several, in order, with
+    # the same pages (a prefill cache hit), each through a sender of its own
+    requests = cfg.get("requests") or [{"room": cfg["room"], "aux_index": cfg["aux_index"]}]
+    kv_pages = np.asarray(cfg["kv_page_ids"], dtype=np.int32)
+    senders = []
+    for r in requests:
+        senders.append(NixlKVSender(mgr, addr, r["room"]))
+        senders[-1].init(len(kv_pages), r["aux_index"])
+    emit(event="ready", bootstrap_addr=addr)
+    # the state payloads SGLang's prefill scheduler builds (send_kv_chunk): the SWA pages of the window
+    # (they also address the ratio-4 compressor-state rings), then the ratio-128 ring of the request slot
+    payloads = {"swa": lambda: np.asarray(cfg["swa_page_ids"], dtype=np.int32),
+                "c128_state": lambda: pool.request_state_transfer_indices(cfg["req_pool_idx"], cfg["num_tokens"])}
+    state_indices = [payloads[st.value]() if st.value in payloads else None for st in kv_args.state_types]
+    emit(event="sending", state_indices=[None if s is None else [int(i) for i in s] for s in state_indices])
+    deadline = time.monotonic() + cfg["timeout"]
+    times = []
+    for r, sender in zip(requests, senders, strict=True):
+        room = r["room"]
+        while (status := sender.poll()) == KVPoll.Bootstrapping:  # until the decode sent its page ids
+            if time.monotonic() > deadline:
+                emit(result="timeout", stage="bootstrap", room=room)
+                return
+            time.sleep(0.002)
+        if status == KVPoll.Failed:
+            emit(result="Failed", stage="bootstrap", room=room, reason=mgr.failure_records.get(room, ""))
+            return
+        t0 = time.perf_counter()
+        sender.send(kv_pages, state_indices, num_kv_tokens=cfg["num_tokens"])
+        while (status := sender.poll()) not in (KVPoll.Success, KVPoll.Failed):
+            if time.monotonic() > deadline:
+                emit(result="timeout", stage="transfer", room=room, status=int(status))
+                return
+            time.sleep(0.001)
+        times.append(time.perf_counter() - t0)
+        if status == KVPoll.Failed:
+            emit(result="Failed", stage="transfer", room=room, reason=mgr.failure_records.get(room, ""),
+                 seconds=times[-1])
+            return
+    emit(result="Success", seconds=times[0] if len(times) == 1 else times)
+
+
+def main() -> None:
+    cfg = json.loads(sys.stdin.readline())
+    try:
+        run(cfg)
+    except BaseException:
+        emit(result="error", traceback=traceback.format_exc())
+    finally:
+        _OUT.flush()
+        sys.stderr.flush()
+        # stay up, as a prefill server does, until the test closes stdin: the status message SGLang
+        # pushes to the decode may still be in ZMQ's queue when the sender reports Success
+        sys.stdin.read()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -899,34 +899,62 @@ def _model1_decode_kernel(c0, c1, src, sp, spb, ssplit, srb, n, out, ue8m0):
                 rope_bits[i] = (np.uint32(rope[2 * i]) | (np.uint32(rope[2 * i + 1]) << np.uint32(8))) << np.uint32(16)
 
 
+#: Range of the fp8 key exponent e (scale 2^e) that ``_pow2_key_codes`` tabulates: a key's amax is at least
+#: the writers' 1e-4 floor (e >= -22) and below fp32's largest value (e <= 119).
+_KEY_E_MIN, _KEY_E_MAX = -22, 127
+
+
+@njit(cache=True, inline="always")
+def _key_code(value, mult) -> int:
+    """E4M3 code of ``fp32(value * mult)`` (both fp32), sign included, as the fp8 key writers round it."""
+    y = np.float32(value * mult)
+    b = np.int64(np.uint32(y.view(np.uint32)))
+    return _e4m3_code(b & 0x7FFFFFFF) | ((b >> 24) & 0x80)
+
+
+@njit(cache=True)
+def _pow2_key_codes(e2m1, ue8m0):
+    """``codes[b, e - _KEY_E_MIN, c]``: the E4M3 code of fp4 code ``c`` under UE8M0 block scale byte ``b``
+    in a key of scale 2^e (multiplier ``ue8m0[127 - e]``), computed by ``_key_code`` itself."""
+    codes = np.empty((256, _KEY_E_MAX - _KEY_E_MIN + 1, 16), np.uint8)
+    for b in range(256):
+        for e in range(_KEY_E_MIN, _KEY_E_MAX + 1):
+            mult = ue8m0[127 - e]
+            for c in range(16):
+                codes[b, e - _KEY_E_MIN, c] = _key_code(np.float32(e2m1[c] * ue8m0[b]), mult)
+    return codes
+
+
 @njit(cache=True, nogil=True)
-def _fp4_to_fp8_keys_kernel(c0, c1, src, n, dim, rule, floor, e2m1, ue8m0, e4m3, out, err, bad):
-    """fp4 indexer records (``dim / 2`` bytes of E2M1 pairs, ``dim / 32`` UE8M0 scales) -> fp8 records
-    (``dim`` E4M3 bytes + 4 scale bytes) by writer ``rule`` (``_KEY_RULES``), ``KEY_CHUNK`` keys per
-    chunk; ``err[chunk]`` is the chunk's max |decoded fp8 - decoded fp4|, ``bad[chunk]`` 1 when an fp4
-    value decodes to NaN/Inf (the chunk's output is then meaningless).
+def _fp4_to_fp8_keys_kernel(c0, c1, sd, sds, ss, sss, n, dim, rule, floor, e2m1, ue8m0, e4m3, pow2_codes,
+                            dd, dds, ds, dss, measure, err, bad):
+    """fp4 indexer keys (``dim / 2`` bytes of E2M1 pairs at ``sd[k * sds]``, ``dim / 32`` UE8M0 scales at
+    ``ss[k * sss]``) -> fp8 keys (``dim`` E4M3 bytes at ``dd[k * dds]``, 4 scale bytes at ``ds[k * dss]``) by
+    writer ``rule`` (``_KEY_RULES``), ``KEY_CHUNK`` keys per chunk; with ``measure`` ``err[chunk]`` is the
+    chunk's max |decoded fp8 - decoded fp4|; ``bad[chunk]`` is 1 when an fp4 value decodes to NaN/Inf (the
+    chunk's output is then meaningless). Records and page parts are both strided rows.
 
     A decoded fp4 value ``e2m1(c) * 2^(b - 127)`` is exact in fp32 and bf16 (vLLM's bf16 rounding
     changes nothing), so the key's amax is the value of its largest code magnitude per block; the
     scale and multiplier follow the rule in fp32 operations, as ``indexer.fp8_scales`` computes them.
+    Each output byte is then a function of the block's 16 possible codes: a 16-entry table per block,
+    taken from ``pow2_codes`` for the power-of-two rules (vllm, vllm-ue8m0) and computed otherwise.
     """
-    half, blocks, src_rb, dst_rb = dim // 2, dim // 32, dim // 2 + dim // 32, dim + 4
-    vals = np.empty(dim, np.float32)
+    half, blocks = dim // 2, dim // 32
+    lut = np.empty(16, np.uint8)
     for chunk in range(c0, c1):
         worst = np.float32(0.0)
         for k in range(chunk * KEY_CHUNK, min(n, (chunk + 1) * KEY_CHUNK)):
-            rec = src[k * src_rb : (k + 1) * src_rb]
+            src = sd[k * sds : k * sds + half]
+            sc = ss[k * sss : k * sss + blocks]
             amax = np.float32(0.0)
             e = 0
             for j in range(blocks):
-                s = ue8m0[rec[half + j]]
-                codes = rec[16 * j : 16 * j + 16]
+                s = ue8m0[sc[j]]
                 m = np.uint8(0)
                 for i in range(16):
-                    c = codes[i]
+                    c = src[16 * j + i]
                     m = max(m, np.uint8(c & np.uint8(7)), np.uint8((c >> np.uint8(4)) & np.uint8(7)))
-                    vals[32 * j + 2 * i] = e2m1[c & 15] * s
-                    vals[32 * j + 2 * i + 1] = e2m1[c >> 4] * s
                 v = e2m1[m] * s
                 if not np.isfinite(v):  # scale byte 0xFF (NaN) or 6 * 2^127 (Inf): the caller's torch path refuses it
                     bad[chunk] = 1
@@ -944,20 +972,33 @@ def _fp4_to_fp8_keys_kernel(c0, c1, src, n, dim, rule, floor, e2m1, ue8m0, e4m3,
                 mult = np.float32(np.float32(448.0) / amax) if amax > 0 else np.float32(0.0)
                 if not np.isfinite(mult):  # amax < 448 / fp32 max: the torch path's product overflows
                     bad[chunk] = 1
-            dst = out[k * dst_rb : (k + 1) * dst_rb]
-            for i in range(dim):
-                y = np.float32(vals[i] * mult)
-                b = np.int64(np.uint32(y.view(np.uint32)))
-                code = _e4m3_code(b & 0x7FFFFFFF) | ((b >> 24) & 0x80)
-                dst[i] = code
-                worst = max(worst, abs(np.float32(e4m3[code] * scale) - vals[i]))
+            dst = dd[k * dds : k * dds + dim]
+            tabled = rule <= 1 and _KEY_E_MIN <= e <= _KEY_E_MAX
+            for j in range(blocks):
+                s = ue8m0[sc[j]]
+                if tabled:
+                    lut[:] = pow2_codes[sc[j], e - _KEY_E_MIN]
+                else:
+                    for c in range(16):
+                        lut[c] = _key_code(np.float32(e2m1[c] * s), mult)
+                present = 0
+                for i in range(16):
+                    c = src[16 * j + i]
+                    dst[32 * j + 2 * i] = lut[c & 15]
+                    dst[32 * j + 2 * i + 1] = lut[c >> 4]
+                    present |= (1 << (c & 15)) | (1 << (c >> 4))
+                if measure:
+                    for c in range(16):
+                        if present & (1 << c):
+                            worst = max(worst, abs(np.float32(e4m3[lut[c]] * scale) - np.float32(e2m1[c] * s)))
+            out_scale = ds[k * dss : k * dss + 4]
             if rule == 1:
                 for i in range(4):
-                    dst[dim + i] = e + 127
+                    out_scale[i] = e + 127
             else:
                 sb = np.uint32(np.float32(scale).view(np.uint32))
                 for i in range(4):
-                    dst[dim + i] = (sb >> (8 * i)) & 0xFF
+                    out_scale[i] = (sb >> (8 * i)) & 0xFF
         err[chunk] = worst
 
 
@@ -1331,16 +1372,34 @@ def fp4_to_fp8_keys(records: torch.Tensor, dim: int, rule: str) -> tuple[torch.T
     """fp4 indexer records ``[N, dim / 2 + dim / 32]`` -> fp8 records ``[N, dim + 4]`` written by
     ``rule`` (128-value keys for ``vllm-ue8m0``), and the max |decoded fp8 - decoded fp4|;
     byte-identical to ``indexer.transcode_keys``. None when a value decodes to NaN/Inf."""
-    n = records.shape[0]
+    n, half = records.shape[0], dim // 2
     out = torch.empty(n, dim + 4, dtype=torch.uint8)
+    src, dst = _flat(records), _flat(out)
+    err = fp4_to_fp8_key_rows(src, records.shape[1], src[half:], records.shape[1], n, dst, dim + 4, dst[dim:], dim + 4,
+                              dim, rule, measure=True)
+    return None if err is None else (out, err)
+
+
+@cache
+def _key_code_table() -> np.ndarray:
+    return _pow2_key_codes(_E2M1_F32, _UE8M0_F32)
+
+
+def fp4_to_fp8_key_rows(src_keys: np.ndarray, src_stride: int, src_scales: np.ndarray, src_scale_stride: int, n: int,
+                        dst_keys: np.ndarray, dst_stride: int, dst_scales: np.ndarray, dst_scale_stride: int,
+                        dim: int, rule: str, *, measure: bool) -> float | None:
+    """``n`` fp4 keys -> fp8 keys by ``rule``, between strided rows of flat uint8 arrays (key ``k``'s codes at
+    ``keys[k * stride]``, its scale bytes at ``scales[k * scale_stride]``: records or a page's two parts);
+    returns the max |decoded fp8 - decoded fp4| (0.0 unless ``measure``), None when a value decodes to NaN/Inf."""
     nchunks = -(-n // KEY_CHUNK)
     err = np.zeros(max(nchunks, 1), np.float32)
     bad = np.zeros(max(nchunks, 1), np.int64)
     rule_id, floor = _KEY_RULES[rule]
     if n:
-        _run_chunks(_fp4_to_fp8_keys_kernel, nchunks, _flat(records), n, dim, rule_id, np.float32(floor),
-                    _E2M1_F32, _UE8M0_F32, _E4M3_F32, _flat(out), err, bad)
-    return None if bad.any() else (out, float(err.max()))
+        _run_chunks(_fp4_to_fp8_keys_kernel, nchunks, src_keys, src_stride, src_scales, src_scale_stride, n, dim,
+                    rule_id, np.float32(floor), _E2M1_F32, _UE8M0_F32, _E4M3_F32, _key_code_table(), dst_keys,
+                    dst_stride, dst_scales, dst_scale_stride, measure, err, bad)
+    return None if bad.any() else float(err.max())
 
 
 def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: int, width: int, to_pool: bool) -> None:

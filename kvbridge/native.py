@@ -925,9 +925,54 @@ def _pow2_key_codes(e2m1, ue8m0):
     return codes
 
 
+_NIB_1 = np.uint64(0x1111111111111111)
+_NIB_7 = np.uint64(0x7777777777777777)
+_NIB_8 = np.uint64(0x8888888888888888)
+_BYTE_01 = np.uint64(0x0101010101010101)
+_BYTE_07 = np.uint64(0x0707070707070707)
+_BYTE_08 = np.uint64(0x0808080808080808)
+_BYTE_7F = np.uint64(0x7F7F7F7F7F7F7F7F)
+_BYTE_80 = np.uint64(0x8080808080808080)
+
+
+@njit(cache=True, inline="always")
+def _even_bytes(y):
+    """The 4 low bytes of ``y`` spread to bytes 0, 2, 4, 6 of a 64-bit word."""
+    u = (y | (y << np.uint64(16))) & np.uint64(0x0000FFFF0000FFFF)
+    return (u | (u << np.uint64(8))) & np.uint64(0x00FF00FF00FF00FF)
+
+
+@njit(cache=True, inline="always")
+def _fp4_word_codes(y, base):
+    """8 E2M1 codes (the low 32 bits of ``y``, low nibble first) -> their 8 E4M3 codes in one word, for a
+    block whose values stay normal in E4M3: magnitude a >= 1 is 2^(E - 1) * (1 + M / 2) with a = 2E + M,
+    so its code is ``base + 4a`` (``base - 4`` + 4 for a = 1), ``base`` = 8 * (exponent field of 0.5);
+    0 stays 0 and the sign bit moves from bit 3 to bit 7. Byte-wise arithmetic without carries (codes <= 0x7E)."""
+    nib = _even_bytes(y & np.uint64(0x0F0F0F0F)) | (_even_bytes((y >> np.uint64(4)) & np.uint64(0x0F0F0F0F))
+                                                    << np.uint64(8))
+    a = nib & _BYTE_07
+    nonzero = ((a + _BYTE_7F) & _BYTE_80) >> np.uint64(7)
+    one = (((((a ^ _BYTE_01) + _BYTE_7F) & _BYTE_80) >> np.uint64(7)) ^ _BYTE_01)
+    codes = base + (a << np.uint64(2)) - (one << np.uint64(2))
+    return (codes & ((nonzero << np.uint64(8)) - nonzero)) | ((nib & _BYTE_08) << np.uint64(4))
+
+
+@njit(cache=True, inline="always")
+def _fp4_block_magnitude(w0, w1) -> int:
+    """Largest E2M1 magnitude (0..7) among the 32 codes of two words: t counts when some nibble's
+    magnitude + (8 - t) reaches bit 3."""
+    w0, w1 = w0 & _NIB_7, w1 & _NIB_7
+    m = 0
+    for t in range(1, 8):
+        add = np.uint64(8 - t) * _NIB_1
+        if ((w0 + add) | (w1 + add)) & _NIB_8:
+            m = t
+    return m
+
+
 @njit(cache=True, nogil=True)
 def _fp4_to_fp8_keys_kernel(c0, c1, sd, sds, ss, sss, n, dim, rule, floor, e2m1, ue8m0, e4m3, pow2_codes,
-                            dd, dds, ds, dss, measure, err, bad):
+                            dd, dds, ds, dss, words, sd64, dd64, measure, err, bad):
     """fp4 indexer keys (``dim / 2`` bytes of E2M1 pairs at ``sd[k * sds]``, ``dim / 32`` UE8M0 scales at
     ``ss[k * sss]``) -> fp8 keys (``dim`` E4M3 bytes at ``dd[k * dds]``, 4 scale bytes at ``ds[k * dss]``) by
     writer ``rule`` (``_KEY_RULES``), ``KEY_CHUNK`` keys per chunk; with ``measure`` ``err[chunk]`` is the
@@ -939,22 +984,31 @@ def _fp4_to_fp8_keys_kernel(c0, c1, sd, sds, ss, sss, n, dim, rule, floor, e2m1,
     scale and multiplier follow the rule in fp32 operations, as ``indexer.fp8_scales`` computes them.
     Each output byte is then a function of the block's 16 possible codes: a 16-entry table per block,
     taken from ``pow2_codes`` for the power-of-two rules (vllm, vllm-ue8m0) and computed otherwise.
+    With ``words`` (codes 8-byte aligned: ``sd64``/``dd64`` are the same bytes as uint64) the power-of-two
+    rules read 16 codes per word: block magnitudes by ``_fp4_block_magnitude``, and blocks whose values
+    stay normal in E4M3 (2^(b - 127 - e) >= 2^-5, exact: no error) by ``_fp4_word_codes``.
     """
     half, blocks = dim // 2, dim // 32
+    sw, dw = (sds // 8, dds // 8) if words else (0, 0)
     lut = np.empty(16, np.uint8)
     for chunk in range(c0, c1):
         worst = np.float32(0.0)
         for k in range(chunk * KEY_CHUNK, min(n, (chunk + 1) * KEY_CHUNK)):
             src = sd[k * sds : k * sds + half]
             sc = ss[k * sss : k * sss + blocks]
+            src64 = sd64[k * sw : k * sw + 2 * blocks]
+            dst64 = dd64[k * dw : k * dw + 4 * blocks]
             amax = np.float32(0.0)
             e = 0
             for j in range(blocks):
                 s = ue8m0[sc[j]]
-                m = np.uint8(0)
-                for i in range(16):
-                    c = src[16 * j + i]
-                    m = max(m, np.uint8(c & np.uint8(7)), np.uint8((c >> np.uint8(4)) & np.uint8(7)))
+                if words:
+                    m = _fp4_block_magnitude(src64[2 * j], src64[2 * j + 1])
+                else:
+                    m = np.uint8(0)
+                    for i in range(16):
+                        c = src[16 * j + i]
+                        m = max(m, np.uint8(c & np.uint8(7)), np.uint8((c >> np.uint8(4)) & np.uint8(7)))
                 v = e2m1[m] * s
                 if not np.isfinite(v):  # scale byte 0xFF (NaN) or 6 * 2^127 (Inf): the caller's torch path refuses it
                     bad[chunk] = 1
@@ -976,6 +1030,13 @@ def _fp4_to_fp8_keys_kernel(c0, c1, sd, sds, ss, sss, n, dim, rule, floor, e2m1,
             tabled = rule <= 1 and _KEY_E_MIN <= e <= _KEY_E_MAX
             for j in range(blocks):
                 s = ue8m0[sc[j]]
+                if words and tabled and np.int64(sc[j]) - 127 - e >= -5:
+                    base = np.uint64(8 * (np.int64(sc[j]) - 127 - e + 6)) * _BYTE_01
+                    for h in range(2):
+                        x = src64[2 * j + h]
+                        dst64[4 * j + 2 * h] = _fp4_word_codes(x & np.uint64(0xFFFFFFFF), base)
+                        dst64[4 * j + 2 * h + 1] = _fp4_word_codes(x >> np.uint64(32), base)
+                    continue
                 if tabled:
                     lut[:] = pow2_codes[sc[j], e - _KEY_E_MIN]
                 else:
@@ -1395,10 +1456,14 @@ def fp4_to_fp8_key_rows(src_keys: np.ndarray, src_stride: int, src_scales: np.nd
     err = np.zeros(max(nchunks, 1), np.float32)
     bad = np.zeros(max(nchunks, 1), np.int64)
     rule_id, floor = _KEY_RULES[rule]
+    words = (rule_id <= 1 and src_stride % 8 == 0 and dst_stride % 8 == 0 and src_keys.ctypes.data % 8 == 0
+             and dst_keys.ctypes.data % 8 == 0 and src_keys.shape[0] % 8 == 0 and dst_keys.shape[0] % 8 == 0)
+    none = np.zeros(0, np.uint64)
     if n:
         _run_chunks(_fp4_to_fp8_keys_kernel, nchunks, src_keys, src_stride, src_scales, src_scale_stride, n, dim,
                     rule_id, np.float32(floor), _E2M1_F32, _UE8M0_F32, _E4M3_F32, _key_code_table(), dst_keys,
-                    dst_stride, dst_scales, dst_scale_stride, measure, err, bad)
+                    dst_stride, dst_scales, dst_scale_stride, words, src_keys.view(np.uint64) if words else none,
+                    dst_keys.view(np.uint64) if words else none, measure, err, bad)
     return None if bad.any() else float(err.max())
 
 

@@ -206,3 +206,14 @@ def test_large_row_moves_run_on_the_threads_with_the_same_bytes(monkeypatch):
         monkeypatch.setattr(native, "INLINE_MOVE_BYTES", 0)
         assert torch.equal(gather_records(pool, t.src, table, t.first, t.count), want)
         monkeypatch.undo()
+
+
+def test_pack_without_checksums_gathers_the_same_records():
+    """NIXL's sender-converted path checksums the destination page runs it stages, so it packs without the
+    source-chunk checksums: same records, empty checksum lists."""
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
+    src, tables = source_request(plan, seed=3)
+    full = pack(plan, src, tables, convert=True)
+    bare = pack(plan, src, tables, convert=True, checksum=False)
+    assert bare.checksums == [[] for _ in plan.transfers] and all(map(len, full.checksums))
+    assert all(torch.equal(a, b) for a, b in zip(full.records, bare.records, strict=True))

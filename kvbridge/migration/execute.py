@@ -293,11 +293,13 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
 
 
 def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, convert: bool,
-         loss_report: bool = True) -> Payload:
+         loss_report: bool = True, checksum: bool = True) -> Payload:
     """Gather every transfer's source records, checksum them per source page, optionally convert.
 
     Checksums always cover the bytes that travel: with ``convert`` they are computed on the
-    converted records, chunked by the source pages the entries came from.
+    converted records, chunked by the source pages the entries came from. ``checksum=False``
+    leaves every transfer's checksum list empty, for a sender that checksums what it stages itself
+    (NIXL's sender-converted path: the destination page runs).
     """
     check_pools(plan, src, "src")
     records, chunks = [], []
@@ -307,7 +309,8 @@ def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, conver
     payload = Payload(plan.fingerprint(), False, records, chunks, [])
     if convert:
         payload = convert_payload(plan, payload, loss_report=loss_report)
-    payload.checksums = [xxh3_chunks(r, c) for r, c in zip(payload.records, payload.chunks, strict=True)]
+    payload.checksums = [xxh3_chunks(r, c) if checksum else [] for r, c in zip(payload.records, payload.chunks,
+                                                                               strict=True)]
     return payload
 
 

@@ -1,9 +1,12 @@
 """Executing a plan: pack source entries, convert them, verify checksums, publish into destination pools.
 
-The same steps serve the in-process path (``migrate_local``) and the distributed one
-(``kvbridge.migration.transport``): the sender packs (and converts, when it is the side that
-transcodes), the receiver verifies every page chunk's checksum, converts if it has to, and only
-then claims destination pages and writes them. Nothing is claimed when any step fails.
+The transports (``kvbridge.migration.transport``, ``kvbridge.migration.nixl``) run these steps: the
+sender packs (and converts, when it is the side that transcodes), the receiver verifies every page
+chunk's checksum, converts if it has to, and only then claims destination pages and writes them.
+Nothing is claimed when any step fails. ``migrate_local`` (one process, nothing on a wire) skips
+the checksums and runs staged batches instead: each batch of source rows is gathered into a small
+buffer, converted there and scattered from the converted pages' parts into the destination pools
+while it is still in the CPU caches; its bytes are those of the transports' steps.
 
 Checksums: XXH3-64 (seed 0, the ``xxhash`` package) of the record bytes of each (transfer, source
 page) chunk, computed by the sender before anything leaves it. XXH3 runs faster than a memory
@@ -547,24 +550,24 @@ def _stage(plan: MigrationPlan, src: EnginePools, tables: RequestTables, dst: En
     if not all(t.is_contiguous() for pools in (src, dst) for pool in pools.pools.values() for t in pool_tensors(pool)):
         return None
     groups: dict[tuple, list[tuple[int, int, int]]] = {}
-    layouts: dict[tuple, tuple] = {}
+    forms_of: dict[tuple, tuple] = {}
     for i, t in enumerate(plan.transfers):
         paged = (t.src.kind == "kv" and _needs_conversion(t)) or _native_keys(t)
         same_pages = t.src.kind == "kv" and not paged and _bounds(t.src.geometry) == _bounds(t.dst.geometry)
         forms = (t.src.geometry, t.dst.geometry) if paged else (t.src.geometry,) * 2 if same_pages else (None, None)
         key = (t.src.kind, t.src.fmt, t.src.record_bytes, t.src.scale, t.src.dialect, t.conversion, t.dst.fmt,
-               t.dst.record_bytes, t.dst.scale, t.dst.dialect, forms[0] is not None, forms[1] is not None)
+               t.dst.record_bytes, t.dst.scale, t.dst.dialect, *forms)
         for (pool, storage), form in ((src.pool(t.spec), t.src), forms[0]), ((dst.pool(t.spec), t.dst), forms[1]):
             want = _bounds(form) if form is not None else [(0, storage.record_bytes)]
             if not _fits(part_bounds(pool, storage), want):
                 return None
         step = max(1, STAGE_BYTES // t.src.record_bytes)
         groups.setdefault(key, []).extend((i, lo, min(step, t.count - lo)) for lo in range(0, t.count, step))
-        layouts[key] = (step, *forms)
+        forms_of[key] = (step, *forms)
     batches: list[_Batch] = []
     src_bytes = dst_bytes = 0
     for key, pieces in groups.items():
-        step, src_page, dst_page = layouts[key]
+        step, src_page, dst_page = forms_of[key]
         current: _Batch | None = None
         for i, lo, count in pieces:
             if current is None or current.rows + count > step:

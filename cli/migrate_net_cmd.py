@@ -417,7 +417,7 @@ def _bench_local(tokens: int, model: str, src: str, dst: str, repeat: int, loss_
     for col in ("stage", "seconds", "x np.copyto", "x copy_"):
         table.add_column(col, justify="right" if col != "stage" else "left")
     names = {"np_copyto": "np.copyto of the payload", "torch_copy_": "torch copy_ of the payload",
-             "gather": "transports' path: gather (source pools -> records)",
+             "gather": "transports' path: gather",
              "checksum": "  checksum (sender, XXH3-64)", "verify": "  verify (receiver)", "convert": "  convert",
              "publish": "  publish (claim + scatter)", "transport_path": "  whole (pack + finish)",
              "migrate_local": "migrate_local (staged, no checksum)", "local_gather": "  gather",

@@ -900,7 +900,7 @@ def _model1_decode_kernel(c0, c1, src, sp, spb, ssplit, srb, n, out, ue8m0):
 
 
 #: Range of the fp8 key exponent e (scale 2^e) that ``_pow2_key_codes`` tabulates: a key's amax is at least
-#: the writers' 1e-4 floor (e >= -22) and below fp32's largest value (e <= 119).
+#: the writers' 1e-4 floor (e >= -22) and a finite fp32 (e <= 119; the table goes on to 127).
 _KEY_E_MIN, _KEY_E_MAX = -22, 127
 
 
@@ -945,9 +945,10 @@ def _even_bytes(y):
 @njit(cache=True, inline="always")
 def _fp4_word_codes(y, base):
     """8 E2M1 codes (the low 32 bits of ``y``, low nibble first) -> their 8 E4M3 codes in one word, for a
-    block whose values stay normal in E4M3: magnitude a >= 1 is 2^(E - 1) * (1 + M / 2) with a = 2E + M,
-    so its code is ``base + 4a`` (``base - 4`` + 4 for a = 1), ``base`` = 8 * (exponent field of 0.5);
-    0 stays 0 and the sign bit moves from bit 3 to bit 7. Byte-wise arithmetic without carries (codes <= 0x7E)."""
+    block whose values stay normal in E4M3: magnitude a >= 2 is 2^(E - 1) * (1 + M / 2) with a = 2E + M,
+    so its code is ``base + 4a``, and a = 1 (0.5) is ``base`` = 8 * (E4M3 exponent field of 0.5 in this
+    block); 0 stays 0 and the sign bit moves from bit 3 to bit 7. Byte-wise arithmetic without carries
+    (codes <= 0x7E)."""
     nib = _even_bytes(y & np.uint64(0x0F0F0F0F)) | (_even_bytes((y >> np.uint64(4)) & np.uint64(0x0F0F0F0F))
                                                     << np.uint64(8))
     a = nib & _BYTE_07

@@ -411,14 +411,17 @@ def _bench_local(tokens: int, model: str, src: str, dst: str, repeat: int, loss_
     console.print(f"{req['model']}, {req['tokens']:,} tokens, {req['src']} -> {req['dst']} in process, loss report "
                   f"{'on' if req['loss_report'] else 'off'}: payload {req['payload_bytes']:,} B, "
                   f"{req['transfers']} transfers; {res['machine']['cpu']}, {res['machine']['threads']} threads, "
-                  f"{res['date']}; medians of {res['repeat']}", highlight=False)
+                  f"{res['date']}; load average {res['machine']['load_average'][0]:.1f}; medians of {res['repeat']}",
+                  highlight=False)
     table = Table(box=None, header_style="bold")
     for col in ("stage", "seconds", "x np.copyto", "x copy_"):
         table.add_column(col, justify="right" if col != "stage" else "left")
     names = {"np_copyto": "np.copyto of the payload", "torch_copy_": "torch copy_ of the payload",
-             "gather": "gather (source pools -> records)", "checksum": "checksum (sender, XXH3-64)",
-             "verify": "verify (receiver)", "convert": "convert", "publish": "publish (claim + scatter)",
-             "migrate_local": "whole migrate_local"}
+             "gather": "transports' path: gather",
+             "checksum": "  checksum (sender, XXH3-64)", "verify": "  verify (receiver)", "convert": "  convert",
+             "publish": "  publish (claim + scatter)", "transport_path": "  whole (pack + finish)",
+             "migrate_local": "migrate_local (staged, no checksum)", "local_gather": "  gather",
+             "local_convert": "  convert", "local_publish": "  publish (claim + scatter)"}
     for key, name in names.items():
         row = res[key]
         table.add_row(name, f"{row['seconds']:.4f}", f"{row['x_np_copyto']:.1f}", f"{row['x_torch_copy_']:.1f}")

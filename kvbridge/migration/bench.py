@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import platform
 import socket
 import statistics
@@ -40,7 +41,9 @@ from kvbridge.migration.execute import (
     _chunk_rows,
     convert_payload,
     destination_pools,
+    finish,
     migrate_local,
+    pack,
     publish,
     source_request,
     verify,
@@ -190,8 +193,6 @@ def _cpu() -> str:
             model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
     except OSError:
         model = None
-    import os
-
     return f"{model or platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
 
 
@@ -305,14 +306,16 @@ def _bench_request(nx, engine: str, model: str, tokens: int) -> dict:
 def bench_local(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: str = "trtllm:fp8:tpb=128",
                 dst: str = "vllm", repeat: int = 3, loss_report: bool = False,
                 progress: Callable[[str], None] | None = None) -> dict:
-    """One request migrated in process (``migrate_local``, the receiver converting), stage by stage,
-    next to ``np.copyto`` and ``torch.Tensor.copy_`` of its payload's bytes (the source records),
-    in one run. Each round times every stage, then a whole ``migrate_local`` into fresh destination
-    pools, between two copies whose mean is the round's baseline; a stage's ``x_np_copyto`` is the
-    median over rounds of its time over that baseline. Stages: ``gather`` (source records out of the pools),
-    ``checksum`` (the sender's XXH3-64 per source page chunk), ``verify`` (the receiver's),
-    ``convert`` (every conversion, with the loss report when ``loss_report``), ``publish``
-    (claiming pages and scattering the records)."""
+    """One request migrated in process, next to ``np.copyto`` and ``torch.Tensor.copy_`` of its payload's
+    bytes (the source records), in one run. Each round times the transports' path stage by stage, then
+    that path whole (``pack`` + ``finish``, the receiver converting: what ``migrate_local`` ran before it
+    staged its batches), then a whole ``migrate_local`` (staged, no checksum), each into fresh destination
+    pools, between two copies whose mean is the round's baseline; a row's ``x_np_copyto`` is the median
+    over rounds of its time over that baseline. Stages of the transports' path: ``gather`` (source
+    records out of the pools), ``checksum`` (the sender's XXH3-64 per source page chunk), ``verify``
+    (the receiver's), ``convert`` (every conversion, with the loss report when ``loss_report``),
+    ``publish`` (claiming pages and scattering the records). ``local_gather``, ``local_convert`` and
+    ``local_publish`` split ``migrate_local``'s time as its report does."""
     say = progress or (lambda _: None)
     plan = plan_migration(src, dst, model, tokens)
     say("filling the source pools")
@@ -332,25 +335,30 @@ def bench_local(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: 
         times["torch_copy_"] = (times["torch_copy_"] + _timed(lambda: tb.copy_(ta))) / 2
         if r:
             rounds.append(times)
-    stages = ("gather", "checksum", "verify", "convert", "publish", "migrate_local")
+    stages = ("gather", "checksum", "verify", "convert", "publish")
     out: dict = {
         "request": {"model": plan.model.name, "tokens": tokens, "src": plan.src.spec, "dst": plan.dst.spec,
                     "payload_bytes": nbytes, "transfers": len(plan.transfers), "loss_report": loss_report},
         "machine": {"cpu": _cpu(), "threads": torch.get_num_threads(), "python": platform.python_version(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, "load_average": list(os.getloadavg())},
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "repeat": repeat,
     }
-    for key in ("np_copyto", "torch_copy_", *stages):
+    for key in ("np_copyto", "torch_copy_", *stages, "transport_path", "migrate_local", *LOCAL_STAGES):
         out[key] = {"seconds": statistics.median(t[key] for t in rounds),
                     "x_np_copyto": statistics.median(t[key] / t["np_copyto"] for t in rounds),
                     "x_torch_copy_": statistics.median(t[key] / t["torch_copy_"] for t in rounds)}
-    out["stages_s"] = sum(out[k]["seconds"] for k in stages[:-1])
+    out["stages_s"] = sum(out[k]["seconds"] for k in stages)
     return out
 
 
+#: ``migrate_local``'s own split of its time (its report's ``pack_s``, ``convert_s``, ``publish_s``).
+LOCAL_STAGES = ("local_gather", "local_convert", "local_publish")
+
+
 def _stages(plan, pools, tables, loss_report: bool):
-    """(stage, seconds) of one in-process migration taken apart, then of a whole ``migrate_local``."""
+    """(row, seconds) of one migration down the transports' path taken apart, then of that path whole,
+    then of a whole ``migrate_local`` and its report's split."""
     target = destination_pools(plan, seed=1)
     t0 = time.perf_counter()
     records = [gather_records(pools.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count)
@@ -374,5 +382,14 @@ def _stages(plan, pools, tables, loss_report: bool):
     del payload, converted, records, target
     target = destination_pools(plan, seed=1)
     t0 = time.perf_counter()
-    migrate_local(plan, pools, tables, target, loss_report=loss_report)
+    finish(plan, pack(plan, pools, tables, convert=False, loss_report=loss_report), target, converted_on="receiver",
+           pack_s=0.0, wire_s=0.0, loss_report=loss_report)
+    yield "transport_path", time.perf_counter() - t0
+    del target
+    target = destination_pools(plan, seed=1)
+    t0 = time.perf_counter()
+    _, report = migrate_local(plan, pools, tables, target, loss_report=loss_report)
     yield "migrate_local", time.perf_counter() - t0
+    yield "local_gather", report.pack_s
+    yield "local_convert", report.convert_s
+    yield "local_publish", report.publish_s

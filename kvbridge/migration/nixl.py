@@ -1091,7 +1091,8 @@ class RequestStream:
             raise InputError(f"all {len(self.groups)} layer groups were already sent")
         g = self.next_group
         idx = self.groups[g]
-        payload = pack_group(self.plan, self.src, self.tables, idx, convert=self.convert, loss_report=self.loss_report)
+        payload = pack_group(self.plan, self.src, self.tables, idx, convert=self.convert, loss_report=self.loss_report,
+                             checksum=not self.convert)  # converted: the staged page runs are checksummed below
         staged = self.conn.staged
         pieces: list[Piece] = []
         sums: list[int] = []

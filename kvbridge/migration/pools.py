@@ -102,30 +102,73 @@ def _page_views(pool: Pool, storage: Storage) -> list[tuple[torch.Tensor, int, i
     return storage.geometry.page_views(pool, storage.page_size)
 
 
-def _row_parts(pool: Pool, storage: Storage) -> list[tuple[torch.Tensor, int, int, int]] | None:
-    """(pool tensor, record bytes lo, width, byte offset of the part's rows in a page) of each record
-    part, when every pool tensor is contiguous (else None: the sliced-view copies serve)."""
+def _run_array(storage: Storage, table: Sequence[int], first: int, count: int, num_pages: int, name: str
+               ) -> np.ndarray:
+    """``_runs`` as int64 ``[k, 4]`` (physical page, first row, rows, offset into the records); computed
+    with array operations for plain paged addressing (one run per page), by ``_runs`` otherwise and
+    whenever a page is missing, released or out of the pool (``_runs`` then raises its error)."""
+    p = storage.page_size
+    if storage.addressing != "paged" or (storage.span or p) != p or count <= 0:
+        return np.array(_runs(storage, table, first, count, num_pages, name), np.int64).reshape(-1, 4)
+    s0, s1 = first // p, (first + count - 1) // p + 1
+    pages = np.asarray(table[s0:s1], dtype=np.int64)
+    if pages.shape[0] < s1 - s0 or bool((pages < 0).any()) or bool((pages >= num_pages).any()):
+        _runs(storage, table, first, count, num_pages, name)  # raises the first problem, entry by entry
+        raise AssertionError("unreachable: _runs accepted a table the array check refused")
+    slots = np.arange(s0, s1, dtype=np.int64)
+    starts = np.maximum(slots * p, first)
+    stops = np.minimum(slots * p + p, first + count)
+    return np.stack([pages, starts - slots * p, stops - starts, starts - first], axis=1)
+
+
+def part_bounds(pool: Pool, storage: Storage) -> list[tuple[int, int]]:
+    """Record byte ranges ``[lo, hi)`` of the parts of ``pool``'s pages (one per tensor or page region)."""
+    return [(lo, hi) for _, lo, hi in _page_views(pool, storage)]
+
+
+#: One record part of a pool, ready to move: (pool tensor, record bytes lo, width, spans ``[k, 3]``
+#: of (pool byte offset, offset into the records, rows)).
+PartSpans = tuple[torch.Tensor, int, int, np.ndarray]
+
+
+def part_spans(pool: Pool, storage: Storage, table: Table, first: int, count: int) -> list[PartSpans] | None:
+    """The spans of entries ``[first, first + count)`` in each record part of ``pool`` (each run of entries
+    in one page is consecutive rows of that part), or None when a pool tensor is not contiguous.
+    Refuses (``InputError``) a table that does not hold the entries."""
     tensors = pool_tensors(pool)
     if not all(t.is_contiguous() for t in tensors):
         return None
-    return [(tensors[i if isinstance(pool, tuple) else 0], lo, hi - lo, 0 if isinstance(pool, tuple)
-             else storage.page_size * lo) for i, (_, lo, hi) in enumerate(_page_views(pool, storage))]
+    parts = []
+    runs_of: dict[str, np.ndarray] = {}
+    views = _page_views(pool, storage)
+    for k, ((_, lo, hi), (name, ids)) in enumerate(zip(views, _part_tables(storage, table, len(views)), strict=True)):
+        tensor = tensors[k if isinstance(pool, tuple) else 0]
+        width = hi - lo
+        region = 0 if isinstance(pool, tuple) else storage.page_size * lo
+        if name not in runs_of:
+            runs_of[name] = _run_array(storage, ids, first, count, tensor.shape[0], name)
+        runs = runs_of[name]
+        spans = np.stack([runs[:, 0] * tensor.shape[1] + region + runs[:, 1] * width, runs[:, 3], runs[:, 2]], axis=1)
+        parts.append((tensor, lo, width, spans))
+    return parts
+
+
+def move_parts(spans: list[PartSpans], rows: list[tuple[torch.Tensor, int]], to_pool: bool) -> None:
+    """Copy each record part between its pool spans and ``rows[k]`` = (contiguous ``[count, row_bytes]``
+    tensor, byte offset of the part in a row): one native span copy per run of entries in one page."""
+    for (tensor, _, width, sp), (records, at) in zip(spans, rows, strict=True):
+        fastpath.move_rows(tensor, records, sp, at, width, to_pool)
 
 
 def _move(pool: Pool, storage: Storage, table: Table, first: int, records: torch.Tensor, to_pool: bool) -> bool:
     """Gather (``to_pool=False``) or scatter ``records`` with one native call per record part: each run of
     entries in one page is consecutive rows of the page, copied as whole spans. False when not applicable."""
-    parts = _row_parts(pool, storage)
-    if parts is None or not records.is_contiguous():
+    if not records.is_contiguous():
         return False
-    runs = []
-    for (tensor, lo, width, region), (name, ids) in zip(parts, _part_tables(storage, table, len(parts)), strict=True):
-        page_bytes = tensor.shape[1]
-        spans = [(page * page_bytes + region + row * width, off, n)
-                 for page, row, n, off in _runs(storage, ids, first, records.shape[0], tensor.shape[0], name)]
-        runs.append((tensor, lo, width, np.array(spans, np.int64).reshape(-1, 3)))
-    for tensor, lo, width, spans in runs:  # every run checked before any byte moves
-        fastpath.move_rows(tensor, records, spans, lo, width, to_pool)
+    spans = part_spans(pool, storage, table, first, records.shape[0])
+    if spans is None:
+        return False
+    move_parts(spans, [(records, lo) for _, lo, _, _ in spans], to_pool)  # every run checked before any byte moves
     return True
 
 

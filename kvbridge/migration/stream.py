@@ -82,9 +82,10 @@ def group_plan(plan: MigrationPlan, indices: Sequence[int]) -> MigrationPlan:
 
 
 def pack_group(plan: MigrationPlan, src: EnginePools, tables: RequestTables, indices: Sequence[int], *,
-               convert: bool, loss_report: bool = True) -> Payload:
+               convert: bool, loss_report: bool = True, checksum: bool = True) -> Payload:
     """``pack`` for the transfers ``indices`` only; the payload carries the whole plan's fingerprint."""
-    payload = pack(group_plan(plan, indices), src, tables, convert=convert, loss_report=loss_report)
+    payload = pack(group_plan(plan, indices), src, tables, convert=convert, loss_report=loss_report,
+                   checksum=checksum)
     payload.fingerprint = plan.fingerprint()
     return payload
 

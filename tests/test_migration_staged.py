@@ -1,0 +1,219 @@
+"""``migrate_local``'s staged batches against the transports' path (pack, verify, convert, publish).
+
+The staged path gathers batches of source rows into a small buffer, converts them there and scatters
+them straight from the converted page parts, without checksums; the transports' path is what
+``migrate_local`` ran before. Both must leave every destination pool byte-identical, report the same
+loss, and refuse the same bad inputs with the same errors, claiming nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_migration_local import MODEL, PAIRS, TOKENS
+
+import kvbridge.migration.execute as ex
+from kvbridge import indexer as ix
+from kvbridge import native
+from kvbridge.errors import InputError, KVBridgeError, NonFiniteError
+from kvbridge.migration import EnginePools, destination_pools, migrate_local, pack, plan_migration, source_request
+from kvbridge.migration.execute import finish
+from kvbridge.migration.pools import _run_array, _runs, gather_records, pool_tensors, scatter_records, table_of
+from kvbridge.topology import Role
+
+
+def _pools(pools: EnginePools) -> dict:
+    return {(k, i): t.clone() for k, v in pools.pools.items() for i, t in enumerate(pool_tensors(v))}
+
+
+def _transport_path(plan, src, src_tables, dst, loss_report):
+    payload = pack(plan, src, src_tables, convert=False, loss_report=loss_report)
+    return finish(plan, payload, dst, converted_on="receiver", pack_s=0.0, wire_s=0.0, loss_report=loss_report)
+
+
+def _same_loss(a, b) -> None:
+    for key in ("kv_lossless", "kv_max_abs_error", "indexer_max_abs_error", "state_max_abs_error", "payload_bytes"):
+        assert getattr(a, key) == getattr(b, key), key
+    assert sum(r.num_tokens for r in a.loss) == sum(r.num_tokens for r in b.loss)
+
+
+@pytest.mark.parametrize("stage_bytes", [ex.STAGE_BYTES, 3000])
+@pytest.mark.parametrize(("src_spec", "dst_spec"), PAIRS)
+def test_staged_migration_writes_the_transport_paths_bytes(monkeypatch, src_spec, dst_spec, stage_bytes):
+    """Every engine pair of the in-process tests, with the default batches and with batches of a few
+    entries (pieces cut inside pages, several transfers per batch)."""
+    monkeypatch.setattr(ex, "STAGE_BYTES", stage_bytes)
+    plan = plan_migration(src_spec, dst_spec, MODEL, TOKENS, draft_tokens=2)
+    src, src_tables = source_request(plan, spare_pages=1, seed=3)
+    for loss_report in (True, False):
+        want_dst = destination_pools(plan, spare_pages=1, seed=4)
+        want_tables, want = _transport_path(plan, src, src_tables, want_dst, loss_report)
+        got_dst = destination_pools(plan, spare_pages=1, seed=4)
+        assert ex._stage(plan, src, src_tables, got_dst) is not None  # the staged path serves these pools
+        got_tables, got = migrate_local(plan, src, src_tables, got_dst, loss_report=loss_report)
+        assert got_tables == want_tables and got_dst.free == want_dst.free
+        want_pools, got_pools = _pools(want_dst), _pools(got_dst)
+        assert all(torch.equal(got_pools[k], want_pools[k]) for k in want_pools), f"{src_spec} -> {dst_spec}"
+        _same_loss(got, want)
+
+
+def test_sender_side_staged_report_counts_destination_bytes_and_packing_time():
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
+    src, src_tables = source_request(plan, seed=2)
+    _, report = migrate_local(plan, src, src_tables, destination_pools(plan), convert_on="sender")
+    assert report.payload_bytes == plan.totals()["all"]["dst_bytes"] and report.convert_s == 0.0
+    assert report.pack_s > 0 and report.wire_s == 0.0
+
+
+def test_non_contiguous_pools_take_the_transport_path_with_the_same_bytes():
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
+    src, src_tables = source_request(plan, seed=5)
+    plain = destination_pools(plan, seed=6)
+    want_tables, _ = migrate_local(plan, src, src_tables, plain)
+    owned = destination_pools(plan, seed=6)
+    strided = {k: torch.zeros(v.shape[0], v.shape[1] + 8, dtype=torch.uint8)[:, 8:] for k, v in owned.pools.items()}
+    wrapped = EnginePools.wrap("vllm", MODEL, strided, free=owned.free)
+    assert ex._stage(plan, src, src_tables, wrapped) is None
+    got_tables, _ = migrate_local(plan, src, src_tables, wrapped)
+    assert got_tables == want_tables
+    assert all(torch.equal(strided[k], plain.pools[k]) for k in strided)
+
+
+def _refused(plan, src, tables, match, error=InputError):
+    """Both paths raise ``error`` matching ``match``; the staged one claims nothing and writes nothing."""
+    with pytest.raises(error, match=match):
+        _transport_path(plan, src, tables, destination_pools(plan), True)
+    dst = destination_pools(plan)
+    free = {k: sorted(v) for k, v in dst.free.items()}
+    with pytest.raises(error, match=match):
+        migrate_local(plan, src, tables, dst)
+    assert {k: sorted(v) for k, v in dst.free.items()} == free
+    return dst
+
+
+def test_bad_source_tables_are_refused_before_any_page_is_claimed():
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
+    src, tables = source_request(plan, seed=7)
+    cases = [
+        ("compress4", lambda t: t.__setitem__(2, src.pages_per_table["compress4"] + 5),
+         r"block table 'compress4' index 2 names page \d+; the pool has"),
+        ("compress4", lambda t: t.__setitem__(1, -1), r"block table 'compress4' index 1 is released"),
+        ("compress4", lambda t: t.pop(), r"block table 'compress4' has \d+ pages; entry \d+ needs page index"),
+        ("swa", lambda t: t.__setitem__(5, -1), r"block table 'swa' index 5 is released"),
+    ]
+    for name, change, match in cases:
+        bad = {k: list(v) for k, v in tables.items()}
+        change(bad[name])
+        dst = _refused(plan, src, bad, match)
+        assert not any(bool(t.any()) for t in _pools(dst).values())
+
+
+def test_a_nan_source_is_refused_and_its_claimed_pages_are_released():
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
+    src, tables = source_request(plan, seed=8)
+    t = next(t for t in plan.transfers if t.spec.role == Role.COMPRESS and t.spec.ratio == 4)
+    records = gather_records(src.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count)
+    records[100, 7] = 0x7F  # E4M3 NaN
+    scatter_records(src.pool(t.spec), t.src, table_of(tables, t.src), t.first, records)
+    _refused(plan, src, tables, r"non-finite values \(1; first at token 100, dim 7\)", NonFiniteError)
+
+
+def test_an_indexer_nan_scale_is_refused_like_the_torch_path():
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
+    src, tables = source_request(plan, seed=9)
+    t = next(t for t in plan.transfers if t.spec.role == Role.INDEXER)
+    records = gather_records(src.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count)
+    records[3, t.src.split] = 0xFF  # a NaN UE8M0 block scale
+    scatter_records(src.pool(t.spec), t.src, table_of(tables, t.src), t.first, records)
+    dst = destination_pools(plan)
+    with pytest.raises(KVBridgeError) as caught:
+        migrate_local(plan, src, tables, dst)
+    with pytest.raises(type(caught.value), match=str(caught.value)[:30].replace("(", r"\(")):
+        _transport_path(plan, src, tables, destination_pools(plan), True)
+    assert sum(map(len, dst.free.values())) == sum(dst.pages_per_table.values())
+
+
+@pytest.mark.parametrize(("rule", "dim"), [(r, d) for r in ix.FP8_RULES for d in (128, 64)
+                                           if not (r == "vllm-ue8m0" and d != 128)])
+def test_fp4_to_fp8_keys_between_page_parts_equal_the_torch_path(monkeypatch, rule, dim):
+    """The native kernel on a page's two parts (8-byte aligned rows: the word path of the power-of-two rules)
+    writes the torch path's bytes and error, for blocks whose scales lie close together (exact, word
+    arithmetic) and far apart (E4M3 subnormals and underflow, table path), and refuses a NaN scale."""
+    src, dst = ix.indexer_format("fp4", dim), ix.indexer_format("fp8", dim)
+    g = torch.Generator().manual_seed(11)
+    n = 6000
+    records = torch.randint(0, 256, (n, src.record_bytes), dtype=torch.uint8, generator=g)
+    scales = records[:, src.split :]
+    lo, hi = (60, 200) if rule == "trtllm" else (0, 251)  # trtllm's 448 / amax overflows below 2^-67 or so
+    scales.copy_(torch.randint(lo, hi, scales.shape, generator=g, dtype=torch.uint8))
+    scales[2000:] = torch.randint(117, 123, scales[2000:].shape, generator=g, dtype=torch.uint8)
+    scales[4000:] = (scales[4000:, :1] + torch.randint(-6, 1, scales[4000:].shape, generator=g)).clamp(lo, hi - 1)
+    records[10:20, : src.split] = 0x88  # -0.0
+    records[20:30, : src.split] = 0
+    monkeypatch.setenv("KVBRIDGE_BACKEND", "reference")
+    assert not ix.native_transcode_applies(records, src, dst, rule)
+    want, want_err = ix.transcode_keys(records, src, dst, rule)
+    monkeypatch.delenv("KVBRIDGE_BACKEND")
+    keys, key_scales = records[:, : src.split].contiguous(), records[:, src.split :].contiguous()
+    out_keys = torch.empty(n, dim, dtype=torch.uint8)
+    out_scales = torch.empty(n, 4, dtype=torch.uint8)
+    flat = [native._flat(x) for x in (keys, key_scales, out_keys, out_scales)]
+    for measure in (True, False):
+        err = native.fp4_to_fp8_key_rows(flat[0], src.split, flat[1], key_scales.shape[1], n, flat[2], dim, flat[3], 4,
+                                         dim, rule, measure=measure)
+        assert torch.equal(torch.cat([out_keys, out_scales], dim=1), want)
+        assert err == (want_err if measure else 0.0)
+    key_scales[4321, 0] = 0xFF
+    assert native.fp4_to_fp8_key_rows(flat[0], src.split, flat[1], key_scales.shape[1], n, flat[2], dim, flat[3], 4,
+                                      dim, rule, measure=False) is None
+
+
+@pytest.mark.parametrize("spec", ["vllm", "trtllm:fp8:tpb=128", "sglang:draft=3", "vllm:gpu=sm100"])
+def test_page_runs_as_arrays_equal_the_entry_by_entry_runs(spec):
+    """``_run_array`` (array operations for plain paging) gives ``_runs``'s runs for every cache of the model
+    and many entry ranges, and raises its errors."""
+    plan = plan_migration(spec, spec, MODEL, TOKENS, draft_tokens=2)
+    src, tables = source_request(plan, spare_pages=1, seed=1)
+    rng = np.random.default_rng(2)
+    for t in plan.transfers:
+        ids = tables[t.src.table]
+        pages = pool_tensors(src.pool(t.spec))[0].shape[0]
+        for first, count in [(t.first, t.count), (t.first, 1), (t.first + t.count - 1, 1)] + [
+                (t.first + int(a), int(b)) for a, b in rng.integers(0, max(t.count, 1), (6, 2))]:
+            count = min(count, t.first + t.count - first)
+            try:
+                want = np.array(_runs(t.src, ids, first, count, pages, "x"), np.int64).reshape(-1, 4)
+            except InputError as exc:
+                with pytest.raises(InputError, match=str(exc).replace("(", r"\(").replace(")", r"\)")):
+                    _run_array(t.src, ids, first, count, pages, "x")
+                continue
+            assert np.array_equal(_run_array(t.src, ids, first, count, pages, "x"), want)
+        bad = list(ids)
+        live = [i for i, p in enumerate(bad) if p >= 0]
+        if t.src.addressing == "paged" and live:
+            bad[live[-1]] = pages
+            with pytest.raises(InputError, match=f"names page {pages}; the pool has {pages}"):
+                _run_array(t.src, bad, t.first, t.count, pages, "x")
+
+
+def test_large_row_moves_run_on_the_threads_with_the_same_bytes(monkeypatch):
+    plan = plan_migration("vllm", "vllm", MODEL, TOKENS)
+    src, tables = source_request(plan, seed=4)
+    for t in plan.transfers:
+        pool, table = src.pool(t.spec), table_of(tables, t.src)
+        want = gather_records(pool, t.src, table, t.first, t.count)
+        monkeypatch.setattr(native, "INLINE_MOVE_BYTES", 0)
+        assert torch.equal(gather_records(pool, t.src, table, t.first, t.count), want)
+        monkeypatch.undo()
+
+
+def test_pack_without_checksums_gathers_the_same_records():
+    """NIXL's sender-converted path checksums the destination page runs it stages, so it packs without the
+    source-chunk checksums: same records, empty checksum lists."""
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
+    src, tables = source_request(plan, seed=3)
+    full = pack(plan, src, tables, convert=True)
+    bare = pack(plan, src, tables, convert=True, checksum=False)
+    assert bare.checksums == [[] for _ in plan.transfers] and all(map(len, full.checksums))
+    assert all(torch.equal(a, b) for a, b in zip(full.records, bare.records, strict=True))

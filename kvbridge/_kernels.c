@@ -395,17 +395,33 @@ KV_AVX512 static void f2m_token_avx512(const uint8_t *in, uint8_t *data, uint8_t
     store_foot(foot, footer, nt && ((uintptr_t)foot & 7) == 0);
 }
 
+/* Add the set bits of k (value base + bit index) to (count, first). */
+static inline void note_mask(uint64_t k, Py_ssize_t base, int64_t *count, int64_t *first) {
+    Py_ssize_t at = base + __builtin_ctzll(k);
+    if (*count == 0 || at < *first)
+        *first = at;
+    *count += __builtin_popcountll(k);
+}
+
 KV_AVX512 static void m2f_token_avx512(const uint8_t *data, const uint8_t *foot, uint8_t *out, const m2f_tables *tb,
-                                       Py_ssize_t t, int nt, int64_t *count, int64_t *first) {
+                                       const uint8_t *bad_from, Py_ssize_t t, int nt, int64_t *count,
+                                       int64_t *first) {
     const __m512i mask7f = _mm512_set1_epi8(0x7F);
     for (int j = 0; j < 7; j++) {
         size_t b = foot[j];
         __m512i v = _mm512_loadu_si512(data + 64 * j);
-        const uint8_t *bad = tb->bad_mag + b * 128;
-        if (bad[max_u8(_mm512_and_si512(v, mask7f))])
-            for (int i = 0; i < 64; i++)
-                if (bad[data[64 * j + i] & 0x7F])
-                    note_bad(t * HEAD_DIM + 64 * j + i, count, first);
+        __m512i mag = _mm512_and_si512(v, mask7f);
+        if (bad_from) { /* every magnitude >= bad_from[b] is bad at scale byte b */
+            __mmask64 k = _mm512_cmpge_epu8_mask(mag, _mm512_set1_epi8((char)bad_from[b]));
+            if (k)
+                note_mask(k, t * HEAD_DIM + 64 * j, count, first);
+        } else {
+            const uint8_t *bad = tb->bad_mag + b * 128;
+            if (bad[max_u8(mag)])
+                for (int i = 0; i < 64; i++)
+                    if (bad[data[64 * j + i] & 0x7F])
+                        note_bad(t * HEAD_DIM + 64 * j + i, count, first);
+        }
         const uint8_t *row = tb->nope_lut + b * 256;
         __m512i o = lookup256(v, _mm512_loadu_si512(row), _mm512_loadu_si512(row + 64),
                               _mm512_loadu_si512(row + 128), _mm512_loadu_si512(row + 192));
@@ -416,32 +432,31 @@ KV_AVX512 static void m2f_token_avx512(const uint8_t *data, const uint8_t *foot,
     __mmask32 n0 = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h0, expm), expm);
     __mmask32 n1 = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h1, expm), expm);
     if (n0 | n1)
-        for (int i = 0; i < 64; i++)
-            if (((i < 32 ? n0 >> i : n1 >> (i - 32)) & 1))
-                note_bad(t * HEAD_DIM + 448 + i, count, first);
-    uint8_t rope[64];
-    for (int i = 0; i < 64; i++)
-        rope[i] = tb->rope_lut[(uint16_t)(data[448 + 2 * i] | (data[448 + 2 * i + 1] << 8))];
-    store64(out + 448, _mm512_loadu_si512(rope), nt);
+        note_mask((uint64_t)n0 | ((uint64_t)n1 << 32), t * HEAD_DIM + 448, count, first);
+    /* rope_lut[h]: gather the aligned 32-bit word holding byte h (never past the 65536-byte table), shift it out */
+    const __m512i three = _mm512_set1_epi32(3), ff = _mm512_set1_epi32(0xFF);
+    __m512i codes = _mm512_setzero_si512();
+    for (int k = 0; k < 4; k++) {
+        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(data + 448 + 32 * k)));
+        __m512i word = _mm512_i32gather_epi32(_mm512_andnot_si512(three, h), (const void *)tb->rope_lut, 1);
+        __m512i byte = _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_slli_epi32(_mm512_and_si512(h, three), 3)), ff);
+        codes = _mm512_inserti32x4(codes, _mm512_cvtepi32_epi8(byte), k);
+    }
+    store64(out + 448, codes, nt);
 }
 
-/* 16 E4M3 codes of the fp32 lanes of y (native._e4m3_byte). */
-KV_AVX512 static inline __m128i e4m3_codes(__m512 y) {
-    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF);
-    __m512i b = _mm512_castps_si512(y);
-    __m512i mag = _mm512_and_si512(b, absm);
+/* 16 E4M3 magnitude codes (sign bit clear) of the fp32 lanes of y, as native._e4m3_byte computes them:
+ * normal ones from the bits (the rebias folded into the rounding add; unsigned min saturates at 0x7E,
+ * Inf and NaN included), subnormal ones the low byte of the bits of |y| + 2^14. */
+KV_AVX512 static inline __m128i e4m3_magnitudes(__m512 y) {
+    __m512i mag = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
     __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
-    __m512i normal = _mm512_sub_epi32(
-        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x7FFFF)), odd), 20),
-        _mm512_set1_epi32(960));
-    __m512 fa = _mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(16384.0f));
-    __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(fa), _mm512_set1_epi32(0x46800000));
+    __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x7FFFF - 0x3C000000)),
+                                                        odd), 20);
+    normal = _mm512_min_epu32(normal, _mm512_set1_epi32(0x7E));
+    __m512 sub = _mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(16384.0f));
     __mmask16 is_normal = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x3C800000));
-    __mmask16 is_big = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x43E00000));
-    __m512i code = _mm512_mask_blend_epi32(is_normal, sub, normal);
-    code = _mm512_mask_blend_epi32(is_big, code, _mm512_set1_epi32(0x7E));
-    code = _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi32(b, 24), _mm512_set1_epi32(0x80)));
-    return _mm512_cvtepi32_epi8(code);
+    return _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(is_normal, _mm512_castps_si512(sub), normal));
 }
 
 KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16, uint8_t *data, uint8_t *foot,
@@ -450,9 +465,11 @@ KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16,
     for (int j = 0; j < 7; j++) {
         __m512 v[4];
         uint32_t amax;
+        __mmask64 signs;
         if (x16) {
             __m512i a = _mm512_loadu_si512(x16 + 64 * j), b = _mm512_loadu_si512(x16 + 64 * j + 32);
             const __m512i m = _mm512_set1_epi16(0x7FFF);
+            signs = (__mmask64)_mm512_movepi16_mask(a) | ((__mmask64)_mm512_movepi16_mask(b) << 32);
             amax = (uint32_t)max_u16(_mm512_and_si512(a, m), _mm512_and_si512(b, m)) << 16;
             for (int k = 0; k < 4; k++) {
                 __m256i w = _mm256_loadu_si256((const __m256i *)(x16 + 64 * j + 16 * k));
@@ -461,18 +478,22 @@ KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16,
         } else {
             const __m512i m = _mm512_set1_epi32(0x7FFFFFFF);
             __m512i acc = _mm512_setzero_si512();
+            signs = 0;
             for (int k = 0; k < 4; k++) {
                 v[k] = _mm512_loadu_ps(x32 + 64 * j + 16 * k);
                 acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(v[k]), m));
+                signs |= (__mmask64)_mm512_movepi32_mask(_mm512_castps_si512(v[k])) << (16 * k);
             }
             amax = _mm512_reduce_max_epu32(acc);
         }
         int e = tile_exponent(amax, min_exp);
         __m512 mult = _mm512_set1_ps(pow2[149 - e]);
-        __m512i codes = _mm512_castsi128_si512(e4m3_codes(_mm512_mul_ps(v[0], mult)));
-        codes = _mm512_inserti32x4(codes, e4m3_codes(_mm512_mul_ps(v[1], mult)), 1);
-        codes = _mm512_inserti32x4(codes, e4m3_codes(_mm512_mul_ps(v[2], mult)), 2);
-        codes = _mm512_inserti32x4(codes, e4m3_codes(_mm512_mul_ps(v[3], mult)), 3);
+        __m512i codes = _mm512_castsi128_si512(e4m3_magnitudes(_mm512_mul_ps(v[0], mult)));
+        codes = _mm512_inserti32x4(codes, e4m3_magnitudes(_mm512_mul_ps(v[1], mult)), 1);
+        codes = _mm512_inserti32x4(codes, e4m3_magnitudes(_mm512_mul_ps(v[2], mult)), 2);
+        codes = _mm512_inserti32x4(codes, e4m3_magnitudes(_mm512_mul_ps(v[3], mult)), 3);
+        /* y = x * 2^-e keeps the sign of x (NaN included) */
+        codes = _mm512_mask_mov_epi8(codes, signs, _mm512_or_si512(codes, _mm512_set1_epi8((char)0x80)));
         store64(data + 64 * j, codes, nt);
         footer |= (uint64_t)(uint8_t)(e + 127) << (8 * j);
     }
@@ -508,20 +529,21 @@ KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16,
 KV_AVX512 static void decode_token_avx512(const uint8_t *data, const uint8_t *foot, float *out, const float *ue8m0,
                                           int nt) {
     const __m512i m7f = _mm512_set1_epi32(0x7F), eight = _mm512_set1_epi32(8);
-    const __m512i bias = _mm512_set1_epi32(0x3C000000), sign = _mm512_set1_epi32(0x80);
+    const __m512i bias = _mm512_set1_epi32(0x3C000000);
     const __m512 sub_unit = _mm512_set1_ps(0.001953125f), qnan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000));
+    const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u);
     for (int j = 0; j < 7; j++) {
         __m512 s = _mm512_set1_ps(ue8m0[foot[j]]);
+        __m512i tile = _mm512_loadu_si512(data + 64 * j);
+        __mmask64 signs = _mm512_movepi8_mask(tile);
         for (int k = 0; k < 4; k++) {
-            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(data + 64 * j + 16 * k)));
-            __m512i a = _mm512_and_si512(c, m7f);
+            __m512i a = _mm512_and_si512(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(tile, k)), m7f);
             __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(a, 20), bias));
             __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(a), sub_unit);
-            __m512 v = _mm512_mask_blend_ps(_mm512_cmpge_epu32_mask(a, eight), sub, normal);
-            v = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),
-                                                     _mm512_slli_epi32(_mm512_and_si512(c, sign), 24)));
-            v = _mm512_mask_blend_ps(_mm512_cmpeq_epu32_mask(a, m7f), v, qnan);
-            store64(out + 64 * j + 16 * k, _mm512_castps_si512(_mm512_mul_ps(v, s)), nt);
+            __m512i v = _mm512_castps_si512(_mm512_mask_blend_ps(_mm512_cmpge_epu32_mask(a, eight), sub, normal));
+            v = _mm512_mask_xor_epi32(v, (__mmask16)(signs >> (16 * k)), v, sign_bit);
+            __m512 value = _mm512_mask_blend_ps(_mm512_cmpeq_epu32_mask(a, m7f), _mm512_castsi512_ps(v), qnan);
+            store64(out + 64 * j + 16 * k, _mm512_castps_si512(_mm512_mul_ps(value, s)), nt);
         }
     }
     for (int k = 0; k < 4; k++) {
@@ -582,11 +604,28 @@ KV_BODY void fp8_to_model1_chunks(Py_ssize_t c0, Py_ssize_t c1, const uint8_t *s
     store_fence();
 }
 
+/* bad_from[b]: the smallest magnitude m with bad_mag[b * 128 + m] set (128: none), when every row of
+ * bad_mag is such a threshold (so a vector compare finds a tile's bad values); else 0 (then the
+ * kernels check each tile's largest magnitude, then each value, in the table). */
+static int bad_thresholds(const uint8_t *bad_mag, uint8_t *bad_from) {
+    for (int b = 0; b < 256; b++) {
+        int m = 0;
+        while (m < 128 && !bad_mag[b * 128 + m])
+            m++;
+        bad_from[b] = (uint8_t)m;
+        for (int k = m; k < 128; k++)
+            if (!bad_mag[b * 128 + k])
+                return 0;
+    }
+    return 1;
+}
+
 KV_BODY void model1_to_fp8_chunks(Py_ssize_t c0, Py_ssize_t c1, const uint8_t *src, const geom_t *s, Py_ssize_t n,
                                  uint8_t *dst, Py_ssize_t dst_len, const geom_t *d, const m2f_tables *tb,
                                  int64_t *bad_count, int64_t *bad_first, int isa) {
     Py_ssize_t dp = d->pages, npages = dst_len / d->page_bytes, per = CHUNK_TOKENS / dp > 1 ? CHUNK_TOKENS / dp : 1;
-    uint8_t in_buf[M1_RECORD], out_buf[FP8_RECORD];
+    uint8_t in_buf[M1_RECORD], out_buf[FP8_RECORD], bad_from[256];
+    const uint8_t *thresholds = isa == ISA_AVX512 && bad_thresholds(tb->bad_mag, bad_from) ? bad_from : NULL;
     for (Py_ssize_t c = c0; c < c1; c++) {
         int64_t count = 0, first = -1;
         Py_ssize_t p_end = (c + 1) * per < npages ? (c + 1) * per : npages;
@@ -600,7 +639,7 @@ KV_BODY void model1_to_fp8_chunks(Py_ssize_t c0, Py_ssize_t c1, const uint8_t *s
                 uint8_t *out = direct ? dst + at : out_buf;
 #if KV_X86
                 if (isa == ISA_AVX512)
-                    m2f_token_avx512(data, foot, out, tb, t, direct && nt_ok(out, dst_len), &count, &first);
+                    m2f_token_avx512(data, foot, out, tb, thresholds, t, direct && nt_ok(out, dst_len), &count, &first);
                 else
 #endif
                     m2f_token_scalar(data, foot, out, tb, t, &count, &first);

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache, lru_cache
 from types import ModuleType
@@ -1258,6 +1259,9 @@ def _compiled_kernels() -> tuple[ModuleType | None, str]:
     try:
         from kvbridge import _kernels
     except ImportError:
+        warnings.warn("kvbridge: the compiled kernels (kvbridge._kernels) are not built (no C compiler when kvbridge "
+                      f"was installed?); running the slower numba kernels. {NO_CKERNELS_ENV}=1 silences this.",
+                      RuntimeWarning, stacklevel=2)
         return None, "the C extension kvbridge._kernels is not built"
     if _kernels.CHUNK_TOKENS != CHUNK_TOKENS:
         return None, "kvbridge._kernels was built for another chunk size"

@@ -288,3 +288,15 @@ def test_threads_split_chunks_alike():
         torch.set_num_threads(saved)
     (a, ca, fa), (b, cb, fb) = results
     assert torch.equal(a, b) and np.array_equal(ca, cb) and np.array_equal(fa, fb) and ca.sum() > 0
+
+
+def test_bench_header_names_the_kernels():
+    """``kvbridge bench`` says which code ran the MODEL1 kernels (C and its ISA, or numba and why)."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    run = CliRunner().invoke(cli, ["bench", "--tokens", "64", "--repeat", "1", "--threads", "1"])
+    assert run.exit_code == 0, run.output
+    assert f"native MODEL1 kernels: {native.kernel_implementation()}" in run.output
+    assert native.kernel_implementation().startswith(("C (", "numba ("))

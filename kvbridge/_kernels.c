@@ -269,12 +269,13 @@ static void encode_token_scalar(const float *x32, const uint16_t *x16, uint8_t *
     foot[7] = 0;
 }
 
-/* fp32 value of E4M3 code c, as native._e4m3_value (NaN codes: 0x7FC00000). */
+/* fp32 value of E4M3 code c, as native._e4m3_value (NaN codes: 0x7FC00000), branch-free. */
 static inline float e4m3_value(uint32_t c) {
-    uint32_t a = c & 0x7F;
-    float v = a >= 8 ? bits_f32((a << 20) + 0x3C000000u) : (float)(int32_t)a * 0.001953125f;
-    v = (c & 0x80) ? -v : v;
-    return a == 0x7F ? bits_f32(0x7FC00000u) : v;
+    uint32_t a = c & 0x7F, sub;
+    float sub_value = (float)(int32_t)a * 0.001953125f;
+    memcpy(&sub, &sub_value, 4);
+    uint32_t bits = (a >= 8 ? (a << 20) + 0x3C000000u : sub) ^ ((c & 0x80u) << 24);
+    return bits_f32(a == 0x7F ? 0x7FC00000u : bits);
 }
 
 static void decode_token_scalar(const uint8_t *data, const uint8_t *foot, float *out, const float *ue8m0) {

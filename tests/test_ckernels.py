@@ -300,3 +300,32 @@ def test_bench_header_names_the_kernels():
     assert run.exit_code == 0, run.output
     assert f"native MODEL1 kernels: {native.kernel_implementation()}" in run.output
     assert native.kernel_implementation().startswith(("C (", "numba ("))
+
+
+def test_every_code_and_rope_word_once():
+    """Exhaustive tables: MODEL1 -> fp8 over every finite bf16 rope word and every (scale byte, code) pair;
+    fp8 -> MODEL1 over tiles whose largest magnitude is each m, holding every code of magnitude <= m."""
+    words = torch.arange(65536, dtype=torch.int32)
+    words = words[(words & 0x7F80) != 0x7F80]  # finite bf16
+    n = -(-words.numel() // 64)
+    records = torch.zeros(n, 584, dtype=torch.uint8)
+    rope = torch.cat([words, words[: n * 64 - words.numel()]]).reshape(n, 64)
+    records[:, 448:576:2], records[:, 449:576:2] = (rope & 0xFF).to(torch.uint8), (rope >> 8).to(torch.uint8)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].repeat(-(-n * 448 // 254))[: n * 448]
+    records[:, :448] = codes.reshape(n, 448)
+    records[:, 576:583] = (torch.arange(n * 7) % 255).to(torch.uint8).reshape(n, 7)  # every finite scale byte
+    pages = MODEL1.records_to_pages(records, 64)
+    for s_out in (1.0, 0.037, 1e-30):
+        check_transcode(pages, MODEL1, 64, FP8, 64, n, 1.0, s_out, "swa")
+    tiles = []
+    for m in range(127):  # 63 codes of magnitude <= m (all of them, over ceil(2 (m + 1) / 63) tiles), then m
+        mags = torch.arange(m + 1, dtype=torch.uint8)
+        both = torch.cat([mags, mags | 0x80]).repeat(63)
+        for i in range(0, 2 * (m + 1), 63):
+            tiles.append(torch.cat([both[i : i + 63], torch.tensor([m], dtype=torch.uint8)]))
+    flat = torch.cat(tiles)
+    flat = torch.cat([flat, torch.zeros(-flat.numel() % 512, dtype=torch.uint8)])
+    fp8_pages = FP8.records_to_pages(flat.reshape(-1, 512), 64)
+    for scale, dialect in itertools.product((1.0, 0.037, 3e-5), nx.DIALECTS):
+        check_transcode(fp8_pages, FP8, 64, MODEL1, 64, flat.numel() // 512, scale, 1.0, dialect)

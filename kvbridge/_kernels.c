@@ -404,6 +404,15 @@ static inline void note_mask(uint64_t k, Py_ssize_t base, int64_t *count, int64_
     *count += __builtin_popcountll(k);
 }
 
+/* rope_lut[h] of 16 little-endian bf16 words at p: gather the aligned 32-bit word holding byte h (never past the
+ * 65536-byte table), shift the byte out. */
+KV_AVX512 static inline __m128i rope_codes16(const uint8_t *p, const uint8_t *rope_lut) {
+    const __m512i three = _mm512_set1_epi32(3);
+    __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    __m512i word = _mm512_i32gather_epi32(_mm512_andnot_si512(three, h), (const void *)rope_lut, 1);
+    return _mm512_cvtepi32_epi8(_mm512_srlv_epi32(word, _mm512_slli_epi32(_mm512_and_si512(h, three), 3)));
+}
+
 KV_AVX512 static void m2f_token_avx512(const uint8_t *data, const uint8_t *foot, uint8_t *out, const m2f_tables *tb,
                                        const uint8_t *bad_from, Py_ssize_t t, int nt, int64_t *count,
                                        int64_t *first) {
@@ -434,15 +443,10 @@ KV_AVX512 static void m2f_token_avx512(const uint8_t *data, const uint8_t *foot,
     __mmask32 n1 = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h1, expm), expm);
     if (n0 | n1)
         note_mask((uint64_t)n0 | ((uint64_t)n1 << 32), t * HEAD_DIM + 448, count, first);
-    /* rope_lut[h]: gather the aligned 32-bit word holding byte h (never past the 65536-byte table), shift it out */
-    const __m512i three = _mm512_set1_epi32(3), ff = _mm512_set1_epi32(0xFF);
-    __m512i codes = _mm512_setzero_si512();
-    for (int k = 0; k < 4; k++) {
-        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(data + 448 + 32 * k)));
-        __m512i word = _mm512_i32gather_epi32(_mm512_andnot_si512(three, h), (const void *)tb->rope_lut, 1);
-        __m512i byte = _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_slli_epi32(_mm512_and_si512(h, three), 3)), ff);
-        codes = _mm512_inserti32x4(codes, _mm512_cvtepi32_epi8(byte), k);
-    }
+    __m512i codes = _mm512_castsi128_si512(rope_codes16(data + 448, tb->rope_lut));
+    codes = _mm512_inserti32x4(codes, rope_codes16(data + 480, tb->rope_lut), 1);
+    codes = _mm512_inserti32x4(codes, rope_codes16(data + 512, tb->rope_lut), 2);
+    codes = _mm512_inserti32x4(codes, rope_codes16(data + 544, tb->rope_lut), 3);
     store64(out + 448, codes, nt);
 }
 
@@ -538,7 +542,8 @@ KV_AVX512 static void decode_token_avx512(const uint8_t *data, const uint8_t *fo
         __m512i tile = _mm512_loadu_si512(data + 64 * j);
         __mmask64 signs = _mm512_movepi8_mask(tile);
         for (int k = 0; k < 4; k++) {
-            __m512i a = _mm512_and_si512(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(tile, k)), m7f);
+            __m512i a = _mm512_and_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(data + 64 * j + 16 * k))),
+                                         m7f);
             __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(a, 20), bias));
             __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(a), sub_unit);
             __m512i v = _mm512_castps_si512(_mm512_mask_blend_ps(_mm512_cmpge_epu32_mask(a, eight), sub, normal));
@@ -627,6 +632,7 @@ KV_BODY void model1_to_fp8_chunks(Py_ssize_t c0, Py_ssize_t c1, const uint8_t *s
     Py_ssize_t dp = d->pages, npages = dst_len / d->page_bytes, per = CHUNK_TOKENS / dp > 1 ? CHUNK_TOKENS / dp : 1;
     uint8_t in_buf[M1_RECORD], out_buf[FP8_RECORD], bad_from[256];
     const uint8_t *thresholds = isa == ISA_AVX512 && bad_thresholds(tb->bad_mag, bad_from) ? bad_from : NULL;
+    (void)thresholds; /* unused where only the scalar code is compiled */
     for (Py_ssize_t c = c0; c < c1; c++) {
         int64_t count = 0, first = -1;
         Py_ssize_t p_end = (c + 1) * per < npages ? (c + 1) * per : npages;

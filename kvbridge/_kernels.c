@@ -466,33 +466,45 @@ KV_AVX512 static inline __m128i e4m3_magnitudes(__m512 y) {
 
 KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16, uint8_t *data, uint8_t *foot,
                                           int min_exp, const float *pow2, int nt) {
+    /* Two passes, so that the tiles' amax reductions and exponents overlap rather than each stalling its tile:
+     * the 7 scale exponents first, then the codes. */
     uint64_t footer = 0;
+    float mults[7];
+    for (int j = 0; j < 7; j++) {
+        uint32_t amax;
+        if (x16) {
+            const __m512i m = _mm512_set1_epi16(0x7FFF);
+            amax = (uint32_t)max_u16(_mm512_and_si512(_mm512_loadu_si512(x16 + 64 * j), m),
+                                     _mm512_and_si512(_mm512_loadu_si512(x16 + 64 * j + 32), m)) << 16;
+        } else {
+            const __m512i m = _mm512_set1_epi32(0x7FFFFFFF);
+            __m512i acc = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++)
+                acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_loadu_si512(x32 + 64 * j + 16 * k), m));
+            amax = _mm512_reduce_max_epu32(acc);
+        }
+        int e = tile_exponent(amax, min_exp);
+        mults[j] = pow2[149 - e];
+        footer |= (uint64_t)(uint8_t)(e + 127) << (8 * j);
+    }
     for (int j = 0; j < 7; j++) {
         __m512 v[4];
-        uint32_t amax;
         __mmask64 signs;
         if (x16) {
-            __m512i a = _mm512_loadu_si512(x16 + 64 * j), b = _mm512_loadu_si512(x16 + 64 * j + 32);
-            const __m512i m = _mm512_set1_epi16(0x7FFF);
-            signs = (__mmask64)_mm512_movepi16_mask(a) | ((__mmask64)_mm512_movepi16_mask(b) << 32);
-            amax = (uint32_t)max_u16(_mm512_and_si512(a, m), _mm512_and_si512(b, m)) << 16;
+            signs = (__mmask64)_mm512_movepi16_mask(_mm512_loadu_si512(x16 + 64 * j)) |
+                    ((__mmask64)_mm512_movepi16_mask(_mm512_loadu_si512(x16 + 64 * j + 32)) << 32);
             for (int k = 0; k < 4; k++) {
                 __m256i w = _mm256_loadu_si256((const __m256i *)(x16 + 64 * j + 16 * k));
                 v[k] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
             }
         } else {
-            const __m512i m = _mm512_set1_epi32(0x7FFFFFFF);
-            __m512i acc = _mm512_setzero_si512();
             signs = 0;
             for (int k = 0; k < 4; k++) {
                 v[k] = _mm512_loadu_ps(x32 + 64 * j + 16 * k);
-                acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_castps_si512(v[k]), m));
                 signs |= (__mmask64)_mm512_movepi32_mask(_mm512_castps_si512(v[k])) << (16 * k);
             }
-            amax = _mm512_reduce_max_epu32(acc);
         }
-        int e = tile_exponent(amax, min_exp);
-        __m512 mult = _mm512_set1_ps(pow2[149 - e]);
+        __m512 mult = _mm512_set1_ps(mults[j]);
         __m512i codes = _mm512_castsi128_si512(e4m3_magnitudes(_mm512_mul_ps(v[0], mult)));
         codes = _mm512_inserti32x4(codes, e4m3_magnitudes(_mm512_mul_ps(v[1], mult)), 1);
         codes = _mm512_inserti32x4(codes, e4m3_magnitudes(_mm512_mul_ps(v[2], mult)), 2);
@@ -500,7 +512,6 @@ KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16,
         /* y = x * 2^-e keeps the sign of x (NaN included) */
         codes = _mm512_mask_mov_epi8(codes, signs, _mm512_or_si512(codes, _mm512_set1_epi8((char)0x80)));
         store64(data + 64 * j, codes, nt);
-        footer |= (uint64_t)(uint8_t)(e + 127) << (8 * j);
     }
     __m512i w[2];
     if (x16) {

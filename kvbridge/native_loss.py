@@ -126,9 +126,9 @@ def _e4m3_finite(c, s):
 def _tensor_model1_token(pt, data, foot, s_pt, ue8m0, tensor_is_src, per_tensor, mult, stats):
     """Compare one token: ``pt`` its 512 per-tensor E4M3 bytes (values ``e4m3(c) * s_pt``), ``data``
     its MODEL1 bytes [0, 576) and ``foot`` its 7 scale bytes; the source is the per-tensor side when
-    ``tensor_is_src``. Adds to ``stats`` (uint32/int32 [7]: amax, nope and rope max |err| bits,
+    ``tensor_is_src``. Adds to ``stats`` (int64 [6]: amax, nope and rope max |err| as fp32 bits,
     unequal, flushed, saturated) and returns the token's float64 sum of err^2. Every integer step
-    stays 32-bit and each tile is one fused loop, so LLVM runs it on full-width vectors."""
+    stays 32-bit and each tile is one fused loop, which LLVM vectorizes."""
     u32 = np.uint32
     i32 = np.int32
     amax = u32(0)
@@ -224,7 +224,7 @@ def _fp8_model1_loss_kernel(c0, c1, src, sp, spb, ssplit, srb, s_in, dst, dp, dp
                             per_tensor, mult, ue8m0, maxima, sums, counts):
     """Per-tensor E4M3 source against a MODEL1 destination (``_loss_kernel``'s outputs)."""
     _tensor_model1_chunks(c0, c1, src, sp, spb, ssplit, srb, s_in, dst, dp, dpb, dsplit, drb, n, ue8m0, True,
-                          False, mult, maxima, sums, counts)
+                          per_tensor, mult, maxima, sums, counts)
 
 
 @njit(cache=True, nogil=True, fastmath=_REDUCE)
@@ -264,6 +264,8 @@ def loss_stats(
     dp, dpb, dsplit, drb = _geometry(dst, dst_page_size)
     per_tensor, m = mult is not None, np.float32(1.0 if mult is None else mult)
     fast = LOSS_ACCELERATORS.get((src.segments, dst.segments)) if accelerated else None
+    if not min(np.float32(src_scale), np.float32(dst_scale)) > 0:  # the accelerators take positive scales
+        fast = None
     if fast is not None:
         _run_chunks(
             fast, nchunks, _flat(src_pages), sp, spb, ssplit, srb, np.float32(src_scale), _flat(dst_pages), dp, dpb,

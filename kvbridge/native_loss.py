@@ -8,6 +8,14 @@ either pool is built. The numbers are those of ``loss.compare_values`` on the de
 maxima and counts identical, the float64 sum of squares up to its summation order (per chunk of
 ``native.CHUNK_TOKENS`` tokens, then over chunks). Work is split over ``native.num_threads()``
 threads like the transcode kernels.
+
+Accelerators (``LOSS_ACCELERATORS``, keyed like ``native.ACCELERATORS`` by the pair of records'
+``Layout.segments``): per-tensor E4M3 (TensorRT-LLM FP8) against MODEL1, both directions, with
+the records' constants compiled in. They read token-major records (and MODEL1's block-split data
+and footer parts) in place, compute E4M3 values in branch-free 32-bit arithmetic
+(``native._e4m3_value``, bit-identical to the table) and take every statistic of a 64-value tile
+in one fused loop; the numbers equal the generic kernel's (maxima and counts identical, the float64
+sum of squares per token summed in another order within the token).
 """
 
 from __future__ import annotations
@@ -18,13 +26,14 @@ from numba import njit
 
 from kvbridge import native
 from kvbridge.codecs import HEAD_DIM, NOPE_DIM
-from kvbridge.layouts import Layout
+from kvbridge.layouts import Layout, get_layout
 from kvbridge.loss import LossStats
 from kvbridge.native import (
     _E2M1_F32,
     _E4M3_F32,
     _UE8M0_F32,
     CHUNK_TOKENS,
+    MODEL1_DATA_BYTES,
     _decode_record,
     _flat,
     _gather,
@@ -101,13 +110,149 @@ def _loss_kernel(
         counts[chunk, 2] = saturated
 
 
+@njit(cache=True, inline="always")
+def _e4m3_finite(c, s):
+    """fp32 ``e4m3(c) * s`` of the E4M3 code ``c`` (uint32 0..255, not a NaN code) and a positive fp32
+    ``s``, bit-identical to the table product (the magnitude's product, then the sign bit: IEEE
+    products are sign-symmetric), in branch-free 32-bit steps as ``native._e4m3_value``."""
+    u32 = np.uint32
+    a = u32(c & u32(0x7F))
+    normal = u32(u32(a << u32(20)) + u32(0x3C000000)).view(np.float32)
+    v = normal if a >= u32(8) else np.float32(np.int32(a)) * np.float32(2.0**-9)
+    return u32(np.float32(v * s).view(u32) | u32(u32(c << u32(24)) & u32(0x80000000))).view(np.float32)
+
+
+@njit(cache=True, inline="always")
+def _tensor_model1_token(pt, data, foot, s_pt, ue8m0, tensor_is_src, per_tensor, mult, stats):
+    """Compare one token: ``pt`` its 512 per-tensor E4M3 bytes (values ``e4m3(c) * s_pt``), ``data``
+    its MODEL1 bytes [0, 576) and ``foot`` its 7 scale bytes; the source is the per-tensor side when
+    ``tensor_is_src``. Adds to ``stats`` (int64 [6]: amax, nope and rope max |err| as fp32 bits,
+    unequal, flushed, saturated) and returns the token's float64 sum of err^2. Every integer step
+    stays 32-bit and each tile is one fused loop, which LLVM vectorizes."""
+    u32 = np.uint32
+    i32 = np.int32
+    amax = u32(0)
+    nope_max = u32(0)
+    unequal = i32(0)
+    flushed = i32(0)
+    saturated = i32(0)
+    token_sq = 0.0
+    for j in range(7):
+        s = ue8m0[foot[j]]
+        pt_tile = pt[64 * j : 64 * j + 64]
+        m1_tile = data[64 * j : 64 * j + 64]
+        for i in range(64):
+            p = _e4m3_finite(u32(pt_tile[i]), s_pt)
+            m = _e4m3_finite(u32(m1_tile[i]), s)
+            x = p if tensor_is_src else m
+            y = m if tensor_is_src else p
+            e = abs(y - x)
+            token_sq += np.float64(e) * np.float64(e)
+            amax = max(amax, u32(np.float32(x).view(u32) & u32(0x7FFFFFFF)))
+            nope_max = max(nope_max, np.float32(e).view(u32))
+            unequal = i32(unequal + i32(x != y))
+            flushed = i32(flushed + i32((x != 0) & (y == 0)))
+            if per_tensor:
+                saturated = i32(saturated + i32(abs(x * mult) > _E4M3_MAX))
+    rope_max = u32(0)
+    pt_rope = pt[448:512]
+    m1_rope = data[448:MODEL1_DATA_BYTES]
+    for i in range(64):
+        p = _e4m3_finite(u32(pt_rope[i]), s_pt)
+        m = u32(u32(u32(m1_rope[2 * i]) | u32(u32(m1_rope[2 * i + 1]) << u32(8))) << u32(16)).view(np.float32)
+        x = p if tensor_is_src else m
+        y = m if tensor_is_src else p
+        e = abs(y - x)
+        token_sq += np.float64(e) * np.float64(e)
+        amax = max(amax, u32(np.float32(x).view(u32) & u32(0x7FFFFFFF)))
+        rope_max = max(rope_max, np.float32(e).view(u32))
+        unequal = i32(unequal + i32(x != y))
+        flushed = i32(flushed + i32((x != 0) & (y == 0)))
+        if per_tensor:
+            saturated = i32(saturated + i32(abs(x * mult) > _E4M3_MAX))
+    stats[0] = max(stats[0], amax)
+    stats[1] = max(stats[1], nope_max)
+    stats[2] = max(stats[2], rope_max)
+    stats[3] += unequal
+    stats[4] += flushed
+    stats[5] += saturated
+    return token_sq
+
+
+@njit(cache=True, inline="always")
+def _tensor_model1_chunks(
+    c0, c1, pt_pool, pp, ppb, psplit, prb, s_pt, m1_pool, mp, mpb, msplit, mrb, n, ue8m0, tensor_is_src,
+    per_tensor, mult, maxima, sums, counts,
+):
+    """``_loss_kernel``'s per-chunk outputs for a per-tensor E4M3 pool (``pt_*``) against a MODEL1
+    pool (``m1_*``); records are read in place where their geometry allows, else gathered."""
+    pt_in_place = psplit == prb
+    m1_in_place = msplit == MODEL1_DATA_BYTES or msplit == mrb
+    for chunk in range(c0, c1):
+        rec_p = np.empty(prb, np.uint8)
+        rec_m = np.empty(mrb, np.uint8)
+        stats = np.zeros(6, np.int64)
+        sq = 0.0
+        for t in range(chunk * CHUNK_TOKENS, min(n, (chunk + 1) * CHUNK_TOKENS)):
+            p_at, pf_at = _locate(t, pp, ppb, psplit, prb)
+            if pt_in_place:
+                pt = pt_pool[p_at : p_at + 512]
+            else:
+                _gather(pt_pool, p_at, pf_at, psplit, prb, rec_p)
+                pt = rec_p[:512]
+            m_at, mf_at = _locate(t, mp, mpb, msplit, mrb)
+            if m1_in_place:
+                data = m1_pool[m_at : m_at + MODEL1_DATA_BYTES]
+                foot = m1_pool[mf_at : mf_at + 8] if msplit == MODEL1_DATA_BYTES else m1_pool[m_at + 576 : m_at + 584]
+            else:
+                _gather(m1_pool, m_at, mf_at, msplit, mrb, rec_m)
+                data = rec_m[:MODEL1_DATA_BYTES]
+                foot = rec_m[MODEL1_DATA_BYTES:]
+            sq += _tensor_model1_token(pt, data, foot, s_pt, ue8m0, tensor_is_src, per_tensor, mult, stats)
+        maxima[chunk, 0] = stats[0]
+        maxima[chunk, 1] = max(stats[1], stats[2])
+        maxima[chunk, 2] = stats[1]
+        maxima[chunk, 3] = stats[2]
+        sums[chunk] = sq
+        counts[chunk, 0] = stats[3]
+        counts[chunk, 1] = stats[4]
+        counts[chunk, 2] = stats[5]
+
+
+@njit(cache=True, nogil=True, fastmath=_REDUCE)
+def _fp8_model1_loss_kernel(c0, c1, src, sp, spb, ssplit, srb, s_in, dst, dp, dpb, dsplit, drb, s_out, n,
+                            per_tensor, mult, ue8m0, maxima, sums, counts):
+    """Per-tensor E4M3 source against a MODEL1 destination (``_loss_kernel``'s outputs)."""
+    _tensor_model1_chunks(c0, c1, src, sp, spb, ssplit, srb, s_in, dst, dp, dpb, dsplit, drb, n, ue8m0, True,
+                          per_tensor, mult, maxima, sums, counts)
+
+
+@njit(cache=True, nogil=True, fastmath=_REDUCE)
+def _model1_fp8_loss_kernel(c0, c1, src, sp, spb, ssplit, srb, s_in, dst, dp, dpb, dsplit, drb, s_out, n,
+                            per_tensor, mult, ue8m0, maxima, sums, counts):
+    """MODEL1 source against a per-tensor E4M3 destination (``_loss_kernel``'s outputs)."""
+    _tensor_model1_chunks(c0, c1, dst, dp, dpb, dsplit, drb, s_out, src, sp, spb, ssplit, srb, n, ue8m0, False,
+                          per_tensor, mult, maxima, sums, counts)
+
+
+#: Specialised loss kernels per (source, destination) pair of ``Layout.segments``, called with
+#: ``_loss_kernel``'s arguments less the record programs and the E4M3/E2M1 tables.
+LOSS_ACCELERATORS = {
+    (get_layout("trtllm-fp8").segments, get_layout("flashmla-model1").segments): _fp8_model1_loss_kernel,
+    (get_layout("flashmla-model1").segments, get_layout("trtllm-fp8").segments): _model1_fp8_loss_kernel,
+}
+
+
 def loss_stats(
     src_pages: torch.Tensor, src: Layout, src_page_size: int, dst_pages: torch.Tensor, dst: Layout,
     dst_page_size: int, num_tokens: int, src_scale: float, dst_scale: float, mult: float | None,
+    *, accelerated: bool = True,
 ) -> LossStats:
     """``LossStats`` of the first ``num_tokens`` tokens of ``dst_pages`` (``dst`` at ``dst_scale``)
     against the same tokens of ``src_pages`` (``src`` at ``src_scale``), both CPU pools holding
-    finite values; ``mult`` is the destination's per-tensor E4M3 multiplier (None: per-tile)."""
+    finite values; ``mult`` is the destination's per-tensor E4M3 multiplier (None: per-tile).
+    ``accelerated=False`` runs the generic kernel even where a ``LOSS_ACCELERATORS`` kernel is
+    registered (the tests compare the two)."""
     n = num_tokens
     if n == 0:
         return LossStats()
@@ -117,12 +262,21 @@ def loss_stats(
     counts = np.zeros((nchunks, 3), np.int64)
     sp, spb, ssplit, srb = _geometry(src, src_page_size)
     dp, dpb, dsplit, drb = _geometry(dst, dst_page_size)
-    _run_chunks(
-        _loss_kernel, nchunks, _flat(src_pages), native.program(src), sp, spb, ssplit, srb, np.float32(src_scale),
-        _flat(dst_pages), native.program(dst), dp, dpb, dsplit, drb, np.float32(dst_scale), n,
-        mult is not None, np.float32(1.0 if mult is None else mult), _E4M3_F32, _UE8M0_F32, _E2M1_F32,
-        maxima, sums, counts,
-    )
+    per_tensor, m = mult is not None, np.float32(1.0 if mult is None else mult)
+    fast = LOSS_ACCELERATORS.get((src.segments, dst.segments)) if accelerated else None
+    if not min(np.float32(src_scale), np.float32(dst_scale)) > 0:  # the accelerators take positive scales
+        fast = None
+    if fast is not None:
+        _run_chunks(
+            fast, nchunks, _flat(src_pages), sp, spb, ssplit, srb, np.float32(src_scale), _flat(dst_pages), dp, dpb,
+            dsplit, drb, np.float32(dst_scale), n, per_tensor, m, _UE8M0_F32, maxima, sums, counts,
+        )
+    else:
+        _run_chunks(
+            _loss_kernel, nchunks, _flat(src_pages), native.program(src), sp, spb, ssplit, srb,
+            np.float32(src_scale), _flat(dst_pages), native.program(dst), dp, dpb, dsplit, drb, np.float32(dst_scale),
+            n, per_tensor, m, _E4M3_F32, _UE8M0_F32, _E2M1_F32, maxima, sums, counts,
+        )
     top = maxima.max(axis=0).view(np.float32)
     total = counts.sum(axis=0)
     return LossStats(

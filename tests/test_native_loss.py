@@ -138,3 +138,77 @@ def test_merged_chunk_stats_equal_one_pass(latents):
         k = min(n - 64 * p0, 3 * 64)
         merged.merge(fastpath.loss_stats(pages[p0:p0 + 3], src, 64, out[p0:p0 + 3], dst, 64, k, 1.0, 0.01, mult))
     assert_same_stats(merged, whole)
+
+
+# --- the per-tensor E4M3 <-> MODEL1 accelerators against the generic kernel -------------------------
+
+TENSOR_MODEL1 = [("trtllm-fp8", "flashmla-model1"), ("trtllm-fp8", "trtllm-fp8-ds-mla"),
+                 ("flashmla-model1", "trtllm-fp8"), ("trtllm-fp8-ds-mla", "trtllm-fp8")]
+
+
+@pytest.fixture(params=[1, 2], ids=lambda k: f"{k}-threads")
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def assert_accelerated_equals_generic(args: tuple) -> None:
+    """The accelerator's numbers equal the generic kernel's: maxima and counts identical, the sum of
+    squares up to the order of summation within each token (rel 1e-12)."""
+    src, dst = args[1], args[4]
+    assert native_loss.LOSS_ACCELERATORS.get((src.segments, dst.segments)) is not None
+    assert_same_stats(native_loss.loss_stats(*args), native_loss.loss_stats(*args, accelerated=False))
+
+
+def test_accelerators_are_registered_for_tensor_model1_records_only():
+    keys = set(native_loss.LOSS_ACCELERATORS)
+    fp8, model1 = get_layout("trtllm-fp8").segments, get_layout("flashmla-model1").segments
+    assert keys == {(fp8, model1), (model1, fp8)}
+    assert get_layout("trtllm-fp8-ds-mla").segments == model1  # served by the same kernels
+
+
+@pytest.mark.parametrize(("src_name", "dst_name"), TENSOR_MODEL1)
+def test_accelerated_stats_equal_generic_on_edge_latents(latents, threads, src_name, dst_name):
+    """Every dialect, scales 1, 0.5 and an odd one, page sizes whose token count ends mid-page."""
+    src, dst = get_layout(src_name), get_layout(dst_name)
+    n = latents.shape[0] - 5
+    for (sps, dps), scale in itertools.product(((64, 64), (61, 16), (16, 1), (128, 61)), (1.0, 0.5, 0.037)):
+        s_in = scale if src.per_tensor_scale else 1.0
+        pages = fastpath.encode_pages(latents, src, sps, src.default_dialect, s_in)
+        for dialect in dst.dialects:
+            s_out = scale if dst.per_tensor_scale else 1.0
+            out = native.transcode_pages(pages, src, sps, dst, dps, n, s_in, s_out, dialect)
+            mult = tensor_multiplier(dialect, s_out) if dst.per_tensor_scale else None
+            assert_accelerated_equals_generic((pages, src, sps, out, dst, dps, n, s_in, s_out, mult))
+            if mult is not None:  # the same pair without a saturation count
+                assert_accelerated_equals_generic((pages, src, sps, out, dst, dps, n, s_in, s_out, None))
+
+
+def finite_random_pages(layout, num_pages: int, page_size: int, g: torch.Generator) -> torch.Tensor:
+    """Random bytes of ``layout``'s pages, made finite: E4M3 NaN codes, all-ones bf16 exponents and
+    UE8M0 scale bytes above 246 (448 * 2^119 is the largest finite product) moved off."""
+    records = torch.randint(0, 256, (num_pages * page_size, layout.record_bytes), dtype=torch.uint8, generator=g)
+    nope = records[:, :448] if layout.record_bytes == 584 else records[:, :512]
+    nope[(nope & 0x7F) == 0x7F] ^= 1
+    if layout.record_bytes == 584:
+        hi = records[:, 449:576:2]
+        hi[(hi & 0x7F) == 0x7F] ^= 0x40
+        scales = records[:, 576:583]
+        scales[scales > 246] -= 40
+    return layout.records_to_pages(records, page_size)
+
+
+@pytest.mark.parametrize(("src_name", "dst_name"), TENSOR_MODEL1)
+def test_accelerated_stats_equal_generic_on_random_bytes(threads, src_name, dst_name):
+    """Two unrelated pools of finite random records (every code, scale byte and bf16 pattern)."""
+    g = torch.Generator().manual_seed(13)
+    src, dst = get_layout(src_name), get_layout(dst_name)
+    for sps, dps, n in ((64, 32, 64 * 9 - 17), (16, 61, 61 * 3 + 1), (256, 256, 3000)):
+        a = finite_random_pages(src, -(-n // sps), sps, g)
+        b = finite_random_pages(dst, -(-n // dps), dps, g)
+        s_in = 0.037 if src.per_tensor_scale else 1.0
+        s_out = 0.5 if dst.per_tensor_scale else 1.0
+        for mult in (None, 2.0, 27.0):  # a multiplier counts saturated source values whatever the destination
+            assert_accelerated_equals_generic((a, src, sps, b, dst, dps, n, s_in, s_out, mult))

@@ -9,12 +9,13 @@ TensorRT-LLM store ``fp32(score + ape[p % r])`` (one IEEE fp32 add, then the sta
 
 - ``add_ape``: SGLang rows -> vLLM / TensorRT-LLM rows (exact: the destination's own add).
 - ``remove_ape``: the reverse. The stored score ``t`` is a rounded sum, so several fp32 raw
-  scores ``s`` can give the same ``t``; kvbridge writes ``s' = fp32(t - a)`` (or its nearest
-  fp32 neighbour) for which ``fp32(s' + a) == t``, i.e. the score SGLang's compression then sees
-  is the one the source engine stored, bit for bit. ``s'`` equals SGLang's own raw score where
-  that preimage has one element; where it has several, ``s'`` may differ from the bytes an
-  SGLang prefill would have written. A ``t`` that no fp32 ``s`` reaches (not written by an APE
-  add) is refused.
+  scores can give the same ``t`` (its preimage). kvbridge writes a preimage element ``s'``, so
+  ``fp32(s' + a) == t``: the score SGLang's compression adds back is the one the source engine
+  stored, bit for bit. ``s'`` is a bf16 value where the preimage holds one (vLLM's raw scores
+  are bf16, the output of its GEMM; the only bf16 value of the preimage is that raw score), else
+  ``fp32(t - a)`` moved to the nearest preimage element. Where the preimage holds several
+  candidates, ``s'`` may differ from the raw score the source computed. A ``t`` that no fp32
+  sum reaches (not written by an APE add with these weights) is refused.
 """
 
 from __future__ import annotations
@@ -162,6 +163,15 @@ def _next(x: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.nextafter(x, torch.full_like(x, float("inf") if up else float("-inf")))
 
 
+def _prefer_bf16(s: torch.Tensor, a: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A bf16 value of the preimage where there is one (the two bf16 neighbours of ``s``), else ``s``."""
+    bits = s.view(torch.int32)
+    low = (bits & -65536).view(torch.float32)  # bf16 truncation toward zero
+    high = (((bits & -65536) + 65536) & -1).view(torch.float32)  # next bf16 away from zero
+    finite = torch.isfinite(s) & torch.isfinite(high)
+    return torch.where(finite & ((low + a) == t), low, torch.where(finite & ((high + a) == t), high, s))
+
+
 def remove_ape(values: torch.Tensor, ape: torch.Tensor, first: int, where: str) -> torch.Tensor:
     """``[kv | score+ape]`` fp32 rows -> ``[kv | s']`` with ``fp32(s' + ape[p % r]) == score+ape`` (see module)."""
     half = values.shape[1] // 2
@@ -179,7 +189,9 @@ def remove_ape(values: torch.Tensor, ape: torch.Tensor, first: int, where: str) 
             break
         s = torch.where(low, _next(s, True), torch.where(high, _next(s, False), s))
     bad = (s + a) != t
-    if bool(bad.any()):
+    if not bool(bad.any()):
+        s = _prefer_bf16(s, a, t)
+    else:
         row, col = (int(i) for i in bad.nonzero()[0])
         raise InputError(f"{where}: the compressor score of position {first + row} (value {col}) is no fp32 sum "
                          "score + APE of these APE weights; was it written with them?")

@@ -127,7 +127,7 @@ def test_whole_migration_lands_the_golden_rows(src, dst, dtype):
     before = {t.spec: rows for t, rows in _state_rows(plan, pools, tables, "src")}
     out = destination_pools(plan)
     dst_tables, report = migrate_local(plan, pools, tables, out)
-    assert report.state_max_abs_error == 0.0
+    assert report.state_max_abs_error == (0.0 if "bf16" in src else None)  # a dtype change's error only
     roles = set()
     for t, rows in _state_rows(plan, out, dst_tables, "dst"):
         roles.add((t.spec.role, t.spec.ratio))

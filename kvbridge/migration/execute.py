@@ -185,7 +185,8 @@ def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first:
             pos = t.first + first
             values = add_ape(values, t.ape, pos) if t.ape_sign > 0 else remove_ape(values, t.ape, pos, where)
         out = state_rows_from_f32(values, t.dst.fmt)
-        return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if loss_report else None
+        measure = loss_report and t.src.fmt != t.dst.fmt  # the error of a dtype change (adding APE is exact)
+        return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if measure else None
     if t.src.kind == "indexer":
         if loss_report or ix.native_transcode_applies(records, t.src.indexer, t.dst.indexer, t.dst.dialect or ""):
             out, err = ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "",
@@ -672,7 +673,8 @@ def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables,
     KV: latents ~ N(0, 1) per dim (bf16-rounded), a few tokens scaled by 2^-12 to exercise small
     tiles, encoded with ``kvbridge.encode`` in the engine's dialect and scale; indexer keys
     ~ N(0, 1) encoded by the engine's rule; state rows ~ N(0, 1) in the engine's state dtype,
-    every fifth row cleared (kv 0, score -inf) as the engines clear unused rows.
+    every fifth row cleared (kv 0, score -inf) as the engines clear unused rows; a source that
+    stores score + APE gets the plan's APE added to the raw scores, as that engine writes them.
     """
     gen = torch.Generator().manual_seed(seed)
     for t in plan.transfers:
@@ -690,6 +692,8 @@ def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables,
             if not st.fmt.startswith("online"):
                 rows[::5, : width // 2] = 0.0
                 rows[::5, width // 2 :] = float("-inf")
+            if t.ape_sign < 0:  # the source stores score + APE
+                rows = add_ape(rows, t.ape, t.first)
             rec = state_rows_from_f32(rows, st.fmt)
         scatter_records(src.pool(t.spec), st, table_of(tables, st), t.first, rec)
 

@@ -5,12 +5,15 @@ The golden rows are vLLM 0.33.0's own ``SavePartialStatesKernel`` (fixtures/READ
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from cli.main import cli
 from kvbridge.errors import InputError
 from kvbridge.migration import (
     destination_pools,
@@ -216,3 +219,17 @@ def test_unreachable_score_releases_the_destination_pages():
     with pytest.raises(InputError, match=f"layer {t.spec.layer} .*position {t.first} "):
         migrate_local(plan, pools, tables, out)
     assert {k: sorted(v) for k, v in out.free.items()} == free
+
+
+def test_cli_migrate_run_with_ape(tmp_path):
+    path = tmp_path / "ape.safetensors"
+    save_file(_model_ape("fp32"), str(path))
+    args = ["migrate", "run", "--from", "vllm", "--to", "sglang", "--tokens", str(TOKENS), "--layers", "4", "--json"]
+    refused = CliRunner().invoke(cli, args)
+    assert refused.exit_code != 0 and "--ape FILE" in refused.output
+    result = CliRunner().invoke(cli, [*args, "--ape", str(path)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["transfers"] > 0
+    plan = CliRunner().invoke(cli, ["migrate", "plan", "--from", "sglang", "--to", "trtllm", "--tokens", str(TOKENS),
+                                    "--ape", str(path), "--json", "--transfers"])
+    assert plan.exit_code != 0 and "missing layers.4.attn.compressor.ape" in plan.output  # the full model

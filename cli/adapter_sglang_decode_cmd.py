@@ -53,7 +53,7 @@ def _dump_entries(pools, tables, plan):
               help="The request's bootstrap_room, as the prefill's request names it.")
 @click.option("--tokens", type=click.IntRange(min=1), required=True, help="The request's prompt length in tokens.")
 @click.option("--engine", "profile", default="sglang", show_default=True, callback=engine_spec_option,
-              help="The prefill's SGLang profile (e.g. sglang:state=bf16, sglang:idx=fp4).")
+              help="The prefill's SGLang profile (e.g. sglang:idx=fp4; fp32 compressor state only).")
 @click.option("--to", "dst", default=None, callback=engine_spec_option,
               help="Convert the received request into this engine's pools (e.g. vllm, trtllm).")
 @click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),

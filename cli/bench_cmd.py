@@ -71,6 +71,7 @@ def _print_table(results: list[bench.CaseResult], machine: dict, tokens: int, re
     console.print(f"kvbridge bench on {', '.join(devices)}: {tokens:,} tokens, median of {repeat}", highlight=False)
     console.print(f"{cpu}" + (f", {machine['gpu']}" if machine["gpu"] else "") + f", torch {machine['torch']}",
                   highlight=False)
+    console.print(f"native MODEL1 kernels: {machine['native_kernels']}", highlight=False)
     if ref_tokens < tokens:
         console.print(f"reference timed on {ref_tokens:,} tokens, capped below {tokens:,}: x ref understates\n"
                       "the speed-up (the reference's rate per token falls with the size)", highlight=False)

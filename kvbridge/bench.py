@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvbridge import api, fastpath, reference
+from kvbridge import api, fastpath, native, reference
 from kvbridge.layouts import get_layout
 
 #: Source and destination page size of every case (FlashMLA / vLLM SWA pools use 64).
@@ -310,7 +310,9 @@ def run_bench(
 
 
 def machine() -> dict:
-    """The CPU model (``/proc/cpuinfo``) with its vector extensions, cores, threads, GPU and torch."""
+    """The CPU model (``/proc/cpuinfo``) with its vector extensions, cores, threads, GPU and torch, and
+    which code runs the native MODEL1 kernels (``native.kernel_implementation``: the compiled C
+    kernels and their ISA, or numba and why)."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as info:
@@ -324,7 +326,8 @@ def machine() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": model, "cpu_vector": vector, "cpu_cores": cores, "cpu_threads": torch.get_num_threads(),
-            "gpu": gpu, "torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version()}
+            "native_kernels": native.kernel_implementation(), "gpu": gpu, "torch": torch.__version__,
+            "numpy": np.__version__, "python": platform.python_version()}
 
 
 def cpu_target(results: list[CaseResult]) -> dict | None:

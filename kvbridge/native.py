@@ -31,14 +31,21 @@ per-tensor E4M3 -> V4.1 MXFP8 the same way with 32-value tiles; MODEL1 -> per-te
 through tables of (scale byte, code).
 
 Numba compiles the kernels on first use and caches them on disk (``cache=True``); see
-``docs/performance.md`` for the one-time cost.
+``docs/performance.md`` for the one-time cost. The four MODEL1 accelerators (trtllm-fp8 <-> MODEL1,
+MODEL1 encode and decode) run compiled C kernels instead (``kvbridge._kernels``, an optional
+extension built at install time, byte-identical, AVX-512 VBMI table lookups and non-temporal stores)
+where it is built and the CPU has AVX-512 VBMI, unless ``KVBRIDGE_NO_CKERNELS=1``
+(``kernel_implementation()`` says which runs).
 """
 
 from __future__ import annotations
 
 import mmap
+import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache, lru_cache
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -1342,8 +1349,45 @@ def _raise_nonfinite(bad_count: np.ndarray, bad_first: np.ndarray) -> None:
         raise NonFiniteError(f"source holds non-finite values ({total}; first at token {token}, dim {dim})")
 
 
+#: Set to 1 to run the numba MODEL1 kernels even where the compiled ones (``kvbridge._kernels``) are built.
+NO_CKERNELS_ENV = "KVBRIDGE_NO_CKERNELS"
+
+
+def _compiled_kernels() -> tuple[ModuleType | None, str]:
+    """(``kvbridge._kernels`` or None, why not): the optional C extension of the MODEL1 accelerators,
+    used when it is built, the CPU has its vector ISA (AVX-512 F/BW/VL/DQ/VBMI) and ``NO_CKERNELS_ENV``
+    is not set; otherwise the accelerators run their numba kernels."""
+    if os.environ.get(NO_CKERNELS_ENV, "").strip() not in ("", "0"):
+        return None, f"{NO_CKERNELS_ENV} is set"
+    try:
+        from kvbridge import _kernels
+    except ImportError:
+        warnings.warn("kvbridge: the compiled kernels (kvbridge._kernels) are not built (no C compiler when kvbridge "
+                      f"was installed?); running the slower numba kernels. {NO_CKERNELS_ENV}=1 silences this.",
+                      RuntimeWarning, stacklevel=2)
+        return None, "the C extension kvbridge._kernels is not built"
+    if _kernels.CHUNK_TOKENS != CHUNK_TOKENS:
+        return None, "kvbridge._kernels was built for another chunk size"
+    if _kernels.cpu_isa() == "scalar":
+        return None, "the CPU lacks AVX-512 VBMI"
+    return _kernels, ""
+
+
+_CK, _CK_WHY_NOT = _compiled_kernels()
+
+
+def kernel_implementation() -> str:
+    """Which code runs the MODEL1 accelerators (trtllm-fp8 <-> MODEL1, MODEL1 encode and decode):
+    ``"C (avx512vbmi)"``, or ``"numba (<why not C>)"``."""
+    return f"C ({_CK.isa()})" if _CK is not None else f"numba ({_CK_WHY_NOT})"
+
+
 def _fp8_to_model1(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
     tables = _fp8_to_model1_tables(float(src_scale), ue8m0_dialect(dialect))
+    if _CK is not None:
+        _run_chunks(_CK.fp8_to_model1, len(bad_count), *geometry,
+                    *(tables[name] for name in ("scale_lut", "bad_mag", "code_lut", "rope_lut")), bad_count, bad_first)
+        return
     _run_chunks(_fp8_to_model1_kernel, len(bad_count), *geometry, src_scale == 1.0,
                 *(tables[name] for name in _FP8_TO_MODEL1_TABLES), bad_count, bad_first)
 
@@ -1356,19 +1400,21 @@ def _fp8_to_mxfp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad
 
 def _model1_to_fp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
     mult, _ = _encode_params(dialect, dst_scale)
-    _run_chunks(_model1_to_fp8_kernel, len(bad_count), *geometry, *_model1_to_fp8_tables(float(mult)),
-                bad_count, bad_first)
+    kernel = _model1_to_fp8_kernel if _CK is None else _CK.model1_to_fp8
+    _run_chunks(kernel, len(bad_count), *geometry, *_model1_to_fp8_tables(float(mult)), bad_count, bad_first)
 
 
 def _model1_encode(x32, x16, from_bf16, n, dialect, scale, geometry) -> None:
     _, min_exp = _encode_params(dialect, scale)
     dp, dpb = geometry[1], geometry[2]
-    _run_chunks(_model1_encode_kernel, _page_chunks(geometry[0].shape[0] // dpb, dp), x32, x16, from_bf16, n,
-                *geometry, min_exp, _POW2_F32)
+    kernel = _model1_encode_kernel if _CK is None else _CK.model1_encode
+    _run_chunks(kernel, _page_chunks(geometry[0].shape[0] // dpb, dp), x32, x16, from_bf16, n, *geometry, min_exp,
+                _POW2_F32)
 
 
 def _model1_decode(n, scale, geometry, out) -> None:
-    _run_chunks(_model1_decode_kernel, -(-n // CHUNK_TOKENS), *geometry, n, out, _UE8M0_F32)
+    kernel = _model1_decode_kernel if _CK is None else _CK.model1_decode
+    _run_chunks(kernel, -(-n // CHUNK_TOKENS), *geometry, n, out, _UE8M0_F32)
 
 
 #: Stands for fp32/bf16 latents on one side of an ``ACCELERATORS`` key (encode: (LATENTS, record),

@@ -1,28 +1,36 @@
-"""Hot native kernels against a same-run single-threaded ``np.copyto`` of the same bytes.
+"""Hot native kernels against same-run copies (``np.copyto``, ``copy_``) of the same bytes.
 
 For each case (trtllm-fp8 <-> MODEL1 transcodes fresh and ``out=``, encode bf16 -> MODEL1,
 decode MODEL1 -> fp32) and each thread count, calls of the kernel (through ``kvbridge.fastpath``)
-alternate with ``np.copyto`` of a buffer half the size of the bytes the call reads plus writes
-(so the copy reads and writes the same total); the ratio is best copy time / best kernel time
-(best of ``--repeat``). Also prints the one-thread CPU time (``time.process_time``, best of
-``--repeat``) of each case at ``--cpu-tokens`` tokens, the measure of the layout-rebuild check.
+alternate with ``np.copyto`` (one thread) and ``torch.Tensor.copy_`` (the case's threads) of a
+buffer half the size of the bytes the call reads plus writes (so the copy reads and writes the
+same total); ``x copy`` / ``x copy_`` = best copy time / best kernel time (best of ``--repeat``).
+Also prints the one-thread CPU time (``time.process_time``, best of ``--repeat``) of each case at
+``--cpu-tokens`` tokens, the measure of the layout-rebuild check.
 
-    PYTHONPATH=$PWD python3 scripts/bench_kernels.py [--tokens 1048576] [--repeat 7] [--threads 1 2] [--json]
+``--impl both`` times the compiled C kernels (``kvbridge._kernels``) and the numba kernels
+alternately, call by call, each against its own paired copy (``c`` or ``numba``: one of them;
+default ``auto``: whichever ``kvbridge.native`` chose, named in the header).
+
+    PYTHONPATH=$PWD python3 scripts/bench_kernels.py [--tokens 1048576] [--repeat 7] [--threads 1 2] \
+        [--impl both] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
 from datetime import datetime, timezone
+from functools import partial
 
 import numpy as np
 import torch
 
-from kvbridge import fastpath
+from kvbridge import fastpath, native
 from kvbridge.layouts import get_layout
 
 P = 64
@@ -72,24 +80,46 @@ def _wall(fn) -> float:
     return time.perf_counter() - t0
 
 
-def paired(cases: dict[str, tuple], threads: list[int], repeat: int) -> list[dict]:
+def _implementations(choice: str) -> dict[str, object]:
+    """Name -> value of ``native._CK`` (the compiled kernels module, or None for numba) for ``--impl``."""
+    compiled = native._CK
+    if choice == "auto":
+        return {native.kernel_implementation(): compiled}
+    if choice != "numba" and compiled is None:
+        raise SystemExit(f"--impl {choice}: the compiled kernels are not in use ({native.kernel_implementation()})")
+    impls = {"c": {f"C ({compiled.isa()})" if compiled else "": compiled}, "numba": {"numba": None}}
+    return {**impls["c"], **impls["numba"]} if choice == "both" else impls[choice]
+
+
+def paired(cases: dict[str, tuple], threads: list[int], repeat: int, impls: dict[str, object]) -> list[dict]:
     rows = []
-    for name, (fn, read, written) in cases.items():
-        half = (read + written) // 2
-        src, dst = np.ones(half, np.uint8), np.ones(half, np.uint8)
-        for th in threads:
-            fn()  # warm-up (compile or cache load, first touch)
-            k_times, c_times = [], []
-            for _ in range(repeat):
-                torch.set_num_threads(th)
-                k_times.append(_wall(fn))
-                torch.set_num_threads(1)
-                t0 = time.perf_counter()
-                np.copyto(dst, src)
-                c_times.append(time.perf_counter() - t0)
-            k, c = min(k_times), min(c_times)
-            rows.append({"case": name, "threads": th, "kernel_s": k, "copy_s": c,
-                         "copy_gb_s": 2 * half / c / 1e9, "x_copy": c / k})
+    saved = native._CK
+    try:
+        for name, (fn, read, written) in cases.items():
+            half = (read + written) // 2
+            src, dst = np.ones(half, np.uint8), np.ones(half, np.uint8)
+            t_src, t_dst = torch.from_numpy(src), torch.from_numpy(dst)
+            np_copy, torch_copy = partial(np.copyto, dst, src), partial(t_dst.copy_, t_src)
+            for th in threads:
+                times: dict[str, tuple[list[float], ...]] = {impl: ([], [], []) for impl in impls}
+                for module in impls.values():  # warm-up (compile or cache load, first touch)
+                    native._CK = module
+                    fn()
+                for _ in range(repeat):
+                    for impl, module in impls.items():  # alternate the implementations call by call
+                        native._CK = module
+                        torch.set_num_threads(th)
+                        times[impl][0].append(_wall(fn))
+                        times[impl][2].append(_wall(torch_copy))  # torch copy_, th threads
+                        torch.set_num_threads(1)
+                        times[impl][1].append(_wall(np_copy))
+                for impl, (k_times, c_times, t_times) in times.items():
+                    k, c, tc = min(k_times), min(c_times), min(t_times)
+                    rows.append({"case": name, "impl": impl, "threads": th, "kernel_s": k, "copy_s": c,
+                                 "copy_gb_s": 2 * half / c / 1e9, "x_copy": c / k, "torch_copy_s": tc,
+                                 "x_torch_copy": tc / k})
+    finally:
+        native._CK = saved
     return rows
 
 
@@ -115,21 +145,30 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--only", default="", help="substring of the case names to run")
     ap.add_argument("--no-cpu-time", action="store_true")
+    ap.add_argument("--impl", choices=("auto", "c", "numba", "both"), default="auto",
+                    help="MODEL1 kernels to time: as kvbridge chose, the compiled C ones, numba, or both alternately")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    impls = _implementations(args.impl)
     header = {"cpu": _cpu_model(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "tokens": args.tokens, "page_size": P, "repeat": args.repeat}
+              "tokens": args.tokens, "page_size": P, "repeat": args.repeat, "load_average": os.getloadavg(),
+              "native_kernels": native.kernel_implementation()}
     sel = lambda cs: {k: v for k, v in cs.items() if args.only in k}  # noqa: E731
-    rows = paired(sel(_cases(args.tokens)), args.threads, args.repeat)
+    rows = paired(sel(_cases(args.tokens)), args.threads, args.repeat, impls)
     cpu = {} if args.no_cpu_time else cpu_times(sel(_cases(args.cpu_tokens)), args.repeat)
     if args.json:
         print(json.dumps({**header, "rows": rows, "cpu_time_one_thread_s": cpu}, indent=1))
         return
-    print(f"# {header['cpu']}, {header['date']}, {args.tokens} tokens, P={P}, best of {args.repeat}")
-    print(f"{'case':32} {'thr':>3} {'kernel ms':>10} {'copy ms':>8} {'copy GB/s':>9} {'x copy':>7}")
+    print(f"# {header['cpu']}, {header['date']}, {args.tokens} tokens, P={P}, best of {args.repeat}, "
+          f"load average {' '.join(f'{x:.1f}' for x in header['load_average'])} (at start); "
+          f"kvbridge's MODEL1 kernels: {header['native_kernels']}")
+    print(f"{'case':32} {'kernels':16} {'thr':>3} {'kernel ms':>10} {'copy ms':>8} {'copy GB/s':>9} {'x copy':>7} "
+          f"{'copy_ ms':>8} {'x copy_':>7}")
     for r in rows:
-        print(f"{r['case']:32} {r['threads']:3d} {1e3 * r['kernel_s']:10.2f} {1e3 * r['copy_s']:8.2f} "
-              f"{r['copy_gb_s']:9.1f} {r['x_copy']:7.3f}")
+        print(f"{r['case']:32} {r['impl'][:16]:16} {r['threads']:3d} {1e3 * r['kernel_s']:10.2f} "
+              f"{1e3 * r['copy_s']:8.2f} {r['copy_gb_s']:9.1f} {r['x_copy']:7.3f} {1e3 * r['torch_copy_s']:8.2f} "
+              f"{r['x_torch_copy']:7.3f}")
+    print(f"# load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if cpu:
         print(f"# one-thread CPU time, {args.cpu_tokens} tokens, best of {args.repeat}")
         for name, s in cpu.items():

@@ -408,30 +408,47 @@ def test_kvbridge_refuses_a_mismatching_prefill(case, tmp_path):
     assert not any(t.any() for p in dst.pools.values() for t in (p if isinstance(p, tuple) else (p,)))
 
 
-def test_other_state_buffers_fail_and_leave_nothing(tmp_path):
-    """A decode with bf16 compressor state has SGLang's page size and layout string (the bootstrap
-    passes) but half the state item lengths, which SGLang's prefill does not check on this path (its
-    item-length check runs only when both peers announce layer ids, which DeepSeek-V4 pools do not):
-    it writes with its own stride, NIXL refuses the descriptors past the registered buffers and the
-    prefill reports Failed. kvbridge raises that reason, and zeroes and frees the pages."""
+def test_a_bf16_state_decode_is_refused_before_anything():
+    """SGLang's prefill announces no compressor-state dtype and writes state rows at its own item length
+    (its item-length check runs only when both peers announce layer ids, which DeepSeek-V4 pools do
+    not): an fp32 prefill would write past bf16 pools, into whatever memory NIXL has registered next
+    to them. So the peer takes fp32 state (SGLang's default) only, refused before it registers anything."""
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+    from kvbridge.errors import InputError
+
+    dst = EnginePools.create("sglang:state=bf16", MODEL, {"full": 8, "swa": 8, "state128": 2}, include_mtp=False)
+    free = {k: sorted(v) for k, v in dst.free.items()}
+    with pytest.raises(InputError) as exc:
+        SGLangDecodePeer(dst)
+    assert "fp32 compressor state only" in str(exc.value) and "\n" not in str(exc.value)
+    assert {k: sorted(v) for k, v in dst.free.items()} == free
+
+
+def test_a_prefill_with_other_state_dtype_is_detected_and_leaves_nothing(tmp_path):
+    """A bf16-state SGLang prefill (``SGLANG_DSV4_COMPRESS_STATE_DTYPE=bf16``) sending to kvbridge's fp32
+    pools passes the bootstrap (same page size, dtype and layout string) and writes its half-length
+    state rows at its own stride, inside kvbridge's state buffers but not where the request's items
+    are; SGLang reports Success. kvbridge finds the request's state items still holding its mark,
+    raises, and zeroes the request's pages and the state pools' free items: every pool ends zero."""
     _need_sglang()
     from kvbridge.adapters.sglang_decode import SGLangDecodePeer
     from kvbridge.migration import TransferError
 
-    plan = plan_migration("sglang", "sglang", MODEL, TOKENS, include_mtp=False)
+    plan = plan_migration("sglang:state=bf16", "sglang:state=bf16", MODEL, TOKENS, include_mtp=False)
     src, src_tables = source_request(plan, seed=3)
-    dst = EnginePools.create("sglang:state=bf16", MODEL, {"full": 8, "swa": 8, "state128": 2}, include_mtp=False)
+    dst = EnginePools.create("sglang", MODEL, {"full": 8, "swa": 8, "state128": 2}, include_mtp=False)
     free = {k: sorted(v) for k, v in dst.free.items()}
-    proc, next_line, layout = _prefill({}, tmp_path, lambda lay: _sglang_buffers(src, src_tables, lay, TOKENS))
+    proc, next_line, layout = _prefill({"state_dtype": "bf16"}, tmp_path,
+                                       lambda lay: _sglang_buffers(src, src_tables, lay, TOKENS))
     try:
         with SGLangDecodePeer(dst, timeout=60) as peer, pytest.raises(TransferError) as exc:
             peer.receive(layout["bootstrap_addr"], ROOM, TOKENS)
         result = _until_result(next_line)
     finally:
         _stop(proc)
-    assert result["result"] == "Failed" and "NIXL_ERR_NOT_FOUND" in result["reason"], result
-    assert "SGLang prefill failed the transfer" in str(exc.value) and "NIXL_ERR_NOT_FOUND" in str(exc.value)
-    assert peer.quarantined == []  # SGLang reports Failed after its writes settled: the pages are free again
+    assert result["result"] == "Success", result  # SGLang cannot tell
+    assert "compressor state has another dtype" in str(exc.value) and "\n" not in str(exc.value)
+    assert peer.quarantined == []
     assert {k: sorted(v) for k, v in dst.free.items()} == free
     assert not any(t.any() for p in dst.pools.values() for t in (p if isinstance(p, tuple) else (p,)))
 

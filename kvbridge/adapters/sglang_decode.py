@@ -12,8 +12,10 @@ from one:
    of every buffer, in the order of SGLang's ``DeepSeekV4TokenToKVPool`` buffer infos, and of its
    metadata buffers) and the request's page ids: full-token KV pages, the SWA pages of the window
    (they also address the ratio-4 compressor-state rings), the request-state slot of the ratio-128
-   ring, and its metadata-row index. The prefill checks that each state buffer's item length is
-   its own (another state dtype is refused there, with SGLang's reason);
+   ring, and its metadata-row index. The prefill announces no compressor-state dtype and does not
+   compare state item lengths for DeepSeek-V4: the peer takes fp32 state (SGLang's default) only
+   and marks the request's state items, so that a prefill writing rows of another length is caught
+   after its Success (``_mark_state``);
 3. the prefill NIXL-WRITEs the pages into kvbridge's registered pools and the metadata row, then
    pushes ``KV_STATUS``; on Success kvbridge checks the room recorded in the row and hands back the
    request's block tables in its ``EnginePools`` (an SGLang profile), ready for
@@ -67,6 +69,8 @@ from kvbridge.migration.plan import MigrationPlan, plan_migration
 from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
 from kvbridge.topology import CacheSpec
 
+#: Byte every state item of a request is set to before the prefill writes it (see ``_mark_state``).
+STATE_MARK = 0xFF
 #: Rows of metadata buffers the peer registers (requests it can hold in flight at once).
 AUX_ROWS = 8
 
@@ -130,6 +134,10 @@ class SGLangDecodePeer:
                 raise InputError(f"{name} must be a positive integer, got {v!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if pools.profile.state_dtype != "fp32":
+            raise InputError(f"{pools.profile.spec}: the SGLang decode peer takes fp32 compressor state only (SGLang's "
+                             "default): SGLang's prefill announces no state dtype and writes its rows at its own "
+                             "length, so an fp32 prefill would write past bf16 pools into other memory")
         self.pools, self.layout = pools, pd_layout(pools)
         self.aux_rows, self.hidden_state_bytes = aux_rows, hidden_state_bytes
         self.host, self.kv_cache_dtype, self.timeout = host, kv_cache_dtype, float(timeout)
@@ -249,6 +257,7 @@ class SGLangDecodePeer:
         ok = sent = False
         t0 = time.perf_counter()
         try:
+            self._mark_state(tables, ring)
             self._register(target)
             self._send(target, self._metadata_message(room, tables, aux_index, first_swa, ring))
             sent = True
@@ -265,6 +274,7 @@ class SGLangDecodePeer:
             if meta_room != room:
                 raise TransferError(f"room {room}: the metadata row names room {meta_room}: corrupted or another "
                                     "request's row")
+            self._check_state(room, tables, ring)
             pages = {k: len([i for i in v if i >= 0]) for k, v in tables.items()}
             if not ring and lay.request_state:  # no live ratio-128 rows: the ring was not sent
                 pages["state128"] = 0
@@ -461,6 +471,37 @@ class SGLangDecodePeer:
             if ids:
                 for t in pool_tensors(self.pools.pool(spec)):
                     t[ids] = 0
+
+    def _state_items(self, tables: RequestTables, ring: bool):
+        """(pool tensor, page id) of every state-component item SGLang's prefill writes for the request:
+        the SWA pages' ``swa`` component (SWA KV and both compressor states) and, when it travels, the
+        ratio-128 ring."""
+        for spec in (*self.layout.swa_state, *(self.layout.request_state if ring else ())):
+            for i in tables.get(self.pools.storage(spec).table, []):
+                if i >= 0:
+                    for t in pool_tensors(self.pools.pool(spec)):
+                        yield t, i
+
+    def _mark_state(self, tables: RequestTables, ring: bool) -> None:
+        """Fill the request's state items with 0xFF. SGLang's prefill announces no state dtype and writes
+        state at its own item length: a prefill with another ``SGLANG_DSV4_COMPRESS_STATE_DTYPE`` writes
+        elsewhere and leaves these items as marked (``_check_state``)."""
+        for t, i in self._state_items(tables, ring):
+            t[i] = STATE_MARK
+
+    def _check_state(self, room: int, tables: RequestTables, ring: bool) -> None:
+        """Refuse a request whose state items were not all written (one still holds only the mark), and
+        zero the state pools' free items, where the misplaced rows may have landed."""
+        if all(bool((t[i] != STATE_MARK).any()) for t, i in self._state_items(tables, ring)):
+            return
+        for spec in (*self.layout.swa_state, *self.layout.request_state):
+            free = self.pools.free.get(self.pools.storage(spec).table, [])
+            if free:
+                for t in pool_tensors(self.pools.pool(spec)):
+                    t[sorted(free)] = 0
+        raise TransferError(f"room {room}: the SGLang prefill did not write the request's compressor-state rows "
+                            f"where a {self.pools.profile.state_dtype} state pool holds them: its compressor state "
+                            "has another dtype (set SGLANG_DSV4_COMPRESS_STATE_DTYPE alike on both sides)")
 
     def _specs(self) -> Sequence[CacheSpec]:
         lay: SGLangPDLayout = self.layout

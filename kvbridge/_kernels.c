@@ -1,0 +1,960 @@
+/* kvbridge._kernels: compiled MODEL1 hot kernels (optional; kvbridge.native falls back to numba).
+ *
+ * Four kernels, byte-identical to the numba accelerators of kvbridge/native.py, with the same
+ * chunking (CHUNK_TOKENS destination tokens of whole pages per chunk, or source tokens for the
+ * decoder) and the same arguments, so that native._run_chunks runs them on its thread pool
+ * (every kernel releases the GIL):
+ *
+ *   fp8_to_model1   per-tensor E4M3 records (512 B) -> MODEL1 records (584 B), code domain:
+ *                   a tile's value bytes are code_lut[m * 256 + c] (m: its largest code magnitude),
+ *                   its UE8M0 byte scale_lut[m], the rope's bf16 words rope_lut[c];
+ *   model1_to_fp8   MODEL1 -> per-tensor E4M3: nope_lut[b * 256 + c] (b: the tile's scale byte),
+ *                   rope bytes rope_lut[h] of each bf16 word h;
+ *   model1_encode   fp32 / bf16 latents [N, 512] -> MODEL1 records (E4M3 RNE in 32-bit integer steps);
+ *   model1_decode   MODEL1 records -> fp32 latents [N, 512].
+ *
+ * The tables are built in Python (kvbridge.numerics) and passed in. MODEL1 record: bytes [0, 448)
+ * 7 E4M3 tiles of 64, [448, 576) 64 bf16 rope values, [576, 583) the tiles' UE8M0 scale bytes,
+ * byte 583 zero. A record's bytes below the layout's split point sit at page * page_bytes +
+ * row * split, the others at page * page_bytes + P * split + row * (record_bytes - split).
+ *
+ * Each kernel has a portable scalar version and an AVX-512 (F, BW, VL, VBMI) version, compiled
+ * for that ISA by function attributes only (the file itself is built for the baseline ISA) and
+ * chosen at run time with __builtin_cpu_supports. VBMI's vpermi2b does the 256-entry byte table
+ * lookups (two 128-entry lookups and a select on the code's sign bit). Outputs of at least
+ * nt_min_bytes (set_nt_min) are written with non-temporal stores where a 64-byte row is aligned.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KV_X86 1
+#include <immintrin.h>
+#else
+#define KV_X86 0
+#endif
+
+#define CHUNK_TOKENS 256
+#define HEAD_DIM 512
+#define M1_DATA 576
+#define M1_RECORD 584
+#define FP8_RECORD 512
+
+enum { ISA_SCALAR = 0, ISA_AVX512 = 1 };
+static int kv_isa = ISA_SCALAR;     /* in use */
+static int kv_cpu_isa = ISA_SCALAR; /* best the CPU supports */
+static Py_ssize_t nt_min_bytes = (Py_ssize_t)64 << 20;
+
+typedef struct {
+    Py_ssize_t pages, page_bytes, split, record_bytes;
+} geom_t;
+
+/* Byte offsets of a token's data part (record bytes < split) and footer part. */
+static inline void locate(const geom_t *g, Py_ssize_t per_page, Py_ssize_t t, Py_ssize_t *data, Py_ssize_t *foot) {
+    Py_ssize_t page = t / per_page, row = t - page * per_page;
+    *data = page * g->page_bytes + row * g->split;
+    *foot = page * g->page_bytes + per_page * g->split + row * (g->record_bytes - g->split);
+}
+
+static inline void note_bad(Py_ssize_t index, int64_t *count, int64_t *first) {
+    if (*count == 0 || index < *first)
+        *first = index;
+    *count += 1;
+}
+
+/* Zero the destination rows of tokens >= n on page p and the page's tail. */
+static void zero_unused(uint8_t *dst, const geom_t *d, Py_ssize_t dp, Py_ssize_t p, Py_ssize_t n) {
+    for (Py_ssize_t r = 0; r < dp; r++) {
+        Py_ssize_t t = p * dp + r, at, ft;
+        if (t < n)
+            continue;
+        locate(d, dp, t, &at, &ft);
+        memset(dst + at, 0, (size_t)d->split);
+        memset(dst + ft, 0, (size_t)(d->record_bytes - d->split));
+    }
+    memset(dst + p * d->page_bytes + dp * d->record_bytes, 0, (size_t)(d->page_bytes - dp * d->record_bytes));
+}
+
+/* Source record of token t: in place when token-major, else gathered into buf. */
+static inline const uint8_t *src_record(const uint8_t *src, const geom_t *s, Py_ssize_t t, uint8_t *buf) {
+    Py_ssize_t at, ft;
+    locate(s, s->pages, t, &at, &ft);
+    if (s->split == s->record_bytes)
+        return src + at;
+    memcpy(buf, src + at, (size_t)s->split);
+    memcpy(buf + s->split, src + ft, (size_t)(s->record_bytes - s->split));
+    return buf;
+}
+
+/* Where a MODEL1 record's data bytes [0, 576) and footer [576, 584) go: straight into the pages when
+ * the split is 576 or the record token-major, else into buf (then scattered by m1_scatter). */
+static inline int m1_place(uint8_t *base, const geom_t *g, Py_ssize_t dp, Py_ssize_t t, uint8_t *buf,
+                           uint8_t **data, uint8_t **foot) {
+    Py_ssize_t at, ft;
+    locate(g, dp, t, &at, &ft);
+    if (g->split == M1_DATA) {
+        *data = base + at, *foot = base + ft;
+        return 1;
+    }
+    if (g->split == g->record_bytes) {
+        *data = base + at, *foot = base + at + M1_DATA;
+        return 1;
+    }
+    *data = buf, *foot = buf + M1_DATA;
+    return 0;
+}
+
+static inline void m1_scatter(uint8_t *base, const geom_t *g, Py_ssize_t dp, Py_ssize_t t, const uint8_t *buf) {
+    Py_ssize_t at, ft;
+    locate(g, dp, t, &at, &ft);
+    memcpy(base + at, buf, (size_t)g->split);
+    memcpy(base + ft, buf + g->split, (size_t)(g->record_bytes - g->split));
+}
+
+/* MODEL1 source record of token t: data and footer pointers (in place when possible). */
+static inline void m1_read(const uint8_t *src, const geom_t *s, Py_ssize_t t, uint8_t *buf,
+                           const uint8_t **data, const uint8_t **foot) {
+    Py_ssize_t at, ft;
+    locate(s, s->pages, t, &at, &ft);
+    if (s->split == M1_DATA) {
+        *data = src + at, *foot = src + ft;
+    } else if (s->split == s->record_bytes) {
+        *data = src + at, *foot = src + at + M1_DATA;
+    } else {
+        memcpy(buf, src + at, (size_t)s->split);
+        memcpy(buf + s->split, src + ft, (size_t)(s->record_bytes - s->split));
+        *data = buf, *foot = buf + M1_DATA;
+    }
+}
+
+typedef struct {
+    const uint8_t *scale_lut, *bad_mag, *code_lut;
+    const uint16_t *rope_lut;
+} f2m_tables;
+
+typedef struct {
+    const uint8_t *nope_lut, *bad_mag, *rope_lut;
+} m2f_tables;
+
+/* E4M3 code of an fp32 (RNE, saturating to +-448, NaN too), as native._e4m3_byte: normal magnitudes
+ * drop 20 mantissa bits with ties to even and rebias, subnormal ones are the low bits of |y| + 2^14. */
+static inline uint8_t e4m3_byte(float y) {
+    uint32_t b, sb;
+    memcpy(&b, &y, 4);
+    uint32_t mag = b & 0x7FFFFFFFu;
+    uint32_t normal = ((mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20) - 960u;
+    float fa;
+    memcpy(&fa, &mag, 4);
+    fa = fa + 16384.0f;
+    memcpy(&sb, &fa, 4);
+    uint32_t code = mag >= 0x3C800000u ? normal : sb - 0x46800000u;
+    code = mag >= 0x43E00000u ? 0x7Eu : code;
+    return (uint8_t)(code | ((b >> 24) & 0x80u));
+}
+
+/* UE8M0 exponent of a tile whose largest |value| has fp32 bits amax_bits (native._tile_exponent). */
+static inline int tile_exponent(uint32_t amax_bits, int min_exp) {
+    int exp = (int)(amax_bits >> 23);
+    if (exp == 0)
+        return min_exp;
+    int e = exp - 135 + ((amax_bits & 0x7FFFFFu) > 0x600000u ? 1 : 0);
+    return e > min_exp ? e : min_exp;
+}
+
+static inline float bits_f32(uint32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Scalar kernels                                                                               */
+/* ------------------------------------------------------------------------------------------- */
+
+static void f2m_token_scalar(const uint8_t *in, uint8_t *data, uint8_t *foot, const f2m_tables *tb, Py_ssize_t t,
+                             int64_t *count, int64_t *first) {
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *tile = in + 64 * j;
+        uint8_t m = 0;
+        for (int i = 0; i < 64; i++) {
+            uint8_t a = tile[i] & 0x7F;
+            m = a > m ? a : m;
+        }
+        if (tb->bad_mag[m])
+            for (int i = 0; i < 64; i++)
+                if (tb->bad_mag[tile[i] & 0x7F])
+                    note_bad(t * HEAD_DIM + 64 * j + i, count, first);
+        if (j == 7)
+            break;
+        const uint8_t *row = tb->code_lut + (size_t)m * 256;
+        for (int i = 0; i < 64; i++)
+            data[64 * j + i] = row[tile[i]];
+        foot[j] = tb->scale_lut[m];
+    }
+    for (int i = 0; i < 64; i++) {
+        uint16_t h = tb->rope_lut[in[448 + i]];
+        data[448 + 2 * i] = (uint8_t)h;
+        data[448 + 2 * i + 1] = (uint8_t)(h >> 8);
+    }
+    foot[7] = 0;
+}
+
+static void m2f_token_scalar(const uint8_t *data, const uint8_t *foot, uint8_t *out, const m2f_tables *tb,
+                             Py_ssize_t t, int64_t *count, int64_t *first) {
+    for (int j = 0; j < 7; j++) {
+        const uint8_t *tile = data + 64 * j;
+        size_t b = foot[j];
+        const uint8_t *bad = tb->bad_mag + b * 128, *lut = tb->nope_lut + b * 256;
+        uint8_t m = 0;
+        for (int i = 0; i < 64; i++) {
+            uint8_t a = tile[i] & 0x7F;
+            m = a > m ? a : m;
+        }
+        if (bad[m])
+            for (int i = 0; i < 64; i++)
+                if (bad[tile[i] & 0x7F])
+                    note_bad(t * HEAD_DIM + 64 * j + i, count, first);
+        for (int i = 0; i < 64; i++)
+            out[64 * j + i] = lut[tile[i]];
+    }
+    for (int i = 0; i < 64; i++) {
+        uint16_t h = (uint16_t)(data[448 + 2 * i] | (data[448 + 2 * i + 1] << 8));
+        if ((h & 0x7F80) == 0x7F80)
+            note_bad(t * HEAD_DIM + 448 + i, count, first);
+        out[448 + i] = tb->rope_lut[h];
+    }
+}
+
+static void encode_token_scalar(const float *x32, const uint16_t *x16, uint8_t *data, uint8_t *foot, int min_exp,
+                                const float *pow2) {
+    for (int j = 0; j < 7; j++) {
+        uint32_t amax = 0;
+        if (x16) {
+            for (int i = 0; i < 64; i++) {
+                uint32_t a = (uint32_t)(x16[64 * j + i] & 0x7FFF) << 16;
+                amax = a > amax ? a : amax;
+            }
+        } else {
+            for (int i = 0; i < 64; i++) {
+                uint32_t b;
+                memcpy(&b, x32 + 64 * j + i, 4);
+                b &= 0x7FFFFFFFu;
+                amax = b > amax ? b : amax;
+            }
+        }
+        int e = tile_exponent(amax, min_exp);
+        float mult = pow2[149 - e];
+        for (int i = 0; i < 64; i++) {
+            float v = x16 ? bits_f32((uint32_t)x16[64 * j + i] << 16) : x32[64 * j + i];
+            data[64 * j + i] = e4m3_byte(v * mult);
+        }
+        foot[j] = (uint8_t)(e + 127);
+    }
+    for (int i = 0; i < 64; i++) {
+        uint32_t h;
+        if (x16) {
+            h = x16[448 + i];
+            if ((h & 0x7FFF) > 0x7F80)
+                h |= 0x40;
+        } else {
+            uint32_t b;
+            memcpy(&b, x32 + 448 + i, 4);
+            h = (b & 0x7FFFFFFFu) > 0x7F800000u ? ((b >> 16) | 0x40u) : ((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+        }
+        data[448 + 2 * i] = (uint8_t)h;
+        data[448 + 2 * i + 1] = (uint8_t)(h >> 8);
+    }
+    foot[7] = 0;
+}
+
+/* fp32 value of E4M3 code c, as native._e4m3_value (NaN codes: 0x7FC00000), branch-free. */
+static inline float e4m3_value(uint32_t c) {
+    uint32_t a = c & 0x7F, sub;
+    float sub_value = (float)(int32_t)a * 0.001953125f;
+    memcpy(&sub, &sub_value, 4);
+    uint32_t bits = (a >= 8 ? (a << 20) + 0x3C000000u : sub) ^ ((c & 0x80u) << 24);
+    return bits_f32(a == 0x7F ? 0x7FC00000u : bits);
+}
+
+static void decode_token_scalar(const uint8_t *data, const uint8_t *foot, float *out, const float *ue8m0) {
+    for (int j = 0; j < 7; j++) {
+        float s = ue8m0[foot[j]];
+        for (int i = 0; i < 64; i++)
+            out[64 * j + i] = e4m3_value(data[64 * j + i]) * s;
+    }
+    for (int i = 0; i < 64; i++) {
+        uint32_t b = (uint32_t)(data[448 + 2 * i] | (data[448 + 2 * i + 1] << 8)) << 16;
+        memcpy(out + 448 + i, &b, 4);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* AVX-512 kernels                                                                              */
+/* ------------------------------------------------------------------------------------------- */
+
+#if KV_X86
+#define KV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512dq")))
+
+/* Largest byte of v. */
+KV_AVX512 static inline uint8_t max_u8(__m512i v) {
+    __m256i a = _mm256_max_epu8(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    __m128i b = _mm_max_epu8(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    b = _mm_max_epu8(b, _mm_srli_si128(b, 8));
+    b = _mm_max_epu8(b, _mm_srli_si128(b, 4));
+    b = _mm_max_epu8(b, _mm_srli_si128(b, 2));
+    b = _mm_max_epu8(b, _mm_srli_si128(b, 1));
+    return (uint8_t)_mm_cvtsi128_si32(b);
+}
+
+/* Largest 16-bit word of a and b. */
+KV_AVX512 static inline uint16_t max_u16(__m512i a, __m512i b) {
+    __m512i v = _mm512_max_epu16(a, b);
+    __m256i c = _mm256_max_epu16(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+    __m128i d = _mm_max_epu16(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    d = _mm_max_epu16(d, _mm_srli_si128(d, 8));
+    d = _mm_max_epu16(d, _mm_srli_si128(d, 4));
+    d = _mm_max_epu16(d, _mm_srli_si128(d, 2));
+    return (uint16_t)_mm_cvtsi128_si32(d);
+}
+
+/* table[c] for each byte c of idx, table: 4 vectors of 64 bytes (256 entries). */
+KV_AVX512 static inline __m512i lookup256(__m512i idx, __m512i t0, __m512i t1, __m512i t2, __m512i t3) {
+    __m512i lo = _mm512_permutex2var_epi8(t0, idx, t1);
+    __m512i hi = _mm512_permutex2var_epi8(t2, idx, t3);
+    return _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi);
+}
+
+KV_AVX512 static inline void store64(void *p, __m512i v, int nt) {
+    if (nt)
+        _mm512_stream_si512((__m512i *)p, v);
+    else
+        _mm512_storeu_si512(p, v);
+}
+
+KV_AVX512 static inline void store_foot(uint8_t *p, uint64_t v, int nt) {
+    if (nt)
+        _mm_stream_si64((long long *)p, (long long)v);
+    else
+        memcpy(p, &v, 8);
+}
+
+/* Byte indices that interleave two byte vectors lo, hi (vpermt2b: 0-63 lo, 64-127 hi) into
+ * little-endian 16-bit words lo[i] | hi[i] << 8: words 0-31, then words 32-63. */
+#define W2(i) (i), (64 + (i))
+#define W8(i) W2(i), W2(i + 1), W2(i + 2), W2(i + 3)
+static const uint8_t WORDS_LO[64] = {W8(0), W8(4), W8(8), W8(12), W8(16), W8(20), W8(24), W8(28)};
+static const uint8_t WORDS_HI[64] = {W8(32), W8(36), W8(40), W8(44), W8(48), W8(52), W8(56), W8(60)};
+#undef W8
+#undef W2
+
+KV_AVX512 static inline void interleave_words(__m512i lo, __m512i hi, __m512i *w0, __m512i *w1) {
+    *w0 = _mm512_permutex2var_epi8(lo, _mm512_loadu_si512(WORDS_LO), hi);
+    *w1 = _mm512_permutex2var_epi8(lo, _mm512_loadu_si512(WORDS_HI), hi);
+}
+
+/* rope_lut split into its low and high bytes, 4 vectors each. */
+typedef struct {
+    __m512i lo[4], hi[4];
+} rope_vec;
+
+KV_AVX512 static void rope_vectors(const uint16_t *rope_lut, rope_vec *rv) {
+    uint8_t lo[256], hi[256];
+    for (int i = 0; i < 256; i++)
+        lo[i] = (uint8_t)rope_lut[i], hi[i] = (uint8_t)(rope_lut[i] >> 8);
+    for (int k = 0; k < 4; k++)
+        rv->lo[k] = _mm512_loadu_si512(lo + 64 * k), rv->hi[k] = _mm512_loadu_si512(hi + 64 * k);
+}
+
+KV_AVX512 static void f2m_token_avx512(const uint8_t *in, uint8_t *data, uint8_t *foot, const f2m_tables *tb,
+                                       const rope_vec *rv, Py_ssize_t t, int nt, int64_t *count, int64_t *first) {
+    const __m512i mask7f = _mm512_set1_epi8(0x7F);
+    uint64_t footer = 0;
+    for (int j = 0; j < 8; j++) {
+        __m512i v = _mm512_loadu_si512(in + 64 * j);
+        uint8_t m = max_u8(_mm512_and_si512(v, mask7f));
+        if (tb->bad_mag[m])
+            for (int i = 0; i < 64; i++)
+                if (tb->bad_mag[in[64 * j + i] & 0x7F])
+                    note_bad(t * HEAD_DIM + 64 * j + i, count, first);
+        if (j == 7) {
+            __m512i lo = lookup256(v, rv->lo[0], rv->lo[1], rv->lo[2], rv->lo[3]);
+            __m512i hi = lookup256(v, rv->hi[0], rv->hi[1], rv->hi[2], rv->hi[3]);
+            __m512i w0, w1;
+            interleave_words(lo, hi, &w0, &w1);
+            store64(data + 448, w0, nt);
+            store64(data + 512, w1, nt);
+            break;
+        }
+        const uint8_t *row = tb->code_lut + (size_t)m * 256;
+        __m512i out = lookup256(v, _mm512_loadu_si512(row), _mm512_loadu_si512(row + 64),
+                                _mm512_loadu_si512(row + 128), _mm512_loadu_si512(row + 192));
+        store64(data + 64 * j, out, nt);
+        footer |= (uint64_t)tb->scale_lut[m] << (8 * j);
+    }
+    store_foot(foot, footer, nt && ((uintptr_t)foot & 7) == 0);
+}
+
+/* Add the set bits of k (value base + bit index) to (count, first). */
+static inline void note_mask(uint64_t k, Py_ssize_t base, int64_t *count, int64_t *first) {
+    Py_ssize_t at = base + __builtin_ctzll(k);
+    if (*count == 0 || at < *first)
+        *first = at;
+    *count += __builtin_popcountll(k);
+}
+
+/* rope_lut[h] of 16 little-endian bf16 words at p: gather the aligned 32-bit word holding byte h (never past the
+ * 65536-byte table), shift the byte out. */
+KV_AVX512 static inline __m128i rope_codes16(const uint8_t *p, const uint8_t *rope_lut) {
+    const __m512i three = _mm512_set1_epi32(3);
+    __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    __m512i word = _mm512_i32gather_epi32(_mm512_andnot_si512(three, h), (const void *)rope_lut, 1);
+    return _mm512_cvtepi32_epi8(_mm512_srlv_epi32(word, _mm512_slli_epi32(_mm512_and_si512(h, three), 3)));
+}
+
+KV_AVX512 static void m2f_token_avx512(const uint8_t *data, const uint8_t *foot, uint8_t *out, const m2f_tables *tb,
+                                       const uint8_t *bad_from, Py_ssize_t t, int nt, int64_t *count,
+                                       int64_t *first) {
+    const __m512i mask7f = _mm512_set1_epi8(0x7F);
+    for (int j = 0; j < 7; j++) {
+        size_t b = foot[j];
+        __m512i v = _mm512_loadu_si512(data + 64 * j);
+        __m512i mag = _mm512_and_si512(v, mask7f);
+        if (bad_from) { /* every magnitude >= bad_from[b] is bad at scale byte b */
+            __mmask64 k = _mm512_cmpge_epu8_mask(mag, _mm512_set1_epi8((char)bad_from[b]));
+            if (k)
+                note_mask(k, t * HEAD_DIM + 64 * j, count, first);
+        } else {
+            const uint8_t *bad = tb->bad_mag + b * 128;
+            if (bad[max_u8(mag)])
+                for (int i = 0; i < 64; i++)
+                    if (bad[data[64 * j + i] & 0x7F])
+                        note_bad(t * HEAD_DIM + 64 * j + i, count, first);
+        }
+        const uint8_t *row = tb->nope_lut + b * 256;
+        __m512i o = lookup256(v, _mm512_loadu_si512(row), _mm512_loadu_si512(row + 64),
+                              _mm512_loadu_si512(row + 128), _mm512_loadu_si512(row + 192));
+        store64(out + 64 * j, o, nt);
+    }
+    const __m512i expm = _mm512_set1_epi16(0x7F80);
+    __m512i h0 = _mm512_loadu_si512(data + 448), h1 = _mm512_loadu_si512(data + 512);
+    __mmask32 n0 = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h0, expm), expm);
+    __mmask32 n1 = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h1, expm), expm);
+    if (n0 | n1)
+        note_mask((uint64_t)n0 | ((uint64_t)n1 << 32), t * HEAD_DIM + 448, count, first);
+    __m512i codes = _mm512_castsi128_si512(rope_codes16(data + 448, tb->rope_lut));
+    codes = _mm512_inserti32x4(codes, rope_codes16(data + 480, tb->rope_lut), 1);
+    codes = _mm512_inserti32x4(codes, rope_codes16(data + 512, tb->rope_lut), 2);
+    codes = _mm512_inserti32x4(codes, rope_codes16(data + 544, tb->rope_lut), 3);
+    store64(out + 448, codes, nt);
+}
+
+/* 16 E4M3 magnitude codes (sign bit clear) of the fp32 lanes of y, as native._e4m3_byte computes them:
+ * normal ones from the bits (the rebias folded into the rounding add; unsigned min saturates at 0x7E,
+ * Inf and NaN included), subnormal ones the low byte of the bits of |y| + 2^14. */
+KV_AVX512 static inline __m128i e4m3_magnitudes(__m512 y) {
+    __m512i mag = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
+    __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x7FFFF - 0x3C000000)),
+                                                        odd), 20);
+    normal = _mm512_min_epu32(normal, _mm512_set1_epi32(0x7E));
+    __m512 sub = _mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(16384.0f));
+    __mmask16 is_normal = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x3C800000));
+    return _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(is_normal, _mm512_castps_si512(sub), normal));
+}
+
+KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16, uint8_t *data, uint8_t *foot,
+                                          int min_exp, const float *pow2, int nt) {
+    /* Two passes, so that the tiles' amax reductions and exponents overlap rather than each stalling its tile:
+     * the 7 scale exponents first, then the codes. */
+    uint64_t footer = 0;
+    float mults[7];
+    for (int j = 0; j < 7; j++) {
+        uint32_t amax;
+        if (x16) {
+            const __m512i m = _mm512_set1_epi16(0x7FFF);
+            amax = (uint32_t)max_u16(_mm512_and_si512(_mm512_loadu_si512(x16 + 64 * j), m),
+                                     _mm512_and_si512(_mm512_loadu_si512(x16 + 64 * j + 32), m)) << 16;
+        } else {
+            const __m512i m = _mm512_set1_epi32(0x7FFFFFFF);
+            __m512i acc = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++)
+                acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_loadu_si512(x32 + 64 * j + 16 * k), m));
+            amax = _mm512_reduce_max_epu32(acc);
+        }
+        int e = tile_exponent(amax, min_exp);
+        mults[j] = pow2[149 - e];
+        footer |= (uint64_t)(uint8_t)(e + 127) << (8 * j);
+    }
+    for (int j = 0; j < 7; j++) {
+        __m512 v[4];
+        __mmask64 signs;
+        if (x16) {
+            signs = (__mmask64)_mm512_movepi16_mask(_mm512_loadu_si512(x16 + 64 * j)) |
+                    ((__mmask64)_mm512_movepi16_mask(_mm512_loadu_si512(x16 + 64 * j + 32)) << 32);
+            for (int k = 0; k < 4; k++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(x16 + 64 * j + 16 * k));
+                v[k] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+            }
+        } else {
+            signs = 0;
+            for (int k = 0; k < 4; k++) {
+                v[k] = _mm512_loadu_ps(x32 + 64 * j + 16 * k);
+                signs |= (__mmask64)_mm512_movepi32_mask(_mm512_castps_si512(v[k])) << (16 * k);
+            }
+        }
+        __m512 mult = _mm512_set1_ps(mults[j]);
+        __m512i codes = _mm512_castsi128_si512(e4m3_magnitudes(_mm512_mul_ps(v[0], mult)));
+        codes = _mm512_inserti32x4(codes, e4m3_magnitudes(_mm512_mul_ps(v[1], mult)), 1);
+        codes = _mm512_inserti32x4(codes, e4m3_magnitudes(_mm512_mul_ps(v[2], mult)), 2);
+        codes = _mm512_inserti32x4(codes, e4m3_magnitudes(_mm512_mul_ps(v[3], mult)), 3);
+        /* y = x * 2^-e keeps the sign of x (NaN included) */
+        codes = _mm512_mask_mov_epi8(codes, signs, _mm512_or_si512(codes, _mm512_set1_epi8((char)0x80)));
+        store64(data + 64 * j, codes, nt);
+    }
+    __m512i w[2];
+    if (x16) {
+        const __m512i m = _mm512_set1_epi16(0x7FFF), inf = _mm512_set1_epi16(0x7F80), q = _mm512_set1_epi16(0x40);
+        for (int k = 0; k < 2; k++) {
+            __m512i h = _mm512_loadu_si512(x16 + 448 + 32 * k);
+            __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(h, m), inf);
+            w[k] = _mm512_mask_blend_epi16(nan, h, _mm512_or_si512(h, q));
+        }
+    } else {
+        const __m512i m = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+        __m256i half[4];
+        for (int k = 0; k < 4; k++) {
+            __m512i b = _mm512_castps_si512(_mm512_loadu_ps(x32 + 448 + 16 * k));
+            __m512i hi = _mm512_srli_epi32(b, 16);
+            __m512i rounded = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)),
+                                 _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
+            __m512i quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
+            __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, m), inf);
+            half[k] = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+        }
+        w[0] = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+        w[1] = _mm512_inserti64x4(_mm512_castsi256_si512(half[2]), half[3], 1);
+    }
+    store64(data + 448, w[0], nt);
+    store64(data + 512, w[1], nt);
+    store_foot(foot, footer, nt && ((uintptr_t)foot & 7) == 0);
+}
+
+KV_AVX512 static void decode_token_avx512(const uint8_t *data, const uint8_t *foot, float *out, const float *ue8m0,
+                                          int nt) {
+    const __m512i m7f = _mm512_set1_epi32(0x7F), eight = _mm512_set1_epi32(8);
+    const __m512i bias = _mm512_set1_epi32(0x3C000000);
+    const __m512 sub_unit = _mm512_set1_ps(0.001953125f), qnan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000));
+    const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u);
+    for (int j = 0; j < 7; j++) {
+        __m512 s = _mm512_set1_ps(ue8m0[foot[j]]);
+        __m512i tile = _mm512_loadu_si512(data + 64 * j);
+        __mmask64 signs = _mm512_movepi8_mask(tile);
+        for (int k = 0; k < 4; k++) {
+            __m512i a = _mm512_and_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(data + 64 * j + 16 * k))),
+                                         m7f);
+            __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(a, 20), bias));
+            __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(a), sub_unit);
+            __m512i v = _mm512_castps_si512(_mm512_mask_blend_ps(_mm512_cmpge_epu32_mask(a, eight), sub, normal));
+            v = _mm512_mask_xor_epi32(v, (__mmask16)(signs >> (16 * k)), v, sign_bit);
+            __m512 value = _mm512_mask_blend_ps(_mm512_cmpeq_epu32_mask(a, m7f), _mm512_castsi512_ps(v), qnan);
+            store64(out + 64 * j + 16 * k, _mm512_castps_si512(_mm512_mul_ps(value, s)), nt);
+        }
+    }
+    for (int k = 0; k < 4; k++) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)(data + 448 + 32 * k));
+        store64(out + 448 + 16 * k, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16), nt);
+    }
+}
+#endif /* KV_X86 */
+
+/* ------------------------------------------------------------------------------------------- */
+/* Chunk loops                                                                                  */
+/* ------------------------------------------------------------------------------------------- */
+
+static inline int nt_ok(const void *p, Py_ssize_t total) {
+    return total >= nt_min_bytes && ((uintptr_t)p & 63) == 0;
+}
+
+static inline void store_fence(void) {
+#if KV_X86
+    __asm__ __volatile__("sfence" ::: "memory");
+#endif
+}
+
+#define KV_BODY static inline __attribute__((always_inline))
+KV_BODY void fp8_to_model1_chunks(Py_ssize_t c0, Py_ssize_t c1, const uint8_t *src, const geom_t *s, Py_ssize_t n,
+                                 uint8_t *dst, Py_ssize_t dst_len, const geom_t *d, const f2m_tables *tb,
+                                 int64_t *bad_count, int64_t *bad_first, int isa) {
+    Py_ssize_t dp = d->pages, npages = dst_len / d->page_bytes, per = CHUNK_TOKENS / dp > 1 ? CHUNK_TOKENS / dp : 1;
+    uint8_t in_buf[FP8_RECORD], out_buf[M1_RECORD];
+#if KV_X86
+    rope_vec rv;
+    if (isa == ISA_AVX512)
+        rope_vectors(tb->rope_lut, &rv);
+#endif
+    for (Py_ssize_t c = c0; c < c1; c++) {
+        int64_t count = 0, first = -1;
+        Py_ssize_t p_end = (c + 1) * per < npages ? (c + 1) * per : npages;
+        for (Py_ssize_t p = c * per; p < p_end; p++) {
+            for (Py_ssize_t r = 0; r < dp && p * dp + r < n; r++) {
+                Py_ssize_t t = p * dp + r;
+                const uint8_t *in = src_record(src, s, t, in_buf);
+                uint8_t *data, *foot;
+                int direct = m1_place(dst, d, dp, t, out_buf, &data, &foot);
+#if KV_X86
+                if (isa == ISA_AVX512)
+                    f2m_token_avx512(in, data, foot, tb, &rv, t, direct && nt_ok(data, dst_len), &count, &first);
+                else
+#endif
+                    f2m_token_scalar(in, data, foot, tb, t, &count, &first);
+                if (!direct)
+                    m1_scatter(dst, d, dp, t, out_buf);
+            }
+            zero_unused(dst, d, dp, p, n);
+        }
+        bad_count[c] = count;
+        bad_first[c] = first;
+    }
+    store_fence();
+}
+
+/* bad_from[b]: the smallest magnitude m with bad_mag[b * 128 + m] set (128: none), when every row of
+ * bad_mag is such a threshold (so a vector compare finds a tile's bad values); else 0 (then the
+ * kernels check each tile's largest magnitude, then each value, in the table). */
+static int bad_thresholds(const uint8_t *bad_mag, uint8_t *bad_from) {
+    for (int b = 0; b < 256; b++) {
+        int m = 0;
+        while (m < 128 && !bad_mag[b * 128 + m])
+            m++;
+        bad_from[b] = (uint8_t)m;
+        for (int k = m; k < 128; k++)
+            if (!bad_mag[b * 128 + k])
+                return 0;
+    }
+    return 1;
+}
+
+KV_BODY void model1_to_fp8_chunks(Py_ssize_t c0, Py_ssize_t c1, const uint8_t *src, const geom_t *s, Py_ssize_t n,
+                                 uint8_t *dst, Py_ssize_t dst_len, const geom_t *d, const m2f_tables *tb,
+                                 int64_t *bad_count, int64_t *bad_first, int isa) {
+    Py_ssize_t dp = d->pages, npages = dst_len / d->page_bytes, per = CHUNK_TOKENS / dp > 1 ? CHUNK_TOKENS / dp : 1;
+    uint8_t in_buf[M1_RECORD], out_buf[FP8_RECORD], bad_from[256];
+    const uint8_t *thresholds = isa == ISA_AVX512 && bad_thresholds(tb->bad_mag, bad_from) ? bad_from : NULL;
+    (void)thresholds; /* unused where only the scalar code is compiled */
+    for (Py_ssize_t c = c0; c < c1; c++) {
+        int64_t count = 0, first = -1;
+        Py_ssize_t p_end = (c + 1) * per < npages ? (c + 1) * per : npages;
+        for (Py_ssize_t p = c * per; p < p_end; p++) {
+            for (Py_ssize_t r = 0; r < dp && p * dp + r < n; r++) {
+                Py_ssize_t t = p * dp + r, at, ft;
+                const uint8_t *data, *foot;
+                m1_read(src, s, t, in_buf, &data, &foot);
+                locate(d, dp, t, &at, &ft);
+                int direct = d->split == d->record_bytes;
+                uint8_t *out = direct ? dst + at : out_buf;
+#if KV_X86
+                if (isa == ISA_AVX512)
+                    m2f_token_avx512(data, foot, out, tb, thresholds, t, direct && nt_ok(out, dst_len), &count, &first);
+                else
+#endif
+                    m2f_token_scalar(data, foot, out, tb, t, &count, &first);
+                if (!direct) {
+                    memcpy(dst + at, out_buf, (size_t)d->split);
+                    memcpy(dst + ft, out_buf + d->split, (size_t)(d->record_bytes - d->split));
+                }
+            }
+            zero_unused(dst, d, dp, p, n);
+        }
+        bad_count[c] = count;
+        bad_first[c] = first;
+    }
+    store_fence();
+}
+
+KV_BODY void encode_chunks(Py_ssize_t c0, Py_ssize_t c1, const float *x32, const uint16_t *x16, Py_ssize_t n,
+                          uint8_t *dst, Py_ssize_t dst_len, const geom_t *d, int min_exp, const float *pow2, int isa) {
+    Py_ssize_t dp = d->pages, npages = dst_len / d->page_bytes, per = CHUNK_TOKENS / dp > 1 ? CHUNK_TOKENS / dp : 1;
+    uint8_t out_buf[M1_RECORD];
+    for (Py_ssize_t c = c0; c < c1; c++) {
+        Py_ssize_t p_end = (c + 1) * per < npages ? (c + 1) * per : npages;
+        for (Py_ssize_t p = c * per; p < p_end; p++) {
+            for (Py_ssize_t r = 0; r < dp && p * dp + r < n; r++) {
+                Py_ssize_t t = p * dp + r;
+                const float *r32 = x16 ? NULL : x32 + t * HEAD_DIM;
+                const uint16_t *r16 = x16 ? x16 + t * HEAD_DIM : NULL;
+                uint8_t *data, *foot;
+                int direct = m1_place(dst, d, dp, t, out_buf, &data, &foot);
+#if KV_X86
+                if (isa == ISA_AVX512)
+                    encode_token_avx512(r32, r16, data, foot, min_exp, pow2, direct && nt_ok(data, dst_len));
+                else
+#endif
+                    encode_token_scalar(r32, r16, data, foot, min_exp, pow2);
+                if (!direct)
+                    m1_scatter(dst, d, dp, t, out_buf);
+            }
+            zero_unused(dst, d, dp, p, n);
+        }
+    }
+    store_fence();
+}
+
+KV_BODY void decode_chunks(Py_ssize_t c0, Py_ssize_t c1, const uint8_t *src, const geom_t *s, Py_ssize_t n,
+                          float *out, Py_ssize_t out_len, const float *ue8m0, int isa) {
+    uint8_t in_buf[M1_RECORD];
+    for (Py_ssize_t t = c0 * CHUNK_TOKENS; t < c1 * CHUNK_TOKENS && t < n; t++) {
+        const uint8_t *data, *foot;
+        m1_read(src, s, t, in_buf, &data, &foot);
+        float *row = out + t * HEAD_DIM;
+#if KV_X86
+        if (isa == ISA_AVX512)
+            decode_token_avx512(data, foot, row, ue8m0, nt_ok(row, out_len));
+        else
+#endif
+            decode_token_scalar(data, foot, row, ue8m0);
+    }
+    store_fence();
+}
+
+/* Each chunk loop compiled twice: for the baseline ISA (scalar token kernels) and for AVX-512
+ * (its token kernels inlined). */
+#define F2M_PARAMS Py_ssize_t c0, Py_ssize_t c1, const uint8_t *src, const geom_t *s, Py_ssize_t n, uint8_t *dst, \
+    Py_ssize_t dst_len, const geom_t *d, const f2m_tables *tb, int64_t *bad_count, int64_t *bad_first
+#define M2F_PARAMS Py_ssize_t c0, Py_ssize_t c1, const uint8_t *src, const geom_t *s, Py_ssize_t n, uint8_t *dst, \
+    Py_ssize_t dst_len, const geom_t *d, const m2f_tables *tb, int64_t *bad_count, int64_t *bad_first
+#define ENC_PARAMS Py_ssize_t c0, Py_ssize_t c1, const float *x32, const uint16_t *x16, Py_ssize_t n, uint8_t *dst, \
+    Py_ssize_t dst_len, const geom_t *d, int min_exp, const float *pow2
+#define DEC_PARAMS Py_ssize_t c0, Py_ssize_t c1, const uint8_t *src, const geom_t *s, Py_ssize_t n, float *out, \
+    Py_ssize_t out_len, const float *ue8m0
+#define TRANSCODE_ARGS c0, c1, src, s, n, dst, dst_len, d, tb, bad_count, bad_first
+#define ENC_ARGS c0, c1, x32, x16, n, dst, dst_len, d, min_exp, pow2
+#define DEC_ARGS c0, c1, src, s, n, out, out_len, ue8m0
+#if KV_X86
+#define KV_VARIANTS(name, params, args)                                                                     \
+    static void name##_scalar(params) { name##_chunks(args, ISA_SCALAR); }                                \
+    KV_AVX512 static void name##_avx512(params) { name##_chunks(args, ISA_AVX512); }                      \
+    static void name##_run(params, int isa) {                                                               \
+        if (isa == ISA_AVX512)                                                                              \
+            name##_avx512(args);                                                                            \
+        else                                                                                                \
+            name##_scalar(args);                                                                            \
+    }
+#else
+#define KV_VARIANTS(name, params, args)                                                                     \
+    static void name##_run(params, int isa) { name##_chunks(args, ISA_SCALAR); }
+#endif
+KV_VARIANTS(fp8_to_model1, F2M_PARAMS, TRANSCODE_ARGS)
+KV_VARIANTS(model1_to_fp8, M2F_PARAMS, TRANSCODE_ARGS)
+KV_VARIANTS(encode, ENC_PARAMS, ENC_ARGS)
+KV_VARIANTS(decode, DEC_PARAMS, DEC_ARGS)
+
+/* ------------------------------------------------------------------------------------------- */
+/* Python interface                                                                             */
+/* ------------------------------------------------------------------------------------------- */
+
+static int need(int ok, const char *what) {
+    if (!ok)
+        PyErr_Format(PyExc_ValueError, "kvbridge._kernels: %s", what);
+    return ok;
+}
+
+/* Geometry sanity: page size, page bytes and split in range, and the pool holding `pages_needed` pages. */
+static int check_geom(const geom_t *g, Py_ssize_t len, Py_ssize_t record_bytes, Py_ssize_t pages_needed,
+                      const char *what) {
+    if (g->pages < 1 || g->record_bytes != record_bytes || g->split < 0 || g->split > g->record_bytes ||
+        g->page_bytes < g->pages * g->record_bytes || len < pages_needed * g->page_bytes) {
+        PyErr_Format(PyExc_ValueError, "kvbridge._kernels: bad %s geometry", what);
+        return 0;
+    }
+    return 1;
+}
+
+static void release(Py_buffer *views, int count) {
+    for (int i = 0; i < count; i++)
+        PyBuffer_Release(&views[i]);
+}
+
+static Py_ssize_t npages_of(Py_ssize_t n, Py_ssize_t p) { return (n + p - 1) / p; }
+
+static int check_chunks(Py_ssize_t c0, Py_ssize_t c1, Py_ssize_t dst_pages, Py_ssize_t dp) {
+    Py_ssize_t per = CHUNK_TOKENS / dp > 1 ? CHUNK_TOKENS / dp : 1;
+    return need(c0 >= 0 && c1 >= c0 && c1 <= (dst_pages + per - 1) / per + 1, "chunk range out of bounds");
+}
+
+static PyObject *py_fp8_to_model1(PyObject *self, PyObject *args) {
+    Py_ssize_t c0, c1, n;
+    geom_t s, d;
+    Py_buffer v[8];
+    memset(v, 0, sizeof v);
+    if (!PyArg_ParseTuple(args, "nny*nnnnnw*nnnny*y*y*y*w*w*", &c0, &c1, &v[0], &s.pages, &s.page_bytes, &s.split,
+                          &s.record_bytes, &n, &v[1], &d.pages, &d.page_bytes, &d.split, &d.record_bytes, &v[2], &v[3],
+                          &v[4], &v[5], &v[6], &v[7]))
+        return NULL;
+    int ok = check_geom(&s, v[0].len, FP8_RECORD, npages_of(n, s.pages), "source") &&
+             check_geom(&d, v[1].len, M1_RECORD, npages_of(n, d.pages), "destination") &&
+             check_chunks(c0, c1, v[1].len / d.page_bytes, d.pages) &&
+             need(v[2].len >= 128 && v[3].len >= 128 && v[4].len >= 128 * 256 && v[5].len >= 512, "short table") &&
+             need(v[6].len >= c1 * 8 && v[7].len >= c1 * 8, "short bad_count/bad_first");
+    if (ok) {
+        f2m_tables tb = {v[2].buf, v[3].buf, v[4].buf, v[5].buf};
+        int isa = kv_isa;
+        Py_BEGIN_ALLOW_THREADS
+        fp8_to_model1_run(c0, c1, v[0].buf, &s, n, v[1].buf, v[1].len, &d, &tb, v[6].buf, v[7].buf, isa);
+        Py_END_ALLOW_THREADS
+    }
+    release(v, 8);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_model1_to_fp8(PyObject *self, PyObject *args) {
+    Py_ssize_t c0, c1, n;
+    geom_t s, d;
+    Py_buffer v[7];
+    memset(v, 0, sizeof v);
+    if (!PyArg_ParseTuple(args, "nny*nnnnnw*nnnny*y*y*w*w*", &c0, &c1, &v[0], &s.pages, &s.page_bytes, &s.split,
+                          &s.record_bytes, &n, &v[1], &d.pages, &d.page_bytes, &d.split, &d.record_bytes, &v[2], &v[3],
+                          &v[4], &v[5], &v[6]))
+        return NULL;
+    int ok = check_geom(&s, v[0].len, M1_RECORD, npages_of(n, s.pages), "source") &&
+             check_geom(&d, v[1].len, FP8_RECORD, npages_of(n, d.pages), "destination") &&
+             check_chunks(c0, c1, v[1].len / d.page_bytes, d.pages) &&
+             need(v[2].len >= 256 * 256 && v[3].len >= 256 * 128 && v[4].len >= 65536, "short table") &&
+             need(v[5].len >= c1 * 8 && v[6].len >= c1 * 8, "short bad_count/bad_first");
+    if (ok) {
+        m2f_tables tb = {v[2].buf, v[3].buf, v[4].buf};
+        int isa = kv_isa;
+        Py_BEGIN_ALLOW_THREADS
+        model1_to_fp8_run(c0, c1, v[0].buf, &s, n, v[1].buf, v[1].len, &d, &tb, v[5].buf, v[6].buf, isa);
+        Py_END_ALLOW_THREADS
+    }
+    release(v, 7);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_model1_encode(PyObject *self, PyObject *args) {
+    Py_ssize_t c0, c1, n;
+    int from_bf16, min_exp;
+    geom_t d;
+    Py_buffer v[4];
+    memset(v, 0, sizeof v);
+    if (!PyArg_ParseTuple(args, "nny*y*pnw*nnnniy*", &c0, &c1, &v[0], &v[1], &from_bf16, &n, &v[2], &d.pages,
+                          &d.page_bytes, &d.split, &d.record_bytes, &min_exp, &v[3]))
+        return NULL;
+    int ok = check_geom(&d, v[2].len, M1_RECORD, npages_of(n, d.pages), "destination") &&
+             check_chunks(c0, c1, v[2].len / d.page_bytes, d.pages) &&
+             need((from_bf16 ? v[1].len >= n * HEAD_DIM * 2 : v[0].len >= n * HEAD_DIM * 4), "short latents") &&
+             need(v[3].len >= 277 * 4 && min_exp >= -149 && min_exp <= 0, "bad pow2 table or exponent floor");
+    if (ok) {
+        int isa = kv_isa;
+        const float *x32 = from_bf16 ? NULL : v[0].buf;
+        const uint16_t *x16 = from_bf16 ? v[1].buf : NULL;
+        Py_BEGIN_ALLOW_THREADS
+        encode_run(c0, c1, x32, x16, n, v[2].buf, v[2].len, &d, min_exp, v[3].buf, isa);
+        Py_END_ALLOW_THREADS
+    }
+    release(v, 4);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_model1_decode(PyObject *self, PyObject *args) {
+    Py_ssize_t c0, c1, n;
+    geom_t s;
+    Py_buffer v[3];
+    memset(v, 0, sizeof v);
+    if (!PyArg_ParseTuple(args, "nny*nnnnnw*y*", &c0, &c1, &v[0], &s.pages, &s.page_bytes, &s.split, &s.record_bytes,
+                          &n, &v[1], &v[2]))
+        return NULL;
+    int ok = check_geom(&s, v[0].len, M1_RECORD, npages_of(n, s.pages), "source") &&
+             need(c0 >= 0 && c1 >= c0, "chunk range out of bounds") &&
+             need(v[1].len >= n * HEAD_DIM * 4, "short output") && need(v[2].len >= 256 * 4, "short ue8m0 table");
+    if (ok) {
+        int isa = kv_isa;
+        Py_BEGIN_ALLOW_THREADS
+        decode_run(c0, c1, v[0].buf, &s, n, v[1].buf, v[1].len, v[2].buf, isa);
+        Py_END_ALLOW_THREADS
+    }
+    release(v, 3);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static const char *isa_name(int isa) { return isa == ISA_AVX512 ? "avx512vbmi" : "scalar"; }
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_name(kv_isa)); }
+
+static PyObject *py_cpu_isa(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_name(kv_cpu_isa)); }
+
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name)
+        return NULL;
+    int want = strcmp(name, "scalar") == 0 ? ISA_SCALAR : strcmp(name, "avx512vbmi") == 0 ? ISA_AVX512 : -1;
+    if (want < 0 || want > kv_cpu_isa) {
+        PyErr_Format(PyExc_ValueError, "kvbridge._kernels: ISA %R not available (this CPU: %s)", arg,
+                     isa_name(kv_cpu_isa));
+        return NULL;
+    }
+    PyObject *previous = PyUnicode_FromString(isa_name(kv_isa));
+    kv_isa = want;
+    return previous;
+}
+
+static PyObject *py_set_nt_min(PyObject *self, PyObject *arg) {
+    Py_ssize_t value = PyLong_AsSsize_t(arg);
+    if (value == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t previous = nt_min_bytes;
+    nt_min_bytes = value;
+    return PyLong_FromSsize_t(previous);
+}
+
+static PyMethodDef methods[] = {
+    {"fp8_to_model1", py_fp8_to_model1, METH_VARARGS,
+     "fp8_to_model1(c0, c1, src, sp, spb, ssplit, srb, n, dst, dp, dpb, dsplit, drb, scale_lut, bad_mag, code_lut, "
+     "rope_lut, bad_count, bad_first): per-tensor E4M3 -> MODEL1 chunks [c0, c1)."},
+    {"model1_to_fp8", py_model1_to_fp8, METH_VARARGS,
+     "model1_to_fp8(c0, c1, src, sp, spb, ssplit, srb, n, dst, dp, dpb, dsplit, drb, nope_lut, bad_mag, rope_lut, "
+     "bad_count, bad_first): MODEL1 -> per-tensor E4M3 chunks [c0, c1)."},
+    {"model1_encode", py_model1_encode, METH_VARARGS,
+     "model1_encode(c0, c1, x32, x16, from_bf16, n, dst, dp, dpb, dsplit, drb, min_exp, pow2): latents -> MODEL1."},
+    {"model1_decode", py_model1_decode, METH_VARARGS,
+     "model1_decode(c0, c1, src, sp, spb, ssplit, srb, n, out, ue8m0): MODEL1 -> fp32 latents."},
+    {"isa", py_isa, METH_NOARGS, "The instruction set the kernels run: 'avx512vbmi' or 'scalar'."},
+    {"cpu_isa", py_cpu_isa, METH_NOARGS, "The best instruction set this CPU supports."},
+    {"set_isa", py_set_isa, METH_O, "Run the kernels with the given ISA (at most cpu_isa()); returns the previous."},
+    {"set_nt_min", py_set_nt_min, METH_O,
+     "Outputs of at least this many bytes get non-temporal stores; returns the previous threshold."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvbridge._kernels", "Compiled MODEL1 hot kernels (see kvbridge/_kernels.c).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+#if KV_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vbmi"))
+        kv_cpu_isa = ISA_AVX512;
+#endif
+    kv_isa = kv_cpu_isa;
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "CHUNK_TOKENS", CHUNK_TOKENS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -235,3 +235,42 @@ def test_cli_migrate_run_with_ape(tmp_path):
     plan = CliRunner().invoke(cli, ["migrate", "plan", "--from", "sglang", "--to", "trtllm", "--tokens", str(TOKENS),
                                     "--ape", str(path), "--json", "--transfers"])
     assert plan.exit_code != 0 and "missing layers.4.attn.compressor.ape" in plan.output  # the full model
+
+
+@pytest.mark.parametrize("dst_engine", ["vllm", "trtllm"])
+def test_sglang_prefill_through_the_decode_peer_converts_onward_with_ape(dst_engine, tmp_path):
+    """SGLang's own prefill (its NixlKVManager, in the SGLang venv) sends a request of compressed layers to
+    kvbridge's decode peer; with the APE weights it converts into vLLM's / TensorRT-LLM's pools exactly as a
+    direct migration does, the state rows gaining the bias."""
+    from tests import test_adapter_sglang_decode as sd
+
+    sd._need_sglang()
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+    from kvbridge.migration import EnginePools
+
+    model, tokens = sd.MODEL, sd.TOKENS
+    g = torch.Generator().manual_seed(9)
+    ape = {ape_name(model, s.layer, s.role): torch.randn(s.ratio, s.width // 2, generator=g) * 4
+           for s in model.all_caches(include_mtp=False) if s.role in (Role.STATE, Role.INDEXER_STATE)}
+    plan = plan_migration("sglang", "sglang", model, tokens, include_mtp=False)
+    src, src_tables = source_request(plan, seed=3)
+    dst = EnginePools.create("sglang", model, {"full": 8, "swa": 8, "state128": 3}, include_mtp=False, seed=11)
+    proc, next_line, layout = sd._prefill({}, tmp_path, lambda lay: sd._sglang_buffers(src, src_tables, lay, tokens))
+    conv = plan_migration("sglang", dst_engine, model, tokens, include_mtp=False, ape=ape)
+    try:
+        with SGLangDecodePeer(dst, timeout=45) as peer:
+            req = peer.receive(layout["bootstrap_addr"], sd.ROOM, tokens)
+            out = destination_pools(conv)
+            out_tables, _ = peer.migrate(req, out, plan=conv)
+        result = sd._until_result(next_line)
+    finally:
+        sd._stop(proc)
+    assert result["result"] == "Success", result
+    direct = destination_pools(conv, seed=7)
+    direct_tables, _ = migrate_local(conv, src, src_tables, direct, loss_report=False)
+    assert sd._records(out, out_tables, conv) == sd._records(direct, direct_tables, conv)
+    before = {t.spec: rows for t, rows in _state_rows(conv, src, src_tables, "src")}
+    states = list(_state_rows(conv, out, out_tables, "dst"))
+    assert {t.spec.role for t, _ in states} == {Role.STATE, Role.INDEXER_STATE}
+    for t, rows in states:
+        assert torch.equal(_bits(rows), _bits(add_ape(before[t.spec], t.ape, t.first)))

@@ -56,6 +56,9 @@ def _dump_entries(pools, tables, plan):
               help="The prefill's SGLang profile (e.g. sglang:idx=fp4; fp32 compressor state only).")
 @click.option("--to", "dst", default=None, callback=engine_spec_option,
               help="Convert the received request into this engine's pools (e.g. vllm, trtllm).")
+@click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="With --to vllm/trtllm and compressed layers: the model's safetensors file(s) holding its "
+                   "compressor APE weights (repeat for several shards).")
 @click.option("--model", default="deepseek-v4-flash", show_default=True, callback=model_option)
 @click.option("--layers", type=click.IntRange(min=1), default=None, help="Keep only the first N main layers.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -68,8 +71,8 @@ def _dump_entries(pools, tables, plan):
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
               help="Seconds to wait for the prefill (bootstrap and transfer).")
 @json_option
-def command(bootstrap, room, tokens, profile, dst, model, layers, out, force, hidden_state_bytes, kv_cache_dtype,
-            timeout, as_json) -> None:
+def command(bootstrap, room, tokens, profile, dst, ape, model, layers, out, force, hidden_state_bytes,
+            kv_cache_dtype, timeout, as_json) -> None:
     """Receive one request from an SGLang prefill, as its decode server (NIXL)."""
     _require_nixl()
     from kvbridge.adapters.sglang_decode import SGLangDecodePeer
@@ -81,7 +84,8 @@ def command(bootstrap, room, tokens, profile, dst, model, layers, out, force, hi
     try:
         topo = _topology(model, layers)
         own = plan_migration(profile, profile, topo, tokens, include_mtp=False)
-        conv = plan_migration(profile, dst, topo, tokens, include_mtp=False) if dst is not None else None
+        conv = plan_migration(profile, dst, topo, tokens, include_mtp=False, ape=list(ape) or None) \
+            if dst is not None else None
         pools = EnginePools.create(own.dst, topo, {k: v + 1 for k, v in own.held_pages("dst").items()},
                                    include_mtp=False)
         with SGLangDecodePeer(pools, hidden_state_bytes=hidden_state_bytes, kv_cache_dtype=kv_cache_dtype,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
 from rich import box
@@ -48,6 +49,10 @@ def _plan_options(fn):
         help="MTP draft slots kept beyond the SWA window.",
     )(fn)
     fn = click.option("--mtp/--no-mtp", default=True, show_default=True, help="Move the MTP layers' caches too.")(fn)
+    fn = click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+                      help="The model's safetensors file(s) holding its compressor APE weights "
+                           "(layers.N.attn[.indexer].compressor.ape); needed between SGLang and vLLM / "
+                           "TensorRT-LLM for compressed layers. Repeat for several shards.")(fn)
     return fn
 
 
@@ -136,12 +141,14 @@ def plan_command(
     tokens: int,
     draft_tokens: int,
     mtp: bool,
+    ape: tuple[Path, ...],
     link_gbps: float,
     show_transfers: bool,
     as_json: bool,
 ) -> None:
     """Which entries move, from which pages to which, with which conversion, and the byte totals."""
-    plan = plan_migration(src, dst, get_model(model), tokens, draft_tokens=draft_tokens, include_mtp=mtp)
+    plan = plan_migration(src, dst, get_model(model), tokens, draft_tokens=draft_tokens, include_mtp=mtp,
+                          ape=list(ape) or None)
     if as_json:
         data = plan.to_dict(transfers=show_transfers)
         total = data["totals"]["all"]
@@ -179,6 +186,7 @@ def run_command(
     tokens: int,
     draft_tokens: int,
     mtp: bool,
+    ape: tuple[Path, ...],
     layers: int | None,
     convert_on: str,
     seed: int,
@@ -189,7 +197,7 @@ def run_command(
     topo = get_model(model)
     if layers is not None:
         topo = topo.with_layers(layers)
-    plan = plan_migration(src, dst, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp)
+    plan = plan_migration(src, dst, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp, ape=list(ape) or None)
     src_pools, src_tables = source_request(plan, seed=seed)
     dst_pools = destination_pools(plan)
     start = time.perf_counter()

@@ -104,11 +104,14 @@ def _describe(received) -> str:
               help="Exit after this many requests (default: serve until interrupted).")
 @click.option("--loss-report/--no-loss-report", default=True, show_default=True,
               help="Measure the conversion loss of requests converted here.")
+@click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Request: the model's safetensors file(s) with its compressor APE weights, needed between SGLang "
+                   "and vLLM / TensorRT-LLM for compressed layers (both ends pass the same; repeat for shards).")
 @json_option
 def serve_command(listen: tuple[str, int], transport: str, engine: str | None, model: str, layers: int | None,
                   max_tokens: int, to_layout: Layout | None, page_size: int | None, dialect: str | None,
                   scale: float | str | None, out_dir: Path | None, force: bool, timeout: float,
-                  max_requests: int | None, loss_report: bool, as_json: bool) -> None:
+                  max_requests: int | None, loss_report: bool, ape: tuple[Path, ...], as_json: bool) -> None:
     """Receive requests (--engine) or dumps (--to, --out) from `kvbridge migrate send`, one at a time.
 
     Each request is verified chunk by chunk before anything is published, then reported (one
@@ -138,7 +141,7 @@ def serve_command(listen: tuple[str, int], transport: str, engine: str | None, m
     def plan_for(info: dict):
         return plan_migration(info["src"], engine, topo, int(info["num_tokens"]),
                               draft_tokens=int(info.get("draft_tokens", 0)),
-                              include_mtp=bool(info.get("include_mtp", True)))
+                              include_mtp=bool(info.get("include_mtp", True)), ape=list(ape) or None)
 
     if transport == "gloo":
         assert dst is not None
@@ -250,11 +253,15 @@ def _release(dst: EnginePools, tables: dict) -> None:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds the whole transfer may take, the receiver's verdict included.")
 @click.option("--loss-report/--no-loss-report", default=True, show_default=True)
+@click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Request: the model's safetensors file(s) with its compressor APE weights, needed between SGLang "
+                   "and vLLM / TensorRT-LLM for compressed layers (both ends pass the same; repeat for shards).")
 @json_option
 def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, src: str | None, to: str | None,
                  model: str, layers: int | None, tokens: int | None, draft_tokens: int, mtp: bool, seed: int,
                  page_size: int | None, dialect: str | None, scale: float | str | None, name: str | None,
-                 convert_on: str, layers_per_group: int, timeout: float, loss_report: bool, as_json: bool) -> None:
+                 convert_on: str, layers_per_group: int, timeout: float, loss_report: bool, ape: tuple[Path, ...],
+                 as_json: bool) -> None:
     """Send a synthetic request (--from, --to, --tokens) or a dump file (DUMP) to a serving peer.
 
     Prints the receiver's verdict (its report, or --json). Exit status 0 when the receiver
@@ -291,7 +298,7 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
         raise click.UsageError(f"a request needs {', '.join(missing)} (or give a DUMP file)")
     engine_spec_option(click.get_current_context(), None, to)
     topo = _topology(model, layers)
-    plan = plan_migration(src, to, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp)
+    plan = plan_migration(src, to, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp, ape=list(ape) or None)
     pools, tables = source_request(plan, seed=seed)
     total = sum(t.dst_bytes if convert_on == "sender" else t.src_bytes for t in plan.transfers)
     start = time.perf_counter()

@@ -32,6 +32,7 @@ from kvbridge.api import LossReport
 from kvbridge.engines import Storage
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.layouts.registry import PageGeometry
+from kvbridge.migration.ape import add_ape, remove_ape
 from kvbridge.migration.plan import MigrationPlan, Transfer
 from kvbridge.migration.pools import (
     EnginePools,
@@ -147,7 +148,7 @@ ALONE_ENTRIES = 1 << 12
 
 def _needs_conversion(t: Transfer) -> bool:
     if t.src.kind == "state":
-        return t.src.fmt != t.dst.fmt
+        return t.src.fmt != t.dst.fmt or t.ape_sign != 0
     return t.conversion not in ("byte move", "byte copy")
 
 
@@ -173,13 +174,19 @@ def _state_error(src: torch.Tensor, back: torch.Tensor) -> float:
     return float((back[finite] - src[finite]).abs().max()) if bool(finite.any()) else 0.0
 
 
-def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool) -> tuple[torch.Tensor, LossReport | None,
-                                                                                    float | None]:
-    """Convert records of ``t``'s kind; returns (records, KV loss report, indexer or state max abs error)."""
+def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first: int = 0) -> tuple[
+        torch.Tensor, LossReport | None, float | None]:
+    """Convert records of ``t``'s kind (state rows with APE: entries ``first, first + 1, ...`` of ``t``);
+    returns (records, KV loss report, indexer or state max abs error)."""
     if t.src.kind == "state":
         values = state_rows_to_f32(records, t.src.fmt)
+        if t.ape_sign:
+            where = f"layer {t.spec.layer} {t.spec.role.value}"
+            pos = t.first + first
+            values = add_ape(values, t.ape, pos) if t.ape_sign > 0 else remove_ape(values, t.ape, pos, where)
         out = state_rows_from_f32(values, t.dst.fmt)
-        return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if loss_report else None
+        measure = loss_report and t.src.fmt != t.dst.fmt  # the error of a dtype change (adding APE is exact)
+        return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if measure else None
     if t.src.kind == "indexer":
         if loss_report or ix.native_transcode_applies(records, t.src.indexer, t.dst.indexer, t.dst.dialect or ""):
             out, err = ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "",
@@ -253,7 +260,8 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
     groups: dict[tuple, list[tuple[int, int, int]]] = {}
     for i, t in enumerate(plan.transfers):
         if _needs_conversion(t):
-            key = (t.src.kind, t.src.fmt, t.src.record_bytes, t.src.scale, t.src.dialect, t.conversion)
+            key = (t.src.kind, t.src.fmt, t.src.record_bytes, t.src.scale, t.src.dialect, t.conversion,
+                   i if t.ape_sign else -1)  # APE rows: one transfer per batch (the bias is per layer)
             groups.setdefault(key, []).extend(
                 (i, lo, min(lo + BATCH_ENTRIES, t.count)) for lo in range(0, t.count, BATCH_ENTRIES))
             if t.count > BATCH_ENTRIES:  # converted in pieces: written into one output
@@ -276,7 +284,7 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
         for batch in filter(None, batches):
             records = payload.records[batch[0][0]][batch[0][1] : batch[0][2]] if len(batch) == 1 else \
                 _concat([payload.records[i][lo:hi] for i, lo, hi in batch])
-            converted, report, err = _convert_batch(plan.transfers[batch[0][0]], records, loss_report)
+            converted, report, err = _convert_batch(plan.transfers[batch[0][0]], records, loss_report, batch[0][1])
             if report is not None:
                 loss.append(report)
             if err is not None and plan.transfers[batch[0][0]].src.kind == "state":
@@ -556,7 +564,7 @@ def _stage(plan: MigrationPlan, src: EnginePools, tables: RequestTables, dst: En
         same_pages = t.src.kind == "kv" and not paged and _bounds(t.src.geometry) == _bounds(t.dst.geometry)
         forms = (t.src.geometry, t.dst.geometry) if paged else (t.src.geometry,) * 2 if same_pages else (None, None)
         key = (t.src.kind, t.src.fmt, t.src.record_bytes, t.src.scale, t.src.dialect, t.conversion, t.dst.fmt,
-               t.dst.record_bytes, t.dst.scale, t.dst.dialect, *forms)
+               t.dst.record_bytes, t.dst.scale, t.dst.dialect, *forms, i if t.ape_sign else -1)
         for (pool, storage), form in ((src.pool(t.spec), t.src), forms[0]), ((dst.pool(t.spec), t.dst), forms[1]):
             want = _bounds(form) if form is not None else [(0, storage.record_bytes)]
             if not _fits(part_bounds(pool, storage), want):
@@ -625,7 +633,7 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
                 if idx_err is not None:
                     idx_err = max(idx_err, err)
             else:
-                converted, _, err = _convert_batch(t, src_form[0][0], loss_report)
+                converted, _, err = _convert_batch(t, src_form[0][0], loss_report, b.pieces[0].first)
                 dst_form = [(converted.contiguous(), 0, t.dst.record_bytes)]
                 if err is not None and t.src.kind == "state":
                     state_err = max(state_err or 0.0, err)
@@ -665,7 +673,8 @@ def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables,
     KV: latents ~ N(0, 1) per dim (bf16-rounded), a few tokens scaled by 2^-12 to exercise small
     tiles, encoded with ``kvbridge.encode`` in the engine's dialect and scale; indexer keys
     ~ N(0, 1) encoded by the engine's rule; state rows ~ N(0, 1) in the engine's state dtype,
-    every fifth row cleared (kv 0, score -inf) as the engines clear unused rows.
+    every fifth row cleared (kv 0, score -inf) as the engines clear unused rows; a source that
+    stores score + APE gets the plan's APE added to the raw scores, as that engine writes them.
     """
     gen = torch.Generator().manual_seed(seed)
     for t in plan.transfers:
@@ -683,6 +692,8 @@ def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables,
             if not st.fmt.startswith("online"):
                 rows[::5, : width // 2] = 0.0
                 rows[::5, width // 2 :] = float("-inf")
+            if t.ape_sign < 0:  # the source stores score + APE
+                rows = add_ape(rows, t.ape, t.first)
             rec = state_rows_from_f32(rows, st.fmt)
         scatter_records(src.pool(t.spec), st, table_of(tables, st), t.first, rec)
 

@@ -10,6 +10,8 @@ For a request of ``L`` tokens (``draft_tokens`` MTP draft slots beyond the windo
 - compressor state (and indexer-compressor state), ratio-r layers: the rows of the unfinished
   window, tokens ``[max(0, (L // r) * r - o), L)`` with o = r for the overlapping ratio 4
   (the next compressed token also reads the previous window) and o = 0 for ratio 128.
+  Between SGLang (raw scores) and vLLM / TensorRT-LLM (score + APE) the rows' scores gain or
+  lose the model's positional bias (``kvbridge.migration.ape``), given as ``ape=``.
 
 Page indices in a plan are *logical*: positions in the request's block table for that cache
 (``Storage.table``); execution maps them to physical pages.
@@ -19,12 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.api import is_byte_move
 from kvbridge.engines import EngineProfile, Storage, parse_engine
 from kvbridge.errors import InputError
+from kvbridge.migration.ape import ApeWeights, load_ape
 from kvbridge.topology import CacheSpec, ModelTopology, Role, get_model
 
 
@@ -38,6 +41,9 @@ class Transfer:
     src: Storage
     dst: Storage
     conversion: str
+    #: State rows only: fp32 ``[ratio, width / 2]`` APE added (``ape_sign`` +1) to or removed (-1) from the score.
+    ape: Any = field(default=None, compare=False, repr=False)
+    ape_sign: int = 0
 
     @property
     def src_bytes(self) -> int:
@@ -134,15 +140,26 @@ def swa_range(src: EngineProfile, dst: EngineProfile, first: int, num_tokens: in
     return start, num_tokens - start
 
 
-def check_pair(src: EngineProfile, dst: EngineProfile, model: ModelTopology, include_mtp: bool) -> None:
-    """Refuse, with a one-line reason, a pair of profiles whose state kvbridge cannot write exactly."""
-    layers = range(model.total_layers if include_mtp else model.num_layers)
-    if src.score_has_ape != dst.score_has_ape and any(model.compress_ratios[i] for i in layers):
+def ape_needed(src: EngineProfile, dst: EngineProfile, model: ModelTopology,
+               include_mtp: bool) -> list[tuple[int, Role]]:
+    """The ``(layer, STATE | INDEXER_STATE)`` compressors whose APE the pair needs (none when both
+    ends store the score the same way)."""
+    if src.score_has_ape == dst.score_has_ape:
+        return []
+    return [(c.layer, c.role) for c in model.all_caches(include_mtp) if c.role in (Role.STATE, Role.INDEXER_STATE)]
+
+
+def check_pair(src: EngineProfile, dst: EngineProfile, model: ModelTopology, include_mtp: bool,
+               ape: bool = False) -> None:
+    """Refuse, with a one-line reason, a pair of profiles whose state kvbridge cannot write exactly
+    (``ape``: the model's APE weights are given)."""
+    if ape_needed(src, dst, model, include_mtp) and not ape:
         sg, other = (src, dst) if not src.score_has_ape else (dst, src)
         raise InputError(f"{src.spec} -> {dst.spec}: {sg.version} stores compressor scores without the positional "
                          f"bias (APE) and adds it when compressing, {other.version} stores score + APE; moving the "
-                         "compressor state between them needs the model's APE weights, which kvbridge does not "
-                         "take yet")
+                         "compressor state between them needs the model's APE weights: pass ape= (a safetensors "
+                         "file or shards holding layers.N.attn[.indexer].compressor.ape, or a dict of tensors) or "
+                         "--ape FILE")
     if src.online_c128 != dst.online_c128 and model.layers_with_ratio(128):
         if src.online_c128:
             raise InputError(f"{src.spec} -> {dst.spec}: SGLANG_OPT_USE_ONLINE_COMPRESS keeps one running "
@@ -212,6 +229,8 @@ class MigrationPlan:
     draft_tokens: int
     include_mtp: bool
     transfers: tuple[Transfer, ...]
+    #: The APE weights the state conversion uses (None when the pair needs none).
+    ape: ApeWeights | None = field(default=None, compare=False, repr=False)
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Per role, and ``all``: layers, entries, payload and page bytes on each side."""
@@ -255,6 +274,8 @@ class MigrationPlan:
             "include_mtp": self.include_mtp,
             "totals": self.totals(),
         }
+        if self.ape is not None:
+            data["ape_sha256"] = self.ape.digest
         if transfers:
             data["transfers"] = [t.to_dict() for t in self.transfers]
         return data
@@ -276,12 +297,16 @@ def plan_migration(
     *,
     draft_tokens: int = 0,
     include_mtp: bool = True,
+    ape: object = None,
 ) -> MigrationPlan:
     """Plan the migration of one request of ``num_tokens`` tokens from ``src`` to ``dst`` pools.
 
     ``src``/``dst`` are engine specs (``parse_engine``) or profiles; ``model`` a preset name,
     a ``config.json`` path or a ``ModelTopology``. ``draft_tokens`` widens the SWA tail by
-    the MTP draft length. ``include_mtp`` moves the MTP layers' caches too.
+    the MTP draft length. ``include_mtp`` moves the MTP layers' caches too. ``ape``: the model's
+    compressor APE weights (``kvbridge.migration.ape.load_ape``: a safetensors path or shards, a
+    dict of tensors), needed between SGLang and vLLM / TensorRT-LLM for compressed layers and
+    ignored otherwise.
     """
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 1 <= num_tokens <= MAX_TOKENS:
         raise InputError(f"num_tokens must be a positive integer up to {MAX_TOKENS:,}, got {repr(num_tokens)[:40]}")
@@ -293,7 +318,10 @@ def plan_migration(
         raise InputError(f"model must be a preset name, a config.json path or a ModelTopology, got {repr(model)[:40]}")
     src_p, dst_p = parse_engine(src), parse_engine(dst)
     topo = get_model(model)
-    check_pair(src_p, dst_p, topo, include_mtp)
+    check_pair(src_p, dst_p, topo, include_mtp, ape is not None)
+    needed = ape_needed(src_p, dst_p, topo, include_mtp)
+    weights = load_ape(ape, topo, needed) if needed else None
+    sign = (1 if dst_p.score_has_ape else -1) if needed else 0
     transfers = []
     for spec in topo.all_caches(include_mtp):
         first, count = live_entries(spec, num_tokens, draft_tokens)
@@ -304,5 +332,9 @@ def plan_migration(
         if count == 0:
             continue
         s, d = src_p.storage(spec), dst_p.storage(spec)
-        transfers.append(Transfer(spec, first, count, s, d, conversion_name(s, d)))
-    return MigrationPlan(topo, src_p, dst_p, num_tokens, draft_tokens, include_mtp, tuple(transfers))
+        if weights is not None and s.kind == "state":
+            name = f"{conversion_name(s, d)}, score {'+' if sign > 0 else '-'} APE"
+            transfers.append(Transfer(spec, first, count, s, d, name, weights.get(spec.layer, spec.role), sign))
+        else:
+            transfers.append(Transfer(spec, first, count, s, d, conversion_name(s, d)))
+    return MigrationPlan(topo, src_p, dst_p, num_tokens, draft_tokens, include_mtp, tuple(transfers), weights)

@@ -1,0 +1,200 @@
+"""A model's compressor positional bias (APE) and the two state-row rules that use it.
+
+Each compressed layer of ratio ``r`` has an attention compressor and (ratio 4) an indexer
+compressor, each with an APE parameter of shape ``[r, coff * dim]`` (coff = 2 for ratio 4,
+else 1; dim = 512 attention, ``index_head_dim`` indexer). The engines keep it in fp32 (a bf16
+checkpoint tensor is upcast, which is exact). A compressor-state row of position ``p`` is
+``[kv | score]``, each half ``coff * dim`` values. SGLang stores the raw score; vLLM and
+TensorRT-LLM store ``fp32(score + ape[p % r])`` (one IEEE fp32 add, then the state dtype).
+
+- ``add_ape``: SGLang rows -> vLLM / TensorRT-LLM rows (exact: the destination's own add).
+- ``remove_ape``: the reverse. The stored score ``t`` is a rounded sum, so several fp32 raw
+  scores can give the same ``t`` (its preimage). kvbridge writes a preimage element ``s'``, so
+  ``fp32(s' + a) == t``: the score SGLang's compression adds back is the one the source engine
+  stored, bit for bit. ``s'`` is a bf16 value where the preimage holds one (vLLM's raw scores
+  are bf16, the output of its GEMM; the only bf16 value of the preimage is that raw score), else
+  ``fp32(t - a)`` moved to the nearest preimage element. Where the preimage holds several
+  candidates, ``s'`` may differ from the raw score the source computed. A ``t`` that no fp32
+  sum reaches (not written by an APE add with these weights) is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvbridge.errors import InputError
+from kvbridge.topology import ModelTopology, Role
+
+#: Checkpoint names of the APE tensors (DeepSeek-V4 HF checkpoint; vLLM adds the ``model.`` prefix).
+_NAME = re.compile(r"^(?:model\.)?(layers|mtp)\.(\d+)\.attn\.(indexer\.)?compressor\.ape$")
+
+
+def ape_name(model: ModelTopology, layer: int, role: Role) -> str:
+    """The checkpoint name of ``layer``'s APE for a STATE (attention) or INDEXER_STATE role."""
+    base = f"layers.{layer}" if layer < model.num_layers else f"mtp.{layer - model.num_layers}"
+    return f"{base}.attn.{'indexer.' if role == Role.INDEXER_STATE else ''}compressor.ape"
+
+
+def _key(model: ModelTopology, name: object) -> tuple[int, Role]:
+    if isinstance(name, tuple) and len(name) == 2 and isinstance(name[0], int) and name[1] in ("attn", "indexer"):
+        return name[0], Role.INDEXER_STATE if name[1] == "indexer" else Role.STATE
+    m = _NAME.match(name) if isinstance(name, str) else None
+    if m is None:
+        raise InputError(f"APE weights: {str(name)[:80]!r} is not a compressor APE name "
+                         "(layers.N.attn.compressor.ape, layers.N.attn.indexer.compressor.ape, mtp.M.attn...)")
+    layer = int(m.group(2)) + (model.num_layers if m.group(1) == "mtp" else 0)
+    return layer, Role.INDEXER_STATE if m.group(3) else Role.STATE
+
+
+@dataclass(frozen=True)
+class ApeWeights:
+    """Validated fp32 APE tensors ``[ratio, coff * dim]`` by ``(layer, STATE | INDEXER_STATE)``."""
+
+    model: ModelTopology
+    tensors: Mapping[tuple[int, Role], torch.Tensor]
+
+    def get(self, layer: int, role: Role) -> torch.Tensor:
+        return self.tensors[(layer, role)]
+
+    @property
+    def digest(self) -> str:
+        """sha256 over the tensors' names and fp32 bytes (both ends of a transfer must hold the same)."""
+        h = hashlib.sha256()
+        for (layer, role), t in sorted(self.tensors.items(), key=lambda kv: (kv[0][0], kv[0][1].value)):
+            h.update(f"{layer}:{role.value}:".encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+
+def _read_files(paths: Iterable[str | Path]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise InputError(f"APE weights: {p} is not a file")
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                for name in f.keys():
+                    if _NAME.match(name):
+                        if name in found:
+                            raise InputError(f"APE weights: {name} is in more than one file")
+                        found[name] = f.get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as exc:  # truncated or foreign file
+            raise InputError(f"APE weights: {p} is not a readable safetensors file ({str(exc)[:120]})") from None
+    return found
+
+
+def load_ape(source: object, model: ModelTopology, needed: Iterable[tuple[int, Role]]) -> ApeWeights:
+    """Validate APE weights for the ``(layer, role)`` pairs in ``needed``.
+
+    ``source``: an ``ApeWeights``, a safetensors path (or a list of them: a checkpoint's shards;
+    only tensors named ``...compressor.ape`` are read), or a dict of tensors keyed by checkpoint
+    name or by ``(layer, "attn" | "indexer")``. Each tensor must be ``[ratio, coff * dim]``,
+    fp32 or bf16 (upcast to fp32, exact, as the engines hold it), every value finite. Tensors
+    of other layers (a model cut to fewer layers) are not read.
+    """
+    if isinstance(source, ApeWeights):
+        if source.model != model:
+            raise InputError(f"APE weights were validated for {source.model.name}, not {model.name}")
+        keyed: dict[tuple[int, Role], object] = dict(source.tensors)
+    else:
+        raw: Mapping[object, object]
+        if isinstance(source, (str, Path)):
+            raw = _read_files([source])
+        elif isinstance(source, (list, tuple)) and all(isinstance(p, (str, Path)) for p in source):
+            raw = _read_files(source)
+        elif isinstance(source, Mapping):
+            raw = source
+        else:
+            raise InputError("APE weights must be a safetensors path, a list of paths or a dict of tensors, "
+                             f"got {type(source).__name__}")
+        keyed = {}
+        for name, t in raw.items():
+            key = _key(model, name)
+            if key in keyed:
+                raise InputError(f"APE weights: {name} names a compressor given twice")
+            keyed[key] = t
+    out: dict[tuple[int, Role], torch.Tensor] = {}
+    missing = [ape_name(model, layer, role) for layer, role in needed if (layer, role) not in keyed]
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise InputError(f"APE weights: missing {', '.join(missing[:4])}{more}")
+    for layer, role in needed:
+        t = keyed[(layer, role)]
+        name = ape_name(model, layer, role)
+        r = model.compress_ratios[layer]
+        dim = model.index_head_dim if role == Role.INDEXER_STATE else model.head_dim
+        shape = (r, (2 if r == 4 else 1) * dim)
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"APE weights: {name} is a {type(t).__name__}, not a tensor")
+        if t.dtype not in (torch.float32, torch.bfloat16):
+            raise InputError(f"APE weights: {name} is {t.dtype}; the checkpoint's APE is fp32 or bf16")
+        if tuple(t.shape) != shape:
+            raise InputError(f"APE weights: {name} has shape {list(t.shape)}; layer {layer} (ratio {r}) needs "
+                             f"{list(shape)}")
+        v = t.detach().to("cpu", torch.float32).contiguous()
+        if not bool(torch.isfinite(v).all()):
+            raise InputError(f"APE weights: {name} holds NaN or Inf")
+        out[(layer, role)] = v
+    return ApeWeights(model, out)
+
+
+def _ape_rows(ape: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    return ape[torch.arange(first, first + n) % ape.shape[0]]
+
+
+def add_ape(values: torch.Tensor, ape: torch.Tensor, first: int) -> torch.Tensor:
+    """``[kv | score]`` fp32 rows of positions ``first, first + 1, ...`` with ``score += ape[p % r]``."""
+    out = values.clone()
+    half = values.shape[1] // 2
+    out[:, half:] += _ape_rows(ape, first, values.shape[0])
+    return out
+
+
+def _next(x: torch.Tensor, up: bool) -> torch.Tensor:
+    return torch.nextafter(x, torch.full_like(x, float("inf") if up else float("-inf")))
+
+
+def _prefer_bf16(s: torch.Tensor, a: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A bf16 value of the preimage where there is one (the two bf16 neighbours of ``s``), else ``s``."""
+    bits = s.view(torch.int32)
+    low = (bits & -65536).view(torch.float32)  # bf16 truncation toward zero
+    high = (((bits & -65536) + 65536) & -1).view(torch.float32)  # next bf16 away from zero
+    finite = torch.isfinite(s) & torch.isfinite(high)
+    return torch.where(finite & ((low + a) == t), low, torch.where(finite & ((high + a) == t), high, s))
+
+
+def remove_ape(values: torch.Tensor, ape: torch.Tensor, first: int, where: str) -> torch.Tensor:
+    """``[kv | score+ape]`` fp32 rows -> ``[kv | s']`` with ``fp32(s' + ape[p % r]) == score+ape`` (see module)."""
+    half = values.shape[1] // 2
+    t = values[:, half:]
+    a = _ape_rows(ape, first, values.shape[0])
+    if bool(torch.isnan(t).any()):
+        row = int(torch.isnan(t).any(dim=1).nonzero()[0])
+        raise InputError(f"{where}: the compressor score of position {first + row} is NaN")
+    s = t - a
+    s = torch.where(torch.isinf(t), t, s)  # cleared rows (-inf) stay cleared
+    for _ in range(4):  # fp32(t - a) is within a few ulps of the preimage
+        low = (s + a) < t
+        high = (s + a) > t
+        if not bool((low | high).any()):
+            break
+        s = torch.where(low, _next(s, True), torch.where(high, _next(s, False), s))
+    bad = (s + a) != t
+    if not bool(bad.any()):
+        s = _prefer_bf16(s, a, t)
+    else:
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise InputError(f"{where}: the compressor score of position {first + row} (value {col}) is no fp32 sum "
+                         "score + APE of these APE weights; was it written with them?")
+    out = values.clone()
+    out[:, half:] = s
+    return out

@@ -312,14 +312,14 @@ class SGLangDecodePeer:
         self.pools.release(request.tables)
 
     def migrate(self, request: SGLangRequest, dst: EnginePools, *, plan: MigrationPlan | None = None,
-                loss_report: bool = False) -> tuple[RequestTables, MigrationReport]:
+                ape: object = None, loss_report: bool = False) -> tuple[RequestTables, MigrationReport]:
         """Convert a received request into ``dst`` (any engine's pools, ``migrate_local``); returns its
-        block tables there. The planner refuses, with its reason, what kvbridge cannot write exactly:
-        SGLang's compressor state (scores without the positional bias) into vLLM or TensorRT-LLM, so
-        a model with compressed layers moves only between SGLang profiles."""
+        block tables there. SGLang's compressor scores lack the positional bias vLLM's and TensorRT-LLM's
+        include: a model with compressed layers leaves SGLang only with the model's APE weights
+        (``ape``, as ``plan_migration`` takes them; without them the planner refuses, with its reason)."""
         if plan is None:
             plan = plan_migration(self.pools.profile, dst.profile, self.pools.model, request.num_tokens,
-                                  include_mtp=False)
+                                  include_mtp=False, ape=ape)
         return migrate_local(plan, self.pools, request.tables, dst, loss_report=loss_report)
 
     # -- bootstrap -------------------------------------------------------------------------------

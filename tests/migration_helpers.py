@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -37,3 +38,25 @@ def init_gloo_pair(rank: int, port: int) -> None:
     """Join the two-rank gloo group of a test on ``127.0.0.1:port``."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
+
+
+def need_sglang(test: str) -> None:
+    """Skip ``test`` (fail it under ``CI=true``, so CI cannot skip it silently) unless the SGLang venv
+    (``KVBRIDGE_SGLANG_PYTHON``, made by ``.ci/engine-sglang.sh``), nixl and pyzmq are there."""
+    import pytest
+
+    from kvbridge.migration.nixl import nixl_available
+
+    missing = []
+    if not os.environ.get("KVBRIDGE_SGLANG_PYTHON"):
+        missing.append("KVBRIDGE_SGLANG_PYTHON (the SGLang venv's python, made by .ci/engine-sglang.sh)")
+    if not nixl_available():
+        missing.append("nixl")
+    try:
+        import zmq  # noqa: F401
+    except ImportError:
+        missing.append("pyzmq (pip install 'kvbridge[sglang-pd]')")
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the {test}; missing: " + "; ".join(missing))
+        pytest.skip("needs " + "; ".join(missing))

@@ -25,9 +25,8 @@ import numpy as np
 import pytest
 
 from kvbridge.migration import plan_migration, source_request
-from kvbridge.migration.nixl import nixl_available
 from kvbridge.topology import FLASH, Role
-from tests.migration_helpers import free_port
+from tests.migration_helpers import free_port, need_sglang
 
 SGLANG_PY = os.environ.get("KVBRIDGE_SGLANG_PYTHON")
 DECODE_SIDE = Path(__file__).with_name("sglang_decode_peer.py")
@@ -104,19 +103,7 @@ def test_wire_messages_and_refusals():
 
 
 def _need_sglang() -> None:
-    missing = []
-    if not SGLANG_PY:
-        missing.append("KVBRIDGE_SGLANG_PYTHON (the SGLang venv's python, made by .ci/engine-sglang.sh)")
-    if not nixl_available():
-        missing.append("nixl")
-    try:
-        import zmq  # noqa: F401
-    except ImportError:
-        missing.append("pyzmq (pip install 'kvbridge[sglang-pd]')")
-    if missing:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI must run the SGLang adapter test; missing: " + "; ".join(missing))
-        pytest.skip("needs " + "; ".join(missing))
+    need_sglang("SGLang adapter test")
 
 
 @pytest.fixture(scope="module")

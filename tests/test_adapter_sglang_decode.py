@@ -25,10 +25,9 @@ import pytest
 import torch
 
 from kvbridge.migration import EnginePools, migrate_local, plan_migration, source_request
-from kvbridge.migration.nixl import nixl_available
 from kvbridge.migration.pools import gather_records, table_of
 from kvbridge.topology import FLASH, Role
-from tests.migration_helpers import free_port
+from tests.migration_helpers import free_port, need_sglang
 
 SGLANG_PY = os.environ.get("KVBRIDGE_SGLANG_PYTHON")
 PREFILL_SIDE = Path(__file__).with_name("sglang_prefill_peer.py")
@@ -41,19 +40,7 @@ PREFILL_KV_PAGES, PREFILL_SWA_PAGES, PREFILL_SLOT, PREFILL_AUX = [1, 2, 3, 4, 5]
 
 
 def _need_sglang() -> None:
-    missing = []
-    if not SGLANG_PY:
-        missing.append("KVBRIDGE_SGLANG_PYTHON (the SGLang venv's python, made by .ci/engine-sglang.sh)")
-    if not nixl_available():
-        missing.append("nixl")
-    try:
-        import zmq  # noqa: F401
-    except ImportError:
-        missing.append("pyzmq (pip install 'kvbridge[sglang-pd]')")
-    if missing:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI must run the SGLang decode-peer test; missing: " + "; ".join(missing))
-        pytest.skip("needs " + "; ".join(missing))
+    need_sglang("SGLang decode-peer test")
 
 
 def test_registration_and_page_id_messages():

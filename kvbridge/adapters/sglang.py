@@ -169,6 +169,20 @@ def kv_checksum(items: Iterable[Any]) -> int:
     return digest
 
 
+def start_peer(peer: Any) -> None:
+    """Run ``peer._start()`` (an SGLang PD peer: NIXL agent, ZMQ sockets), closing what it started when
+    it fails; pyzmq is required."""
+    try:
+        import zmq  # noqa: F401
+    except ImportError:
+        raise InputError("the SGLang peer needs pyzmq: pip install 'kvbridge[sglang-pd]'") from None
+    try:
+        peer._start()
+    except BaseException:
+        peer.close()
+        raise
+
+
 # ---------------------------------------------------------------------------------------------
 # Wire messages
 
@@ -386,15 +400,7 @@ class SGLangPrefillPeer:
 
     def start(self) -> SGLangPrefillPeer:
         """Start the NIXL agent, the ZMQ endpoint and the bootstrap route (or register with one)."""
-        try:
-            import zmq  # noqa: F401
-        except ImportError:
-            raise InputError("the SGLang peer needs pyzmq: pip install 'kvbridge[sglang-pd]'") from None
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
+        start_peer(self)
         return self
 
     def _start(self) -> None:

@@ -61,6 +61,7 @@ from kvbridge.adapters.sglang import (
     _pack_lists,
     metadata_item_lens,
     pd_layout,
+    start_peer,
 )
 from kvbridge.errors import InputError
 from kvbridge.migration.execute import MigrationError, MigrationReport, TransferError, migrate_local
@@ -160,15 +161,7 @@ class SGLangDecodePeer:
 
     def start(self) -> SGLangDecodePeer:
         """Start the NIXL agent (registering every pool and metadata buffer) and the status endpoint."""
-        try:
-            import zmq  # noqa: F401
-        except ImportError:
-            raise InputError("the SGLang peer needs pyzmq: pip install 'kvbridge[sglang-pd]'") from None
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
+        start_peer(self)
         return self
 
     def _start(self) -> None:

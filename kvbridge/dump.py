@@ -880,6 +880,11 @@ class DumpWriter:
     def __enter__(self) -> DumpWriter:
         return self
 
+    def __del__(self) -> None:
+        # dropped uncommitted, e.g. Ctrl-C between the constructor and the ``with`` block (no ``__exit__``)
+        if getattr(self, "_fd", -1) >= 0:
+            self.abort()
+
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._fd >= 0:
             self.abort()

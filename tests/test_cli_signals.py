@@ -87,3 +87,19 @@ def test_an_interrupt_as_the_temp_file_is_created_leaves_nothing_behind(tmp_path
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_interrupt_before_the_with_block_leaves_nothing_behind(tmp_path: Path, monkeypatch):
+    """Ctrl-C after the writer made its temp file but before the ``with`` block holds it (so no
+    ``__exit__`` runs): the dropped writer removes the file."""
+    import kvbridge.dump as dump_module
+
+    def interrupted(self):
+        signal.raise_signal(signal.SIGINT)
+        return self
+
+    monkeypatch.setattr(dump_module.DumpWriter, "__enter__", interrupted)
+    entry = DumpEntry(0, "swa", torch.zeros(1, 64 * 512, dtype=torch.uint8), "trtllm-fp8", 64, 64, 1.0, "swa")
+    with pytest.raises(KeyboardInterrupt):
+        write_dump(tmp_path / "o.safetensors", [entry])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import click
 
@@ -24,10 +25,13 @@ from kvbridge.engines import parse_engine
               help="Consumer, nixl: the longest request its host-memory landing area holds (default max_model_len).")
 @click.option("--on-load-failure", type=click.Choice(LOAD_FAILURE_POLICIES),
               help="Consumer: vLLM fails (its default) or recomputes a request whose load failed.")
+@click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The model's safetensors shards holding its compressor APE weights (repeatable); needed for "
+                   "requests from or to SGLang pools.")
 @click.option("--serve", "serve_model", metavar="MODEL", help="Print a whole 'vllm serve MODEL ...' command instead.")
 def command(role: str, listen: str | None, engine: str | None, model: str | None, timeout: float | None,
             convert_on: str | None, transport: str | None, landing_tokens: int | None, on_load_failure: str | None,
-            serve_model: str | None) -> None:
+            ape: tuple[Path, ...], serve_model: str | None) -> None:
     """Print the --kv-transfer-config JSON (one line) for a kvbridge connector in ROLE.
 
     \b
@@ -36,7 +40,7 @@ def command(role: str, listen: str | None, engine: str | None, model: str | None
     """
     config = kv_transfer_config(role, listen=listen, engine=engine, model=model, timeout=timeout,
                                 convert_on=convert_on, on_load_failure=on_load_failure, transport=transport,
-                                landing_tokens=landing_tokens)
+                                landing_tokens=landing_tokens, ape=[str(p.resolve()) for p in ape] or None)
     text = json.dumps(config, separators=(",", ":"))
     if serve_model is None:
         click.echo(text)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from kvbridge import indexer as ix
+from kvbridge.migration.ape import add_ape, remove_ape
 from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
 
 
@@ -22,6 +23,10 @@ def expected_records(t, src_records: torch.Tensor) -> torch.Tensor:
         return t.dst.layout.codec.encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
     if t.src.kind == "indexer" and t.conversion != "byte copy":
         return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer, t.src.dialect), t.dst.indexer, t.dst.dialect)
+    if t.src.kind == "state" and t.ape_sign:  # the destination stores score + APE, or the source does
+        values = state_rows_to_f32(src_records, t.src.fmt)
+        values = add_ape(values, t.ape, t.first) if t.ape_sign > 0 else remove_ape(values, t.ape, t.first, t.conversion)
+        return state_rows_from_f32(values, t.dst.fmt)
     if t.src.kind == "state" and t.src.fmt != t.dst.fmt:
         return state_rows_from_f32(state_rows_to_f32(src_records, t.src.fmt), t.dst.fmt)
     return src_records

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from kvbridge.adapters.vllm_layout import VllmCaches
+from kvbridge.engines import parse_engine
 from kvbridge.migration import (
     MigrationError,
     destination_pools,
@@ -32,9 +33,11 @@ from kvbridge.migration import (
     source_request,
     table_of,
 )
+from kvbridge.migration.ape import ape_name
 from kvbridge.migration.nixl import NixlReceiver, NixlSender, nixl_available
+from kvbridge.migration.plan import ape_needed
 from kvbridge.migration.transport import GlooServer, send_request_tcp
-from kvbridge.topology import from_hf_config
+from kvbridge.topology import Role, from_hf_config
 from tests.migration_helpers import expected_records
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,16 +102,17 @@ def _vllm_buffer(out: Path, plan, model):
     return result, raw, caches
 
 
-def _consumer(tmp_path: Path, num_tokens: int, send_src: str, *policy: str, transport: str = "gloo",
-              convert_on: str = "receiver"):
-    """Run the consumer engine side; send it a request from ``send_src`` pools over ``transport``, converted
-    on ``convert_on``; returns what the sender got (its summary, or the receiver's error), the plan and the
-    source pools and tables."""
+def _consumer(tmp_path: Path, num_tokens: int, send_src: str, *options: str, transport: str = "gloo",
+              convert_on: str = "receiver", ape=None, request_src: str = TRTLLM):
+    """Run the consumer engine side (``options``: its load-failure policy, ``ape=PATH``) on a request whose
+    ``kvbridge_src`` is ``request_src``; send it a request from ``send_src`` pools over ``transport``, converted
+    on ``convert_on`` and planned with the APE weights ``ape``; returns what the sender got (its summary, or the
+    receiver's error), the plan and the source pools and tables."""
     python = _vllm_python(transport)
     model_dir = _model(tmp_path)
     out = tmp_path / "out"
-    proc = _engine(python, "consumer", transport, str(model_dir), str(out), "req-7", str(num_tokens), TRTLLM,
-                   *policy)
+    proc = _engine(python, "consumer", transport, str(model_dir), str(out), "req-7", str(num_tokens),
+                   request_src, *options)
     try:
         line = proc.stdout.readline()
         while line and not line.startswith("LISTEN"):
@@ -116,7 +120,7 @@ def _consumer(tmp_path: Path, num_tokens: int, send_src: str, *policy: str, tran
         assert line.startswith("LISTEN"), proc.stderr.read()[-4000:]
         _, host, port = line.split()
         model = from_hf_config(str(model_dir / "config.json"))
-        plan = plan_migration(send_src, VLLM, model, num_tokens, include_mtp=False)
+        plan = plan_migration(send_src, VLLM, model, num_tokens, include_mtp=False, ape=ape)
         src_pools, src_tables = source_request(plan, spare_pages=2, seed=3)
         try:
             if transport == "nixl":
@@ -131,6 +135,25 @@ def _consumer(tmp_path: Path, num_tokens: int, send_src: str, *policy: str, tran
     finally:
         _finish(proc)
     return summary, plan, model, src_pools, src_tables
+
+
+def _assert_landed(plan, src_pools, src_tables, result, raw, caches) -> None:
+    """Every transfer landed in the request's blocks of its vLLM group as the reference writers store it, and
+    no other byte of vLLM's KV buffer was written."""
+    tables = caches.tables(result["block_ids"])
+    written = torch.zeros(raw.numel(), dtype=torch.bool)
+    for t in plan.transfers:
+        want = expected_records(t, gather_records(src_pools.pool(t.spec), t.src, table_of(src_tables, t.src),
+                                                  t.first, t.count))
+        key = (t.spec.layer, t.spec.role)
+        table = tables[caches.group[key]]
+        got = gather_records(caches.pools.pool(t.spec), t.dst, table, t.first, t.count)
+        assert torch.equal(got, want), f"layer {t.spec.layer} {t.spec.role.value}: bytes differ"
+        info = result["layers"][caches.names[key]]
+        for slot in t.table_slots(t.dst):
+            start = info["offset"] + table[slot] * info["block_stride"]
+            written[start : start + info["page_bytes"]] = True
+    assert not raw[~written].any(), "bytes outside the request's blocks of its own caches were written"
 
 
 @pytest.mark.parametrize(("transport", "convert_on"), [("gloo", "receiver"), ("nixl", "receiver")])
@@ -153,29 +176,74 @@ def test_vllm_consumer_receives_a_trtllm_request(tmp_path, transport, convert_on
     assert [ids[: len(b)] for ids, b in zip(result["block_ids_after_load"], result["block_ids"], strict=True)] == \
         result["block_ids"]
     assert result["finished"] == "FINISHED_LENGTH_CAPPED"
-    tables = caches.tables(result["block_ids"])
-    written = torch.zeros(raw.numel(), dtype=torch.bool)
-    for t in plan.transfers:
-        want = expected_records(t, gather_records(src_pools.pool(t.spec), t.src, table_of(src_tables, t.src),
-                                                  t.first, t.count))
-        key = (t.spec.layer, t.spec.role)
-        table = tables[caches.group[key]]
-        got = gather_records(caches.pools.pool(t.spec), t.dst, table, t.first, t.count)
-        assert torch.equal(got, want), f"layer {t.spec.layer} {t.spec.role.value}: bytes differ"
-        info = result["layers"][caches.names[key]]
-        for slot in t.table_slots(t.dst):
-            start = info["offset"] + table[slot] * info["block_stride"]
-            written[start : start + info["page_bytes"]] = True
-    assert not raw[~written].any(), "bytes outside the request's blocks of its own caches were written"
+    _assert_landed(plan, src_pools, src_tables, result, raw, caches)
+
+
+SGLANG = "sglang:swa=256:idx=fp8"
+
+
+def _ape_file(path: Path, model, seed: int) -> Path:
+    """The model's compressor APE weights under the checkpoint's names, seeded N(0, 1) values in bf16 (as a
+    checkpoint holds them)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer, role in ape_needed(parse_engine(SGLANG), parse_engine(VLLM), model, False):
+        r = model.compress_ratios[layer]
+        width = (2 if r == 4 else 1) * (model.index_head_dim if role == Role.INDEXER_STATE else model.head_dim)
+        tensors[ape_name(model, layer, role)] = torch.randn(r, width, generator=gen).bfloat16()
+    save_file(tensors, str(path))
+    return path
 
 
 @pytest.mark.parametrize("transport", ["gloo", "nixl"])
-def test_vllm_producer_sends_finished_blocks_to_a_trtllm_peer(tmp_path, transport, num_tokens=600):
+def test_vllm_consumer_with_ape_weights_receives_an_sglang_request(tmp_path, transport, num_tokens=600):
+    """SGLang stores compressor scores without the APE vLLM's include: the connector's ``ape`` key lets it take
+    the request, its state rows landing as score + APE (``expected_records``), every other byte as before."""
+    model = from_hf_config(CONFIG)
+    ape = _ape_file(tmp_path / "ape.safetensors", model, seed=5)
+    summary, plan, model, src_pools, src_tables = _consumer(tmp_path, num_tokens, SGLANG, f"ape={ape}",
+                                                            transport=transport, ape=ape, request_src=SGLANG)
+    assert any(t.ape_sign > 0 for t in plan.transfers)
+    assert not isinstance(summary, Exception), summary
+    assert summary["num_tokens"] == num_tokens
+    result, raw, caches = _vllm_buffer(tmp_path / "out", plan, model)
+    assert result["received"] == ["vllm-req-0"] and result["errors"] == []
+    assert result["status_after_load"] == "RUNNING" and result["scheduled_after_load"] == 1
+    _assert_landed(plan, src_pools, src_tables, result, raw, caches)
+
+
+def test_vllm_consumer_refuses_an_sglang_request_planned_with_other_ape_weights(tmp_path):
+    """Both ends must hold the same weights (the plan's fingerprint carries their digest): refused before any
+    byte is written, and vLLM's default policy ends the request with an error."""
+    model = from_hf_config(CONFIG)
+    mine = _ape_file(tmp_path / "mine.safetensors", model, seed=5)
+    theirs = _ape_file(tmp_path / "theirs.safetensors", model, seed=6)
+    summary, plan, model, _, _ = _consumer(tmp_path, 600, SGLANG, f"ape={mine}", ape=theirs, request_src=SGLANG)
+    assert isinstance(summary, MigrationError), summary
+    result, raw, _ = _vllm_buffer(tmp_path / "out", plan, model)
+    assert len(result["errors"]) == 1 and result["status_after_load"] == "FINISHED_ERROR"
+    assert not raw.any(), "a refused request wrote bytes"
+
+
+def test_vllm_consumer_without_ape_weights_refuses_an_sglang_request_and_says_how(tmp_path):
+    model = from_hf_config(CONFIG)
+    ape = _ape_file(tmp_path / "ape.safetensors", model, seed=5)
+    summary, plan, model, _, _ = _consumer(tmp_path, 600, SGLANG, ape=ape, request_src=SGLANG)
+    result, raw, _ = _vllm_buffer(tmp_path / "out", plan, model)
+    assert isinstance(summary, MigrationError)
+    assert len(result["errors"]) == 1 and "APE" in result["errors"][0] and "ape" in result["errors"][0]
+    assert not raw.any(), "a refused request wrote bytes"
+
+
+@pytest.mark.parametrize(("transport", "peer"), [("gloo", TRTLLM), ("nixl", TRTLLM), ("gloo", SGLANG)])
+def test_vllm_producer_sends_finished_blocks_to_a_kvbridge_peer(tmp_path, transport, peer, num_tokens=600):
+    """(To SGLang pools with the connector's ``ape`` key: the state rows land without the APE.)"""
     python = _vllm_python(transport)
     model_dir = _model(tmp_path)
     out = tmp_path / "out"
     model = from_hf_config(str(model_dir / "config.json"))
-    plan = plan_migration(VLLM, TRTLLM, model, num_tokens, include_mtp=False)
+    ape = [str(_ape_file(tmp_path / "ape.safetensors", model, seed=5))] if peer == SGLANG else []
+    plan = plan_migration(VLLM, peer, model, num_tokens, include_mtp=False, ape=ape or None)
     dst = destination_pools(plan, spare_pages=2)
     server = NixlReceiver(dst, plan=plan) if transport == "nixl" else GlooServer(dst, plan=plan)
     got: dict = {}
@@ -194,8 +262,8 @@ def test_vllm_producer_sends_finished_blocks_to_a_trtllm_peer(tmp_path, transpor
     thread.start()
     try:
         host, port = server.address
-        _finish(_engine(python, "producer", transport, str(model_dir), str(out), "req-9", str(num_tokens), TRTLLM,
-                        f"{host}:{port}"))
+        _finish(_engine(python, "producer", transport, str(model_dir), str(out), "req-9", str(num_tokens), peer,
+                        f"{host}:{port}", *ape))
     finally:
         stop.set()
         thread.join(timeout=150)
@@ -218,7 +286,7 @@ def test_vllm_producer_sends_finished_blocks_to_a_trtllm_peer(tmp_path, transpor
         # the bytes vLLM's blocks held are the bytes the engine side wrote (its writers' records) ...
         held = gather_records(caches.pools.pool(t.spec), t.src, src_tables[caches.group[key]], t.first, t.count)
         assert torch.equal(held, records[str(i)])
-        # ... and TensorRT-LLM's pools hold what its writers store for those latents
+        # ... and the peer's pools hold what its writers store for those latents
         landed = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
         assert torch.equal(landed, expected_records(t, held)), f"layer {t.spec.layer} {t.spec.role.value}"
 
@@ -439,3 +507,24 @@ def test_kv_transfer_config_and_cli():
     assert result.exit_code == 0 and json.loads(result.output)["kv_connector_extra_config"] == {"transport": "nixl"}
     result = CliRunner().invoke(cli, ["vllm-config", "consumer", "--listen", "x"])
     assert result.exit_code == 1 and "host:port" in result.output
+
+
+def test_kv_transfer_config_ape_key(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from kvbridge.adapters.vllm_config import kv_transfer_config
+    from kvbridge.errors import InputError
+
+    assert kv_transfer_config("consumer", ape="/m/a.safetensors")["kv_connector_extra_config"] == {
+        "ape": ["/m/a.safetensors"]}
+    assert kv_transfer_config("both", ape=["a", "b"])["kv_connector_extra_config"] == {"ape": ["a", "b"]}
+    for bad in ([], [""], 3, ["a", 1]):
+        with pytest.raises(InputError, match="ape must be a safetensors path"):
+            kv_transfer_config("consumer", ape=bad)
+    shard = tmp_path / "s1.safetensors"
+    result = CliRunner().invoke(cli, ["vllm-config", "consumer", "--ape", str(shard), "--ape", "s2.safetensors"])
+    assert result.exit_code == 0, result.output
+    # paths are made absolute: vLLM may start in another directory
+    assert json.loads(result.output)["kv_connector_extra_config"] == {
+        "ape": [str(shard), str(Path("s2.safetensors").resolve())]}

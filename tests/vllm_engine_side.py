@@ -67,7 +67,8 @@ def specs_for(vc, ratios):
 class Engine:
     """vLLM's config, KV-cache groups and allocation, the connector (both sides) and the scheduler."""
 
-    def __init__(self, model_dir: str, role: str, transport: str, on_load_failure: str | None = None) -> None:
+    def __init__(self, model_dir: str, role: str, transport: str, on_load_failure: str | None = None,
+                 ape: str | None = None) -> None:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -87,7 +88,7 @@ class Engine:
 
         # what ``kvbridge vllm-config`` prints
         kt = KVTransferConfig(**kv_transfer_config(role, timeout=120, on_load_failure=on_load_failure,
-                                                   transport=transport))
+                                                   transport=transport, ape=[ape] if ape else None))
         vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
                         device_config=DeviceConfig("cpu"), kv_transfer_config=kt,
                         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_len, max_num_seqs=4,
@@ -180,8 +181,11 @@ class Engine:
 
 
 def consumer(transport: str, model_dir: str, out_dir: str, request_id: str, num_tokens: int, src: str,
-             on_load_failure: str | None = None) -> None:
-    eng = Engine(model_dir, "consumer", transport, on_load_failure)
+             *options: str) -> None:
+    """``options``: vLLM's load-failure policy and ``ape=PATH`` (the connector's APE weights), either or both."""
+    ape = next((o[4:] for o in options if o.startswith("ape=")), None)
+    policy = next((o for o in options if not o.startswith("ape=")), None)
+    eng = Engine(model_dir, "consumer", transport, policy, ape)
     host, port = eng.worker.server.address
     print(f"LISTEN {host} {port}", flush=True)
     req = eng.request(num_tokens, {"kvbridge_src": src, "kvbridge_request_id": request_id}, max_tokens=2)
@@ -207,19 +211,19 @@ def consumer(transport: str, model_dir: str, out_dir: str, request_id: str, num_
 
 
 def producer(transport: str, model_dir: str, out_dir: str, request_id: str, num_tokens: int, dst: str,
-             peer: str) -> None:
+             peer: str, ape: str | None = None) -> None:
     from safetensors.torch import save_file
 
     from kvbridge.migration.plan import plan_migration
 
-    eng = Engine(model_dir, "producer", transport)
+    eng = Engine(model_dir, "producer", transport, ape=ape)
     req = eng.request(num_tokens, {"kvbridge_peer": peer, "kvbridge_dst": dst, "kvbridge_request_id": request_id},
                       max_tokens=1)
     out = eng.scheduler.schedule()
     assert out.num_scheduled_tokens[req.request_id] == num_tokens, out.num_scheduled_tokens
     block_ids = eng.scheduler.kv_cache_manager.get_block_ids(req.request_id)
     # the prefill "computes" the prompt: each cache's live entries as vLLM's writers store them
-    plan = plan_migration(eng.worker.profile, dst, eng.worker.model, num_tokens, include_mtp=False)
+    plan = plan_migration(eng.worker.profile, dst, eng.worker.model, num_tokens, include_mtp=False, ape=eng.worker.ape)
     records = synthetic_records(plan, seed=11)
     eng.worker.caches.write(plan.transfers, records, block_ids, side="src")
     save_file({str(i): r for i, r in enumerate(records)}, os.path.join(out_dir, "records.safetensors"))
@@ -241,6 +245,7 @@ def synthetic_records(plan, seed: int) -> list[torch.Tensor]:
     """Each transfer's source records as the source engine's writers store them (kvbridge's profile encoders)."""
     import kvbridge
     from kvbridge import indexer as ix
+    from kvbridge.migration.ape import add_ape
     from kvbridge.migration.execute import state_rows_from_f32
 
     gen = torch.Generator().manual_seed(seed)
@@ -254,7 +259,10 @@ def synthetic_records(plan, seed: int) -> list[torch.Tensor]:
         elif st.kind == "indexer":
             out.append(ix.encode_keys(torch.randn(t.count, t.spec.width, generator=gen), st.indexer, st.dialect or ""))
         else:
-            out.append(state_rows_from_f32(torch.randn(t.count, st.record_bytes // 4, generator=gen), st.fmt))
+            rows = torch.randn(t.count, st.record_bytes // 4, generator=gen)
+            if t.ape_sign < 0:  # vLLM stores score + APE (its writer adds the APE to the raw score)
+                rows = add_ape(rows, t.ape, t.first)
+            out.append(state_rows_from_f32(rows, st.fmt))
     return out
 
 
@@ -263,7 +271,7 @@ def main() -> None:
     if mode == "consumer":
         consumer(transport, model_dir, out_dir, request_id, int(num_tokens), engine, *rest)
     else:
-        producer(transport, model_dir, out_dir, request_id, int(num_tokens), engine, rest[0])
+        producer(transport, model_dir, out_dir, request_id, int(num_tokens), engine, *rest)
     print("DONE", flush=True)
 
 

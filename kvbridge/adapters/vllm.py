@@ -22,7 +22,11 @@ vLLM loads it by module path::
   in a host-memory area of its own (registered once, sized by ``landing_tokens``), then writes it
   through the request's block ids;
 - ``landing_tokens`` (consumer, ``nixl``): the longest request that area holds (default the
-  model's ``max_model_len``).
+  model's ``max_model_len``);
+- ``ape``: a safetensors path, or a list of a checkpoint's shards, holding the model's compressor
+  APE weights (``layers.N.attn[.indexer].compressor.ape``). Needed for requests from or to SGLang
+  pools, which store compressor scores without the positional bias vLLM's include; read and
+  checked once when the worker starts, and both ends of a transfer must hold the same weights.
 
 Per request, ``kv_transfer_params``:
 
@@ -61,11 +65,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvbridge.adapters.vllm_config import CONVERT_SIDES, TRANSPORTS, host_port
+from kvbridge.adapters.vllm_config import CONVERT_SIDES, TRANSPORTS, ape_paths, host_port
 from kvbridge.adapters.vllm_layout import VllmCaches
 from kvbridge.engines import parse_engine
 from kvbridge.errors import InputError
-from kvbridge.migration.plan import plan_migration
+from kvbridge.migration.ape import ApeWeights, load_ape
+from kvbridge.migration.plan import ape_needed, plan_migration
 from kvbridge.migration.pools import EnginePools, gather_records, table_of
 from kvbridge.topology import get_model
 
@@ -121,6 +126,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.transport = extra.get("transport", "gloo")
         if self.transport not in TRANSPORTS:
             raise InputError(f"kv_connector_extra_config: transport must be gloo or nixl, got {self.transport!r}")
+        ape = extra.get("ape")
+        paths = None if ape is None else ape_paths(ape)
+        #: The model's APE weights (worker side, read once), for pairs with SGLang pools.
+        self.ape: ApeWeights | None = None
+        if paths is not None and role == KVConnectorRole.WORKER:
+            self.ape = load_ape(paths, self.model, ape_needed(parse_engine("sglang"), self.profile, self.model, False))
         self.is_consumer = self._kv_transfer_config.is_kv_consumer
         self.is_producer = self._kv_transfer_config.is_kv_producer
         # scheduler side
@@ -248,7 +259,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _plan(self, info: dict):
         return plan_migration(info["src"], self.profile, self.model, int(info["num_tokens"]),
-                              draft_tokens=int(info.get("draft_tokens", 0)), include_mtp=False)
+                              draft_tokens=int(info.get("draft_tokens", 0)), include_mtp=False, ape=self.ape)
 
     def _check_sender(self, plan, load: Load) -> None:
         if plan.src.spec != parse_engine(load.src).spec or plan.num_tokens != load.num_tokens:
@@ -364,7 +375,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _send(self, send: Send) -> None:
         assert self.caches is not None
-        plan = plan_migration(self.profile, send.dst, self.model, send.num_tokens, include_mtp=False)
+        plan = plan_migration(self.profile, send.dst, self.model, send.num_tokens, include_mtp=False, ape=self.ape)
         pools, tables = self.caches.request_pools(plan, send.block_ids)
         host, port = host_port(send.peer, "kvbridge_peer")
         if self.transport == "nixl":

@@ -24,16 +24,26 @@ def host_port(value: str, what: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def ape_paths(value: object) -> list[str]:
+    """The ``ape`` key's safetensors paths (one path or a list of a checkpoint's shards) as a list."""
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
+        raise InputError("kv_connector_extra_config: ape must be a safetensors path or a non-empty list of them "
+                         f"(the checkpoint's shards holding layers.N.attn[.indexer].compressor.ape), got {value!r:.80}")
+    return list(paths)
+
+
 def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | None = None, model: str | None = None,
                        timeout: float | None = None, convert_on: str | None = None,
                        on_load_failure: str | None = None, transport: str | None = None,
-                       landing_tokens: int | None = None) -> dict[str, Any]:
+                       landing_tokens: int | None = None, ape: list[str] | None = None) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for kvbridge's connector (``kvbridge.adapters.vllm``) in ``role``.
 
     Only the keys given go into ``kv_connector_extra_config`` (the connector's defaults apply to
     the rest); each is checked here as the connector would check it. ``on_load_failure`` sets
     vLLM's own ``kv_load_failure_policy`` (``fail``, vLLM's default: the request ends with an
-    error; ``recompute``: vLLM computes the prompt itself).
+    error; ``recompute``: vLLM computes the prompt itself). ``ape``: the model's safetensors files
+    (or just those holding ``...compressor.ape``) for requests to or from SGLang pools.
     """
     if role not in ROLES:
         raise InputError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -70,6 +80,8 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
         if isinstance(landing_tokens, bool) or not isinstance(landing_tokens, int) or landing_tokens < 1:
             raise InputError(f"landing_tokens must be a positive integer, got {landing_tokens!r}")
         extra["landing_tokens"] = landing_tokens
+    if ape is not None:
+        extra["ape"] = ape_paths(ape)
     config: dict[str, Any] = {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.adapters.vllm",
                               "kv_role": ROLES[role]}
     if on_load_failure is not None:

@@ -28,14 +28,7 @@ import sys
 import time
 import traceback
 
-#: The JSON-lines channel: the original stdout; fd 1 is pointed at stderr (NIXL and SGLang log there).
-_OUT = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-
-
-def emit(**msg) -> None:
-    _OUT.write(json.dumps(msg) + "\n")
-    _OUT.flush()
+from sglang_engine_side import deepseek_v4_pool, emit, metadata_buffers, nixl_kv_args  # fd 1 -> stderr
 
 
 def cpu_only_nixl() -> None:
@@ -65,7 +58,6 @@ def run(cfg: dict) -> None:
     logging.basicConfig(level=cfg.get("log_level", "WARNING"), stream=sys.stderr)
 
     import numpy as np
-    import torch
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
@@ -82,50 +74,12 @@ def run(cfg: dict) -> None:
     from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVSender
     from sglang.srt.disaggregation.utils import (
         DisaggregationMode,
-        KVClassType,
-        MetadataBuffers,
-        TransferBackend,
-        build_kv_layer_ids,
-        get_kv_class,
-        get_kv_transfer_buf_infos,
-        get_pd_kv_layout,
         is_mla_backend,
-        setup_state_kv_args,
     )
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
-    ratios = cfg["compress_ratios"]
-    page = cfg["page_size"]
-    pages, slots, swa_pages = cfg["pages"], cfg["req_slots"], cfg["swa_pages"]
-    state_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.get("state_dtype", "fp32")]
-    pool = DeepSeekV4TokenToKVPool(
-        max_num_reqs=slots - 1, num_req_slots=slots, swa_size=swa_pages * page, c4_size=pages * page // 4,
-        c128_size=pages * page // 128, c4_state_pool_size=swa_pages * 8, c128_state_pool_size=slots * 128,
-        page_size=page, swa_page_size=page, sliding_window=cfg["sliding_window"], dtype=torch.float8_e4m3fn,
-        c4_state_dtype=state_dtype, c128_state_dtype=state_dtype, qk_nope_head_dim=448, qk_rope_head_dim=64,
-        indexer_head_dim=128, layer_num=len(ratios), device="cpu", enable_memory_saver=False,
-        compression_ratios=ratios, start_layer=0, end_layer=len(ratios))
-    meta = MetadataBuffers(cfg["aux_rows"], hidden_size=16, hidden_states_dtype=torch.float32,
-                           max_sampling_mask_tokens=1)
-
-    kv_args = get_kv_class(TransferBackend.NIXL, KVClassType.KVARGS)()
-    kv_args.engine_rank = 0
-    kv_args.pp_rank = 0
-    kv_args.system_dp_rank = 0
-    kv_args.prefill_start_layer = 0
-    kv_args.prefill_end_layer = len(ratios)
-    kv_args.kv_cache_dtype_str = cfg["kv_cache_dtype"]
-    kv_args.kv_layout = get_pd_kv_layout(pool)
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(pool)
-    kv_args.kv_data_mem_kinds = ["DRAM"] * len(kv_args.kv_data_ptrs)
-    kv_args.num_draft_entries = 0
-    kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
-                                              num_draft_entries=0, num_hidden_layers=len(ratios))
-    kv_args.page_size = pool.page_size
-    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = meta.get_buf_infos()
-    setup_state_kv_args(kv_args, pool, None, total_kv_layers=len(ratios), req_to_token_pool=None)
-    kv_args.ib_device = None
-    kv_args.gpu_id = 0
+    pool = deepseek_v4_pool(cfg)
+    meta = metadata_buffers(cfg)
+    kv_args = nixl_kv_args(cfg, pool, meta, prefill=True)
     emit(event="layout", kv_layout=kv_args.kv_layout, kv_item_lens=list(kv_args.kv_item_lens),
          kv_data_lens=list(kv_args.kv_data_lens), kv_layer_ids=list(kv_args.kv_layer_ids),
          state_types=[str(st.value) for st in kv_args.state_types],
@@ -203,7 +157,6 @@ def main() -> None:
     except BaseException:
         emit(result="error", traceback=traceback.format_exc())
     finally:
-        _OUT.flush()
         sys.stderr.flush()
         # stay up, as a prefill server does, until the test closes stdin: the status message SGLang
         # pushes to the decode may still be in ZMQ's queue when the sender reports Success

@@ -39,23 +39,30 @@ def _threads_option(_ctx: click.Context, param: click.Parameter, value: str | No
                    "understates the speed-up (the reference's rate per token falls with the size).")
 @click.option("--reference-repeat", type=click.IntRange(min=1), default=1, show_default=True,
               help="Timed reference calls (median).")
+@click.option("--only", "only", multiple=True, metavar="TEXT",
+              help="Time only the operations whose name contains TEXT (repeatable), e.g. --only 'flashmla-model1 ->'.")
 @json_option
 def command(tokens: int, device: str, repeat: int, threads: tuple[int, ...] | None, reference_tokens: int | None,
-            reference_repeat: int, as_json: bool) -> None:
+            reference_repeat: int, only: tuple[str, ...], as_json: bool) -> None:
     """Measure transcode, encode and decode throughput (GB/s read + written) against np.copyto and
     torch copy_ of the same bytes on the same device, at 1 and 2 threads, with fresh and
-    preallocated (out=) outputs, and against the naive reference path."""
+    preallocated (out=) outputs, against the cost of a fresh output of the same size, and against
+    the naive reference path."""
     if device == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter("no CUDA device is available", param_hint="--device")
     devices = None if device == "auto" else [device]
     results = bench.run_bench(tokens=tokens, devices=devices, repeat=repeat, reference_tokens=reference_tokens,
-                              threads=threads, reference_repeat=reference_repeat)
+                              threads=threads, reference_repeat=reference_repeat, only=only or None)
+    if not results:
+        raise click.BadParameter(f"no benchmarked operation's name contains any of {', '.join(map(repr, only))}",
+                                 param_hint="--only")
     target = bench.cpu_target(results)
     machine = bench.machine()
     ref_tokens = min(tokens, reference_tokens or tokens)
     if as_json:
         print_json({"machine": machine, "tokens": tokens, "repeat": repeat, "reference_tokens": ref_tokens,
-                    "reference_repeat": reference_repeat, "results": [r.to_dict() for r in results],
+                    "reference_repeat": reference_repeat, "only": list(only),
+                    "results": [r.to_dict() for r in results],
                     "cpu_target": target})
     else:
         _print_table(results, machine, tokens, repeat, ref_tokens, target)
@@ -78,12 +85,14 @@ def _print_table(results: list[bench.CaseResult], machine: dict, tokens: int, re
     else:
         console.print(f"reference timed on the same {tokens:,} tokens", highlight=False)
     console.print("x copyto, x copy_: kvbridge's rate over np.copyto (1 thread) and torch copy_\n"
-                  "(thr threads) of the same bytes into preallocated memory", highlight=False)
+                  "(thr threads) of the same bytes into preallocated memory\n"
+                  "fresh outputs: ceil = x copyto of torch.empty + fill_ of the output alone (what\n"
+                  "any fresh output costs here); x ceil = the ceiling's time over kvbridge's", highlight=False)
     backends = {r.backend for r in results}
     table = Table(box=None, pad_edge=False, header_style="bold")
     table.add_column("operation", overflow="fold", ratio=1)
-    cols = (["backend"] if len(backends) > 1 else []) + ["out", "thr", "GB/s", "x copyto", "x copy_", "x ref",
-                                                         "exact"]
+    cols = (["backend"] if len(backends) > 1 else []) + ["out", "thr", "GB/s", "x copyto", "x copy_", "ceil",
+                                                         "x ceil", "x ref", "exact"]
     for col in cols:
         table.add_column(col, justify="left" if col in ("backend", "out") else "right", no_wrap=True)
     previous = None
@@ -93,6 +102,8 @@ def _print_table(results: list[bench.CaseResult], machine: dict, tokens: int, re
         cells = ([r.backend] if len(backends) > 1 else []) + [
             r.output, str(r.threads), f"{r.kvbridge.gb_per_s:.1f}",
             "-" if r.vs_np_copyto is None else f"{r.vs_np_copyto:.2f}", f"{r.vs_copy:.2f}",
+            "-" if r.ceiling_vs_np_copyto is None else f"{r.ceiling_vs_np_copyto:.2f}",
+            "-" if r.vs_fresh_ceiling is None else f"{r.vs_fresh_ceiling:.2f}",
             f"{r.vs_reference:.0f}" if r.vs_reference >= 10 else f"{r.vs_reference:.1f}",
             "yes" if r.exact else "[red]NO[/red]"]
         table.add_row(name if name != previous else "", *cells)

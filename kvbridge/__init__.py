@@ -35,6 +35,7 @@ _EXPORTS = {
     "KVBridgeError": "kvbridge.errors",
     "LayoutError": "kvbridge.errors",
     "NonFiniteError": "kvbridge.errors",
+    "OutputBufferError": "kvbridge.errors",
     "Field": "kvbridge.layouts",
     "Layout": "kvbridge.layouts",
     "all_layouts": "kvbridge.layouts",
@@ -53,7 +54,14 @@ if TYPE_CHECKING:
     from kvbridge.attention import sparse_decode  # noqa: F401
     from kvbridge.conformance import identify_writer, run_conformance  # noqa: F401
     from kvbridge.dump import Dump, DumpEntry, read_dump, write_dump  # noqa: F401
-    from kvbridge.errors import DumpFormatError, InputError, KVBridgeError, LayoutError, NonFiniteError  # noqa: F401
+    from kvbridge.errors import (  # noqa: F401
+        DumpFormatError,
+        InputError,
+        KVBridgeError,
+        LayoutError,
+        NonFiniteError,
+        OutputBufferError,
+    )
     from kvbridge.layouts import Field, Layout, all_layouts, get_layout, register  # noqa: F401
     from kvbridge.migration import migrate_local, plan_migration  # noqa: F401
     from kvbridge.paged import gather_transcode, transcode_slots  # noqa: F401

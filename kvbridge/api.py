@@ -16,7 +16,7 @@ import torch
 from kvbridge import nonfinite
 from kvbridge import numerics as nx
 from kvbridge.codecs import HEAD_DIM, reciprocal_f32, tensor_multiplier
-from kvbridge.errors import InputError, NonFiniteError
+from kvbridge.errors import InputError, NonFiniteError, OutputBufferError
 from kvbridge.layouts import Layout, get_layout
 from kvbridge.loss import LossStats
 from kvbridge.reference import check_finite
@@ -128,6 +128,7 @@ def encode(
     dialect: str | None = None,
     scale: float | str | None = None,
     nonfinite: NonFinitePolicy = "error",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Encode latents ``x`` ``[num_tokens, 512]`` (bf16/fp16/fp32) into pages of ``layout``.
 
@@ -138,12 +139,19 @@ def encode(
     ``trtllm-fp8`` (default 1.0; ``"auto"`` picks ``auto_scale(x)``).
     ``nonfinite``: ``error`` (default) raises naming the first bad token and dim; ``zero``
     writes NaN and +-Inf as 0; ``saturate`` writes NaN as 0 and +-Inf as the format's max.
+    ``out``: an existing contiguous uint8 tensor of exactly that shape, on ``x``'s device and not
+    sharing memory with ``x``, to write into instead of allocating (reused across calls, it saves
+    the first-touch cost of fresh memory); every byte of it is written, and it is returned. All
+    arguments, NaN/Inf included, are checked before ``out`` is touched: a refusal writes nothing.
     """
     lay = get_layout(layout)
     _check_latents(x)
     x = x.detach()  # encoding is not differentiable: an input that requires grad is read as values
     lay.check_page_size(page_size)
     d = _check_dialect(dialect, lay)
+    if out is not None:
+        _check_out(out, dtype=torch.uint8, shape=[lay.num_pages(x.shape[0], page_size), lay.page_bytes(page_size)],
+                   source=x, what=lay.name, source_name="latents x")
     xf = _apply_nonfinite(x if x.dtype == torch.bfloat16 else x.float(), nonfinite)  # bf16: no fp32 copy
     if scale == "auto":
         if not lay.per_tensor_scale:
@@ -152,7 +160,7 @@ def encode(
     s = _check_scale(scale, lay)
     from kvbridge import fastpath
 
-    return fastpath.encode_pages(xf.contiguous(), lay, page_size, d, s)
+    return fastpath.encode_pages(xf.contiguous(), lay, page_size, d, s, out=out)
 
 
 def decode(
@@ -162,20 +170,27 @@ def decode(
     page_size: int,
     num_tokens: int | None = None,
     scale: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode pages of ``layout`` to fp32 latents ``[num_tokens, 512]``.
 
     ``num_tokens`` defaults to every row of every page; ``scale`` is the per-tensor scale
     of ``trtllm-fp8`` (default 1.0). Exact: each decoded value is the stored value.
+    ``out``: an existing contiguous fp32 ``[num_tokens, 512]`` tensor on the pages' device, not
+    sharing memory with ``pages`` (and not requiring grad), to write into instead of allocating;
+    every value of it is written, and it is returned. It is checked before anything is written.
     """
     lay = get_layout(layout)
     lay.check_page_size(page_size)
     lay.check_pages(pages, page_size)
     num_tokens = _check_num_tokens(num_tokens)
     s = _check_scale(scale, lay)
+    if out is not None:
+        _check_out(out, dtype=torch.float32, shape=[lay.token_count(pages, page_size, num_tokens), HEAD_DIM],
+                   source=pages, what="decoded latents", source_name="pages")
     from kvbridge import fastpath
 
-    return fastpath.decode_pages(pages, lay, page_size, num_tokens, s)
+    return fastpath.decode_pages(pages, lay, page_size, num_tokens, s, out=out)
 
 
 @dataclass
@@ -232,20 +247,38 @@ def is_byte_move(src: Layout, dst: Layout, src_scale: float, dst_scale: float) -
     return src.same_record(dst) and (not src.per_tensor_scale or src_scale == dst_scale)
 
 
-def _check_out(out: torch.Tensor, pages: torch.Tensor, dst: Layout, num_pages: int, page_size: int) -> None:
-    """Raise ``InputError`` unless ``out`` can receive ``num_pages`` pages of ``dst`` made from ``pages``."""
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses ``t``'s elements occupy (empty for no elements)."""
+    if not t.numel():
+        return 0, 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _check_out(out: object, *, dtype: torch.dtype, shape: list[int], source: torch.Tensor, what: str,
+               source_name: str) -> None:
+    """Raise ``OutputBufferError`` unless ``out`` can receive a ``dtype`` result of ``shape`` (``what``)
+    computed from ``source`` (named ``source_name``); checked before anything is written."""
     if not isinstance(out, torch.Tensor):
-        raise InputError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    want = [num_pages, dst.page_bytes(page_size)]
-    if out.dtype != torch.uint8 or list(out.shape) != want:
-        raise InputError(f"out must be uint8 of shape {want} for {dst.name}, got {out.dtype} {list(out.shape)}")
-    if out.device != pages.device:
-        raise InputError(f"out is on {out.device} but pages are on {pages.device}")
+        raise OutputBufferError(f"out must be a torch.Tensor, got {type(out).__name__}; pass "
+                                f"torch.empty({shape}, dtype={dtype}) or leave out=None for a fresh output")
+    if out.dtype != dtype or list(out.shape) != shape:
+        raise OutputBufferError(f"out must be {str(dtype).removeprefix('torch.')} of shape {shape} for {what}, "
+                                f"got {out.dtype} {list(out.shape)}; allocate it with torch.empty({shape}, "
+                                f"dtype={dtype}, device={str(source.device)!r})")
+    if out.device != source.device:
+        raise OutputBufferError(f"out is on {out.device} but {source_name} are on {source.device}; "
+                                f"allocate out on {source.device}")
     if not out.is_contiguous():
-        raise InputError("out must be contiguous")
-    lo, hi = pages.data_ptr(), pages.data_ptr() + pages.numel()
-    if out.numel() and pages.numel() and out.data_ptr() < hi and lo < out.data_ptr() + out.numel():
-        raise InputError("out overlaps the source pages; write into separate memory")
+        raise OutputBufferError(f"out must be contiguous (row-major), got strides {tuple(out.stride())}; pass a "
+                                "contiguous tensor (out.contiguous() would be a copy that never receives the result)")
+    if out.requires_grad:
+        raise OutputBufferError("out requires grad, and kvbridge writes it in place; pass a tensor with "
+                                "requires_grad=False (out.detach() shares its memory)")
+    lo, hi = _byte_span(source)
+    o_lo, o_hi = _byte_span(out)
+    if o_lo < hi and lo < o_hi:
+        raise OutputBufferError(f"out overlaps the source {source_name}; write into separate memory")
 
 
 def transcode(
@@ -270,9 +303,10 @@ def transcode(
     and re-encoded with ``dialect`` and ``dst_scale`` (``"auto"``: no saturation).
     With ``report=True`` returns ``(pages, LossReport)``. ``out``: an existing uint8 tensor of
     exactly the destination's shape (``[ceil(num_tokens / dst_page_size), page_bytes]``, same
-    device, not overlapping ``pages``) to write into instead of allocating; every byte of it is
-    written, and it is returned. Arguments are checked before ``out`` is touched, but a source
-    found to hold NaN/Inf while converting may leave ``out`` partly written.
+    device, contiguous, not overlapping ``pages``) to write into instead of allocating; every byte of
+    it is written, and it is returned; one that does not fit raises ``OutputBufferError``. Arguments
+    are checked before ``out`` is touched, but a source found to hold NaN/Inf while converting may
+    leave ``out`` partly written.
     """
     if not isinstance(report, bool):
         raise InputError(f"report must be True or False, got {type(report).__name__}")
@@ -288,7 +322,8 @@ def transcode(
     if auto and not dst.per_tensor_scale:
         raise InputError(f"dst_scale='auto' applies only to per-tensor layouts, not {dst.name}")
     if out is not None:
-        _check_out(out, pages, dst, dst.num_pages(n, dps), dps)
+        _check_out(out, dtype=torch.uint8, shape=[dst.num_pages(n, dps), dst.page_bytes(dps)], source=pages,
+                   what=dst.name, source_name="pages")
     from kvbridge import fastpath
 
     if not auto and is_byte_move(src, dst, s_in, s_out):

@@ -4,12 +4,18 @@ Each case times, on one device and in one run:
 
 - the public API (``kvbridge.encode/decode/transcode``), which dispatches to the native CPU
   kernels or the Triton kernels, on CPU once per thread count (``threads``, default 1 and 2:
-  ``torch.set_num_threads``, which the native kernels follow); transcode and re-page cases
-  twice, with a fresh output and ``into out=`` a preallocated destination pool;
+  ``torch.set_num_threads``, which the native kernels follow); every case twice, with a fresh
+  output and ``into out=`` a preallocated (already touched) destination pool or latents tensor;
 - two copies of as many bytes as the operation reads plus writes, into preallocated memory:
   ``np.copyto`` (one thread, whatever ``threads`` is) and ``torch.Tensor.copy_`` (torch's
   threads, the row's count). ``vs_np_copyto`` / ``vs_copy`` = kvbridge tokens/s over the copy's
   tokens/s (same bytes per token): the fraction of that copy's bandwidth the operation reaches;
+- with a fresh output, the fresh-output ceiling: ``torch.empty`` of the output's bytes + ``fill_``
+  (torch's threads), what any freshly allocated output of that size costs on this machine
+  (first-touch page faults, which on a VM can cost more than the operation itself).
+  ``vs_fresh_ceiling`` = the ceiling's time over kvbridge's (1.0: kvbridge costs what allocating and
+  filling its output costs); ``ceiling_vs_np_copyto`` = np.copyto's time over the ceiling's, the
+  ``vs_np_copyto`` a fresh-output operation would reach if it cost only its output;
 - the naive reference path (``kvbridge.reference``) on ``min(tokens, reference_tokens)`` tokens
   (default: the same size as kvbridge; its rate per token falls with the size, so a capped
   reference makes ``vs_reference`` understate the speed-up; ``reference_capped`` says so).
@@ -89,10 +95,13 @@ class CaseResult:
     reference: Timing
     copy: Timing  # torch copy_ into a preallocated tensor
     np_copy: Timing | None  # np.copyto into a preallocated array (one thread; CPU only)
+    fresh_ceiling: Timing | None  # torch.empty of the output's bytes + fill_ (fresh outputs only)
     first_call_s: float
     exact: bool
     vs_copy: float  # median over rounds of kvbridge tokens/s / copy_ tokens/s (same bytes per token)
     vs_np_copyto: float | None  # the same against np.copyto (CPU only)
+    vs_fresh_ceiling: float | None  # median over rounds of the ceiling's time / kvbridge's (fresh outputs only)
+    ceiling_vs_np_copyto: float | None  # median over rounds of np.copyto's time / the ceiling's (CPU, fresh)
 
     @property
     def vs_reference(self) -> float:
@@ -107,7 +116,7 @@ class CaseResult:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        for name in ("kvbridge", "reference", "copy", "np_copy"):
+        for name in ("kvbridge", "reference", "copy", "np_copy", "fresh_ceiling"):
             timing: Timing | None = getattr(self, name)
             if timing is not None:
                 out[name].update(tokens_per_s=timing.tokens_per_s, gb_per_s=timing.gb_per_s)
@@ -142,15 +151,32 @@ def _copy_buffers(bytes_moved: int, device: torch.device) -> tuple[torch.Tensor,
     return src, dst
 
 
+class _OutBuffer:
+    """A case's preallocated output (``into out=``): allocated and touched on first use, freed after the case."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.tensor: torch.Tensor | None = None
+
+    def rows(self, n: int) -> torch.Tensor:
+        if self.tensor is None:
+            self.tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.tensor.view(torch.uint8).fill_(0)
+        return self.tensor[:n]
+
+    def release(self) -> None:
+        self.tensor = None
+
+
 @dataclass
 class _Case:
     name: str
-    run: Callable[[int, bool], torch.Tensor]  # public API on the first n tokens (into a preallocated pool: True)
+    run: Callable[[int, bool], torch.Tensor]  # public API on the first n tokens (into a preallocated output: True)
     run_reference: Callable[[int], torch.Tensor]  # the reference on the first n tokens
     bytes_per_token: int  # read + written
     probe: torch.Tensor  # a tensor on the device with the case's layouts, to name the backend
     layouts: tuple
-    has_out: bool = False  # the API call takes out= (then timed both ways)
+    out: _OutBuffer  # the preallocated output of the ``into out=`` runs
 
 
 def _cases(latents: torch.Tensor) -> list[_Case]:
@@ -160,16 +186,17 @@ def _cases(latents: torch.Tensor) -> list[_Case]:
     v41, v41i, fp4i = (get_layout(n) for n in ("v41-fp8", "v41-fp8-interleaved", "v41-fp4-interleaved"))
     x32 = latents.float()
     pools = {lay.name: api.encode(latents, lay, page_size=p) for lay in (fp8, model1, bf16, v41, v41i, fp4i)}
+    device, num_pages = latents.device, -(-latents.shape[0] // p)
 
     def head(name: str, n: int) -> torch.Tensor:
         return pools[name][: -(-n // p)]
 
     def transcode(src, dst, auto: bool = False) -> _Case:
         pb, db = src.page_bytes(p), dst.page_bytes(p)
-        dst_pool = torch.empty(pools[src.name].shape[0], db, dtype=torch.uint8, device=latents.device)
+        dst_pool = _OutBuffer((num_pages, db), torch.uint8, device)
 
         def run(n: int, into: bool) -> torch.Tensor:
-            out = dst_pool[: -(-n // p)] if into else None
+            out = dst_pool.rows(-(-n // p)) if into else None
             return api.transcode(head(src.name, n), src, dst, src_page_size=p, num_tokens=n, out=out,
                                  dst_scale="auto" if auto else None)
 
@@ -180,37 +207,39 @@ def _cases(latents: torch.Tensor) -> list[_Case]:
             return reference.encode_pages(values, dst, p, dst.default_dialect, api.auto_scale(values))
 
         name = f"transcode {src.name} -> {dst.name}" + (" dst_scale=auto" if auto else "")
-        return _Case(name, run, run_reference, (pb + db) // p, pools[src.name], (src, dst), has_out=True)
+        return _Case(name, run, run_reference, (pb + db) // p, pools[src.name], (src, dst), dst_pool)
 
     def encode(dst) -> _Case:
+        dst_pool = _OutBuffer((num_pages, dst.page_bytes(p)), torch.uint8, device)
         return _Case(
             f"encode bf16 latents -> {dst.name}",
-            lambda n, _into: api.encode(latents[:n], dst, page_size=p),
+            lambda n, into: api.encode(latents[:n], dst, page_size=p, out=dst_pool.rows(-(-n // p)) if into else None),
             lambda n: reference.encode_pages(x32[:n], dst, p, dst.default_dialect, 1.0),
-            2 * 512 + dst.page_bytes(p) // p, latents, (dst,),
+            2 * 512 + dst.page_bytes(p) // p, latents, (dst,), dst_pool,
         )
 
     def decode(src) -> _Case:
+        values = _OutBuffer((latents.shape[0], 512), torch.float32, device)
         return _Case(
             f"decode {src.name} -> fp32 latents",
-            lambda n, _into: api.decode(head(src.name, n), src, page_size=p, num_tokens=n),
+            lambda n, into: api.decode(head(src.name, n), src, page_size=p, num_tokens=n,
+                                       out=values.rows(n) if into else None),
             lambda n: reference.decode_pages(head(src.name, n), src, p, n, 1.0),
-            src.page_bytes(p) // p + 4 * 512, pools[src.name], (src,),
+            src.page_bytes(p) // p + 4 * 512, pools[src.name], (src,), values,
         )
 
     def repage(src, dst, dst_p: int) -> _Case:
-        dst_pool = torch.empty(-(-pools[src.name].shape[0] * p // dst_p), dst.page_bytes(dst_p), dtype=torch.uint8,
-                               device=latents.device)
+        dst_pool = _OutBuffer((-(-num_pages * p // dst_p), dst.page_bytes(dst_p)), torch.uint8, device)
 
         def run(n: int, into: bool) -> torch.Tensor:
-            out = dst_pool[: -(-n // dst_p)] if into else None
+            out = dst_pool.rows(-(-n // dst_p)) if into else None
             return api.transcode(head(src.name, n), src, dst, src_page_size=p, dst_page_size=dst_p, num_tokens=n,
                                  out=out)
 
         return _Case(
             f"repage {src.name} P={p} -> {dst.name} P={dst_p}", run,
             lambda n: reference.repage(head(src.name, n), src, p, dst, dst_p, n),
-            (src.page_bytes(p) // p) + dst.record_bytes, pools[src.name], (src, dst), has_out=True,
+            (src.page_bytes(p) // p) + dst.record_bytes, pools[src.name], (src, dst), dst_pool,
         )
 
     return [
@@ -229,40 +258,54 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _median_ratio(num: list[float], den: list[float]) -> float:
+    """Median over rounds of ``num[i] / den[i]`` (paired times of one round)."""
+    return statistics.median(a / b for a, b in zip(num, den, strict=True))
+
+
 def _time_variant(case: _Case, into: bool, threads: int, tokens: int, n_ref: int, want: torch.Tensor,
                   t_ref: list[float], repeat: int, device: torch.device) -> CaseResult:
-    """Time one case at one thread count and output mode against both copies of the same bytes."""
+    """Time one case at one thread count and output mode against both copies of the same bytes
+    (and, with a fresh output, against the fresh-output ceiling)."""
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    case.run(tokens, into)
+    result = case.run(tokens, into)
     _sync(device)
     first = time.perf_counter() - start
+    out_bytes = result.numel() * result.element_size()
+    del result
     copy_src, copy_dst = _copy_buffers(case.bytes_per_token * tokens, device)
-    fns: list[Callable[[], object]] = [lambda: case.run(tokens, into), lambda: copy_dst.copy_(copy_src)]
+    fns: dict[str, Callable[[], object]] = {"kvbridge": lambda: case.run(tokens, into),
+                                            "copy": lambda: copy_dst.copy_(copy_src)}
     if device.type == "cpu":
         np_src, np_dst = copy_src.numpy(), copy_dst.numpy()
-        fns.append(lambda: np.copyto(np_dst, np_src))
-    times = _timed_rounds(fns, repeat, device)
-    t_fast, t_copy = times[0], times[1]
+        fns["np_copy"] = lambda: np.copyto(np_dst, np_src)
+    if not into:
+        fns["fresh_ceiling"] = lambda: torch.empty(out_bytes, dtype=torch.uint8, device=device).fill_(0)
+    times = dict(zip(fns, _timed_rounds(list(fns.values()), repeat, device), strict=True))
+    t_fast, t_np, t_ceil = times["kvbridge"], times.get("np_copy"), times.get("fresh_ceiling")
     nbytes = case.bytes_per_token * tokens
     return CaseResult(
         case=case.name + (" into out=" if into else ""), device=str(device),
         backend=fastpath.backend_name(case.probe, *case.layouts), threads=threads, output="out=" if into else "fresh",
         kvbridge=Timing.of(tokens, t_fast, nbytes),
         reference=Timing.of(n_ref, t_ref, case.bytes_per_token * n_ref),
-        copy=Timing.of(tokens, t_copy, 2 * copy_src.numel()),
-        np_copy=Timing.of(tokens, times[2], 2 * copy_src.numel()) if len(times) > 2 else None,
+        copy=Timing.of(tokens, times["copy"], 2 * copy_src.numel()),
+        np_copy=None if t_np is None else Timing.of(tokens, t_np, 2 * copy_src.numel()),
+        fresh_ceiling=None if t_ceil is None else Timing.of(tokens, t_ceil, out_bytes),
         first_call_s=first, exact=_equal(case.run(n_ref, into), want),
-        vs_copy=statistics.median(c / f for f, c in zip(t_fast, t_copy, strict=True)),
-        vs_np_copyto=statistics.median(c / f for f, c in zip(t_fast, times[2], strict=True)) if len(times) > 2
-        else None,
+        vs_copy=_median_ratio(times["copy"], t_fast),
+        vs_np_copyto=None if t_np is None else _median_ratio(t_np, t_fast),
+        vs_fresh_ceiling=None if t_ceil is None else _median_ratio(t_ceil, t_fast),
+        ceiling_vs_np_copyto=None if t_ceil is None or t_np is None else _median_ratio(t_np, t_ceil),
     )
 
 
 def run_case(case: _Case, tokens: int, reference_tokens: int, repeat: int, device: torch.device, *,
              threads: Sequence[int] = (1, 2), reference_repeat: int = 1) -> list[CaseResult]:
     """Time one case: the reference once on ``min(tokens, reference_tokens)`` tokens (``reference_repeat``
-    calls), then kvbridge on ``tokens`` tokens per output mode and (on CPU) per thread count."""
+    calls), then kvbridge on ``tokens`` tokens per output mode (fresh, then ``out=``) and (on CPU) per
+    thread count."""
     n_ref = min(tokens, reference_tokens)
     saved = torch.get_num_threads()
     try:
@@ -270,8 +313,9 @@ def run_case(case: _Case, tokens: int, reference_tokens: int, repeat: int, devic
         (t_ref,) = _timed_rounds([lambda: case.run_reference(n_ref)], reference_repeat, device)
         counts = list(threads) if device.type == "cpu" else [saved]
         return [_time_variant(case, into, n, tokens, n_ref, want, t_ref, repeat, device)
-                for into in ((False, True) if case.has_out else (False,)) for n in counts]
+                for into in (False, True) for n in counts]
     finally:
+        case.out.release()
         torch.set_num_threads(saved)
 
 
@@ -293,10 +337,11 @@ def run_bench(
     seed: int = 0,
     threads: Sequence[int] | None = None,
     reference_repeat: int = 1,
+    only: Sequence[str] | None = None,
 ) -> list[CaseResult]:
-    """Run every case on each device (default: CPU, plus CUDA when present); the reference on
-    ``reference_tokens`` tokens (default: ``tokens``), CPU cases at each of ``threads``
-    (default ``default_threads()``)."""
+    """Run every case (or those whose name contains one of ``only``) on each device (default: CPU,
+    plus CUDA when present); the reference on ``reference_tokens`` tokens (default: ``tokens``),
+    CPU cases at each of ``threads`` (default ``default_threads()``)."""
     results = []
     counts = tuple(threads) if threads else default_threads()
     for name in devices or available_devices():
@@ -304,6 +349,8 @@ def run_bench(
         gen = torch.Generator().manual_seed(seed)
         latents = (torch.randn(tokens, 512, generator=gen) * 2).to(torch.bfloat16).to(device)
         for case in _cases(latents):
+            if only and not any(part in case.name for part in only):
+                continue
             results.extend(run_case(case, tokens, reference_tokens or tokens, repeat, device, threads=counts,
                                     reference_repeat=reference_repeat))
     return results

@@ -13,6 +13,11 @@ class InputError(KVBridgeError, ValueError):
     """Bad tensor input: wrong shape, dtype, device or scale."""
 
 
+class OutputBufferError(InputError):
+    """An ``out=`` tensor that cannot receive the result (dtype, shape, device, strides, requires_grad,
+    or memory shared with the input); the message names the tensor to pass instead. Nothing was written."""
+
+
 class NonFiniteError(InputError):
     """NaN or Inf in an encoder's input."""
 

@@ -1,9 +1,10 @@
 """The one dispatcher of paged operations: picks the fastest exact backend for the tensors.
 
 Every backend is a module with the same interface, byte-identical to ``kvbridge.reference``:
-``name``, ``supports(*layouts)``, ``all_finite``, ``amax_pages``, ``move_rows``, ``encode_pages``, ``decode_pages``,
-``repage(..., out=)``, ``transcode_pages(..., out=)``, ``nonfinite_flags``, ``transcode_slots`` and
-``gather_transcode``; ``loss_stats`` runs ``kvbridge.native_loss`` on CPU and compares decoded
+``name``, ``supports(*layouts)``, ``all_finite``, ``amax_pages``, ``move_rows``, ``encode_pages(..., out=)``,
+``decode_pages(..., out=)``, ``repage(..., out=)``, ``transcode_pages(..., out=)``, ``nonfinite_flags``,
+``transcode_slots`` and ``gather_transcode`` (a backend whose kernel cannot write into ``out`` builds a temporary and
+copies it in: the reference does); ``loss_stats`` runs ``kvbridge.native_loss`` on CPU and compares decoded
 values (``kvbridge.loss``) elsewhere. All of them execute the layouts' own record descriptions, so every
 registered layout runs on every backend.
 
@@ -81,15 +82,18 @@ def all_finite(x: torch.Tensor) -> bool:
     return backend(x).all_finite(x)
 
 
-def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float) -> torch.Tensor:
-    """fp32 or bf16 ``[N, 512]`` -> pages (see ``reference.encode_pages``)."""
-    return backend(x, layout).encode_pages(x, layout, page_size, dialect, scale)
+def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float,
+                 *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 or bf16 ``[N, 512]`` -> pages (see ``reference.encode_pages``), into ``out`` when given."""
+    group = (x,) if out is None else (x, out)
+    return backend(group, layout).encode_pages(x, layout, page_size, dialect, scale, out=out)
 
 
 def decode_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
-                 scale: float) -> torch.Tensor:
-    """Pages -> fp32 ``[num_tokens, 512]`` (see ``reference.decode_pages``)."""
-    return backend(pages, layout).decode_pages(pages, layout, page_size, num_tokens, scale)
+                 scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pages -> fp32 ``[num_tokens, 512]`` (see ``reference.decode_pages``), into ``out`` when given."""
+    group = (pages,) if out is None else (pages, out)
+    return backend(group, layout).decode_pages(pages, layout, page_size, num_tokens, scale, out=out)
 
 
 def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,

@@ -1218,11 +1218,12 @@ def _x_arrays(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
 
 
 def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float,
-                 *, accelerated: bool = True) -> torch.Tensor:
-    """fp32 or bf16 ``[N, 512]`` (CPU) -> pages ``[ceil(N/P), page_bytes]`` uint8. ``accelerated=False``
-    runs the generic kernel even where an encoder is registered (the tests compare the two)."""
+                 *, out: torch.Tensor | None = None, accelerated: bool = True) -> torch.Tensor:
+    """fp32 or bf16 ``[N, 512]`` (CPU) -> pages ``[ceil(N/P), page_bytes]`` uint8, written straight into
+    ``out`` (contiguous; every byte written) when given. ``accelerated=False`` runs the generic kernel
+    even where an encoder is registered (the tests compare the two)."""
     n = x.shape[0]
-    out = _new_pages(layout, n, page_size)
+    out = _new_pages(layout, n, page_size) if out is None else out
     if n == 0:
         return out
     x32, x16, from_bf16 = _x_arrays(x)
@@ -1242,12 +1243,13 @@ def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str |
 
 def decode_pages(
     pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None, scale: float,
-    *, accelerated: bool = True,
+    *, out: torch.Tensor | None = None, accelerated: bool = True,
 ) -> torch.Tensor:
-    """Pages -> fp32 ``[num_tokens, 512]`` (all rows when ``num_tokens`` is None). ``accelerated=False``
-    runs the generic kernel even where a decoder is registered (the tests compare the two)."""
+    """Pages -> fp32 ``[num_tokens, 512]`` (all rows when ``num_tokens`` is None), written straight into
+    ``out`` (contiguous) when given. ``accelerated=False`` runs the generic kernel even where a decoder
+    is registered (the tests compare the two)."""
     n = layout.token_count(pages, page_size, num_tokens)
-    out = _empty_output(n, HEAD_DIM * 4, torch.float32)
+    out = _empty_output(n, HEAD_DIM * 4, torch.float32) if out is None else out
     fast = accelerator(layout, LATENTS) if accelerated else None
     if n and fast is not None:
         fast(n, np.float32(scale), (_flat(pages), *_geometry(layout, page_size)), _flat(out))

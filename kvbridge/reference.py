@@ -34,16 +34,21 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     return result if out is None else out.copy_(result)
 
 
-def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float) -> torch.Tensor:
-    """fp32 (or bf16, widened exactly) ``[N, 512]`` -> pages ``[ceil(N/P), page_bytes]``."""
-    return layout.records_to_pages(layout.codec.encode(x.float(), dialect=dialect, scale=scale), page_size)
+def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float,
+                 *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 (or bf16, widened exactly) ``[N, 512]`` -> pages ``[ceil(N/P), page_bytes]`` (built, then
+    copied into ``out`` when given)."""
+    return _into(out, layout.records_to_pages(layout.codec.encode(x.float(), dialect=dialect, scale=scale),
+                                              page_size))
 
 
 def decode_pages(
-    pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None, scale: float
+    pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None, scale: float,
+    *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pages -> fp32 ``[num_tokens, 512]`` (all rows when ``num_tokens`` is None)."""
-    return layout.codec.decode(layout.pages_to_records(pages, page_size, num_tokens), scale=scale)
+    """Pages -> fp32 ``[num_tokens, 512]`` (all rows when ``num_tokens`` is None; built, then copied
+    into ``out`` when given)."""
+    return _into(out, layout.codec.decode(layout.pages_to_records(pages, page_size, num_tokens), scale=scale))
 
 
 def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,

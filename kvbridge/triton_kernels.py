@@ -593,11 +593,13 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     return result if out is None else out.copy_(result)
 
 
-def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float) -> torch.Tensor:
-    """fp32 or bf16 ``[N, 512]`` (finite) -> pages ``[ceil(N/P), page_bytes]`` (``reference.encode_pages``)."""
+def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float,
+                 *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 or bf16 ``[N, 512]`` (finite) -> pages ``[ceil(N/P), page_bytes]`` (``reference.encode_pages``),
+    written straight into ``out`` when given."""
     x = x.float().contiguous()
     n = x.shape[0]
-    pages = _empty_pages(layout, n, page_size, x.device)
+    pages = _output_pages(out, layout, n, page_size, x.device)
     dst = _Pool(pages, layout, page_size)
     _launch_convert(_Pool(x), dst, n_tokens=n, n_rows=pages.shape[0] * page_size,
                     **_encode_args(layout, dialect, scale))
@@ -605,10 +607,11 @@ def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str |
 
 
 def decode_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
-                 scale: float) -> torch.Tensor:
-    """Pages -> fp32 ``[num_tokens, 512]`` (``reference.decode_pages``)."""
+                 scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pages -> fp32 ``[num_tokens, 512]`` (``reference.decode_pages``), written straight into ``out`` when given."""
     n = layout.token_count(pages, page_size, num_tokens)
-    out = torch.empty(n, HEAD_DIM, dtype=torch.float32, device=pages.device)
+    if out is None:
+        out = torch.empty(n, HEAD_DIM, dtype=torch.float32, device=pages.device)
     _launch_convert(_Pool(pages, layout, page_size), _Pool(out), n_tokens=n, n_rows=n, src_scale=scale)
     return out
 

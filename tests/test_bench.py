@@ -1,5 +1,5 @@
-"""`kvbridge bench` reports what it measured: both copy baselines, thread counts, output modes, the
-reference's size and the machine (fields and consistency only; no timed assertions)."""
+"""`kvbridge bench` reports what it measured: both copy baselines, the fresh-output ceiling, thread
+counts, output modes, the reference's size and the machine (fields and consistency only; no timed assertions)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from cli.main import cli
 from kvbridge import bench
+from kvbridge.layouts import get_layout
 
 
 def test_json_has_both_copies_threads_outputs_and_the_reference_size():
@@ -29,10 +30,19 @@ def test_json_has_both_copies_threads_outputs_and_the_reference_size():
             assert r[copy]["gb_per_s"] > 0
         assert r["vs_np_copyto"] > 0 and r["vs_copy"] > 0
         assert r["case"].endswith(" into out=") == (r["output"] == "out=")
+        ceiling = r["fresh_ceiling"]
+        if r["output"] == "fresh":  # torch.empty + fill_ of exactly the output's bytes, in the same rounds
+            assert ceiling["tokens"] == 96 and ceiling["gb_per_s"] > 0
+            assert r["vs_fresh_ceiling"] > 0 and r["ceiling_vs_np_copyto"] > 0
+        else:
+            assert ceiling is None and r["vs_fresh_ceiling"] is None and r["ceiling_vs_np_copyto"] is None
+    out_bytes = {r["case"]: r["fresh_ceiling"]["bytes_moved"] for r in rows if r["output"] == "fresh"}
+    assert out_bytes["decode flashmla-model1 -> fp32 latents"] == 96 * 512 * 4
+    assert out_bytes["encode bf16 latents -> flashmla-model1"] == 2 * get_layout("flashmla-model1").page_bytes(64)
     cases = {r["case"] for r in rows}
-    out_cases = {c.removesuffix(" into out=") for c in cases if c.endswith(" into out=")}
-    assert bench.TARGET_CASE in cases and out_cases <= cases  # every out= case is also timed fresh
-    assert not any(c.startswith(("encode", "decode")) and c.endswith("out=") for c in cases)
+    fresh = {c for c in cases if not c.endswith(" into out=")}
+    assert bench.TARGET_CASE in cases and {f"{c} into out=" for c in fresh} == cases - fresh  # every case both ways
+    assert any(c.startswith("encode") for c in fresh) and any(c.startswith("decode") for c in fresh)
     assert report["cpu_target"]["threads"] == 2 and report["cpu_target"]["reference_tokens"] == 40
 
 
@@ -45,6 +55,19 @@ def test_reference_defaults_to_the_same_size_and_the_table_says_so():
     capped = CliRunner().invoke(cli, ["bench", "--tokens", "64", "--repeat", "1", "--threads", "1",
                                       "--reference-tokens", "32"])
     assert "reference timed on 32 tokens, capped below 64" in capped.output
+
+
+def test_only_selects_operations_by_name():
+    run = CliRunner().invoke(cli, ["bench", "--tokens", "64", "--repeat", "1", "--threads", "1", "--only",
+                                   "decode flashmla-model1", "--only", "-> trtllm-fp8 dst_scale", "--json"])
+    assert run.exit_code == 0, run.output
+    cases = {r["case"].removesuffix(" into out=") for r in json.loads(run.output)["results"]}
+    assert cases == {"decode flashmla-model1 -> fp32 latents", "transcode flashmla-model1 -> trtllm-fp8 dst_scale=auto"}
+    table = CliRunner().invoke(cli, ["bench", "--tokens", "64", "--repeat", "1", "--threads", "1", "--only",
+                                     "decode flashmla-model1"])
+    assert table.exit_code == 0 and "x ceil" in table.output and "torch.empty + fill_" in table.output
+    none = CliRunner().invoke(cli, ["bench", "--tokens", "64", "--repeat", "1", "--only", "no such operation"])
+    assert none.exit_code == 2 and "no benchmarked operation" in none.output
 
 
 def test_bad_thread_list_is_a_usage_error():

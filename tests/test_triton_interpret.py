@@ -315,3 +315,17 @@ def test_kernels_compile_for_sm90_with_vectorised_access():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", AOT_COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.name)
+def test_encode_and_decode_kernels_write_every_byte_of_out(latents, layout):
+    """``out=`` (garbage-filled): the kernels write into it directly, equal to their fresh output."""
+    scale = 0.037 if layout.per_tensor_scale else 1.0
+    fresh = tk.encode_pages(latents, layout, 61, layout.default_dialect, scale)
+    out = torch.full_like(fresh, 0xA5)
+    assert tk.encode_pages(latents, layout, 61, layout.default_dialect, scale, out=out) is out
+    assert torch.equal(out, fresh)
+    values = tk.decode_pages(fresh, layout, 61, 30, scale)
+    into = torch.full_like(values, float("nan"))
+    assert tk.decode_pages(fresh, layout, 61, 30, scale, out=into) is into
+    assert torch.equal(into.view(torch.int32), values.view(torch.int32))

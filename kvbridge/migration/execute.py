@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 import kvbridge
-from kvbridge import fastpath, native
+from kvbridge import fastpath, native, native_state
 from kvbridge import indexer as ix
 from kvbridge import numerics as nx
 from kvbridge.api import LossReport
@@ -174,19 +174,47 @@ def _state_error(src: torch.Tensor, back: torch.Tensor) -> float:
     return float((back[finite] - src[finite]).abs().max()) if bool(finite.any()) else 0.0
 
 
+def _convert_state_torch(t: Transfer, records: torch.Tensor, loss_report: bool, first: int) -> tuple[
+        torch.Tensor, None, float | None]:
+    """``_convert_batch``'s state rows (entries ``first, ...`` of ``t``) in torch: fp32 values, APE added or
+    removed, the destination dtype; the max abs error of a dtype change (adding APE is exact) with ``loss_report``."""
+    values = state_rows_to_f32(records, t.src.fmt)
+    if t.ape_sign:
+        where = f"layer {t.spec.layer} {t.spec.role.value}"
+        pos = t.first + first
+        values = add_ape(values, t.ape, pos) if t.ape_sign > 0 else remove_ape(values, t.ape, pos, where)
+    out = state_rows_from_f32(values, t.dst.fmt)
+    measure = loss_report and t.src.fmt != t.dst.fmt
+    return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if measure else None
+
+
+def _convert_state_native(t: Transfer, records: torch.Tensor, loss_report: bool, first: int) -> tuple[
+        torch.Tensor, None, float | None]:
+    """``_convert_batch``'s state rows on CPU: one native pass (``kvbridge.native_state``), the same bytes,
+    errors and refusals as ``_convert_state_torch``."""
+    measure = loss_report and t.src.fmt != t.dst.fmt
+    pos = t.first + first
+    res = native_state.convert_state_rows(records, t.src.fmt.endswith("bf16"), t.dst.fmt.endswith("bf16"), t.ape,
+                                          t.ape_sign, pos, measure)
+    where = f"layer {t.spec.layer} {t.spec.role.value}"
+    if t.ape_sign < 0 and res.nan_row is not None:
+        raise InputError(f"{where}: the compressor score of position {pos + res.nan_row} is NaN")
+    if t.ape_sign < 0 and res.unreachable is not None:
+        row, col = res.unreachable
+        raise InputError(f"{where}: the compressor score of position {pos + row} (value {col}) is no fp32 sum "
+                         "score + APE of these APE weights; was it written with them?")
+    if res.infinity_changed:
+        raise MigrationError("a compressor-state value changed infinity on conversion")
+    return res.rows, None, res.max_abs_error
+
+
 def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first: int = 0) -> tuple[
         torch.Tensor, LossReport | None, float | None]:
     """Convert records of ``t``'s kind (state rows with APE: entries ``first, first + 1, ...`` of ``t``);
     returns (records, KV loss report, indexer or state max abs error)."""
     if t.src.kind == "state":
-        values = state_rows_to_f32(records, t.src.fmt)
-        if t.ape_sign:
-            where = f"layer {t.spec.layer} {t.spec.role.value}"
-            pos = t.first + first
-            values = add_ape(values, t.ape, pos) if t.ape_sign > 0 else remove_ape(values, t.ape, pos, where)
-        out = state_rows_from_f32(values, t.dst.fmt)
-        measure = loss_report and t.src.fmt != t.dst.fmt  # the error of a dtype change (adding APE is exact)
-        return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if measure else None
+        convert = _convert_state_native if records.device.type == "cpu" else _convert_state_torch
+        return convert(t, records, loss_report, first)
     if t.src.kind == "indexer":
         if loss_report or ix.native_transcode_applies(records, t.src.indexer, t.dst.indexer, t.dst.dialect or ""):
             out, err = ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "",

@@ -108,6 +108,9 @@ class MigrationReport:
     publish_s: float
     loss: list[LossReport]
     state_max_abs_error: float | None = None
+    #: ``migrate_local``'s staged batches: ``convert_s`` by entry kind (``kv``, ``indexer``, ``state``); empty
+    #: on the transports' path.
+    convert_parts_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -630,6 +633,7 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
     idx_err: float | None = 0.0 if loss_report else None
     state_err: float | None = None
     gather_s = convert_s = 0.0
+    parts: dict[str, float] = {}
     try:
         for b in staged.batches:
             for piece in b.pieces:
@@ -672,6 +676,8 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
                 move_parts(piece.dst, _rows(piece.dst, dst_form, piece.offset, piece.count), True)
             gather_s += t2 - t1
             convert_s += t3 - t2
+            if _needs_conversion(t):
+                parts[t.src.kind] = parts.get(t.src.kind, 0.0) + t3 - t2
             publish_s += time.perf_counter() - t3
     except Exception:
         dst.release(tables)
@@ -691,6 +697,7 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
         publish_s=publish_s,
         loss=loss,
         state_max_abs_error=state_err,
+        convert_parts_s=parts,
     )
     return tables, report
 

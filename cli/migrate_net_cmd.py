@@ -343,14 +343,23 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
 @click.option("--local", is_flag=True,
               help="Time the request migrated in this process instead, stage by stage (no NIXL needed).")
 @click.option("--loss-report", is_flag=True, help="With --local: measure the conversion loss too.")
+@click.option("--ape", "ape", multiple=True, metavar="FILE|synthetic",
+              help="The model's compressor APE weights, needed between SGLang and vLLM / TensorRT-LLM: safetensors "
+                   "file(s) holding layers.N.attn[.indexer].compressor.ape (repeat for shards), or 'synthetic' for "
+                   "seeded stand-in weights of the model's shapes (no checkpoint; the output says which were used).")
 @json_option
 def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo: bool, request: bool, local: bool,
-                  loss_report: bool, as_json: bool) -> None:
+                  loss_report: bool, ape: tuple[str, ...], as_json: bool) -> None:
     """NIXL pages/s and GB/s for one request's destination bytes, next to a memory copy of the same
     bytes (np.copyto and torch copy_), the XXH3-64 checksum over them (and zlib's CRC-32 for comparison),
     and the gloo path, in one run (GB = 1e9 B). With --local: an in-process migration's stages."""
+    from kvbridge.migration.bench import SYNTHETIC_APE
+
+    if SYNTHETIC_APE in ape and len(ape) > 1:
+        raise click.UsageError(f"--ape {SYNTHETIC_APE} stands alone; it cannot be combined with files")
+    weights = SYNTHETIC_APE if ape == (SYNTHETIC_APE,) else [Path(p) for p in ape] or None
     if local:
-        _bench_local(tokens, model, src, dst, repeat, loss_report, as_json)
+        _bench_local(tokens, model, src, dst, repeat, loss_report, weights, as_json)
         return
     if loss_report:
         raise click.UsageError("--loss-report applies to --local only")
@@ -358,7 +367,7 @@ def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo
     from kvbridge.migration.bench import bench_transports
 
     res = _measure(bench_transports, as_json, tokens=tokens, model=model, src=src, dst=dst, repeat=repeat,
-                   gloo=gloo, request=request)
+                   gloo=gloo, request=request, ape=weights)
     if res is None:
         return
     from rich.table import Table
@@ -368,7 +377,8 @@ def bench_command(tokens: int, model: str, src: str, dst: str, repeat: int, gloo
     req = res["request"]
     console.print(f"{req['model']}, {req['tokens']:,} tokens, {req['src']} -> {req['dst']}: {req['bytes']:,} B in "
                   f"{req['page_chunks']:,} destination page chunks, {req['layers']} layers; "
-                  f"{res['machine']['cpu']}, {res['date']}; medians of {res['repeat']}", highlight=False)
+                  f"{res['machine']['cpu']}, {res['date']}; medians of {res['repeat']}{_ape_line(req['ape'])}",
+                  highlight=False)
     table = Table(box=None, header_style="bold")
     for col in ("path", "seconds", "GB/s", "pages/s", "x np.copyto", "x copy_"):
         table.add_column(col, justify="right" if col != "path" else "left")
@@ -403,11 +413,21 @@ def _measure(bench, as_json: bool, **kwargs) -> dict | None:
     return res
 
 
-def _bench_local(tokens: int, model: str, src: str, dst: str, repeat: int, loss_report: bool, as_json: bool) -> None:
+def _ape_line(used: dict | None) -> str:
+    if used is None:
+        return ""
+    names = {"synthetic": f"synthetic APE weights (seed {used.get('seed')})",
+             "files": f"APE weights from {', '.join(used.get('files', []))}"}
+    what = names.get(used["weights"], "the given APE weights")
+    return f"; {what}, sha256 {used['sha256'][:16]}"
+
+
+def _bench_local(tokens: int, model: str, src: str, dst: str, repeat: int, loss_report: bool, ape: object,
+                 as_json: bool) -> None:
     from kvbridge.migration.bench import bench_local
 
     res = _measure(bench_local, as_json, tokens=tokens, model=model, src=src, dst=dst, repeat=repeat,
-                   loss_report=loss_report)
+                   loss_report=loss_report, ape=ape)
     if res is None:
         return
     from rich.table import Table
@@ -418,8 +438,8 @@ def _bench_local(tokens: int, model: str, src: str, dst: str, repeat: int, loss_
     console.print(f"{req['model']}, {req['tokens']:,} tokens, {req['src']} -> {req['dst']} in process, loss report "
                   f"{'on' if req['loss_report'] else 'off'}: payload {req['payload_bytes']:,} B, "
                   f"{req['transfers']} transfers; {res['machine']['cpu']}, {res['machine']['threads']} threads, "
-                  f"{res['date']}; load average {res['machine']['load_average'][0]:.1f}; medians of {res['repeat']}",
-                  highlight=False)
+                  f"{res['date']}; load average {res['machine']['load_average'][0]:.1f}; medians of {res['repeat']}"
+                  f"{_ape_line(req['ape'])}", highlight=False)
     table = Table(box=None, header_style="bold")
     for col in ("stage", "seconds", "x np.copyto", "x copy_"):
         table.add_column(col, justify="right" if col != "stage" else "left")
@@ -428,7 +448,9 @@ def _bench_local(tokens: int, model: str, src: str, dst: str, repeat: int, loss_
              "checksum": "  checksum (sender, XXH3-64)", "verify": "  verify (receiver)", "convert": "  convert",
              "publish": "  publish (claim + scatter)", "transport_path": "  whole (pack + finish)",
              "migrate_local": "migrate_local (staged, no checksum)", "local_gather": "  gather",
-             "local_convert": "  convert", "local_publish": "  publish (claim + scatter)"}
+             "local_convert": "  convert", "local_convert_kv": "    KV transcode",
+             "local_convert_indexer": "    indexer keys", "local_convert_state": "    compressor state",
+             "local_publish": "  publish (claim + scatter)"}
     for key, name in names.items():
         row = res[key]
         table.add_row(name, f"{row['seconds']:.4f}", f"{row['x_np_copyto']:.1f}", f"{row['x_torch_copy_']:.1f}")

@@ -919,6 +919,14 @@ def _key_code(value, mult) -> int:
     return _e4m3_code(b & 0x7FFFFFFF) | ((b >> 24) & 0x80)
 
 
+@njit(cache=True, inline="always")
+def _key_code_unbounded(y) -> int:
+    """``_e4m3_code``'s normal-range formula on the positive finite fp32 ``y``, unbounded: the E4M3 code of
+    ``y * 2^d`` is this + 8 * d wherever ``y * 2^d`` is in [2^-6, 448)."""
+    b = np.int64(np.float32(y).view(np.uint32))
+    return ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - 960
+
+
 @njit(cache=True)
 def _pow2_key_codes(e2m1, ue8m0):
     """``codes[b, e - _KEY_E_MIN, c]``: the E4M3 code of fp4 code ``c`` under UE8M0 block scale byte ``b``
@@ -992,9 +1000,15 @@ def _fp4_to_fp8_keys_kernel(c0, c1, sd, sds, ss, sss, n, dim, rule, floor, e2m1,
     scale and multiplier follow the rule in fp32 operations, as ``indexer.fp8_scales`` computes them.
     Each output byte is then a function of the block's 16 possible codes: a 16-entry table per block,
     taken from ``pow2_codes`` for the power-of-two rules (vllm, vllm-ue8m0) and computed otherwise.
-    With ``words`` (codes 8-byte aligned: ``sd64``/``dd64`` are the same bytes as uint64) the power-of-two
-    rules read 16 codes per word: block magnitudes by ``_fp4_block_magnitude``, and blocks whose values
-    stay normal in E4M3 (2^(b - 127 - e) >= 2^-5, exact: no error) by ``_fp4_word_codes``.
+    Computed (sglang, deepgemm, sglang-rocm, trtllm: any fp32 multiplier ``mult``): a magnitude's value is
+    ``m * 2^j`` (m = 1 or 1.5, both fp32 exact), so ``fp32(value * mult) = 2^j * fp32(m * mult)`` wherever it
+    is normal, and E4M3's normal codes step by 8 per power of two: with ``C_m`` the code formula's value for
+    ``fp32(m * mult)`` (``_e4m3_code``'s normal branch, unbounded) a block of scale 2^k has codes
+    ``min(C_m + 8 * (k + j), 0x7E)`` once its smallest value 0.5 * 2^k * mult is E4M3-normal (>= 2^-6),
+    else ``_key_code`` per code; negative codes are the positive ones with bit 7 set.
+    With ``words`` (codes 8-byte aligned: ``sd64``/``dd64`` are the same bytes as uint64) block magnitudes
+    come from 16 codes per word (``_fp4_block_magnitude``), and the power-of-two rules write blocks whose
+    values stay normal in E4M3 (2^(b - 127 - e) >= 2^-5, exact: no error) by ``_fp4_word_codes``.
     """
     half, blocks = dim // 2, dim // 32
     sw, dw = (sds // 8, dds // 8) if words else (0, 0)
@@ -1036,6 +1050,12 @@ def _fp4_to_fp8_keys_kernel(c0, c1, sd, sds, ss, sss, n, dim, rule, floor, e2m1,
                     bad[chunk] = 1
             dst = dd[k * dds : k * dds + dim]
             tabled = rule <= 1 and _KEY_E_MIN <= e <= _KEY_E_MAX
+            shifted = rule >= 2 and np.isfinite(mult) and mult >= np.float32(2.0**-126)
+            c1 = c15 = m1 = 0
+            if shifted:  # C_1, C_1.5 (see the docstring)
+                c1 = _key_code_unbounded(mult)
+                c15 = _key_code_unbounded(np.float32(np.float32(1.5) * mult))
+                m1 = np.int64(np.float32(mult).view(np.uint32))
             for j in range(blocks):
                 s = ue8m0[sc[j]]
                 if words and tabled and np.int64(sc[j]) - 127 - e >= -5:
@@ -1047,19 +1067,33 @@ def _fp4_to_fp8_keys_kernel(c0, c1, sd, sds, ss, sss, n, dim, rule, floor, e2m1,
                     continue
                 if tabled:
                     lut[:] = pow2_codes[sc[j], e - _KEY_E_MIN]
+                elif shifted and m1 + ((np.int64(sc[j]) - 128) << 23) >= 0x3C800000:  # 0.5 * 2^k * mult >= 2^-6
+                    b8 = 8 * (np.int64(sc[j]) - 127)
+                    lut[0], lut[8] = 0, 0x80
+                    for c, code in ((1, c1 - 8), (2, c1), (3, c15), (4, c1 + 8), (5, c15 + 8), (6, c1 + 16),
+                                    (7, c15 + 16)):
+                        v = min(code + b8, 0x7E)
+                        lut[c] = v
+                        lut[c + 8] = v | 0x80
                 else:
                     for c in range(16):
                         lut[c] = _key_code(np.float32(e2m1[c] * s), mult)
+                if not measure:
+                    for i in range(16):
+                        c = src[16 * j + i]
+                        dst[32 * j + 2 * i] = lut[c & 15]
+                        dst[32 * j + 2 * i + 1] = lut[c >> 4]
+                    continue
                 present = 0
                 for i in range(16):
                     c = src[16 * j + i]
                     dst[32 * j + 2 * i] = lut[c & 15]
                     dst[32 * j + 2 * i + 1] = lut[c >> 4]
                     present |= (1 << (c & 15)) | (1 << (c >> 4))
-                if measure:
-                    for c in range(16):
-                        if present & (1 << c):
-                            worst = max(worst, abs(np.float32(e4m3[lut[c]] * scale) - np.float32(e2m1[c] * s)))
+                present |= present >> 8  # a negative code's error is its magnitude's (both codes are symmetric)
+                for c in range(1, 8):  # codes 0 and 8 (+-0) are exact
+                    if present & (1 << c):
+                        worst = max(worst, abs(np.float32(e4m3[lut[c]] * scale) - np.float32(e2m1[c] * s)))
             out_scale = ds[k * dss : k * dss + 4]
             if rule == 1:
                 for i in range(4):
@@ -1505,7 +1539,7 @@ def fp4_to_fp8_key_rows(src_keys: np.ndarray, src_stride: int, src_scales: np.nd
     err = np.zeros(max(nchunks, 1), np.float32)
     bad = np.zeros(max(nchunks, 1), np.int64)
     rule_id, floor = _KEY_RULES[rule]
-    words = (rule_id <= 1 and src_stride % 8 == 0 and dst_stride % 8 == 0 and src_keys.ctypes.data % 8 == 0
+    words = (src_stride % 8 == 0 and dst_stride % 8 == 0 and src_keys.ctypes.data % 8 == 0
              and dst_keys.ctypes.data % 8 == 0 and src_keys.shape[0] % 8 == 0 and dst_keys.shape[0] % 8 == 0)
     none = np.zeros(0, np.uint64)
     if n:

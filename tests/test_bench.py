@@ -87,3 +87,33 @@ def test_migrate_bench_local_reports_every_stage_beside_both_copies():
     assert json.loads(run.output)["request"]["tokens"] == 300
     refused = CliRunner().invoke(cli, ["migrate", "bench", "--loss-report", "--no-gloo"])
     assert refused.exit_code == 2 and "--local only" in refused.output
+
+
+def test_migrate_bench_local_to_sglang_with_synthetic_or_file_ape(tmp_path):
+    """TensorRT-LLM -> SGLang needs the model's APE weights: seeded stand-ins or a file; the output names them."""
+    from safetensors.torch import save_file
+
+    from kvbridge.migration.ape import synthetic_ape
+    from kvbridge.migration.bench import bench_local
+    from kvbridge.topology import get_model
+
+    res = bench_local(tokens=300, src="trtllm", dst="sglang", repeat=1, loss_report=True, ape="synthetic")
+    used = res["request"]["ape"]
+    assert used["weights"] == "synthetic" and used["seed"] == 0 and len(used["sha256"]) == 64
+    assert res["local_convert_state"]["seconds"] > 0 and res["local_convert_indexer"]["seconds"] > 0
+    assert res["local_convert_kv"]["seconds"] > 0
+    assert bench_local(tokens=300, repeat=1)["request"]["ape"] is None  # TensorRT-LLM -> vLLM needs none
+    path = tmp_path / "ape.safetensors"
+    save_file(synthetic_ape(get_model("deepseek-v4-flash"), seed=0), str(path))
+    args = ["migrate", "bench", "--local", "--from", "trtllm", "--to", "sglang", "--tokens", "200", "--repeat", "1"]
+    run = CliRunner().invoke(cli, [*args, "--ape", str(path), "--json"])
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.output)["request"]["ape"] == {"weights": "files", "files": [str(path)],
+                                                        "sha256": used["sha256"]}  # the same tensors
+    table = CliRunner().invoke(cli, [*args, "--ape", "synthetic"])
+    assert table.exit_code == 0, table.output
+    assert "synthetic APE weights (seed 0)" in table.output and "compressor state" in table.output
+    refused = CliRunner().invoke(cli, args)
+    assert refused.exit_code != 0 and "--ape FILE" in refused.output
+    mixed = CliRunner().invoke(cli, [*args, "--ape", "synthetic", "--ape", str(path)])
+    assert mixed.exit_code == 2 and "stands alone" in mixed.output

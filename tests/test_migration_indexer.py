@@ -246,3 +246,34 @@ def test_native_fp4_to_fp8_equals_the_torch_path(monkeypatch, rule, dim):
             ix.transcode_keys(bad, src, dst, rule)
         monkeypatch.delenv("KVBRIDGE_BACKEND")
         assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("rule", ["sglang", "deepgemm", "sglang-rocm", "trtllm"])
+def test_native_fp4_to_fp8_shifted_codes_at_every_block_distance(monkeypatch, rule):
+    """The fp32-multiplier rules' shifted codes (a block's codes from the key's two codes C_1, C_1.5, stepping 8
+    per power of two) against the torch path: every block 0..14 binades below the key's largest one (E4M3
+    normals, the subnormal boundary, underflow), every code present, keys whose amax saturates at 448, both as
+    records and as a page's 8-byte aligned parts."""
+    from kvbridge import native
+
+    g = torch.Generator().manual_seed(13)
+    n = 4 * 15 * 16
+    records = torch.randint(0, 256, (n, FP4.record_bytes), dtype=torch.uint8, generator=g)
+    records[:, :16] = torch.arange(16, dtype=torch.uint8) * 17  # block 0: every code in both nibbles
+    top = torch.randint(100, 140, (n,), generator=g)
+    gap = torch.arange(n) // 64 % 15
+    scales = torch.stack([top, top - gap, top - (gap + 3) % 15, top - gap // 2], dim=1)
+    records[:, FP4.split :] = scales.to(torch.uint8)
+    monkeypatch.setenv("KVBRIDGE_BACKEND", "reference")
+    want, want_err = ix.transcode_keys(records, FP4, FP8, rule)
+    monkeypatch.delenv("KVBRIDGE_BACKEND")
+    got, got_err = ix.transcode_keys(records, FP4, FP8, rule)
+    assert torch.equal(got, want) and got_err == want_err
+    keys, key_scales = records[:, : FP4.split].contiguous(), records[:, FP4.split :].contiguous()
+    out_keys, out_scales = torch.empty(n, 128, dtype=torch.uint8), torch.empty(n, 4, dtype=torch.uint8)
+    flat = [native._flat(x) for x in (keys, key_scales, out_keys, out_scales)]
+    for measure in (True, False):
+        err = native.fp4_to_fp8_key_rows(flat[0], 64, flat[1], 4, n, flat[2], 128, flat[3], 4, 128, rule,
+                                         measure=measure)
+        assert torch.equal(torch.cat([out_keys, out_scales], dim=1), want)
+        assert err == (want_err if measure else 0.0)

@@ -72,6 +72,22 @@ class ApeWeights:
         return h.hexdigest()
 
 
+def synthetic_ape(model: ModelTopology, *, seed: int = 0, include_mtp: bool = True) -> dict[str, torch.Tensor]:
+    """Stand-in APE weights of ``model``'s shapes, for benchmarks and tests without a checkpoint: each
+    compressed layer's ``[ratio, coff * dim]`` tensors (attention, then the indexer's, layer by layer, MTP
+    layers last with ``include_mtp``) drawn fp32 ~ N(0, 1) from one ``torch.Generator`` seeded ``seed``,
+    under their checkpoint names. Not a model's weights: migrated bytes are exact for any APE, but the
+    preimage search's work depends on how large the bias is next to the scores."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for spec in model.all_caches(include_mtp):
+        if spec.role in (Role.STATE, Role.INDEXER_STATE):
+            r = model.compress_ratios[spec.layer]
+            dim = model.index_head_dim if spec.role == Role.INDEXER_STATE else model.head_dim
+            out[ape_name(model, spec.layer, spec.role)] = torch.randn(r, (2 if r == 4 else 1) * dim, generator=gen)
+    return out
+
+
 def _read_files(paths: Iterable[str | Path]) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 

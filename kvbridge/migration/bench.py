@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvbridge.migration.ape import synthetic_ape
 from kvbridge.migration.execute import (
     CHECKSUM,
     Payload,
@@ -116,14 +117,15 @@ def _gloo(nbytes: int, chunk: int, repeat: int) -> list[float]:
 
 
 def bench_transports(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: str = "trtllm:fp8:tpb=128",
-                     dst: str = "vllm", repeat: int = 3, gloo: bool = True, request: bool = True,
+                     dst: str = "vllm", repeat: int = 3, gloo: bool = True, request: bool = True, ape: object = None,
                      progress: Callable[[str], None] | None = None) -> dict:
-    """Run every measurement of the module docstring; returns a JSON-ready dict (seconds, GB/s = 1e9 B/s)."""
+    """Run every measurement of the module docstring; returns a JSON-ready dict (seconds, GB/s = 1e9 B/s).
+    ``ape`` as for ``bench_local``."""
     from kvbridge.migration import nixl as nx
     from kvbridge.migration.transport import DEFAULT_CHUNK_BYTES
 
     say = progress or (lambda _: None)
-    plan = plan_migration(src, dst, model, tokens)
+    plan, ape_used = _plan(src, dst, model, tokens, ape)
     pools = destination_pools(plan, seed=1)
     for pool in pools.pools.values():
         for t in pool_tensors(pool):
@@ -139,7 +141,7 @@ def bench_transports(*, tokens: int = 131072, model: str = "deepseek-v4-flash", 
     staged = staging.numpy()
     result: dict = {
         "request": {"model": plan.model.name, "tokens": tokens, "src": plan.src.spec, "dst": plan.dst.spec,
-                    "bytes": nbytes, "page_chunks": pages, "layers": len(layer_groups(plan))},
+                    "bytes": nbytes, "page_chunks": pages, "layers": len(layer_groups(plan)), "ape": ape_used},
         "machine": {"cpu": _cpu(), "python": platform.python_version(), "torch": torch.__version__},
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "repeat": repeat,
@@ -303,8 +305,32 @@ def _bench_request(nx, engine: str, model: str, tokens: int) -> dict:
             "receiver_wire_s": summary["wire_s"], "receiver_publish_s": summary["publish_s"]}
 
 
+#: ``ape=`` value of the benchmarks that stands for ``synthetic_ape(model, seed=0)`` (no checkpoint needed).
+SYNTHETIC_APE = "synthetic"
+
+
+def _plan(src: str, dst: str, model: str, tokens: int, ape: object) -> tuple:
+    """The benchmarked plan and the JSON record of the APE weights it uses (None when the pair needs none)."""
+    from kvbridge.topology import get_model
+
+    topo = get_model(model)
+    weights = synthetic_ape(topo, seed=0) if ape == SYNTHETIC_APE else ape
+    plan = plan_migration(src, dst, topo, tokens, ape=weights)
+    if plan.ape is None:
+        return plan, None
+    if ape == SYNTHETIC_APE:
+        used: dict = {"weights": "synthetic", "seed": 0,
+                      "made_by": "kvbridge.migration.ape.synthetic_ape (fp32 ~ N(0, 1), not a model's weights)"}
+    elif isinstance(ape, (str, os.PathLike, list, tuple)):
+        files = [ape] if isinstance(ape, (str, os.PathLike)) else list(ape)
+        used = {"weights": "files", "files": [str(f) for f in files]}
+    else:
+        used = {"weights": "given"}
+    return plan, {**used, "sha256": plan.ape.digest}
+
+
 def bench_local(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: str = "trtllm:fp8:tpb=128",
-                dst: str = "vllm", repeat: int = 3, loss_report: bool = False,
+                dst: str = "vllm", repeat: int = 3, loss_report: bool = False, ape: object = None,
                 progress: Callable[[str], None] | None = None) -> dict:
     """One request migrated in process, next to ``np.copyto`` and ``torch.Tensor.copy_`` of its payload's
     bytes (the source records), in one run. Each round times the transports' path stage by stage, then
@@ -315,9 +341,14 @@ def bench_local(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: 
     records out of the pools), ``checksum`` (the sender's XXH3-64 per source page chunk), ``verify``
     (the receiver's), ``convert`` (every conversion, with the loss report when ``loss_report``),
     ``publish`` (claiming pages and scattering the records). ``local_gather``, ``local_convert`` and
-    ``local_publish`` split ``migrate_local``'s time as its report does."""
+    ``local_publish`` split ``migrate_local``'s time as its report does, and ``local_convert_kv``,
+    ``local_convert_indexer``, ``local_convert_state`` its conversion by entry kind.
+
+    ``ape``: the model's APE weights, for pairs between SGLang and vLLM / TensorRT-LLM (``plan_migration``'s
+    ``ape=``), or ``"synthetic"`` (``SYNTHETIC_APE``) for ``synthetic_ape(model, seed=0)``; the result's
+    ``request.ape`` says which were used and their sha256 (None when the pair needs none)."""
     say = progress or (lambda _: None)
-    plan = plan_migration(src, dst, model, tokens)
+    plan, ape_used = _plan(src, dst, model, tokens, ape)
     say("filling the source pools")
     pools, tables = source_request(plan, seed=2)
     nbytes = sum(t.src_bytes for t in plan.transfers)
@@ -338,7 +369,8 @@ def bench_local(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: 
     stages = ("gather", "checksum", "verify", "convert", "publish")
     out: dict = {
         "request": {"model": plan.model.name, "tokens": tokens, "src": plan.src.spec, "dst": plan.dst.spec,
-                    "payload_bytes": nbytes, "transfers": len(plan.transfers), "loss_report": loss_report},
+                    "payload_bytes": nbytes, "transfers": len(plan.transfers), "loss_report": loss_report,
+                    "ape": ape_used},
         "machine": {"cpu": _cpu(), "threads": torch.get_num_threads(), "python": platform.python_version(),
                     "torch": torch.__version__, "load_average": list(os.getloadavg())},
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -352,8 +384,10 @@ def bench_local(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: 
     return out
 
 
-#: ``migrate_local``'s own split of its time (its report's ``pack_s``, ``convert_s``, ``publish_s``).
-LOCAL_STAGES = ("local_gather", "local_convert", "local_publish")
+#: ``migrate_local``'s own split of its time (its report's ``pack_s``, ``convert_s``, ``publish_s``, then
+#: ``convert_parts_s``).
+LOCAL_STAGES = ("local_gather", "local_convert", "local_publish", "local_convert_kv", "local_convert_indexer",
+                "local_convert_state")
 
 
 def _stages(plan, pools, tables, loss_report: bool):
@@ -393,3 +427,5 @@ def _stages(plan, pools, tables, loss_report: bool):
     yield "local_gather", report.pack_s
     yield "local_convert", report.convert_s
     yield "local_publish", report.publish_s
+    for kind in ("kv", "indexer", "state"):
+        yield f"local_convert_{kind}", report.convert_parts_s.get(kind, 0.0)

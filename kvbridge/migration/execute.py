@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 import kvbridge
-from kvbridge import fastpath, native
+from kvbridge import fastpath, native, native_state
 from kvbridge import indexer as ix
 from kvbridge import numerics as nx
 from kvbridge.api import LossReport
@@ -108,6 +108,9 @@ class MigrationReport:
     publish_s: float
     loss: list[LossReport]
     state_max_abs_error: float | None = None
+    #: ``migrate_local``'s staged batches: ``convert_s`` by entry kind (``kv``, ``indexer``, ``state``); empty
+    #: on the transports' path.
+    convert_parts_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -174,19 +177,47 @@ def _state_error(src: torch.Tensor, back: torch.Tensor) -> float:
     return float((back[finite] - src[finite]).abs().max()) if bool(finite.any()) else 0.0
 
 
+def _convert_state_torch(t: Transfer, records: torch.Tensor, loss_report: bool, first: int) -> tuple[
+        torch.Tensor, None, float | None]:
+    """``_convert_batch``'s state rows (entries ``first, ...`` of ``t``) in torch: fp32 values, APE added or
+    removed, the destination dtype; the max abs error of a dtype change (adding APE is exact) with ``loss_report``."""
+    values = state_rows_to_f32(records, t.src.fmt)
+    if t.ape_sign:
+        where = f"layer {t.spec.layer} {t.spec.role.value}"
+        pos = t.first + first
+        values = add_ape(values, t.ape, pos) if t.ape_sign > 0 else remove_ape(values, t.ape, pos, where)
+    out = state_rows_from_f32(values, t.dst.fmt)
+    measure = loss_report and t.src.fmt != t.dst.fmt
+    return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if measure else None
+
+
+def _convert_state_native(t: Transfer, records: torch.Tensor, loss_report: bool, first: int) -> tuple[
+        torch.Tensor, None, float | None]:
+    """``_convert_batch``'s state rows on CPU: one native pass (``kvbridge.native_state``), the same bytes,
+    errors and refusals as ``_convert_state_torch``."""
+    measure = loss_report and t.src.fmt != t.dst.fmt
+    pos = t.first + first
+    res = native_state.convert_state_rows(records, t.src.fmt.endswith("bf16"), t.dst.fmt.endswith("bf16"), t.ape,
+                                          t.ape_sign, pos, measure)
+    where = f"layer {t.spec.layer} {t.spec.role.value}"
+    if t.ape_sign < 0 and res.nan_row is not None:
+        raise InputError(f"{where}: the compressor score of position {pos + res.nan_row} is NaN")
+    if t.ape_sign < 0 and res.unreachable is not None:
+        row, col = res.unreachable
+        raise InputError(f"{where}: the compressor score of position {pos + row} (value {col}) is no fp32 sum "
+                         "score + APE of these APE weights; was it written with them?")
+    if res.infinity_changed:
+        raise MigrationError("a compressor-state value changed infinity on conversion")
+    return res.rows, None, res.max_abs_error
+
+
 def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first: int = 0) -> tuple[
         torch.Tensor, LossReport | None, float | None]:
     """Convert records of ``t``'s kind (state rows with APE: entries ``first, first + 1, ...`` of ``t``);
     returns (records, KV loss report, indexer or state max abs error)."""
     if t.src.kind == "state":
-        values = state_rows_to_f32(records, t.src.fmt)
-        if t.ape_sign:
-            where = f"layer {t.spec.layer} {t.spec.role.value}"
-            pos = t.first + first
-            values = add_ape(values, t.ape, pos) if t.ape_sign > 0 else remove_ape(values, t.ape, pos, where)
-        out = state_rows_from_f32(values, t.dst.fmt)
-        measure = loss_report and t.src.fmt != t.dst.fmt  # the error of a dtype change (adding APE is exact)
-        return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if measure else None
+        convert = _convert_state_native if records.device.type == "cpu" else _convert_state_torch
+        return convert(t, records, loss_report, first)
     if t.src.kind == "indexer":
         if loss_report or ix.native_transcode_applies(records, t.src.indexer, t.dst.indexer, t.dst.dialect or ""):
             out, err = ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "",
@@ -602,6 +633,7 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
     idx_err: float | None = 0.0 if loss_report else None
     state_err: float | None = None
     gather_s = convert_s = 0.0
+    parts: dict[str, float] = {}
     try:
         for b in staged.batches:
             for piece in b.pieces:
@@ -644,6 +676,8 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
                 move_parts(piece.dst, _rows(piece.dst, dst_form, piece.offset, piece.count), True)
             gather_s += t2 - t1
             convert_s += t3 - t2
+            if _needs_conversion(t):
+                parts[t.src.kind] = parts.get(t.src.kind, 0.0) + t3 - t2
             publish_s += time.perf_counter() - t3
     except Exception:
         dst.release(tables)
@@ -663,6 +697,7 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
         publish_s=publish_s,
         loss=loss,
         state_max_abs_error=state_err,
+        convert_parts_s=parts,
     )
     return tables, report
 

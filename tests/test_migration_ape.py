@@ -98,6 +98,23 @@ def test_remove_ape_refuses_a_score_no_sum_reaches():
         remove_ape(rows, ape, 5, "layer 7 compressor_state")
     with pytest.raises(InputError, match="position 5 is NaN"):
         remove_ape(torch.tensor([[0.0, 0.0, float("nan"), 0.5]]), ape, 5, "x")
+    # a bf16 state's sum near a cancellation: the refusal says why and what to run instead
+    with pytest.raises(InputError, match="bf16 state rounded score [+] APE .*fp32 compressor state"):
+        remove_ape(rows, ape, 5, "layer 7 compressor_state", bf16=True)
+    with pytest.raises(InputError, match="written with these APE weights"):  # an fp32 state: no rounding to blame
+        remove_ape(rows, ape, 5, "x")
+
+
+def test_trtllm_bf16_state_near_a_cancellation_is_refused_with_the_reason():
+    plan = plan_migration("trtllm:fp8:state=bf16", "sglang", MODEL, TOKENS, ape=_model_ape("fp32"))
+    pools, tables = source_request(plan, seed=5)
+    t = next(t for t in plan.transfers if t.src.kind == "state")
+    rows = next(rows for u, rows in _state_rows(plan, pools, tables, "src") if u is t)
+    a = float(t.ape[t.first % t.ape.shape[0], 0])
+    rows[0, rows.shape[1] // 2] = torch.tensor(a * 2.0**-20).bfloat16().float()  # the score cancels the APE
+    scatter_records(pools.pool(t.spec), t.src, table_of(tables, t.src), t.first, state_rows_from_f32(rows, t.src.fmt))
+    with pytest.raises(InputError, match=f"layer {t.spec.layer} .*position {t.first} .*bf16 state rounded"):
+        migrate_local(plan, pools, tables, destination_pools(plan))
 
 
 def _fill_golden(plan, src, tables, dtype: str, *, stored: bool) -> None:

@@ -188,8 +188,23 @@ def _prefer_bf16(s: torch.Tensor, a: torch.Tensor, t: torch.Tensor) -> torch.Ten
     return torch.where(finite & ((low + a) == t), low, torch.where(finite & ((high + a) == t), high, s))
 
 
-def remove_ape(values: torch.Tensor, ape: torch.Tensor, first: int, where: str) -> torch.Tensor:
-    """``[kv | score+ape]`` fp32 rows -> ``[kv | s']`` with ``fp32(s' + ape[p % r]) == score+ape`` (see module)."""
+def unreachable_score(where: str, position: int, col: int, stored: float, ape: float, bf16: bool) -> InputError:
+    """The refusal of a stored score + APE ``stored`` that no fp32 score ``s'`` gives as ``fp32(s' + ape)``
+    (``bf16``: the source stores its state as bf16)."""
+    if bf16 and abs(stored) < abs(ape) * 2.0**-16:  # a bf16 sum finer than the fp32 sums' grid near -ape
+        why = ("the source's bf16 state rounded score + APE where the score nearly cancels the APE (|sum| < "
+               "2^-16 |APE|), which no fp32 score reproduces: run the source with fp32 compressor state "
+               "(TensorRT-LLM's default, state=fp32)")
+    else:
+        why = "was the state written with these APE weights?"
+    return InputError(f"{where}: the compressor score + APE of position {position} (value {col}: {stored!r}, APE "
+                      f"{ape!r}) is no fp32 sum of a score and the APE, so SGLang's raw score cannot reproduce it; "
+                      + why)
+
+
+def remove_ape(values: torch.Tensor, ape: torch.Tensor, first: int, where: str, bf16: bool = False) -> torch.Tensor:
+    """``[kv | score+ape]`` fp32 rows -> ``[kv | s']`` with ``fp32(s' + ape[p % r]) == score+ape`` (see module;
+    ``bf16``: the rows were stored as bf16, for the refusal's reason)."""
     half = values.shape[1] // 2
     t = values[:, half:]
     a = _ape_rows(ape, first, values.shape[0])
@@ -209,8 +224,7 @@ def remove_ape(values: torch.Tensor, ape: torch.Tensor, first: int, where: str) 
         s = _prefer_bf16(s, a, t)
     else:
         row, col = (int(i) for i in bad.nonzero()[0])
-        raise InputError(f"{where}: the compressor score of position {first + row} (value {col}) is no fp32 sum "
-                         "score + APE of these APE weights; was it written with them?")
+        raise unreachable_score(where, first + row, col, float(t[row, col]), float(a[row, col]), bf16)
     out = values.clone()
     out[:, half:] = s
     return out

@@ -32,7 +32,7 @@ from kvbridge.api import LossReport
 from kvbridge.engines import Storage
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.layouts.registry import PageGeometry
-from kvbridge.migration.ape import add_ape, remove_ape
+from kvbridge.migration.ape import add_ape, remove_ape, unreachable_score
 from kvbridge.migration.plan import MigrationPlan, Transfer
 from kvbridge.migration.pools import (
     EnginePools,
@@ -185,7 +185,8 @@ def _convert_state_torch(t: Transfer, records: torch.Tensor, loss_report: bool, 
     if t.ape_sign:
         where = f"layer {t.spec.layer} {t.spec.role.value}"
         pos = t.first + first
-        values = add_ape(values, t.ape, pos) if t.ape_sign > 0 else remove_ape(values, t.ape, pos, where)
+        values = add_ape(values, t.ape, pos) if t.ape_sign > 0 else \
+            remove_ape(values, t.ape, pos, where, t.src.fmt.endswith("bf16"))
     out = state_rows_from_f32(values, t.dst.fmt)
     measure = loss_report and t.src.fmt != t.dst.fmt
     return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if measure else None
@@ -204,8 +205,10 @@ def _convert_state_native(t: Transfer, records: torch.Tensor, loss_report: bool,
         raise InputError(f"{where}: the compressor score of position {pos + res.nan_row} is NaN")
     if t.ape_sign < 0 and res.unreachable is not None:
         row, col = res.unreachable
-        raise InputError(f"{where}: the compressor score of position {pos + row} (value {col}) is no fp32 sum "
-                         "score + APE of these APE weights; was it written with them?")
+        half = t.src.record_bytes // (2 if t.src.fmt.endswith("bf16") else 4) // 2
+        stored = float(state_rows_to_f32(records[row : row + 1], t.src.fmt)[0, half + col])
+        raise unreachable_score(where, pos + row, col, stored, float(t.ape[(pos + row) % t.ape.shape[0], col]),
+                                t.src.fmt.endswith("bf16"))
     if res.infinity_changed:
         raise MigrationError("a compressor-state value changed infinity on conversion")
     return res.rows, None, res.max_abs_error

@@ -1262,18 +1262,26 @@ def decode_pages(
 
 
 def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
-               scale: float) -> float | None:
+               scale: float, *, accelerated: bool = True) -> float | None:
     """Largest |decoded value| of the first ``num_tokens`` tokens (0.0 for none), from the codes and
-    scale bytes in one pass with no fp32 copy; None when a value would decode to NaN/Inf."""
+    scale bytes in one pass with no fp32 copy; None when a value would decode to NaN/Inf. MODEL1 and
+    per-tensor E4M3 (TensorRT-LLM FP8) records run the compiled kernels where they are in use;
+    ``accelerated=False`` runs the generic kernel (the tests compare the two)."""
     n = layout.token_count(pages, page_size, num_tokens)
     if n == 0:
         return 0.0
     nchunks = -(-n // CHUNK_TOKENS)
     amax = np.zeros(nchunks, np.float32)
     bad = np.zeros(nchunks, np.int64)
-    sp, spb, ssplit, srb = _geometry(layout, page_size)
-    _run_chunks(_amax_kernel, nchunks, _flat(pages), program(layout), sp, spb, ssplit, srb, np.float32(scale), n,
-                _E4M3_F32, _UE8M0_F32, _E2M1_F32, amax, bad)
+    geometry = (_flat(pages), *_geometry(layout, page_size))
+    compiled = _CK is not None and accelerated
+    if compiled and layout.segments == _MODEL1_SEGMENTS:
+        _run_chunks(_CK.model1_amax, nchunks, *geometry, n, amax, bad)
+    elif compiled and layout.segments == _FP8_SEGMENTS:
+        _run_chunks(_CK.fp8_amax, nchunks, *geometry, n, float(np.float32(scale)), amax, bad)
+    else:
+        _run_chunks(_amax_kernel, nchunks, geometry[0], program(layout), *geometry[1:], np.float32(scale), n,
+                    _E4M3_F32, _UE8M0_F32, _E2M1_F32, amax, bad)
     return None if bad.any() else float(amax.max())
 
 
@@ -1374,6 +1382,9 @@ def _compiled_kernels() -> tuple[ModuleType | None, str]:
 
 
 _CK, _CK_WHY_NOT = _compiled_kernels()
+#: Records whose code-domain amax (``amax_pages``) has a compiled kernel.
+_MODEL1_SEGMENTS = get_layout("flashmla-model1").segments
+_FP8_SEGMENTS = get_layout("trtllm-fp8").segments
 
 
 def kernel_implementation() -> str:

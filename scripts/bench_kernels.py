@@ -1,7 +1,8 @@
 """Hot native kernels against same-run copies (``np.copyto``, ``copy_``) of the same bytes.
 
-For each case (trtllm-fp8 <-> MODEL1 transcodes fresh and ``out=``, encode bf16 -> MODEL1,
-decode MODEL1 -> fp32) and each thread count, calls of the kernel (through ``kvbridge.fastpath``)
+For each case (trtllm-fp8 <-> MODEL1 transcodes fresh and ``out=``, MODEL1 -> trtllm-fp8 with
+``dst_scale="auto"`` (``kvbridge.transcode``: the code-domain amax pass, then the transcode), encode
+bf16 -> MODEL1, decode MODEL1 -> fp32) and each thread count, calls of the kernel (through ``kvbridge.fastpath``)
 alternate with ``np.copyto`` (one thread) and ``torch.Tensor.copy_`` (the case's threads) of a
 buffer half the size of the bytes the call reads plus writes (so the copy reads and writes the
 same total); ``x copy`` / ``x copy_`` = best copy time / best kernel time (best of ``--repeat``).
@@ -30,6 +31,7 @@ from functools import partial
 import numpy as np
 import torch
 
+import kvbridge
 from kvbridge import fastpath, native
 from kvbridge.layouts import get_layout
 
@@ -69,6 +71,9 @@ def _cases(n: int) -> dict[str, tuple]:
         "trtllm-fp8 -> MODEL1, fresh": (to_m1, nb(src_fp8), nb(out_m1)),
         "MODEL1 -> trtllm-fp8, out=": (lambda: to_fp8(out_fp8), nb(src_m1), nb(out_fp8)),
         "MODEL1 -> trtllm-fp8, fresh": (to_fp8, nb(src_m1), nb(out_fp8)),
+        "MODEL1 -> trtllm-fp8, auto, out=": (lambda: kvbridge.transcode(src_m1, m1, fp8, src_page_size=P, num_tokens=n,
+                                                                         dst_scale="auto", out=out_fp8),
+                                              nb(src_m1), nb(out_fp8)),
         "encode bf16 -> MODEL1": (lambda: fastpath.encode_pages(x, m1, P, "flashmla", 1.0), nb(x), nb(src_m1)),
         "decode MODEL1 -> fp32": (lambda: fastpath.decode_pages(src_m1, m1, P, n, 1.0), nb(src_m1), n * 2048),
     }

@@ -1120,7 +1120,7 @@ static PyObject *py_model1_encode(PyObject *self, PyObject *args) {
     int ok = check_geom(&d, v[2].len, M1_RECORD, npages_of(n, d.pages), "destination") &&
              check_chunks(c0, c1, v[2].len / d.page_bytes, d.pages) &&
              need((from_bf16 ? v[1].len >= n * HEAD_DIM * 2 : v[0].len >= n * HEAD_DIM * 4), "short latents") &&
-             need(v[3].len >= 277 * 4 && min_exp >= -149 && min_exp <= 0, "bad pow2 table or exponent floor");
+             need(v[3].len >= 277 * 4 && min_exp >= -127 && min_exp <= 0, "bad pow2 table or exponent floor");
     if (ok) {
         int isa = kv_isa;
         const float *x32 = from_bf16 ? NULL : v[0].buf;

@@ -161,6 +161,10 @@ def test_bad_arguments_raise_instead_of_overrunning():
     with pytest.raises(ValueError, match="short"):
         _kernels.model1_decode(0, 1, np.zeros(MODEL1.page_bytes(64), np.uint8), 64, MODEL1.page_bytes(64), 576, 584,
                                64, np.zeros(64 * 512 - 1, np.float32), native._UE8M0_F32)
+    with pytest.raises(ValueError, match="exponent floor"):  # 2^-e for e < -127 is past the pow2 table
+        _kernels.model1_encode(0, 1, np.zeros(64 * 512, np.float32), np.empty(0, np.uint16), False, 64,
+                               np.zeros(MODEL1.page_bytes(64), np.uint8), 64, MODEL1.page_bytes(64), 576, 584, -128,
+                               native._POW2_F32)
 
 
 def fp8_sources(g: torch.Generator):

@@ -10,7 +10,8 @@
  *                   its UE8M0 byte scale_lut[m], the rope's bf16 words rope_lut[c];
  *   model1_to_fp8   MODEL1 -> per-tensor E4M3: nope_lut[b * 256 + c] (b: the tile's scale byte),
  *                   rope bytes rope_lut[h] of each bf16 word h;
- *   model1_encode   fp32 / bf16 latents [N, 512] -> MODEL1 records (E4M3 RNE in 32-bit integer steps);
+ *   model1_encode   fp32 / bf16 latents [N, 512] -> MODEL1 records (E4M3 RNE in integer steps: bf16 tiles in
+ *                   16-bit lanes, 32 values a vector, fp32 and tiles reaching E4M3 subnormals in 32-bit ones);
  *   model1_decode   MODEL1 records -> fp32 latents [N, 512];
  *
  * and the code-domain amax of a MODEL1 or per-tensor E4M3 pool (model1_amax, fp8_amax: dst_scale="auto",
@@ -467,12 +468,46 @@ KV_AVX512 static inline __m128i e4m3_magnitudes(__m512 y) {
     return _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(is_normal, _mm512_castps_si512(sub), normal));
 }
 
-KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16, uint8_t *data, uint8_t *foot,
-                                          int min_exp, const float *pow2, int nt) {
+/* Index of byte 2i (the low byte of 16-bit word i) of two concatenated vectors: words 0-31 of a, then of b. */
+#define B2(i) (2 * (i)), (2 * (i) + 2)
+#define B8(i) B2(i), B2(i + 2), B2(i + 4), B2(i + 6)
+static const uint8_t LOW_BYTES[64] = {B8(0), B8(8), B8(16), B8(24), B8(32), B8(40), B8(48), B8(56)};
+#undef B8
+#undef B2
+
+/* E4M3 codes of the 64 bf16 values x (two vectors of 32 words) times 2^-e, in 16-bit lanes: y = x * 2^-e is
+ * again a bf16 value (its bits: |x|'s minus e << 7) as long as x is normal and y stays normal, and y <= 448 in
+ * a finite tile, so a normal E4M3 code is ((y + 7 + odd) >> 4) - (120 << 3) (RNE, as e4m3_magnitudes on the
+ * fp32 bits, whose low 16 bits are zero) and y < 2^-10 gives 0. The caller guarantees e >= -116 and a finite
+ * tile, so that zeros and bf16 subnormals land below 2^-10 (true: their y is below it too). Returns 0, leaving
+ * *codes unset, when a lane falls in E4M3's subnormal range [2^-10, 2^-6) (then the fp32 path runs). */
+KV_AVX512 static inline int e4m3_codes_bf16(__m512i x0, __m512i x1, int e, __m512i *codes) {
+    const __m512i m7fff = _mm512_set1_epi16(0x7FFF), shift = _mm512_set1_epi16((short)(e * 128));
+    const __m512i small = _mm512_set1_epi16(0x3A80), normal_min = _mm512_set1_epi16(0x3C80);
+    const __m512i one = _mm512_set1_epi16(1), bias = _mm512_set1_epi16((short)(7 - 0x3C00));
+    __m512i y0 = _mm512_sub_epi16(_mm512_and_si512(x0, m7fff), shift);
+    __m512i y1 = _mm512_sub_epi16(_mm512_and_si512(x1, m7fff), shift);
+    __mmask32 n0 = _mm512_cmpge_epi16_mask(y0, normal_min), n1 = _mm512_cmpge_epi16_mask(y1, normal_min);
+    __mmask32 z0 = _mm512_cmplt_epi16_mask(y0, small), z1 = _mm512_cmplt_epi16_mask(y1, small);
+    if ((n0 | z0) != 0xFFFFFFFFu || (n1 | z1) != 0xFFFFFFFFu)
+        return 0;
+    __m512i c0 = _mm512_add_epi16(_mm512_add_epi16(y0, bias), _mm512_and_si512(_mm512_srli_epi16(y0, 4), one));
+    __m512i c1 = _mm512_add_epi16(_mm512_add_epi16(y1, bias), _mm512_and_si512(_mm512_srli_epi16(y1, 4), one));
+    c0 = _mm512_maskz_srli_epi16(n0, c0, 4);
+    c1 = _mm512_maskz_srli_epi16(n1, c1, 4);
+    __m512i c = _mm512_permutex2var_epi8(c0, _mm512_loadu_si512(LOW_BYTES), c1);
+    __mmask64 signs = (__mmask64)_mm512_movepi16_mask(x0) | ((__mmask64)_mm512_movepi16_mask(x1) << 32);
+    *codes = _mm512_mask_mov_epi8(c, signs, _mm512_or_si512(c, _mm512_set1_epi8((char)0x80)));
+    return 1;
+}
+
+KV_AVX512 static inline __attribute__((always_inline)) void encode_token_body(
+    const float *x32, const uint16_t *x16, uint8_t *data, uint8_t *foot, int min_exp, const float *pow2, int nt) {
     /* Two passes, so that the tiles' amax reductions and exponents overlap rather than each stalling its tile:
      * the 7 scale exponents first, then the codes. */
     uint64_t footer = 0;
     float mults[7];
+    int exps[7], fast16 = 0; /* fast16 bit j: tile j of bf16 input may take e4m3_codes_bf16 */
     for (int j = 0; j < 7; j++) {
         uint32_t amax;
         if (x16) {
@@ -488,11 +523,21 @@ KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16,
         }
         int e = tile_exponent(amax, min_exp);
         mults[j] = pow2[149 - e];
+        exps[j] = e;
+        fast16 |= (x16 && amax < 0x7F800000u && e >= -116) << j;
         footer |= (uint64_t)(uint8_t)(e + 127) << (8 * j);
     }
     for (int j = 0; j < 7; j++) {
         __m512 v[4];
         __mmask64 signs;
+        if (fast16 >> j & 1) {
+            __m512i codes;
+            if (e4m3_codes_bf16(_mm512_loadu_si512(x16 + 64 * j), _mm512_loadu_si512(x16 + 64 * j + 32), exps[j],
+                                &codes)) {
+                store64(data + 64 * j, codes, nt);
+                continue;
+            }
+        }
         if (x16) {
             signs = (__mmask64)_mm512_movepi16_mask(_mm512_loadu_si512(x16 + 64 * j)) |
                     ((__mmask64)_mm512_movepi16_mask(_mm512_loadu_si512(x16 + 64 * j + 32)) << 32);
@@ -543,6 +588,26 @@ KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16,
     store64(data + 448, w[0], nt);
     store64(data + 512, w[1], nt);
     store_foot(foot, footer, nt && ((uintptr_t)foot & 7) == 0);
+}
+
+/* One token: the body compiled separately for bf16 and fp32 input (x16 or x32 NULL), so neither pays for the
+ * other's branches. */
+KV_AVX512 __attribute__((noinline)) static void encode_token_bf16(const uint16_t *x16, uint8_t *data, uint8_t *foot,
+                                                                 int min_exp, const float *pow2, int nt) {
+    encode_token_body(NULL, x16, data, foot, min_exp, pow2, nt);
+}
+
+KV_AVX512 __attribute__((noinline)) static void encode_token_f32(const float *x32, uint8_t *data, uint8_t *foot,
+                                                                int min_exp, const float *pow2, int nt) {
+    encode_token_body(x32, NULL, data, foot, min_exp, pow2, nt);
+}
+
+KV_AVX512 static inline void encode_token_avx512(const float *x32, const uint16_t *x16, uint8_t *data, uint8_t *foot,
+                                                 int min_exp, const float *pow2, int nt) {
+    if (x16)
+        encode_token_bf16(x16, data, foot, min_exp, pow2, nt);
+    else
+        encode_token_f32(x32, data, foot, min_exp, pow2, nt);
 }
 
 KV_AVX512 static void decode_token_avx512(const uint8_t *data, const uint8_t *foot, float *out, const float *ue8m0,

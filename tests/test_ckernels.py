@@ -397,3 +397,27 @@ def test_amax_bad_arguments_raise():
     with pytest.raises(ValueError, match="short"):
         _kernels.fp8_amax(0, 1, np.zeros(FP8.page_bytes(64), np.uint8), 64, FP8.page_bytes(64), 512, 512, 64, 1.0,
                           np.zeros(0, np.float32), bad)
+
+
+def test_model1_encode_every_bf16_magnitude():
+    """Exhaustive over bf16 magnitudes (the compiled bf16 encoder computes most tiles' codes in 16-bit lanes and
+    falls back to fp32 arithmetic for tiles reaching E4M3's subnormal range): for tile maxima at several
+    exponents (the 1.75 mantissa boundary of the scale rule, the dialects' exponent floors), tiles holding every
+    bf16 magnitude up to that maximum, both signs, zeros, bf16 subnormals."""
+    g = torch.Generator().manual_seed(9)
+    rows = []
+    for amax in (448.0, 1.0, 3.0, 1.75 * 2.0**-3, 1.7578125 * 2.0**5, 2.0**-20, 2.0**-40, 2.0**-130, 2.0**20, 1e38):
+        top = int(torch.tensor(amax, dtype=torch.float32).bfloat16().view(torch.int16)) & 0x7FFF
+        mags = torch.arange(top + 1, dtype=torch.int32)
+        mags = mags[torch.randperm(mags.numel(), generator=g)]
+        lanes = torch.cat([mags, torch.zeros(-mags.numel() % 63, dtype=torch.int32)]).reshape(-1, 63)
+        signs = torch.randint(0, 2, lanes.shape, dtype=torch.int32, generator=g) << 15
+        tiles = torch.cat([lanes | signs, torch.full((lanes.shape[0], 1), top, dtype=torch.int32)], 1)
+        tiles = torch.cat([tiles, tiles[torch.arange(-tiles.shape[0] % 8) % tiles.shape[0]]])  # records of 8 tiles
+        rows.append(tiles.reshape(-1, 512))
+    x = torch.cat(rows).to(torch.int16).view(torch.bfloat16)
+    for dialect in nx.DIALECTS:
+        want = native.encode_pages(x, MODEL1, 64, dialect, 1.0, accelerated=False)
+        for name in implementations():
+            with implementation(name):
+                assert torch.equal(native.encode_pages(x, MODEL1, 64, dialect, 1.0), want), (name, dialect)

@@ -9,7 +9,7 @@
  *                   a tile's value bytes are code_lut[m * 256 + c] (m: its largest code magnitude),
  *                   its UE8M0 byte scale_lut[m], the rope's bf16 words rope_lut[c];
  *   model1_to_fp8   MODEL1 -> per-tensor E4M3: nope_lut[b * 256 + c] (b: the tile's scale byte),
- *                   rope bytes rope_lut[h] of each bf16 word h;
+ *                   rope bytes rope_lut[h] of each bf16 word h (AVX-512: computed from h and the multiplier);
  *   model1_encode   fp32 / bf16 latents [N, 512] -> MODEL1 records (E4M3 RNE in integer steps: bf16 tiles in
  *                   16-bit lanes, 32 values a vector, fp32 and tiles reaching E4M3 subnormals in 32-bit ones);
  *   model1_decode   MODEL1 records -> fp32 latents [N, 512];
@@ -140,6 +140,7 @@ typedef struct {
 
 typedef struct {
     const uint8_t *nope_lut, *bad_mag, *rope_lut;
+    float mult; /* the per-tensor multiplier the tables were built for (the AVX-512 code computes the rope's codes) */
 } m2f_tables;
 
 /* E4M3 code of an fp32 (RNE, saturating to +-448, NaN too), as native._e4m3_byte: normal magnitudes
@@ -408,13 +409,33 @@ static inline void note_mask(uint64_t k, Py_ssize_t base, int64_t *count, int64_
     *count += __builtin_popcountll(k);
 }
 
-/* rope_lut[h] of 16 little-endian bf16 words at p: gather the aligned 32-bit word holding byte h (never past the
- * 65536-byte table), shift the byte out. */
-KV_AVX512 static inline __m128i rope_codes16(const uint8_t *p, const uint8_t *rope_lut) {
-    const __m512i three = _mm512_set1_epi32(3);
-    __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    __m512i word = _mm512_i32gather_epi32(_mm512_andnot_si512(three, h), (const void *)rope_lut, 1);
-    return _mm512_cvtepi32_epi8(_mm512_srlv_epi32(word, _mm512_slli_epi32(_mm512_and_si512(h, three), 3)));
+/* 16 E4M3 magnitude codes (sign bit clear) of the fp32 lanes of y, as native._e4m3_byte computes them:
+ * normal ones from the bits (the rebias folded into the rounding add; unsigned min saturates at 0x7E,
+ * Inf and NaN included), subnormal ones the low byte of the bits of |y| + 2^14. */
+KV_AVX512 static inline __m128i e4m3_magnitudes(__m512 y) {
+    __m512i mag = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
+    __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x7FFFF - 0x3C000000)),
+                                                        odd), 20);
+    normal = _mm512_min_epu32(normal, _mm512_set1_epi32(0x7E));
+    __m512 sub = _mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(16384.0f));
+    __mmask16 is_normal = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x3C800000));
+    return _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(is_normal, _mm512_castps_si512(sub), normal));
+}
+
+/* E4M3 codes of the 64 little-endian bf16 words at p times mult: the fp32 product rounded as e4m3_magnitudes
+ * does, the sign of the product; rope_lut's codes for every finite word (a NaN word gives 0x7E | sign where the
+ * table has 0, and is counted as bad). Cheaper here than gathering rope_lut[h]. */
+KV_AVX512 static inline __m512i rope_codes64(const uint8_t *p, __m512 mult) {
+    __m512i codes = _mm512_setzero_si512();
+    uint64_t signs = 0;
+    for (int k = 0; k < 4; k++) {
+        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 32 * k)));
+        __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), mult);
+        codes = _mm512_inserti32x4(codes, e4m3_magnitudes(y), k);
+        signs |= (uint64_t)_mm512_movepi32_mask(_mm512_castps_si512(y)) << (16 * k);
+    }
+    return _mm512_mask_mov_epi8(codes, signs, _mm512_or_si512(codes, _mm512_set1_epi8((char)0x80)));
 }
 
 KV_AVX512 static void m2f_token_avx512(const uint8_t *data, const uint8_t *foot, uint8_t *out, const m2f_tables *tb,
@@ -447,25 +468,7 @@ KV_AVX512 static void m2f_token_avx512(const uint8_t *data, const uint8_t *foot,
     __mmask32 n1 = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h1, expm), expm);
     if (n0 | n1)
         note_mask((uint64_t)n0 | ((uint64_t)n1 << 32), t * HEAD_DIM + 448, count, first);
-    __m512i codes = _mm512_castsi128_si512(rope_codes16(data + 448, tb->rope_lut));
-    codes = _mm512_inserti32x4(codes, rope_codes16(data + 480, tb->rope_lut), 1);
-    codes = _mm512_inserti32x4(codes, rope_codes16(data + 512, tb->rope_lut), 2);
-    codes = _mm512_inserti32x4(codes, rope_codes16(data + 544, tb->rope_lut), 3);
-    store64(out + 448, codes, nt);
-}
-
-/* 16 E4M3 magnitude codes (sign bit clear) of the fp32 lanes of y, as native._e4m3_byte computes them:
- * normal ones from the bits (the rebias folded into the rounding add; unsigned min saturates at 0x7E,
- * Inf and NaN included), subnormal ones the low byte of the bits of |y| + 2^14. */
-KV_AVX512 static inline __m128i e4m3_magnitudes(__m512 y) {
-    __m512i mag = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
-    __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x7FFFF - 0x3C000000)),
-                                                        odd), 20);
-    normal = _mm512_min_epu32(normal, _mm512_set1_epi32(0x7E));
-    __m512 sub = _mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(16384.0f));
-    __mmask16 is_normal = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x3C800000));
-    return _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(is_normal, _mm512_castps_si512(sub), normal));
+    store64(out + 448, rope_codes64(data + 448, _mm512_set1_ps(tb->mult)), nt);
 }
 
 /* Index of byte 2i (the low byte of 16-bit word i) of two concatenated vectors: words 0-31 of a, then of b. */
@@ -1151,9 +1154,10 @@ static PyObject *py_model1_to_fp8(PyObject *self, PyObject *args) {
     geom_t s, d;
     Py_buffer v[7];
     memset(v, 0, sizeof v);
-    if (!PyArg_ParseTuple(args, "nny*nnnnnw*nnnny*y*y*w*w*", &c0, &c1, &v[0], &s.pages, &s.page_bytes, &s.split,
+    float mult;
+    if (!PyArg_ParseTuple(args, "nny*nnnnnw*nnnny*y*y*w*w*f", &c0, &c1, &v[0], &s.pages, &s.page_bytes, &s.split,
                           &s.record_bytes, &n, &v[1], &d.pages, &d.page_bytes, &d.split, &d.record_bytes, &v[2], &v[3],
-                          &v[4], &v[5], &v[6]))
+                          &v[4], &v[5], &v[6], &mult))
         return NULL;
     int ok = check_geom(&s, v[0].len, M1_RECORD, npages_of(n, s.pages), "source") &&
              check_geom(&d, v[1].len, FP8_RECORD, npages_of(n, d.pages), "destination") &&
@@ -1161,7 +1165,7 @@ static PyObject *py_model1_to_fp8(PyObject *self, PyObject *args) {
              need(v[2].len >= 256 * 256 && v[3].len >= 256 * 128 && v[4].len >= 65536, "short table") &&
              need(v[5].len >= c1 * 8 && v[6].len >= c1 * 8, "short bad_count/bad_first");
     if (ok) {
-        m2f_tables tb = {v[2].buf, v[3].buf, v[4].buf};
+        m2f_tables tb = {v[2].buf, v[3].buf, v[4].buf, mult};
         int isa = kv_isa;
         Py_BEGIN_ALLOW_THREADS
         model1_to_fp8_run(c0, c1, v[0].buf, &s, n, v[1].buf, v[1].len, &d, &tb, v[5].buf, v[6].buf, isa);
@@ -1311,7 +1315,7 @@ static PyMethodDef methods[] = {
      "rope_lut, bad_count, bad_first): per-tensor E4M3 -> MODEL1 chunks [c0, c1)."},
     {"model1_to_fp8", py_model1_to_fp8, METH_VARARGS,
      "model1_to_fp8(c0, c1, src, sp, spb, ssplit, srb, n, dst, dp, dpb, dsplit, drb, nope_lut, bad_mag, rope_lut, "
-     "bad_count, bad_first): MODEL1 -> per-tensor E4M3 chunks [c0, c1)."},
+     "bad_count, bad_first, mult): MODEL1 -> per-tensor E4M3 chunks [c0, c1) (mult: the tables' multiplier)."},
     {"model1_encode", py_model1_encode, METH_VARARGS,
      "model1_encode(c0, c1, x32, x16, from_bf16, n, dst, dp, dpb, dsplit, drb, min_exp, pow2): latents -> MODEL1."},
     {"model1_decode", py_model1_decode, METH_VARARGS,

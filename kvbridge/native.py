@@ -1411,8 +1411,11 @@ def _fp8_to_mxfp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad
 
 def _model1_to_fp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
     mult, _ = _encode_params(dialect, dst_scale)
-    kernel = _model1_to_fp8_kernel if _CK is None else _CK.model1_to_fp8
-    _run_chunks(kernel, len(bad_count), *geometry, *_model1_to_fp8_tables(float(mult)), bad_count, bad_first)
+    tables = _model1_to_fp8_tables(float(mult))
+    if _CK is not None:  # the C kernel also takes the multiplier (its vector code computes the rope's codes)
+        _run_chunks(_CK.model1_to_fp8, len(bad_count), *geometry, *tables, bad_count, bad_first, float(mult))
+        return
+    _run_chunks(_model1_to_fp8_kernel, len(bad_count), *geometry, *tables, bad_count, bad_first)
 
 
 def _model1_encode(x32, x16, from_bf16, n, dialect, scale, geometry) -> None:

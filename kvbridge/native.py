@@ -32,7 +32,8 @@ through tables of (scale byte, code).
 
 Numba compiles the kernels on first use and caches them on disk (``cache=True``); see
 ``docs/performance.md`` for the one-time cost. The four MODEL1 accelerators (trtllm-fp8 <-> MODEL1,
-MODEL1 encode and decode) run compiled C kernels instead (``kvbridge._kernels``, an optional
+MODEL1 encode and decode) and the code-domain amax of MODEL1 and per-tensor E4M3 pools run compiled C
+kernels instead (``kvbridge._kernels``, an optional
 extension built at install time, byte-identical, AVX-512 VBMI table lookups and non-temporal stores)
 where it is built and the CPU has AVX-512 VBMI, unless ``KVBRIDGE_NO_CKERNELS=1``
 (``kernel_implementation()`` says which runs).

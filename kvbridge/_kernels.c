@@ -9,9 +9,13 @@
  *                   a tile's value bytes are code_lut[m * 256 + c] (m: its largest code magnitude),
  *                   its UE8M0 byte scale_lut[m], the rope's bf16 words rope_lut[c];
  *   model1_to_fp8   MODEL1 -> per-tensor E4M3: nope_lut[b * 256 + c] (b: the tile's scale byte),
- *                   rope bytes rope_lut[h] of each bf16 word h;
- *   model1_encode   fp32 / bf16 latents [N, 512] -> MODEL1 records (E4M3 RNE in 32-bit integer steps);
- *   model1_decode   MODEL1 records -> fp32 latents [N, 512].
+ *                   rope bytes rope_lut[h] of each bf16 word h (AVX-512: computed from h and the multiplier);
+ *   model1_encode   fp32 / bf16 latents [N, 512] -> MODEL1 records (E4M3 RNE in integer steps: bf16 tiles in
+ *                   16-bit lanes, 32 values a vector, fp32 and tiles reaching E4M3 subnormals in 32-bit ones);
+ *   model1_decode   MODEL1 records -> fp32 latents [N, 512];
+ *
+ * and the code-domain amax of a MODEL1 or per-tensor E4M3 pool (model1_amax, fp8_amax: dst_scale="auto",
+ * as native._amax_kernel, chunks of CHUNK_TOKENS source tokens).
  *
  * The tables are built in Python (kvbridge.numerics) and passed in. MODEL1 record: bytes [0, 448)
  * 7 E4M3 tiles of 64, [448, 576) 64 bf16 rope values, [576, 583) the tiles' UE8M0 scale bytes,
@@ -136,6 +140,7 @@ typedef struct {
 
 typedef struct {
     const uint8_t *nope_lut, *bad_mag, *rope_lut;
+    float mult; /* the per-tensor multiplier the tables were built for (the AVX-512 code computes the rope's codes) */
 } m2f_tables;
 
 /* E4M3 code of an fp32 (RNE, saturating to +-448, NaN too), as native._e4m3_byte: normal magnitudes
@@ -404,13 +409,33 @@ static inline void note_mask(uint64_t k, Py_ssize_t base, int64_t *count, int64_
     *count += __builtin_popcountll(k);
 }
 
-/* rope_lut[h] of 16 little-endian bf16 words at p: gather the aligned 32-bit word holding byte h (never past the
- * 65536-byte table), shift the byte out. */
-KV_AVX512 static inline __m128i rope_codes16(const uint8_t *p, const uint8_t *rope_lut) {
-    const __m512i three = _mm512_set1_epi32(3);
-    __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    __m512i word = _mm512_i32gather_epi32(_mm512_andnot_si512(three, h), (const void *)rope_lut, 1);
-    return _mm512_cvtepi32_epi8(_mm512_srlv_epi32(word, _mm512_slli_epi32(_mm512_and_si512(h, three), 3)));
+/* 16 E4M3 magnitude codes (sign bit clear) of the fp32 lanes of y, as native._e4m3_byte computes them:
+ * normal ones from the bits (the rebias folded into the rounding add; unsigned min saturates at 0x7E,
+ * Inf and NaN included), subnormal ones the low byte of the bits of |y| + 2^14. */
+KV_AVX512 static inline __m128i e4m3_magnitudes(__m512 y) {
+    __m512i mag = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
+    __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x7FFFF - 0x3C000000)),
+                                                        odd), 20);
+    normal = _mm512_min_epu32(normal, _mm512_set1_epi32(0x7E));
+    __m512 sub = _mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(16384.0f));
+    __mmask16 is_normal = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x3C800000));
+    return _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(is_normal, _mm512_castps_si512(sub), normal));
+}
+
+/* E4M3 codes of the 64 little-endian bf16 words at p times mult: the fp32 product rounded as e4m3_magnitudes
+ * does, the sign of the product; rope_lut's codes for every finite word (a NaN word gives 0x7E | sign where the
+ * table has 0, and is counted as bad). Cheaper here than gathering rope_lut[h]. */
+KV_AVX512 static inline __m512i rope_codes64(const uint8_t *p, __m512 mult) {
+    __m512i codes = _mm512_setzero_si512();
+    uint64_t signs = 0;
+    for (int k = 0; k < 4; k++) {
+        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 32 * k)));
+        __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), mult);
+        codes = _mm512_inserti32x4(codes, e4m3_magnitudes(y), k);
+        signs |= (uint64_t)_mm512_movepi32_mask(_mm512_castps_si512(y)) << (16 * k);
+    }
+    return _mm512_mask_mov_epi8(codes, signs, _mm512_or_si512(codes, _mm512_set1_epi8((char)0x80)));
 }
 
 KV_AVX512 static void m2f_token_avx512(const uint8_t *data, const uint8_t *foot, uint8_t *out, const m2f_tables *tb,
@@ -443,33 +468,49 @@ KV_AVX512 static void m2f_token_avx512(const uint8_t *data, const uint8_t *foot,
     __mmask32 n1 = _mm512_cmpeq_epi16_mask(_mm512_and_si512(h1, expm), expm);
     if (n0 | n1)
         note_mask((uint64_t)n0 | ((uint64_t)n1 << 32), t * HEAD_DIM + 448, count, first);
-    __m512i codes = _mm512_castsi128_si512(rope_codes16(data + 448, tb->rope_lut));
-    codes = _mm512_inserti32x4(codes, rope_codes16(data + 480, tb->rope_lut), 1);
-    codes = _mm512_inserti32x4(codes, rope_codes16(data + 512, tb->rope_lut), 2);
-    codes = _mm512_inserti32x4(codes, rope_codes16(data + 544, tb->rope_lut), 3);
-    store64(out + 448, codes, nt);
+    store64(out + 448, rope_codes64(data + 448, _mm512_set1_ps(tb->mult)), nt);
 }
 
-/* 16 E4M3 magnitude codes (sign bit clear) of the fp32 lanes of y, as native._e4m3_byte computes them:
- * normal ones from the bits (the rebias folded into the rounding add; unsigned min saturates at 0x7E,
- * Inf and NaN included), subnormal ones the low byte of the bits of |y| + 2^14. */
-KV_AVX512 static inline __m128i e4m3_magnitudes(__m512 y) {
-    __m512i mag = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
-    __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x7FFFF - 0x3C000000)),
-                                                        odd), 20);
-    normal = _mm512_min_epu32(normal, _mm512_set1_epi32(0x7E));
-    __m512 sub = _mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(16384.0f));
-    __mmask16 is_normal = _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x3C800000));
-    return _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(is_normal, _mm512_castps_si512(sub), normal));
+/* Index of byte 2i (the low byte of 16-bit word i) of two concatenated vectors: words 0-31 of a, then of b. */
+#define B2(i) (2 * (i)), (2 * (i) + 2)
+#define B8(i) B2(i), B2(i + 2), B2(i + 4), B2(i + 6)
+static const uint8_t LOW_BYTES[64] = {B8(0), B8(8), B8(16), B8(24), B8(32), B8(40), B8(48), B8(56)};
+#undef B8
+#undef B2
+
+/* E4M3 codes of the 64 bf16 values x (two vectors of 32 words) times 2^-e, in 16-bit lanes: y = x * 2^-e is
+ * again a bf16 value (its bits: |x|'s minus e << 7) as long as x is normal and y stays normal, and y <= 448 in
+ * a finite tile, so a normal E4M3 code is ((y + 7 + odd) >> 4) - (120 << 3) (RNE, as e4m3_magnitudes on the
+ * fp32 bits, whose low 16 bits are zero) and y < 2^-10 gives 0. The caller guarantees e >= -116 and a finite
+ * tile, so that zeros and bf16 subnormals land below 2^-10 (true: their y is below it too). Returns 0, leaving
+ * *codes unset, when a lane falls in E4M3's subnormal range [2^-10, 2^-6) (then the fp32 path runs). */
+KV_AVX512 static inline int e4m3_codes_bf16(__m512i x0, __m512i x1, int e, __m512i *codes) {
+    const __m512i m7fff = _mm512_set1_epi16(0x7FFF), shift = _mm512_set1_epi16((short)(e * 128));
+    const __m512i small = _mm512_set1_epi16(0x3A80), normal_min = _mm512_set1_epi16(0x3C80);
+    const __m512i one = _mm512_set1_epi16(1), bias = _mm512_set1_epi16((short)(7 - 0x3C00));
+    __m512i y0 = _mm512_sub_epi16(_mm512_and_si512(x0, m7fff), shift);
+    __m512i y1 = _mm512_sub_epi16(_mm512_and_si512(x1, m7fff), shift);
+    __mmask32 n0 = _mm512_cmpge_epi16_mask(y0, normal_min), n1 = _mm512_cmpge_epi16_mask(y1, normal_min);
+    __mmask32 z0 = _mm512_cmplt_epi16_mask(y0, small), z1 = _mm512_cmplt_epi16_mask(y1, small);
+    if ((n0 | z0) != 0xFFFFFFFFu || (n1 | z1) != 0xFFFFFFFFu)
+        return 0;
+    __m512i c0 = _mm512_add_epi16(_mm512_add_epi16(y0, bias), _mm512_and_si512(_mm512_srli_epi16(y0, 4), one));
+    __m512i c1 = _mm512_add_epi16(_mm512_add_epi16(y1, bias), _mm512_and_si512(_mm512_srli_epi16(y1, 4), one));
+    c0 = _mm512_maskz_srli_epi16(n0, c0, 4);
+    c1 = _mm512_maskz_srli_epi16(n1, c1, 4);
+    __m512i c = _mm512_permutex2var_epi8(c0, _mm512_loadu_si512(LOW_BYTES), c1);
+    __mmask64 signs = (__mmask64)_mm512_movepi16_mask(x0) | ((__mmask64)_mm512_movepi16_mask(x1) << 32);
+    *codes = _mm512_mask_mov_epi8(c, signs, _mm512_or_si512(c, _mm512_set1_epi8((char)0x80)));
+    return 1;
 }
 
-KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16, uint8_t *data, uint8_t *foot,
-                                          int min_exp, const float *pow2, int nt) {
+KV_AVX512 static inline __attribute__((always_inline)) void encode_token_body(
+    const float *x32, const uint16_t *x16, uint8_t *data, uint8_t *foot, int min_exp, const float *pow2, int nt) {
     /* Two passes, so that the tiles' amax reductions and exponents overlap rather than each stalling its tile:
      * the 7 scale exponents first, then the codes. */
     uint64_t footer = 0;
     float mults[7];
+    int exps[7], fast16 = 0; /* fast16 bit j: tile j of bf16 input may take e4m3_codes_bf16 */
     for (int j = 0; j < 7; j++) {
         uint32_t amax;
         if (x16) {
@@ -485,11 +526,21 @@ KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16,
         }
         int e = tile_exponent(amax, min_exp);
         mults[j] = pow2[149 - e];
+        exps[j] = e;
+        fast16 |= (x16 && amax < 0x7F800000u && e >= -116) << j;
         footer |= (uint64_t)(uint8_t)(e + 127) << (8 * j);
     }
     for (int j = 0; j < 7; j++) {
         __m512 v[4];
         __mmask64 signs;
+        if (fast16 >> j & 1) {
+            __m512i codes;
+            if (e4m3_codes_bf16(_mm512_loadu_si512(x16 + 64 * j), _mm512_loadu_si512(x16 + 64 * j + 32), exps[j],
+                                &codes)) {
+                store64(data + 64 * j, codes, nt);
+                continue;
+            }
+        }
         if (x16) {
             signs = (__mmask64)_mm512_movepi16_mask(_mm512_loadu_si512(x16 + 64 * j)) |
                     ((__mmask64)_mm512_movepi16_mask(_mm512_loadu_si512(x16 + 64 * j + 32)) << 32);
@@ -540,6 +591,26 @@ KV_AVX512 static void encode_token_avx512(const float *x32, const uint16_t *x16,
     store64(data + 448, w[0], nt);
     store64(data + 512, w[1], nt);
     store_foot(foot, footer, nt && ((uintptr_t)foot & 7) == 0);
+}
+
+/* One token: the body compiled separately for bf16 and fp32 input (x16 or x32 NULL), so neither pays for the
+ * other's branches. */
+KV_AVX512 __attribute__((noinline)) static void encode_token_bf16(const uint16_t *x16, uint8_t *data, uint8_t *foot,
+                                                                 int min_exp, const float *pow2, int nt) {
+    encode_token_body(NULL, x16, data, foot, min_exp, pow2, nt);
+}
+
+KV_AVX512 __attribute__((noinline)) static void encode_token_f32(const float *x32, uint8_t *data, uint8_t *foot,
+                                                                int min_exp, const float *pow2, int nt) {
+    encode_token_body(x32, NULL, data, foot, min_exp, pow2, nt);
+}
+
+KV_AVX512 static inline void encode_token_avx512(const float *x32, const uint16_t *x16, uint8_t *data, uint8_t *foot,
+                                                 int min_exp, const float *pow2, int nt) {
+    if (x16)
+        encode_token_bf16(x16, data, foot, min_exp, pow2, nt);
+    else
+        encode_token_f32(x32, data, foot, min_exp, pow2, nt);
 }
 
 KV_AVX512 static void decode_token_avx512(const uint8_t *data, const uint8_t *foot, float *out, const float *ue8m0,
@@ -752,6 +823,273 @@ KV_VARIANTS(encode, ENC_PARAMS, ENC_ARGS)
 KV_VARIANTS(decode, DEC_PARAMS, DEC_ARGS)
 
 /* ------------------------------------------------------------------------------------------- */
+/* Code-domain amax (dst_scale="auto"): one read pass over the codes and scale bytes            */
+/* ------------------------------------------------------------------------------------------- */
+
+/* Per chunk of CHUNK_TOKENS source tokens, as native._amax_kernel: amax[chunk] the largest |decoded value|
+ * (an fp32), bad[chunk] 1 when a value would decode to NaN/Inf (amax[chunk] is then not a result).
+ * Decoding is a monotone product with one positive factor per tile or tensor, so the amax is the
+ * decoded value of each tile's largest code magnitude m (one fp32 product per tile):
+ *   MODEL1: e4m3(m) * 2^(b - 127) per tile (b its scale byte; m = 0x7F, b = 0xFF or an overflowing
+ *           product is bad), the rope's largest |bf16| (exponent 0xFF is bad);
+ *   per-tensor E4M3: |e4m3(M) * scale| of the largest magnitude M over every code of the chunk. */
+
+/* fp32 2^(b - 127) of a UE8M0 byte (0xFF: NaN), as native._UE8M0_F32. */
+static inline float ue8m0_value(uint32_t b) {
+    return bits_f32(b == 0 ? 0x00400000u : b == 255 ? 0x7FC00000u : b << 23);
+}
+
+static inline int finite_f32(float v) {
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    return (b & 0x7F800000u) != 0x7F800000u;
+}
+
+static void m1_amax_token_scalar(const uint8_t *data, const uint8_t *foot, float *best, uint16_t *rope_max,
+                                 int *bad) {
+    for (int j = 0; j < 7; j++) {
+        uint8_t m = 0;
+        for (int i = 0; i < 64; i++) {
+            uint8_t a = data[64 * j + i] & 0x7F;
+            m = a > m ? a : m;
+        }
+        float v = e4m3_value(m) * ue8m0_value(foot[j]);
+        if (m == 0x7F || !finite_f32(v))
+            *bad = 1;
+        else if (v > *best)
+            *best = v;
+    }
+    for (int i = 0; i < 64; i++) {
+        uint16_t h = (uint16_t)((data[448 + 2 * i] | (data[448 + 2 * i + 1] << 8)) & 0x7FFF);
+        *rope_max = h > *rope_max ? h : *rope_max;
+    }
+}
+
+/* Largest byte & 0x7F of n bytes at p. */
+static inline uint8_t max_magnitude_scalar(const uint8_t *p, Py_ssize_t n) {
+    uint8_t m = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint8_t a = p[i] & 0x7F;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+#if KV_X86
+/* Lane l of tile_max16's result holds the largest magnitude of tile TREE_LANE[l] (0-15) of its input; set
+ * by tree_lanes() when the module is initialised. */
+static uint8_t TREE_LANE[16];
+
+/* Largest magnitude (byte & 0x7F) of each of the 16 64-byte vectors v[0..15], one per 32-bit lane (in the
+ * order TREE_LANE names): a reduction tree that halves all vectors' widths together (blend + two-source
+ * permute + max per pair at each level) instead of 16 separate horizontal reductions. */
+KV_AVX512 static inline __m512i tile_max16(const __m512i *v) {
+    __m512i w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) { /* 64 -> 32 bytes per vector: [a lo|hi max, b hi|lo max] */
+        __m512i a = v[2 * i], b = v[2 * i + 1];
+        __m512i lo = _mm512_mask_blend_epi64(0xF0, a, b);                                 /* a.lo256, b.hi256 */
+        __m512i hi = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(1, 0, 3, 2));                  /* a.hi256, b.lo256 */
+        w[i] = _mm512_max_epu8(lo, hi);
+    }
+    for (int i = 0; i < 4; i++) { /* 32 -> 16: 128-bit lanes [a, c, b, d] */
+        __m512i a = w[2 * i], b = w[2 * i + 1];
+        __m512i lo = _mm512_mask_blend_epi64(0xCC, a, b);                                 /* a0 b1 a2 b3 */
+        __m512i hi = _mm512_permutex2var_epi64(a, _mm512_set_epi64(13, 12, 7, 6, 9, 8, 3, 2), b); /* a1 b0 a3 b2 */
+        x[i] = _mm512_max_epu8(lo, hi);
+    }
+    for (int i = 0; i < 2; i++) { /* 16 -> 8 */
+        __m512i a = x[2 * i], b = x[2 * i + 1];
+        __m512i lo = _mm512_mask_blend_epi64(0xAA, a, b);
+        __m512i hi = _mm512_permutex2var_epi64(a, _mm512_set_epi64(14, 7, 12, 5, 10, 3, 8, 1), b);
+        y[i] = _mm512_max_epu8(lo, hi);
+    }
+    /* 8 -> 4 */
+    __m512i lo = _mm512_mask_blend_epi32(0xAAAA, y[0], y[1]);
+    __m512i hi = _mm512_permutex2var_epi32(
+        y[0], _mm512_set_epi32(30, 15, 28, 13, 26, 11, 24, 9, 22, 7, 20, 5, 18, 3, 16, 1), y[1]);
+    __m512i z = _mm512_max_epu8(lo, hi);
+    z = _mm512_max_epu8(z, _mm512_srli_epi32(z, 16)); /* 4 -> 1 */
+    z = _mm512_max_epu8(z, _mm512_srli_epi32(z, 8));
+    return _mm512_and_si512(z, _mm512_set1_epi32(0x7F));
+}
+
+/* TREE_LANE from tile_max16 on vectors filled with their own index. */
+KV_AVX512 static void tree_lanes(void) {
+    __m512i v[16];
+    uint32_t lanes[16];
+    for (int i = 0; i < 16; i++)
+        v[i] = _mm512_set1_epi8((char)i);
+    _mm512_storeu_si512(lanes, tile_max16(v));
+    for (int l = 0; l < 16; l++)
+        TREE_LANE[l] = (uint8_t)lanes[l];
+}
+
+/* Two MODEL1 tokens a and b (b may be a again): their 14 tiles' amax into *best (16 fp32 lanes, max of good
+ * values), bad lanes into *bad_lanes, the ropes' largest |bf16 word| into *rope (32 16-bit lanes). */
+KV_AVX512 static inline void m1_amax_pair_avx512(const uint8_t *da, const uint8_t *fa, const uint8_t *db,
+                                                 const uint8_t *fb, const __m128i scale_index, __m512 *best,
+                                                 __mmask16 *bad_lanes, __m512i *rope) {
+    const __m512i m7f = _mm512_set1_epi8(0x7F);
+    __m512i v[16];
+    for (int j = 0; j < 7; j++) {
+        v[j] = _mm512_and_si512(_mm512_loadu_si512(da + 64 * j), m7f);
+        v[8 + j] = _mm512_and_si512(_mm512_loadu_si512(db + 64 * j), m7f);
+    }
+    v[7] = v[0], v[15] = v[8]; /* padding lanes: tile 0 again (index 0 / 8 in scale_index) */
+    __m512i m = tile_max16(v);
+    uint64_t fa8, fb8;
+    memcpy(&fa8, fa, 8);
+    memcpy(&fb8, fb, 8);
+    __m128i scales = _mm_shuffle_epi8(_mm_set_epi64x((long long)fb8, (long long)fa8), scale_index);
+    __m512i b = _mm512_cvtepu8_epi32(scales);
+    /* e4m3(m): normal (m >= 8) from the bits, subnormal m * 2^-9 */
+    __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(m, 20), _mm512_set1_epi32(0x3C000000)));
+    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f));
+    __m512 e = _mm512_mask_blend_ps(_mm512_cmpge_epu32_mask(m, _mm512_set1_epi32(8)), sub, normal);
+    /* 2^(b - 127): b << 23, 0x00400000 for b = 0 (b = 255 gives Inf, not NaN: bad either way) */
+    __m512i sbits = _mm512_mask_blend_epi32(_mm512_cmpeq_epu32_mask(b, _mm512_setzero_si512()),
+                                            _mm512_slli_epi32(b, 23), _mm512_set1_epi32(0x00400000));
+    __m512 p = _mm512_mul_ps(e, _mm512_castsi512_ps(sbits));
+    const __m512i expm = _mm512_set1_epi32(0x7F800000);
+    __mmask16 bad = _mm512_cmpeq_epu32_mask(_mm512_and_si512(_mm512_castps_si512(p), expm), expm) |
+                    _mm512_cmpeq_epu32_mask(m, _mm512_set1_epi32(0x7F));
+    *bad_lanes |= bad;
+    *best = _mm512_mask_max_ps(*best, (__mmask16)~bad, *best, p);
+    const __m512i m7fff = _mm512_set1_epi16(0x7FFF);
+    __m512i r = _mm512_max_epu16(_mm512_and_si512(_mm512_loadu_si512(da + 448), m7fff),
+                                 _mm512_and_si512(_mm512_loadu_si512(da + 512), m7fff));
+    r = _mm512_max_epu16(r, _mm512_and_si512(_mm512_loadu_si512(db + 448), m7fff));
+    r = _mm512_max_epu16(r, _mm512_and_si512(_mm512_loadu_si512(db + 512), m7fff));
+    *rope = _mm512_max_epu16(*rope, r);
+}
+
+/* Largest byte & 0x7F of n bytes at p (vertical maxima, 256 bytes per step, a masked tail). */
+KV_AVX512 static inline __m512i max_magnitude_avx512(const uint8_t *p, Py_ssize_t n, __m512i acc) {
+    const __m512i m7f = _mm512_set1_epi8(0x7F);
+    __m512i a1 = _mm512_setzero_si512(), a2 = a1, a3 = a1;
+    Py_ssize_t i = 0;
+    for (; i + 256 <= n; i += 256) {
+        acc = _mm512_max_epu8(acc, _mm512_and_si512(_mm512_loadu_si512(p + i), m7f));
+        a1 = _mm512_max_epu8(a1, _mm512_and_si512(_mm512_loadu_si512(p + i + 64), m7f));
+        a2 = _mm512_max_epu8(a2, _mm512_and_si512(_mm512_loadu_si512(p + i + 128), m7f));
+        a3 = _mm512_max_epu8(a3, _mm512_and_si512(_mm512_loadu_si512(p + i + 192), m7f));
+    }
+    for (; i < n; i += 64) {
+        __mmask64 k = n - i >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (n - i)) - 1);
+        acc = _mm512_max_epu8(acc, _mm512_and_si512(_mm512_maskz_loadu_epi8(k, p + i), m7f));
+    }
+    return _mm512_max_epu8(_mm512_max_epu8(acc, a1), _mm512_max_epu8(a2, a3));
+}
+
+/* model1_amax_chunks' tokens [t0, t1) two at a time: *best, *rope_max (the largest |rope word|), *bad. */
+KV_AVX512 static void m1_amax_tokens_avx512(const uint8_t *src, const geom_t *s, Py_ssize_t t0, Py_ssize_t t1,
+                                            const uint8_t *index, float *best, uint16_t *rope_max, int *bad) {
+    uint8_t buf_a[M1_RECORD], buf_b[M1_RECORD];
+    const __m128i scale_index = _mm_loadu_si128((const __m128i *)index);
+    __m512 best_v = _mm512_setzero_ps();
+    __m512i rope_v = _mm512_setzero_si512();
+    __mmask16 bad_lanes = 0;
+    for (Py_ssize_t t = t0; t < t1; t += 2) {
+        const uint8_t *da, *fa, *db, *fb;
+        m1_read(src, s, t, buf_a, &da, &fa);
+        if (t + 1 < t1)
+            m1_read(src, s, t + 1, buf_b, &db, &fb);
+        else
+            db = da, fb = fa;
+        m1_amax_pair_avx512(da, fa, db, fb, scale_index, &best_v, &bad_lanes, &rope_v);
+    }
+    *best = _mm512_reduce_max_ps(best_v);
+    *bad = bad_lanes != 0;
+    *rope_max = max_u16(rope_v, rope_v);
+}
+
+/* Largest byte & 0x7F of the per-tensor E4M3 records of tokens [t0, t1). */
+KV_AVX512 static uint8_t fp8_max_magnitude_avx512(const uint8_t *src, const geom_t *s, Py_ssize_t t0, Py_ssize_t t1) {
+    Py_ssize_t sp = s->pages, foot_bytes = s->record_bytes - s->split;
+    __m512i acc = _mm512_setzero_si512();
+    for (Py_ssize_t t = t0; t < t1;) { /* the rows [r0, r1) of one page: two contiguous byte ranges */
+        Py_ssize_t page = t / sp, r0 = t - page * sp, r1 = t1 - page * sp < sp ? t1 - page * sp : sp;
+        const uint8_t *data = src + page * s->page_bytes, *foot = data + sp * s->split;
+        acc = max_magnitude_avx512(data + r0 * s->split, (r1 - r0) * s->split, acc);
+        acc = max_magnitude_avx512(foot + r0 * foot_bytes, (r1 - r0) * foot_bytes, acc);
+        t += r1 - r0;
+    }
+    return max_u8(acc);
+}
+#endif /* KV_X86 */
+
+KV_BODY void model1_amax_chunks(Py_ssize_t c0, Py_ssize_t c1, const uint8_t *src, const geom_t *s, Py_ssize_t n,
+                                float *amax, int64_t *bad_out, int isa) {
+    uint8_t buf_a[M1_RECORD];
+#if KV_X86
+    uint8_t index[16];
+    for (int l = 0; l < 16; l++) /* the scale byte of each tree lane: tile t of token a (b: 8 + t); padding: 0 */
+        index[l] = (uint8_t)((TREE_LANE[l] & 7) == 7 ? TREE_LANE[l] & 8 : TREE_LANE[l]);
+#endif
+    for (Py_ssize_t c = c0; c < c1; c++) {
+        Py_ssize_t t0 = c * CHUNK_TOKENS, t1 = (c + 1) * CHUNK_TOKENS < n ? (c + 1) * CHUNK_TOKENS : n;
+        float best = 0.0f;
+        uint16_t rope_max = 0;
+        int bad = 0;
+#if KV_X86
+        if (isa == ISA_AVX512)
+            m1_amax_tokens_avx512(src, s, t0, t1, index, &best, &rope_max, &bad);
+        else
+#endif
+            for (Py_ssize_t t = t0; t < t1; t++) {
+                const uint8_t *data, *foot;
+                m1_read(src, s, t, buf_a, &data, &foot);
+                m1_amax_token_scalar(data, foot, &best, &rope_max, &bad);
+            }
+        if (rope_max >= 0x7F80)
+            bad = 1;
+        else if (t1 > t0 && bits_f32((uint32_t)rope_max << 16) > best)
+            best = bits_f32((uint32_t)rope_max << 16);
+        amax[c] = best;
+        bad_out[c] = bad;
+    }
+}
+
+KV_BODY void fp8_amax_chunks(Py_ssize_t c0, Py_ssize_t c1, const uint8_t *src, const geom_t *s, Py_ssize_t n,
+                             float scale, float *amax, int64_t *bad_out, int isa) {
+    Py_ssize_t sp = s->pages, foot_bytes = s->record_bytes - s->split;
+    for (Py_ssize_t c = c0; c < c1; c++) {
+        Py_ssize_t t0 = c * CHUNK_TOKENS, t1 = (c + 1) * CHUNK_TOKENS < n ? (c + 1) * CHUNK_TOKENS : n;
+        uint8_t m = 0;
+#if KV_X86
+        if (isa == ISA_AVX512)
+            m = fp8_max_magnitude_avx512(src, s, t0, t1);
+        else
+#endif
+            for (Py_ssize_t t = t0; t < t1;) { /* the rows [r0, r1) of one page: two contiguous byte ranges */
+                Py_ssize_t page = t / sp, r0 = t - page * sp, r1 = t1 - page * sp < sp ? t1 - page * sp : sp;
+                const uint8_t *data = src + page * s->page_bytes, *foot = data + sp * s->split;
+                uint8_t a = max_magnitude_scalar(data + r0 * s->split, (r1 - r0) * s->split);
+                uint8_t b = max_magnitude_scalar(foot + r0 * foot_bytes, (r1 - r0) * foot_bytes);
+                m = a > m ? a : m;
+                m = b > m ? b : m;
+                t += r1 - r0;
+            }
+        uint32_t bits;
+        float v = e4m3_value(m) * scale;
+        memcpy(&bits, &v, 4);
+        v = bits_f32(bits & 0x7FFFFFFFu); /* |e4m3(m) * scale| */
+        int bad = m == 0x7F || !finite_f32(v);
+        amax[c] = bad ? 0.0f : v;
+        bad_out[c] = bad;
+    }
+}
+
+#define M1_AMAX_PARAMS Py_ssize_t c0, Py_ssize_t c1, const uint8_t *src, const geom_t *s, Py_ssize_t n, float *amax, \
+    int64_t *bad
+#define M1_AMAX_ARGS c0, c1, src, s, n, amax, bad
+#define FP8_AMAX_PARAMS Py_ssize_t c0, Py_ssize_t c1, const uint8_t *src, const geom_t *s, Py_ssize_t n, float scale, \
+    float *amax, int64_t *bad
+#define FP8_AMAX_ARGS c0, c1, src, s, n, scale, amax, bad
+KV_VARIANTS(model1_amax, M1_AMAX_PARAMS, M1_AMAX_ARGS)
+KV_VARIANTS(fp8_amax, FP8_AMAX_PARAMS, FP8_AMAX_ARGS)
+
+/* ------------------------------------------------------------------------------------------- */
 /* Python interface                                                                             */
 /* ------------------------------------------------------------------------------------------- */
 
@@ -816,9 +1154,10 @@ static PyObject *py_model1_to_fp8(PyObject *self, PyObject *args) {
     geom_t s, d;
     Py_buffer v[7];
     memset(v, 0, sizeof v);
-    if (!PyArg_ParseTuple(args, "nny*nnnnnw*nnnny*y*y*w*w*", &c0, &c1, &v[0], &s.pages, &s.page_bytes, &s.split,
+    float mult;
+    if (!PyArg_ParseTuple(args, "nny*nnnnnw*nnnny*y*y*w*w*f", &c0, &c1, &v[0], &s.pages, &s.page_bytes, &s.split,
                           &s.record_bytes, &n, &v[1], &d.pages, &d.page_bytes, &d.split, &d.record_bytes, &v[2], &v[3],
-                          &v[4], &v[5], &v[6]))
+                          &v[4], &v[5], &v[6], &mult))
         return NULL;
     int ok = check_geom(&s, v[0].len, M1_RECORD, npages_of(n, s.pages), "source") &&
              check_geom(&d, v[1].len, FP8_RECORD, npages_of(n, d.pages), "destination") &&
@@ -826,7 +1165,7 @@ static PyObject *py_model1_to_fp8(PyObject *self, PyObject *args) {
              need(v[2].len >= 256 * 256 && v[3].len >= 256 * 128 && v[4].len >= 65536, "short table") &&
              need(v[5].len >= c1 * 8 && v[6].len >= c1 * 8, "short bad_count/bad_first");
     if (ok) {
-        m2f_tables tb = {v[2].buf, v[3].buf, v[4].buf};
+        m2f_tables tb = {v[2].buf, v[3].buf, v[4].buf, mult};
         int isa = kv_isa;
         Py_BEGIN_ALLOW_THREADS
         model1_to_fp8_run(c0, c1, v[0].buf, &s, n, v[1].buf, v[1].len, &d, &tb, v[5].buf, v[6].buf, isa);
@@ -850,7 +1189,7 @@ static PyObject *py_model1_encode(PyObject *self, PyObject *args) {
     int ok = check_geom(&d, v[2].len, M1_RECORD, npages_of(n, d.pages), "destination") &&
              check_chunks(c0, c1, v[2].len / d.page_bytes, d.pages) &&
              need((from_bf16 ? v[1].len >= n * HEAD_DIM * 2 : v[0].len >= n * HEAD_DIM * 4), "short latents") &&
-             need(v[3].len >= 277 * 4 && min_exp >= -149 && min_exp <= 0, "bad pow2 table or exponent floor");
+             need(v[3].len >= 277 * 4 && min_exp >= -127 && min_exp <= 0, "bad pow2 table or exponent floor");
     if (ok) {
         int isa = kv_isa;
         const float *x32 = from_bf16 ? NULL : v[0].buf;
@@ -880,6 +1219,58 @@ static PyObject *py_model1_decode(PyObject *self, PyObject *args) {
         int isa = kv_isa;
         Py_BEGIN_ALLOW_THREADS
         decode_run(c0, c1, v[0].buf, &s, n, v[1].buf, v[1].len, v[2].buf, isa);
+        Py_END_ALLOW_THREADS
+    }
+    release(v, 3);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Chunks [c0, c1) of ceil(n / CHUNK_TOKENS) source tokens; amax (fp32) and bad (int64) hold c1 entries. */
+static int check_amax_args(Py_ssize_t c0, Py_ssize_t c1, Py_ssize_t n, const Py_buffer *amax, const Py_buffer *bad) {
+    return need(n >= 0 && c0 >= 0 && c1 >= c0 && c1 <= (n + CHUNK_TOKENS - 1) / CHUNK_TOKENS,
+                "chunk range out of bounds") &&
+           need(amax->len >= c1 * 4 && bad->len >= c1 * 8, "short amax/bad");
+}
+
+static PyObject *py_model1_amax(PyObject *self, PyObject *args) {
+    Py_ssize_t c0, c1, n;
+    geom_t s;
+    Py_buffer v[3];
+    memset(v, 0, sizeof v);
+    if (!PyArg_ParseTuple(args, "nny*nnnnnw*w*", &c0, &c1, &v[0], &s.pages, &s.page_bytes, &s.split, &s.record_bytes,
+                          &n, &v[1], &v[2]))
+        return NULL;
+    int ok = check_geom(&s, v[0].len, M1_RECORD, npages_of(n, s.pages), "source") &&
+             check_amax_args(c0, c1, n, &v[1], &v[2]);
+    if (ok) {
+        int isa = kv_isa;
+        Py_BEGIN_ALLOW_THREADS
+        model1_amax_run(c0, c1, v[0].buf, &s, n, v[1].buf, v[2].buf, isa);
+        Py_END_ALLOW_THREADS
+    }
+    release(v, 3);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_fp8_amax(PyObject *self, PyObject *args) {
+    Py_ssize_t c0, c1, n;
+    float scale;
+    geom_t s;
+    Py_buffer v[3];
+    memset(v, 0, sizeof v);
+    if (!PyArg_ParseTuple(args, "nny*nnnnnfw*w*", &c0, &c1, &v[0], &s.pages, &s.page_bytes, &s.split, &s.record_bytes,
+                          &n, &scale, &v[1], &v[2]))
+        return NULL;
+    int ok = check_geom(&s, v[0].len, FP8_RECORD, npages_of(n, s.pages), "source") &&
+             check_amax_args(c0, c1, n, &v[1], &v[2]);
+    if (ok) {
+        int isa = kv_isa;
+        Py_BEGIN_ALLOW_THREADS
+        fp8_amax_run(c0, c1, v[0].buf, &s, n, scale, v[1].buf, v[2].buf, isa);
         Py_END_ALLOW_THREADS
     }
     release(v, 3);
@@ -924,11 +1315,16 @@ static PyMethodDef methods[] = {
      "rope_lut, bad_count, bad_first): per-tensor E4M3 -> MODEL1 chunks [c0, c1)."},
     {"model1_to_fp8", py_model1_to_fp8, METH_VARARGS,
      "model1_to_fp8(c0, c1, src, sp, spb, ssplit, srb, n, dst, dp, dpb, dsplit, drb, nope_lut, bad_mag, rope_lut, "
-     "bad_count, bad_first): MODEL1 -> per-tensor E4M3 chunks [c0, c1)."},
+     "bad_count, bad_first, mult): MODEL1 -> per-tensor E4M3 chunks [c0, c1) (mult: the tables' multiplier)."},
     {"model1_encode", py_model1_encode, METH_VARARGS,
      "model1_encode(c0, c1, x32, x16, from_bf16, n, dst, dp, dpb, dsplit, drb, min_exp, pow2): latents -> MODEL1."},
     {"model1_decode", py_model1_decode, METH_VARARGS,
      "model1_decode(c0, c1, src, sp, spb, ssplit, srb, n, out, ue8m0): MODEL1 -> fp32 latents."},
+    {"model1_amax", py_model1_amax, METH_VARARGS,
+     "model1_amax(c0, c1, src, sp, spb, ssplit, srb, n, amax, bad): per chunk of CHUNK_TOKENS MODEL1 tokens, the "
+     "largest |decoded value| (fp32) and 1 where a value decodes to NaN/Inf."},
+    {"fp8_amax", py_fp8_amax, METH_VARARGS,
+     "fp8_amax(c0, c1, src, sp, spb, ssplit, srb, n, scale, amax, bad): the same for per-tensor E4M3 at scale."},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels run: 'avx512vbmi' or 'scalar'."},
     {"cpu_isa", py_cpu_isa, METH_NOARGS, "The best instruction set this CPU supports."},
     {"set_isa", py_set_isa, METH_O, "Run the kernels with the given ISA (at most cpu_isa()); returns the previous."},
@@ -951,6 +1347,10 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         kv_cpu_isa = ISA_AVX512;
 #endif
     kv_isa = kv_cpu_isa;
+#if KV_X86
+    if (kv_cpu_isa == ISA_AVX512)
+        tree_lanes();
+#endif
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "CHUNK_TOKENS", CHUNK_TOKENS) < 0) {
         Py_DECREF(m);

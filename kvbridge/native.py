@@ -32,7 +32,8 @@ through tables of (scale byte, code).
 
 Numba compiles the kernels on first use and caches them on disk (``cache=True``); see
 ``docs/performance.md`` for the one-time cost. The four MODEL1 accelerators (trtllm-fp8 <-> MODEL1,
-MODEL1 encode and decode) run compiled C kernels instead (``kvbridge._kernels``, an optional
+MODEL1 encode and decode) and the code-domain amax of MODEL1 and per-tensor E4M3 pools run compiled C
+kernels instead (``kvbridge._kernels``, an optional
 extension built at install time, byte-identical, AVX-512 VBMI table lookups and non-temporal stores)
 where it is built and the CPU has AVX-512 VBMI, unless ``KVBRIDGE_NO_CKERNELS=1``
 (``kernel_implementation()`` says which runs).
@@ -1298,18 +1299,26 @@ def decode_pages(
 
 
 def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
-               scale: float) -> float | None:
+               scale: float, *, accelerated: bool = True) -> float | None:
     """Largest |decoded value| of the first ``num_tokens`` tokens (0.0 for none), from the codes and
-    scale bytes in one pass with no fp32 copy; None when a value would decode to NaN/Inf."""
+    scale bytes in one pass with no fp32 copy; None when a value would decode to NaN/Inf. MODEL1 and
+    per-tensor E4M3 (TensorRT-LLM FP8) records run the compiled kernels where they are in use;
+    ``accelerated=False`` runs the generic kernel (the tests compare the two)."""
     n = layout.token_count(pages, page_size, num_tokens)
     if n == 0:
         return 0.0
     nchunks = -(-n // CHUNK_TOKENS)
     amax = np.zeros(nchunks, np.float32)
     bad = np.zeros(nchunks, np.int64)
-    sp, spb, ssplit, srb = _geometry(layout, page_size)
-    _run_chunks(_amax_kernel, nchunks, _flat(pages), program(layout), sp, spb, ssplit, srb, np.float32(scale), n,
-                _E4M3_F32, _UE8M0_F32, _E2M1_F32, amax, bad)
+    geometry = (_flat(pages), *_geometry(layout, page_size))
+    compiled = _CK is not None and accelerated
+    if compiled and layout.segments == _MODEL1_SEGMENTS:
+        _run_chunks(_CK.model1_amax, nchunks, *geometry, n, amax, bad)
+    elif compiled and layout.segments == _FP8_SEGMENTS:
+        _run_chunks(_CK.fp8_amax, nchunks, *geometry, n, float(np.float32(scale)), amax, bad)
+    else:
+        _run_chunks(_amax_kernel, nchunks, geometry[0], program(layout), *geometry[1:], np.float32(scale), n,
+                    _E4M3_F32, _UE8M0_F32, _E2M1_F32, amax, bad)
     return None if bad.any() else float(amax.max())
 
 
@@ -1410,6 +1419,9 @@ def _compiled_kernels() -> tuple[ModuleType | None, str]:
 
 
 _CK, _CK_WHY_NOT = _compiled_kernels()
+#: Records whose code-domain amax (``amax_pages``) has a compiled kernel.
+_MODEL1_SEGMENTS = get_layout("flashmla-model1").segments
+_FP8_SEGMENTS = get_layout("trtllm-fp8").segments
 
 
 def kernel_implementation() -> str:
@@ -1436,8 +1448,11 @@ def _fp8_to_mxfp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad
 
 def _model1_to_fp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
     mult, _ = _encode_params(dialect, dst_scale)
-    kernel = _model1_to_fp8_kernel if _CK is None else _CK.model1_to_fp8
-    _run_chunks(kernel, len(bad_count), *geometry, *_model1_to_fp8_tables(float(mult)), bad_count, bad_first)
+    tables = _model1_to_fp8_tables(float(mult))
+    if _CK is not None:  # the C kernel also takes the multiplier (its vector code computes the rope's codes)
+        _run_chunks(_CK.model1_to_fp8, len(bad_count), *geometry, *tables, bad_count, bad_first, float(mult))
+        return
+    _run_chunks(_model1_to_fp8_kernel, len(bad_count), *geometry, *tables, bad_count, bad_first)
 
 
 def _model1_encode(x32, x16, from_bf16, n, dialect, scale, geometry) -> None:

@@ -1,10 +1,14 @@
 """Hot native kernels against same-run copies (``np.copyto``, ``copy_``) of the same bytes.
 
-For each case (trtllm-fp8 <-> MODEL1 transcodes fresh and ``out=``, encode bf16 -> MODEL1,
-decode MODEL1 -> fp32) and each thread count, calls of the kernel (through ``kvbridge.fastpath``)
+For each case (trtllm-fp8 <-> MODEL1 transcodes fresh and ``out=``, MODEL1 -> trtllm-fp8 with
+``dst_scale="auto"`` (``kvbridge.transcode``: the code-domain amax pass, then the transcode), encode
+bf16 -> MODEL1, decode MODEL1 -> fp32) and each thread count, calls of the kernel (through ``kvbridge.fastpath``)
 alternate with ``np.copyto`` (one thread) and ``torch.Tensor.copy_`` (the case's threads) of a
 buffer half the size of the bytes the call reads plus writes (so the copy reads and writes the
-same total); ``x copy`` / ``x copy_`` = best copy time / best kernel time (best of ``--repeat``).
+same total); ``x copy`` / ``x copy_`` = best copy time / best kernel time (best of ``--repeat``). Cases
+with a fresh output also time its first touch alone (``native._empty_output`` of the output's bytes + ``fill_``
+on the case's threads): ``x touch`` = that / the kernel time, the share of a fresh call the operating system's
+zeroing of new pages costs on its own (1.0: the kernel is at that ceiling).
 Also prints the one-thread CPU time (``time.process_time``, best of ``--repeat``) of each case at
 ``--cpu-tokens`` tokens, the measure of the layout-rebuild check.
 
@@ -30,6 +34,7 @@ from functools import partial
 import numpy as np
 import torch
 
+import kvbridge
 from kvbridge import fastpath, native
 from kvbridge.layouts import get_layout
 
@@ -45,6 +50,10 @@ def _cpu_model() -> str:
         if line.startswith("Model name:"):
             return line.split(":", 1)[1].strip()
     return "unknown"
+
+
+#: Cases whose call allocates its output (the others write into a preallocated, touched pool).
+FRESH = ("fresh", "encode", "decode")
 
 
 def _cases(n: int) -> dict[str, tuple]:
@@ -69,6 +78,9 @@ def _cases(n: int) -> dict[str, tuple]:
         "trtllm-fp8 -> MODEL1, fresh": (to_m1, nb(src_fp8), nb(out_m1)),
         "MODEL1 -> trtllm-fp8, out=": (lambda: to_fp8(out_fp8), nb(src_m1), nb(out_fp8)),
         "MODEL1 -> trtllm-fp8, fresh": (to_fp8, nb(src_m1), nb(out_fp8)),
+        "MODEL1 -> trtllm-fp8, auto, out=": (lambda: kvbridge.transcode(src_m1, m1, fp8, src_page_size=P, num_tokens=n,
+                                                                         dst_scale="auto", out=out_fp8),
+                                              nb(src_m1), nb(out_fp8)),
         "encode bf16 -> MODEL1": (lambda: fastpath.encode_pages(x, m1, P, "flashmla", 1.0), nb(x), nb(src_m1)),
         "decode MODEL1 -> fp32": (lambda: fastpath.decode_pages(src_m1, m1, P, n, 1.0), nb(src_m1), n * 2048),
     }
@@ -100,8 +112,13 @@ def paired(cases: dict[str, tuple], threads: list[int], repeat: int, impls: dict
             src, dst = np.ones(half, np.uint8), np.ones(half, np.uint8)
             t_src, t_dst = torch.from_numpy(src), torch.from_numpy(dst)
             np_copy, torch_copy = partial(np.copyto, dst, src), partial(t_dst.copy_, t_src)
+            fresh = any(word in name for word in FRESH)
+
+            def touch(nbytes=written):
+                native._empty_output(1, nbytes).fill_(0)
+
             for th in threads:
-                times: dict[str, tuple[list[float], ...]] = {impl: ([], [], []) for impl in impls}
+                times: dict[str, tuple[list[float], ...]] = {impl: ([], [], [], []) for impl in impls}
                 for module in impls.values():  # warm-up (compile or cache load, first touch)
                     native._CK = module
                     fn()
@@ -111,13 +128,17 @@ def paired(cases: dict[str, tuple], threads: list[int], repeat: int, impls: dict
                         torch.set_num_threads(th)
                         times[impl][0].append(_wall(fn))
                         times[impl][2].append(_wall(torch_copy))  # torch copy_, th threads
+                        if fresh:
+                            times[impl][3].append(_wall(touch))  # first touch of a fresh output, th threads
                         torch.set_num_threads(1)
                         times[impl][1].append(_wall(np_copy))
-                for impl, (k_times, c_times, t_times) in times.items():
+                for impl, (k_times, c_times, t_times, f_times) in times.items():
                     k, c, tc = min(k_times), min(c_times), min(t_times)
+                    touch_s = min(f_times) if f_times else None
                     rows.append({"case": name, "impl": impl, "threads": th, "kernel_s": k, "copy_s": c,
                                  "copy_gb_s": 2 * half / c / 1e9, "x_copy": c / k, "torch_copy_s": tc,
-                                 "x_torch_copy": tc / k})
+                                 "x_torch_copy": tc / k, "first_touch_s": touch_s,
+                                 "x_touch": None if touch_s is None else touch_s / k})
     finally:
         native._CK = saved
     return rows
@@ -163,11 +184,12 @@ def main() -> None:
           f"load average {' '.join(f'{x:.1f}' for x in header['load_average'])} (at start); "
           f"kvbridge's MODEL1 kernels: {header['native_kernels']}")
     print(f"{'case':32} {'kernels':16} {'thr':>3} {'kernel ms':>10} {'copy ms':>8} {'copy GB/s':>9} {'x copy':>7} "
-          f"{'copy_ ms':>8} {'x copy_':>7}")
+          f"{'copy_ ms':>8} {'x copy_':>7} {'touch ms':>8} {'x touch':>7}")
     for r in rows:
+        touch = "" if r["x_touch"] is None else f" {1e3 * r['first_touch_s']:8.2f} {r['x_touch']:7.3f}"
         print(f"{r['case']:32} {r['impl'][:16]:16} {r['threads']:3d} {1e3 * r['kernel_s']:10.2f} "
               f"{1e3 * r['copy_s']:8.2f} {r['copy_gb_s']:9.1f} {r['x_copy']:7.3f} {1e3 * r['torch_copy_s']:8.2f} "
-              f"{r['x_torch_copy']:7.3f}")
+              f"{r['x_torch_copy']:7.3f}{touch}")
     print(f"# load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if cpu:
         print(f"# one-thread CPU time, {args.cpu_tokens} tokens, best of {args.repeat}")

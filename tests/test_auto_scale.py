@@ -87,3 +87,38 @@ def test_candidates_from_the_codes():
     assert lossless_scale_candidates(0.0, torch.zeros(4, 512), "swa") == []
     m1 = kb.decode(kb.encode(x, "model1", page_size=64), "model1", page_size=64)  # tile scales unrelated to one s
     assert lossless_scale_candidates(float(m1.abs().max()), m1, "swa") == []
+
+
+@pytest.mark.parametrize("src_name,scale", [("flashmla-model1", None), ("trtllm-fp8", 0.037), ("trtllm-fp8", 3.0)])
+def test_transcode_auto_every_amax_implementation(src_name, scale):
+    """``kb.transcode(dst_scale="auto")`` through each code-domain amax (numba, the compiled kernels' scalar and
+    AVX-512 code) writes the bytes of decoding everything and encoding at ``auto_scale`` of the values; a NaN
+    code, a NaN scale byte or a NaN rope word raises the decoded values' error (count and first position)."""
+    from kvbridge.errors import NonFiniteError
+    from kvbridge.reference import check_finite
+    from tests.test_ckernels import implementation, implementations
+    from tests.test_native import edge_latents
+
+    src = kb.get_layout(src_name)
+    x = edge_latents(9).repeat(6, 1)[:560].clamp(-1e30, 1e30) * 3.0  # 3 chunks of 256 tokens
+    pages = kb.encode(x, src, page_size=61, scale=scale)
+    args = dict(src_page_size=61, dst_page_size=64, num_tokens=560, src_scale=scale, dst_scale="auto")
+    values = kb.decode(pages, src, page_size=61, num_tokens=560, scale=scale)
+    want = kb.encode(values, "trtllm-fp8", page_size=64, scale=kb.auto_scale(values))
+    bad = []  # (pages, the decoded values' error)
+    for field, index in (("nope", 3), ("scale", 5), ("rope", 8)):  # rope bytes 8, 9: bf16 word 4 = 0xFFFF (NaN)
+        if field in {f.name for f in src.fields}:
+            patched = pages.clone()
+            at = src.field_offset(field, 300 % 61, 61) + index  # token 300: the second chunk
+            patched[300 // 61, at : at + (2 if field == "rope" else 1)] = 0xFF
+            with pytest.raises(NonFiniteError) as err:
+                check_finite(kb.decode(patched, src, page_size=61, num_tokens=560, scale=scale))
+            bad.append((patched, str(err.value)))
+    assert len(bad) == (2 if src.per_tensor_scale else 3)
+    for name in implementations():
+        with implementation(name):
+            assert torch.equal(kb.transcode(pages, src, "trtllm-fp8", **args), want), name
+            for patched, message in bad:
+                with pytest.raises(NonFiniteError) as got:
+                    kb.transcode(patched, src, "trtllm-fp8", **args)
+                assert str(got.value) == message, name

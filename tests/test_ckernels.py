@@ -161,6 +161,10 @@ def test_bad_arguments_raise_instead_of_overrunning():
     with pytest.raises(ValueError, match="short"):
         _kernels.model1_decode(0, 1, np.zeros(MODEL1.page_bytes(64), np.uint8), 64, MODEL1.page_bytes(64), 576, 584,
                                64, np.zeros(64 * 512 - 1, np.float32), native._UE8M0_F32)
+    with pytest.raises(ValueError, match="exponent floor"):  # 2^-e for e < -127 is past the pow2 table
+        _kernels.model1_encode(0, 1, np.zeros(64 * 512, np.float32), np.empty(0, np.uint16), False, 64,
+                               np.zeros(MODEL1.page_bytes(64), np.uint8), 64, MODEL1.page_bytes(64), 576, 584, -128,
+                               native._POW2_F32)
 
 
 def fp8_sources(g: torch.Generator):
@@ -329,3 +333,91 @@ def test_every_code_and_rope_word_once():
     fp8_pages = FP8.records_to_pages(flat.reshape(-1, 512), 64)
     for scale, dialect in itertools.product((1.0, 0.037, 3e-5), nx.DIALECTS):
         check_transcode(fp8_pages, FP8, 64, MODEL1, 64, flat.numel() // 512, scale, 1.0, dialect)
+
+
+def check_amax(pages, layout, p, n, scale) -> float | None:
+    """Every implementation's code-domain amax equals the generic kernel's (and the decoded values')."""
+    want = native.amax_pages(pages, layout, p, n, scale, accelerated=False)
+    decoded = reference.amax_pages(pages, layout, p, n, scale)
+    assert (want is None) == (decoded is None) and (want is None or want == decoded), (layout.name, want, decoded)
+    for name in implementations():
+        with implementation(name):
+            got = native.amax_pages(pages, layout, p, n, scale)
+        assert (got is None) == (want is None), (name, layout.name, p, n, scale)
+        if want is not None:  # fp32 values as Python floats: exact, and +0.0 is not -0.0
+            assert math.copysign(1.0, got) == 1.0 and got == want, (name, layout.name, p, n, scale, got, want)
+    return want
+
+
+def test_amax_every_implementation():
+    """MODEL1 and per-tensor E4M3 sources (edge cases, random bytes with NaN codes and scale bytes,
+    Inf/NaN ropes, overflowing scales), several chunks, pages ending mid-chunk."""
+    g = torch.Generator().manual_seed(7)
+    results = []
+    for lay, pages, p, n in model1_sources(g):
+        for count in (n, n - 1, 1):
+            results.append(check_amax(pages, lay, p, count, 1.0))
+    for pages, p, n, scale in fp8_sources(g):
+        for lay, count in itertools.product(FP8_LAYOUTS, (n, n - 1, 1)):
+            if lay is SPLIT_FP8:  # the same records, block-split pages
+                pages = SPLIT_FP8.records_to_pages(FP8.pages_to_records(pages, p, n), p)
+            results.append(check_amax(pages, lay, p, count, scale))
+    big = reference.encode_pages(edge_latents(8).repeat(12, 1)[:1100].clamp(-1e30, 1e30), MODEL1, 64, "flashmla", 1.0)
+    results.append(check_amax(big, MODEL1, 64, 1100, 1.0))  # 5 chunks
+    assert None in results and sum(r is not None and r > 0 for r in results) > 20
+
+
+def test_amax_every_scale_byte_and_tile():
+    """One tile of largest magnitude m and scale byte b (every b, the subnormal, normal, largest and NaN m)
+    among zero tiles with other scale bytes, at every tile index and either token of a pair (the AVX-512
+    kernel reduces two tokens' 14 tiles together)."""
+    g = torch.Generator().manual_seed(8)
+    for b, m in itertools.product(range(256), (0, 1, 7, 8, 9, 0x55, 0x7E, 0x7F)):
+        records = torch.zeros(3, 584, dtype=torch.uint8)
+        records[:, 576:583] = torch.randint(0, 255, (3, 7), dtype=torch.uint8, generator=g)
+        t, j = b % 3, (b + m) % 7
+        records[t, 64 * j : 64 * j + 64] = torch.randint(0, m + 1, (64,), dtype=torch.uint8, generator=g) | (
+            torch.randint(0, 2, (64,), dtype=torch.uint8, generator=g) << 7)
+        records[t, 64 * j + (b % 64)] = m | 0x80 * (b & 1)
+        records[t, 576 + j] = b
+        pages = MODEL1.records_to_pages(records, 2)
+        check_amax(pages, MODEL1, 2, 3, 1.0)
+        check_amax(pages, MODEL1, 2, 2, 1.0)
+
+
+@pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
+def test_amax_bad_arguments_raise():
+    pages = np.zeros(MODEL1.page_bytes(64), np.uint8)
+    amax, bad = np.zeros(1, np.float32), np.zeros(1, np.int64)
+    with pytest.raises(ValueError, match="geometry"):
+        _kernels.model1_amax(0, 1, pages, 64, MODEL1.page_bytes(64), 576, 584, 65, amax, bad)
+    with pytest.raises(ValueError, match="chunk range"):
+        _kernels.model1_amax(0, 2, pages, 64, MODEL1.page_bytes(64), 576, 584, 64, np.zeros(2, np.float32),
+                             np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="short"):
+        _kernels.fp8_amax(0, 1, np.zeros(FP8.page_bytes(64), np.uint8), 64, FP8.page_bytes(64), 512, 512, 64, 1.0,
+                          np.zeros(0, np.float32), bad)
+
+
+def test_model1_encode_every_bf16_magnitude():
+    """Exhaustive over bf16 magnitudes (the compiled bf16 encoder computes most tiles' codes in 16-bit lanes and
+    falls back to fp32 arithmetic for tiles reaching E4M3's subnormal range): for tile maxima at several
+    exponents (the 1.75 mantissa boundary of the scale rule, the dialects' exponent floors), tiles holding every
+    bf16 magnitude up to that maximum, both signs, zeros, bf16 subnormals."""
+    g = torch.Generator().manual_seed(9)
+    rows = []
+    for amax in (448.0, 1.0, 3.0, 1.75 * 2.0**-3, 1.7578125 * 2.0**5, 2.0**-20, 2.0**-40, 2.0**-130, 2.0**20, 1e38):
+        top = int(torch.tensor(amax, dtype=torch.float32).bfloat16().view(torch.int16)) & 0x7FFF
+        mags = torch.arange(top + 1, dtype=torch.int32)
+        mags = mags[torch.randperm(mags.numel(), generator=g)]
+        lanes = torch.cat([mags, torch.zeros(-mags.numel() % 63, dtype=torch.int32)]).reshape(-1, 63)
+        signs = torch.randint(0, 2, lanes.shape, dtype=torch.int32, generator=g) << 15
+        tiles = torch.cat([lanes | signs, torch.full((lanes.shape[0], 1), top, dtype=torch.int32)], 1)
+        tiles = torch.cat([tiles, tiles[torch.arange(-tiles.shape[0] % 8) % tiles.shape[0]]])  # records of 8 tiles
+        rows.append(tiles.reshape(-1, 512))
+    x = torch.cat(rows).to(torch.int16).view(torch.bfloat16)
+    for dialect in nx.DIALECTS:
+        want = native.encode_pages(x, MODEL1, 64, dialect, 1.0, accelerated=False)
+        for name in implementations():
+            with implementation(name):
+                assert torch.equal(native.encode_pages(x, MODEL1, 64, dialect, 1.0), want), (name, dialect)

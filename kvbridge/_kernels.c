@@ -940,12 +940,27 @@ static PyObject *py_set_nt_min(PyObject *self, PyObject *arg) {
 typedef struct {
     float s_pt, mult; /* the per-tensor scale; |mult| */
     const float *ue8m0;
+    uint8_t pt_sat_from, m1_sat_from[256]; /* see sat_from */
 } loss_params;
 
 typedef struct {
     uint32_t amax, nope, rope;
     int64_t unequal, flushed, saturated;
 } loss_acc;
+
+/* The smallest magnitude code a with |fl(e4m3(a) * scale) * mult| > 448 (the generic kernel's fp32 steps), 0x7F
+ * when none: |fl(e4m3(a) * scale)| rises with a for a finite scale, so the saturating codes are [a, 0x7E]. */
+static uint8_t sat_from(float scale, float mult) {
+    int lo = 0, hi = 0x7F;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (fabsf(e4m3_value((uint32_t)mid) * scale * mult) > 448.0f)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return (uint8_t)lo;
+}
 
 static inline uint32_t f32_bits(float f) {
     uint32_t b;
@@ -995,18 +1010,18 @@ KV_BODY double loss_token_scalar(const uint8_t *pt, const uint8_t *data, const u
 
 #if KV_X86
 typedef struct {
-    __m512i amax, nope, rope, unequal, flushed, saturated; /* 32-bit lanes */
+    __m512i amax, nope, rope; /* 32-bit lanes */
+    __m512i amax_code;        /* per byte: the largest per-tensor source magnitude code */
     __m512d sq0, sq1;
+    int64_t unequal, flushed, saturated;
 } loss_vec;
 
 /* e4m3(c) * 2^-8 of the 64 codes at p, exactly: 4 vectors of 16 fp32. */
 KV_AVX512 KV_BODY void e4m3_tile_scaled_down(const uint8_t *p, __m512 f[4]) {
-    const __m512i keep = _mm512_set1_epi16((short)0xBF80);
-    for (int k = 0; k < 2; k++) {
-        __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(p + 32 * k)));
-        __m512i h = _mm512_and_si512(_mm512_slli_epi16(w, 7), keep); /* sign << 15 | magnitude << 7 */
-        f[2 * k] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
-        f[2 * k + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    const __m256i keep = _mm256_set1_epi16((short)0xBF80);
+    for (int k = 0; k < 4; k++) {
+        __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16 * k)));
+        f[k] = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), keep)); /* sign << 15 | magnitude << 7 */
     }
 }
 
@@ -1016,22 +1031,24 @@ KV_AVX512 KV_BODY __m512 rescale(__m512 f, __m512 a, __m512 b, int two) {
     return two ? _mm512_mul_ps(f, b) : f;
 }
 
-KV_AVX512 KV_BODY void loss16(__m512 x, __m512 y, __m512i *emax, int per_tensor, __m512 mult, loss_vec *v) {
-    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
+/* The statistics of 16 values x (source) against y; x's |x| maximum and saturation count only when by_value (else
+ * the caller takes them from the codes). */
+KV_AVX512 KV_BODY void loss16(__m512 x, __m512 y, __m512i *emax, int by_value, int per_tensor, __m512 mult,
+                              loss_vec *v) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
     __m512i e = _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(y, x)), abs_mask);
-    __m512i ax = _mm512_and_si512(_mm512_castps_si512(x), abs_mask);
     *emax = _mm512_max_epu32(*emax, e);
-    v->amax = _mm512_max_epu32(v->amax, ax);
-    __mmask16 ne = _mm512_cmp_ps_mask(x, y, _CMP_NEQ_UQ);
-    v->unequal = _mm512_mask_add_epi32(v->unequal, ne, v->unequal, one);
-    /* y == 0 and x != y: x != 0 and y == 0 */
-    __mmask16 fl = _mm512_mask_cmp_ps_mask(ne, y, _mm512_setzero_ps(), _CMP_EQ_OQ);
-    v->flushed = _mm512_mask_add_epi32(v->flushed, fl, v->flushed, one);
-    if (per_tensor) {
-        __mmask16 sat = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_castsi512_ps(ax), mult), _mm512_set1_ps(448.0f),
-                                           _CMP_GT_OQ);
-        v->saturated = _mm512_mask_add_epi32(v->saturated, sat, v->saturated, one);
+    if (by_value) {
+        __m512i ax = _mm512_and_si512(_mm512_castps_si512(x), abs_mask);
+        v->amax = _mm512_max_epu32(v->amax, ax);
+        if (per_tensor)
+            v->saturated += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_castsi512_ps(ax), mult),
+                                                                  _mm512_set1_ps(448.0f), _CMP_GT_OQ));
     }
+    __mmask16 ne = _mm512_cmp_ps_mask(x, y, _CMP_NEQ_UQ);
+    v->unequal += __builtin_popcount(ne);
+    /* y == 0 and x != y: x != 0 and y == 0 */
+    v->flushed += __builtin_popcount(_mm512_mask_cmp_ps_mask(ne, y, _mm512_setzero_ps(), _CMP_EQ_OQ));
     __m512 ef = _mm512_castsi512_ps(e);
     __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(ef));
     __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ef), 1)));
@@ -1039,41 +1056,71 @@ KV_AVX512 KV_BODY void loss16(__m512 x, __m512 y, __m512i *emax, int per_tensor,
     v->sq1 = _mm512_fmadd_pd(hi, hi, v->sq1);
 }
 
+/* Values of the E4M3 tile at p whose magnitude code is in [from, 0x7E] (the saturating ones: see sat_from). */
+KV_AVX512 KV_BODY int saturated_codes(__m512i mag, uint8_t from) {
+    __mmask64 k = _mm512_cmpge_epu8_mask(mag, _mm512_set1_epi8((char)from));
+    return __builtin_popcountll(_mm512_mask_cmple_epu8_mask(k, mag, _mm512_set1_epi8(0x7E)));
+}
+
+/* A token (see loss_token_scalar). A per-tensor source's max |x| and saturation count come from its codes: |x| =
+ * e4m3(|c|) * |s_pt| rises with |c| (a finite s_pt), so the largest magnitude code gives the maximum and the
+ * saturating codes are those from a->pt_sat_from; a MODEL1 source's nope saturation count likewise from
+ * a->m1_sat_from[scale byte]. */
 KV_AVX512 KV_BODY double loss_token_avx512(const uint8_t *pt, const uint8_t *data, const uint8_t *foot,
-                                                 const loss_params *a, int tensor_is_src, int per_tensor,
-                                                 loss_vec *v) {
+                                           const loss_params *a, int tensor_is_src, int per_tensor, loss_vec *v) {
     const __m512 s256 = _mm512_set1_ps(256.0f), mult = _mm512_set1_ps(a->mult);
+    const __m512i m7f = _mm512_set1_epi8(0x7F);
     int pt_two = !(fabsf(a->s_pt) <= FLT_MAX / 256.0f);
     __m512 pt_a = pt_two ? s256 : _mm512_set1_ps(a->s_pt * 256.0f), pt_b = _mm512_set1_ps(a->s_pt);
     __m512 fp[4], fm[4];
     v->sq0 = v->sq1 = _mm512_setzero_pd();
-    for (int j = 0; j < 7; j++) {
+    for (int j = 0; j < 8; j++) {
+        if (tensor_is_src) {
+            __m512i mag = _mm512_and_si512(_mm512_loadu_si512(pt + 64 * j), m7f);
+            v->amax_code = _mm512_max_epu8(v->amax_code, mag);
+            if (per_tensor)
+                v->saturated += saturated_codes(mag, a->pt_sat_from);
+        }
+        e4m3_tile_scaled_down(pt + 64 * j, fp);
+        if (j == 7)
+            break;
         unsigned b = foot[j];
         int m_two = b > 246;
         __m512 m_a = m_two ? s256 : _mm512_set1_ps(a->ue8m0[b + 8]), m_b = _mm512_set1_ps(a->ue8m0[b]);
-        e4m3_tile_scaled_down(pt + 64 * j, fp);
+        if (!tensor_is_src && per_tensor)
+            v->saturated += saturated_codes(_mm512_and_si512(_mm512_loadu_si512(data + 64 * j), m7f),
+                                            a->m1_sat_from[b]);
         e4m3_tile_scaled_down(data + 64 * j, fm);
         for (int k = 0; k < 4; k++) {
             __m512 p = rescale(fp[k], pt_a, pt_b, pt_two), m = rescale(fm[k], m_a, m_b, m_two);
-            loss16(tensor_is_src ? p : m, tensor_is_src ? m : p, &v->nope, per_tensor, mult, v);
+            if (tensor_is_src)
+                loss16(p, m, &v->nope, 0, per_tensor, mult, v);
+            else {
+                v->amax = _mm512_max_epu32(v->amax, _mm512_and_si512(_mm512_castps_si512(m),
+                                                                     _mm512_set1_epi32(0x7FFFFFFF)));
+                loss16(m, p, &v->nope, 0, per_tensor, mult, v);
+            }
         }
     }
-    e4m3_tile_scaled_down(pt + 448, fp);
     for (int k = 0; k < 4; k++) {
         __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(data + 448 + 32 * k)));
         __m512 p = rescale(fp[k], pt_a, pt_b, pt_two), m = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-        loss16(tensor_is_src ? p : m, tensor_is_src ? m : p, &v->rope, per_tensor, mult, v);
+        if (tensor_is_src)
+            loss16(p, m, &v->rope, 0, per_tensor, mult, v);
+        else
+            loss16(m, p, &v->rope, 1, per_tensor, mult, v);
     }
     return _mm512_reduce_add_pd(_mm512_add_pd(v->sq0, v->sq1));
 }
 
-KV_AVX512 static inline void loss_vec_fold(const loss_vec *v, loss_acc *acc) {
-    acc->amax = _mm512_reduce_max_epu32(v->amax);
+KV_AVX512 static inline void loss_vec_fold(const loss_vec *v, const loss_params *a, loss_acc *acc) {
+    uint32_t by_code = f32_bits(e4m3_value(max_u8(v->amax_code)) * a->s_pt) & 0x7FFFFFFFu;
+    acc->amax = max_u32(_mm512_reduce_max_epu32(v->amax), by_code);
     acc->nope = _mm512_reduce_max_epu32(v->nope);
     acc->rope = _mm512_reduce_max_epu32(v->rope);
-    acc->unequal = _mm512_reduce_add_epi32(v->unequal);
-    acc->flushed = _mm512_reduce_add_epi32(v->flushed);
-    acc->saturated = _mm512_reduce_add_epi32(v->saturated);
+    acc->unequal = v->unequal;
+    acc->flushed = v->flushed;
+    acc->saturated = v->saturated;
 }
 #endif /* KV_X86 */
 
@@ -1111,10 +1158,11 @@ KV_AVX512 static double loss_range_avx512(LOSS_RANGE_PARAMS) {
     uint8_t pt_buf[FP8_RECORD], m1_buf[M1_RECORD];
     double sq = 0.0;
     loss_vec v;
-    v.amax = v.nope = v.rope = v.unequal = v.flushed = v.saturated = _mm512_setzero_si512();
+    v.amax = v.nope = v.rope = v.amax_code = _mm512_setzero_si512();
+    v.unequal = v.flushed = v.saturated = 0;
     loss_vec *acc_of_avx512 = &v;
     LOSS_TOKENS(avx512)
-    loss_vec_fold(&v, acc);
+    loss_vec_fold(&v, a, acc);
     return sq;
 }
 #endif
@@ -1167,8 +1215,12 @@ static PyObject *loss_entry(PyObject *args, int tensor_is_src) {
              need(v[2].len >= 256 * 4, "short ue8m0 table") &&
              need(v[3].len >= c1 * 16 && v[4].len >= c1 * 8 && v[5].len >= c1 * 24, "short maxima/sums/counts");
     if (ok) {
-        loss_params a = {tensor_is_src ? s_in : s_out, fabsf(mult), v[2].buf};
-        int isa = kv_isa;
+        loss_params a = {tensor_is_src ? s_in : s_out, fabsf(mult), v[2].buf, 0x7F, {0}};
+        if (per_tensor && tensor_is_src)
+            a.pt_sat_from = sat_from(a.s_pt, mult);
+        for (int b = 0; per_tensor && !tensor_is_src && b < 256; b++)
+            a.m1_sat_from[b] = sat_from(a.ue8m0[b], mult);
+        int isa = isfinite(a.s_pt) ? kv_isa : ISA_SCALAR; /* the vector code takes a finite scale */
         Py_BEGIN_ALLOW_THREADS
         loss_run(c0, c1, pt->buf, pg, m1->buf, mg, n, &a, tensor_is_src, per_tensor, v[3].buf, v[4].buf, v[5].buf,
                  isa);

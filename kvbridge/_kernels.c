@@ -935,7 +935,9 @@ static PyObject *py_set_nt_min(PyObject *self, PyObject *arg) {
  * fp16 is exactly e4m3(c) * 2^-8 (subnormals included) and vcvtph2ps is exact, so one product with the scale
  * times 2^8 rounds e4m3(c) * scale once, as the decoder's table product does. Where scale * 2^8 would overflow
  * (per-tensor scales above FLT_MAX / 256, UE8M0 bytes above 246), the value is (f * 2^8) * scale, the first
- * product exact. */
+ * product exact. Maxima are taken on bit patterns, counts by popcount of compare masks, and the float64 squares
+ * are exact (48 significant bits), so only the order of the float64 additions differs from the generic kernel's.
+ * A non-finite per-tensor scale runs the scalar code (the vector code takes some statistics from the codes). */
 
 typedef struct {
     float s_pt, mult; /* the per-tensor scale; |mult| */
@@ -1056,7 +1058,7 @@ KV_AVX512 KV_BODY void loss16(__m512 x, __m512 y, __m512i *emax, int by_value, i
     v->sq1 = _mm512_fmadd_pd(hi, hi, v->sq1);
 }
 
-/* Values of the E4M3 tile at p whose magnitude code is in [from, 0x7E] (the saturating ones: see sat_from). */
+/* How many of the 64 magnitude codes mag are in [from, 0x7E] (the saturating ones: see sat_from). */
 KV_AVX512 KV_BODY int saturated_codes(__m512i mag, uint8_t from) {
     __mmask64 k = _mm512_cmpge_epu8_mask(mag, _mm512_set1_epi8((char)from));
     return __builtin_popcountll(_mm512_mask_cmple_epu8_mask(k, mag, _mm512_set1_epi8(0x7E)));

@@ -19,8 +19,8 @@ from kvbridge import api, fastpath, native, native_loss
 from kvbridge.codecs import tensor_multiplier
 from kvbridge.layouts import all_layouts, get_layout
 from kvbridge.loss import LossStats, compare_values
-from tests.test_ckernels import _kernels, implementation, implementations
-from tests.test_native import edge_latents
+from tests.test_ckernels import SPLIT_MODEL1, _kernels, implementation, implementations
+from tests.test_native import SPLIT_FP8, TOKEN_MAJOR_MODEL1, edge_latents
 
 LAYOUTS = list(all_layouts())
 
@@ -228,6 +228,26 @@ def test_accelerated_stats_equal_generic_on_random_bytes(threads, src_name, dst_
         s_out = 0.5 if dst.per_tensor_scale else 1.0
         for mult in (None, 2.0, 27.0):  # a multiplier counts saturated source values whatever the destination
             assert_accelerated_equals_generic((a, src, sps, b, dst, dps, n, s_in, s_out, mult))
+
+
+@pytest.mark.parametrize("fp8", [get_layout("trtllm-fp8"), SPLIT_FP8], ids=lambda lay: lay.name)
+@pytest.mark.parametrize("m1", [TOKEN_MAJOR_MODEL1, SPLIT_MODEL1], ids=lambda lay: lay.name)
+def test_accelerated_stats_equal_generic_on_other_record_geometries(threads, fp8, m1):
+    """Records read in place from token-major MODEL1 pages, or gathered from pages block-split inside a record
+    (per-tensor E4M3 at 448, MODEL1 at 448), both directions: random finite bytes and transcoded latents."""
+    g = torch.Generator().manual_seed(19)
+    n = 3 * 61 - 4
+    a, b = finite_random_pages(fp8, 3, 61, g), finite_random_pages(m1, 3, 61, g)
+    for mult in (None, 5.0):
+        assert_accelerated_equals_generic((a, fp8, 61, b, m1, 61, n, 0.037, 1.0, mult))
+        assert_accelerated_equals_generic((b, m1, 61, a, fp8, 61, n, 1.0, 0.037, mult))
+    latents = finite_latents(7)
+    n = latents.shape[0]
+    pages = fastpath.encode_pages(latents, fp8, 16, "swa", 0.5)
+    out = native.transcode_pages(pages, fp8, 16, m1, 3, n, 0.5, 1.0, "flashmla")
+    assert_accelerated_equals_generic((pages, fp8, 16, out, m1, 3, n, 0.5, 1.0, None))
+    back = native.transcode_pages(out, m1, 3, fp8, 16, n, 1.0, 0.5, "swa")
+    assert_accelerated_equals_generic((out, m1, 3, back, fp8, 16, n, 1.0, 0.5, tensor_multiplier("swa", 0.5)))
 
 
 @pytest.mark.parametrize(("src_name", "dst_name"), TENSOR_MODEL1)

@@ -937,7 +937,9 @@ static PyObject *py_set_nt_min(PyObject *self, PyObject *arg) {
  * (per-tensor scales above FLT_MAX / 256, UE8M0 bytes above 246), the value is (f * 2^8) * scale, the first
  * product exact. Maxima are taken on bit patterns, counts by popcount of compare masks, and the float64 squares
  * are exact (48 significant bits), so only the order of the float64 additions differs from the generic kernel's.
- * A non-finite per-tensor scale runs the scalar code (the vector code takes some statistics from the codes). */
+ * A non-finite per-tensor scale runs the scalar code (the vector code takes some statistics from the codes).
+ * The pools hold finite values (the transcode refused a non-finite source): the vector code reads an E4M3 NaN
+ * code (magnitude 0x7F) as 480, as the numba accelerators do. */
 
 typedef struct {
     float s_pt, mult; /* the per-tensor scale; |mult| */

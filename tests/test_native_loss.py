@@ -309,3 +309,30 @@ def test_c_loss_kernels_check_their_arguments():
         call(_kernels.fp8_model1_loss, table=ue8m0[:255])
     with pytest.raises(ValueError, match="maxima"):
         call(_kernels.fp8_model1_loss, out=(maxima, sums, counts[:, :2]))
+
+
+@pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
+def test_accelerators_run_the_c_kernels_where_native_runs_compiled_ones(latents, monkeypatch):
+    """With ``native._CK`` set (the compiled kernels in use) the accelerators call its loss functions; without
+    it, the numba kernels."""
+    calls = []
+
+    class Recording:
+        def __getattr__(self, name):
+            def run(*args):
+                calls.append(name)
+                return getattr(_kernels, name)(*args)
+            return run
+
+    fp8, m1 = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
+    pages = fastpath.encode_pages(latents, fp8, 64, "swa", 0.5)
+    n = latents.shape[0]
+    out = native.transcode_pages(pages, fp8, 64, m1, 64, n, 0.5, 1.0, "flashmla")
+    monkeypatch.setattr(native, "_CK", Recording())
+    native_loss.loss_stats(pages, fp8, 64, out, m1, 64, n, 0.5, 1.0, None)
+    native_loss.loss_stats(out, m1, 64, pages, fp8, 64, n, 1.0, 0.5, 2.0)
+    assert set(calls) == {"fp8_model1_loss", "model1_fp8_loss"}
+    monkeypatch.setattr(native, "_CK", None)
+    calls.clear()
+    native_loss.loss_stats(pages, fp8, 64, out, m1, 64, n, 0.5, 1.0, None)
+    assert not calls

@@ -32,6 +32,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <float.h>
+#include <math.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KV_X86 1
@@ -1309,6 +1311,326 @@ static PyObject *py_set_nt_min(PyObject *self, PyObject *arg) {
     return PyLong_FromSsize_t(previous);
 }
 
+/* ------------------------------------------------------------------------------------------- */
+/* Loss statistics: per-tensor E4M3 against MODEL1 (kvbridge.native_loss)                       */
+/* ------------------------------------------------------------------------------------------- */
+
+/* fp8_model1_loss / model1_fp8_loss: the statistics of native_loss._loss_kernel for a per-tensor E4M3 pool
+ * (values e4m3(c) * s_pt) against a MODEL1 pool, read in place (gathered where block-split). Per value x (the
+ * source's) and y (the destination's): err = |y - x|, one fp32 subtraction. Per chunk c of CHUNK_TOKENS tokens:
+ * maxima[4c..] the fp32 bits of (max |x|, max err, max err over dims [0, 448), over [448, 512)), sums[c] the
+ * float64 sum of err^2 (each token's, then the chunk's tokens in order), counts[3c..] (x != y, x != 0 and y == 0,
+ * |x * mult| > 448 when per_tensor).
+ *
+ * The AVX-512 code takes E4M3 values from the fp16 whose bits are the code's sign << 15 | magnitude << 7: that
+ * fp16 is exactly e4m3(c) * 2^-8 (subnormals included) and vcvtph2ps is exact, so one product with the scale
+ * times 2^8 rounds e4m3(c) * scale once, as the decoder's table product does. Where scale * 2^8 would overflow
+ * (per-tensor scales above FLT_MAX / 256, UE8M0 bytes above 246), the value is (f * 2^8) * scale, the first
+ * product exact. Maxima are taken on bit patterns, counts by popcount of compare masks, and the float64 squares
+ * are exact (48 significant bits), so only the order of the float64 additions differs from the generic kernel's.
+ * A non-finite per-tensor scale runs the scalar code (the vector code takes some statistics from the codes).
+ * The pools hold finite values (the transcode refused a non-finite source): the vector code reads an E4M3 NaN
+ * code (magnitude 0x7F) as 480, as the numba accelerators do. */
+
+typedef struct {
+    float s_pt, mult; /* the per-tensor scale; |mult| */
+    const float *ue8m0;
+    uint8_t pt_sat_from, m1_sat_from[256]; /* see sat_from */
+} loss_params;
+
+typedef struct {
+    uint32_t amax, nope, rope;
+    int64_t unequal, flushed, saturated;
+} loss_acc;
+
+/* The smallest magnitude code a with |fl(e4m3(a) * scale) * mult| > 448 (the generic kernel's fp32 steps), 0x7F
+ * when none: |fl(e4m3(a) * scale)| rises with a for a finite scale, so the saturating codes are [a, 0x7E]. */
+static uint8_t sat_from(float scale, float mult) {
+    int lo = 0, hi = 0x7F;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (fabsf(e4m3_value((uint32_t)mid) * scale * mult) > 448.0f)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return (uint8_t)lo;
+}
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+
+static inline uint32_t max_u32(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+KV_BODY double loss_value_scalar(float x, float y, int rope, int per_tensor, float mult, loss_acc *acc) {
+    float d = y - x;
+    uint32_t e = f32_bits(d) & 0x7FFFFFFFu;
+    acc->amax = max_u32(acc->amax, f32_bits(x) & 0x7FFFFFFFu);
+    if (rope)
+        acc->rope = max_u32(acc->rope, e);
+    else
+        acc->nope = max_u32(acc->nope, e);
+    acc->unequal += x != y;
+    acc->flushed += (x != 0.0f) & (y == 0.0f);
+    if (per_tensor)
+        acc->saturated += bits_f32(f32_bits(x) & 0x7FFFFFFFu) * mult > 448.0f;
+    double ed = (double)bits_f32(e);
+    return ed * ed;
+}
+
+/* One token: pt its 512 per-tensor E4M3 bytes, data its MODEL1 bytes [0, 576), foot its scale bytes; returns its
+ * float64 sum of err^2. */
+KV_BODY double loss_token_scalar(const uint8_t *pt, const uint8_t *data, const uint8_t *foot, const loss_params *a,
+                                int tensor_is_src, int per_tensor, loss_acc *acc) {
+    double sq = 0.0;
+    for (int j = 0; j < 7; j++) {
+        float s = a->ue8m0[foot[j]];
+        for (int i = 0; i < 64; i++) {
+            float p = e4m3_value(pt[64 * j + i]) * a->s_pt, m = e4m3_value(data[64 * j + i]) * s;
+            sq += tensor_is_src ? loss_value_scalar(p, m, 0, per_tensor, a->mult, acc)
+                                : loss_value_scalar(m, p, 0, per_tensor, a->mult, acc);
+        }
+    }
+    for (int i = 0; i < 64; i++) {
+        float p = e4m3_value(pt[448 + i]) * a->s_pt;
+        float m = bits_f32((uint32_t)(data[448 + 2 * i] | (data[448 + 2 * i + 1] << 8)) << 16);
+        sq += tensor_is_src ? loss_value_scalar(p, m, 1, per_tensor, a->mult, acc)
+                            : loss_value_scalar(m, p, 1, per_tensor, a->mult, acc);
+    }
+    return sq;
+}
+
+#if KV_X86
+typedef struct {
+    __m512i amax, nope, rope; /* 32-bit lanes */
+    __m512i amax_code;        /* per byte: the largest per-tensor source magnitude code */
+    __m512d sq0, sq1;
+    int64_t unequal, flushed, saturated;
+} loss_vec;
+
+/* e4m3(c) * 2^-8 of the 64 codes at p, exactly: 4 vectors of 16 fp32. */
+KV_AVX512 KV_BODY void e4m3_tile_scaled_down(const uint8_t *p, __m512 f[4]) {
+    const __m256i keep = _mm256_set1_epi16((short)0xBF80);
+    for (int k = 0; k < 4; k++) {
+        __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16 * k)));
+        f[k] = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), keep)); /* sign << 15 | magnitude << 7 */
+    }
+}
+
+/* f * a, then * b when two (see the section comment). */
+KV_AVX512 KV_BODY __m512 rescale(__m512 f, __m512 a, __m512 b, int two) {
+    f = _mm512_mul_ps(f, a);
+    return two ? _mm512_mul_ps(f, b) : f;
+}
+
+/* The statistics of 16 values x (source) against y; x's |x| maximum and saturation count only when by_value (else
+ * the caller takes them from the codes). */
+KV_AVX512 KV_BODY void loss16(__m512 x, __m512 y, __m512i *emax, int by_value, int per_tensor, __m512 mult,
+                              loss_vec *v) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i e = _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(y, x)), abs_mask);
+    *emax = _mm512_max_epu32(*emax, e);
+    if (by_value) {
+        __m512i ax = _mm512_and_si512(_mm512_castps_si512(x), abs_mask);
+        v->amax = _mm512_max_epu32(v->amax, ax);
+        if (per_tensor)
+            v->saturated += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_castsi512_ps(ax), mult),
+                                                                  _mm512_set1_ps(448.0f), _CMP_GT_OQ));
+    }
+    __mmask16 ne = _mm512_cmp_ps_mask(x, y, _CMP_NEQ_UQ);
+    v->unequal += __builtin_popcount(ne);
+    /* y == 0 and x != y: x != 0 and y == 0 */
+    v->flushed += __builtin_popcount(_mm512_mask_cmp_ps_mask(ne, y, _mm512_setzero_ps(), _CMP_EQ_OQ));
+    __m512 ef = _mm512_castsi512_ps(e);
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(ef));
+    __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ef), 1)));
+    v->sq0 = _mm512_fmadd_pd(lo, lo, v->sq0); /* err^2 is exact in float64: one rounding, as mul then add */
+    v->sq1 = _mm512_fmadd_pd(hi, hi, v->sq1);
+}
+
+/* How many of the 64 magnitude codes mag are in [from, 0x7E] (the saturating ones: see sat_from). */
+KV_AVX512 KV_BODY int saturated_codes(__m512i mag, uint8_t from) {
+    __mmask64 k = _mm512_cmpge_epu8_mask(mag, _mm512_set1_epi8((char)from));
+    return __builtin_popcountll(_mm512_mask_cmple_epu8_mask(k, mag, _mm512_set1_epi8(0x7E)));
+}
+
+/* A token (see loss_token_scalar). A per-tensor source's max |x| and saturation count come from its codes: |x| =
+ * e4m3(|c|) * |s_pt| rises with |c| (a finite s_pt), so the largest magnitude code gives the maximum and the
+ * saturating codes are those from a->pt_sat_from; a MODEL1 source's nope saturation count likewise from
+ * a->m1_sat_from[scale byte]. */
+KV_AVX512 KV_BODY double loss_token_avx512(const uint8_t *pt, const uint8_t *data, const uint8_t *foot,
+                                           const loss_params *a, int tensor_is_src, int per_tensor, loss_vec *v) {
+    const __m512 s256 = _mm512_set1_ps(256.0f), mult = _mm512_set1_ps(a->mult);
+    const __m512i m7f = _mm512_set1_epi8(0x7F);
+    int pt_two = !(fabsf(a->s_pt) <= FLT_MAX / 256.0f);
+    __m512 pt_a = pt_two ? s256 : _mm512_set1_ps(a->s_pt * 256.0f), pt_b = _mm512_set1_ps(a->s_pt);
+    __m512 fp[4], fm[4];
+    v->sq0 = v->sq1 = _mm512_setzero_pd();
+    for (int j = 0; j < 8; j++) {
+        if (tensor_is_src) {
+            __m512i mag = _mm512_and_si512(_mm512_loadu_si512(pt + 64 * j), m7f);
+            v->amax_code = _mm512_max_epu8(v->amax_code, mag);
+            if (per_tensor)
+                v->saturated += saturated_codes(mag, a->pt_sat_from);
+        }
+        e4m3_tile_scaled_down(pt + 64 * j, fp);
+        if (j == 7)
+            break;
+        unsigned b = foot[j];
+        int m_two = b > 246;
+        __m512 m_a = m_two ? s256 : _mm512_set1_ps(a->ue8m0[b + 8]), m_b = _mm512_set1_ps(a->ue8m0[b]);
+        if (!tensor_is_src && per_tensor)
+            v->saturated += saturated_codes(_mm512_and_si512(_mm512_loadu_si512(data + 64 * j), m7f),
+                                            a->m1_sat_from[b]);
+        e4m3_tile_scaled_down(data + 64 * j, fm);
+        for (int k = 0; k < 4; k++) {
+            __m512 p = rescale(fp[k], pt_a, pt_b, pt_two), m = rescale(fm[k], m_a, m_b, m_two);
+            if (tensor_is_src)
+                loss16(p, m, &v->nope, 0, per_tensor, mult, v);
+            else {
+                v->amax = _mm512_max_epu32(v->amax, _mm512_and_si512(_mm512_castps_si512(m),
+                                                                     _mm512_set1_epi32(0x7FFFFFFF)));
+                loss16(m, p, &v->nope, 0, per_tensor, mult, v);
+            }
+        }
+    }
+    for (int k = 0; k < 4; k++) {
+        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(data + 448 + 32 * k)));
+        __m512 p = rescale(fp[k], pt_a, pt_b, pt_two), m = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+        if (tensor_is_src)
+            loss16(p, m, &v->rope, 0, per_tensor, mult, v);
+        else
+            loss16(m, p, &v->rope, 1, per_tensor, mult, v);
+    }
+    return _mm512_reduce_add_pd(_mm512_add_pd(v->sq0, v->sq1));
+}
+
+KV_AVX512 static inline void loss_vec_fold(const loss_vec *v, const loss_params *a, loss_acc *acc) {
+    uint32_t by_code = f32_bits(e4m3_value(max_u8(v->amax_code)) * a->s_pt) & 0x7FFFFFFFu;
+    acc->amax = max_u32(_mm512_reduce_max_epu32(v->amax), by_code);
+    acc->nope = _mm512_reduce_max_epu32(v->nope);
+    acc->rope = _mm512_reduce_max_epu32(v->rope);
+    acc->unequal = v->unequal;
+    acc->flushed = v->flushed;
+    acc->saturated = v->saturated;
+}
+#endif /* KV_X86 */
+
+/* The statistics of tokens [t0, t1) into acc (from zero); returns their float64 sum of err^2 (each token's sum,
+ * then over the tokens in order). The source is the per-tensor pool when tensor_is_src. */
+#define LOSS_TOKEN(impl, src_is_pt, per_tensor)                                                             \
+    for (Py_ssize_t t = t0; t < t1; t++) {                                                                  \
+        const uint8_t *pt = src_record(pt_pool, pg, t, pt_buf), *data, *foot;                               \
+        m1_read(m1_pool, mg, t, m1_buf, &data, &foot);                                                      \
+        sq += loss_token_##impl(pt, data, foot, a, src_is_pt, per_tensor, acc_of_##impl);                   \
+    }
+#define LOSS_TOKENS(impl)                                                                                   \
+    if (tensor_is_src && per_tensor) {                                                                      \
+        LOSS_TOKEN(impl, 1, 1)                                                                              \
+    } else if (tensor_is_src) {                                                                             \
+        LOSS_TOKEN(impl, 1, 0)                                                                              \
+    } else if (per_tensor) {                                                                                \
+        LOSS_TOKEN(impl, 0, 1)                                                                              \
+    } else {                                                                                                \
+        LOSS_TOKEN(impl, 0, 0)                                                                              \
+    }
+#define LOSS_RANGE_PARAMS Py_ssize_t t0, Py_ssize_t t1, const uint8_t *pt_pool, const geom_t *pg,               \
+    const uint8_t *m1_pool, const geom_t *mg, const loss_params *a, int tensor_is_src, int per_tensor, loss_acc *acc
+
+static double loss_range_scalar(LOSS_RANGE_PARAMS) {
+    uint8_t pt_buf[FP8_RECORD], m1_buf[M1_RECORD];
+    double sq = 0.0;
+    loss_acc *acc_of_scalar = acc;
+    LOSS_TOKENS(scalar)
+    return sq;
+}
+
+#if KV_X86
+KV_AVX512 static double loss_range_avx512(LOSS_RANGE_PARAMS) {
+    uint8_t pt_buf[FP8_RECORD], m1_buf[M1_RECORD];
+    double sq = 0.0;
+    loss_vec v;
+    v.amax = v.nope = v.rope = v.amax_code = _mm512_setzero_si512();
+    v.unequal = v.flushed = v.saturated = 0;
+    loss_vec *acc_of_avx512 = &v;
+    LOSS_TOKENS(avx512)
+    loss_vec_fold(&v, a, acc);
+    return sq;
+}
+#endif
+#undef LOSS_TOKENS
+#undef LOSS_TOKEN
+
+static void loss_run(Py_ssize_t c0, Py_ssize_t c1, const uint8_t *pt_pool, const geom_t *pg, const uint8_t *m1_pool,
+                     const geom_t *mg, Py_ssize_t n, const loss_params *a, int tensor_is_src, int per_tensor,
+                     uint32_t *maxima, double *sums, int64_t *counts, int isa) {
+    for (Py_ssize_t c = c0; c < c1; c++) {
+        Py_ssize_t t0 = c * CHUNK_TOKENS, t1 = t0 + CHUNK_TOKENS < n ? t0 + CHUNK_TOKENS : n;
+        loss_acc acc = {0, 0, 0, 0, 0, 0};
+        double sq;
+#if KV_X86
+        if (isa == ISA_AVX512)
+            sq = loss_range_avx512(t0, t1, pt_pool, pg, m1_pool, mg, a, tensor_is_src, per_tensor, &acc);
+        else
+#endif
+            sq = loss_range_scalar(t0, t1, pt_pool, pg, m1_pool, mg, a, tensor_is_src, per_tensor, &acc);
+        maxima[4 * c] = acc.amax;
+        maxima[4 * c + 1] = max_u32(acc.nope, acc.rope);
+        maxima[4 * c + 2] = acc.nope;
+        maxima[4 * c + 3] = acc.rope;
+        sums[c] = sq;
+        counts[3 * c] = acc.unequal;
+        counts[3 * c + 1] = acc.flushed;
+        counts[3 * c + 2] = acc.saturated;
+    }
+}
+
+/* Both entry points take native_loss's accelerator arguments: (c0, c1, src, sp, spb, ssplit, srb, s_in, dst, dp,
+ * dpb, dsplit, drb, s_out, n, per_tensor, mult, ue8m0, maxima, sums, counts). */
+static PyObject *loss_entry(PyObject *args, int tensor_is_src) {
+    Py_ssize_t c0, c1, n;
+    geom_t s, d;
+    float s_in, s_out, mult;
+    int per_tensor;
+    Py_buffer v[6];
+    memset(v, 0, sizeof v);
+    if (!PyArg_ParseTuple(args, "nny*nnnnfy*nnnnfnpfy*w*w*w*", &c0, &c1, &v[0], &s.pages, &s.page_bytes, &s.split,
+                          &s.record_bytes, &s_in, &v[1], &d.pages, &d.page_bytes, &d.split, &d.record_bytes, &s_out,
+                          &n, &per_tensor, &mult, &v[2], &v[3], &v[4], &v[5]))
+        return NULL;
+    const geom_t *pg = tensor_is_src ? &s : &d, *mg = tensor_is_src ? &d : &s;
+    Py_buffer *pt = tensor_is_src ? &v[0] : &v[1], *m1 = tensor_is_src ? &v[1] : &v[0];
+    int ok = need(n >= 0, "negative token count") &&
+             check_geom(pg, pt->len, FP8_RECORD, npages_of(n, pg->pages), tensor_is_src ? "source" : "destination") &&
+             check_geom(mg, m1->len, M1_RECORD, npages_of(n, mg->pages), tensor_is_src ? "destination" : "source") &&
+             need(c0 >= 0 && c1 >= c0 && c1 <= npages_of(n, CHUNK_TOKENS), "chunk range out of bounds") &&
+             need(v[2].len >= 256 * 4, "short ue8m0 table") &&
+             need(v[3].len >= c1 * 16 && v[4].len >= c1 * 8 && v[5].len >= c1 * 24, "short maxima/sums/counts");
+    if (ok) {
+        loss_params a = {tensor_is_src ? s_in : s_out, fabsf(mult), v[2].buf, 0x7F, {0}};
+        if (per_tensor && tensor_is_src)
+            a.pt_sat_from = sat_from(a.s_pt, mult);
+        for (int b = 0; per_tensor && !tensor_is_src && b < 256; b++)
+            a.m1_sat_from[b] = sat_from(a.ue8m0[b], mult);
+        int isa = isfinite(a.s_pt) ? kv_isa : ISA_SCALAR; /* the vector code takes a finite scale */
+        Py_BEGIN_ALLOW_THREADS
+        loss_run(c0, c1, pt->buf, pg, m1->buf, mg, n, &a, tensor_is_src, per_tensor, v[3].buf, v[4].buf, v[5].buf,
+                 isa);
+        Py_END_ALLOW_THREADS
+    }
+    release(v, 6);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_fp8_model1_loss(PyObject *self, PyObject *args) { return loss_entry(args, 1); }
+
+static PyObject *py_model1_fp8_loss(PyObject *self, PyObject *args) { return loss_entry(args, 0); }
+
 static PyMethodDef methods[] = {
     {"fp8_to_model1", py_fp8_to_model1, METH_VARARGS,
      "fp8_to_model1(c0, c1, src, sp, spb, ssplit, srb, n, dst, dp, dpb, dsplit, drb, scale_lut, bad_mag, code_lut, "
@@ -1330,6 +1652,11 @@ static PyMethodDef methods[] = {
     {"set_isa", py_set_isa, METH_O, "Run the kernels with the given ISA (at most cpu_isa()); returns the previous."},
     {"set_nt_min", py_set_nt_min, METH_O,
      "Outputs of at least this many bytes get non-temporal stores; returns the previous threshold."},
+    {"fp8_model1_loss", py_fp8_model1_loss, METH_VARARGS,
+     "fp8_model1_loss(c0, c1, src, sp, spb, ssplit, srb, s_in, dst, dp, dpb, dsplit, drb, s_out, n, per_tensor, mult, "
+     "ue8m0, maxima, sums, counts): loss statistics of per-tensor E4M3 -> MODEL1 chunks [c0, c1)."},
+    {"model1_fp8_loss", py_model1_fp8_loss, METH_VARARGS,
+     "model1_fp8_loss(c0, c1, src, ..., counts): loss statistics of MODEL1 -> per-tensor E4M3 chunks [c0, c1)."},
     {NULL, NULL, 0, NULL},
 };
 

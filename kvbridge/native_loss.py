@@ -12,10 +12,11 @@ threads like the transcode kernels.
 Accelerators (``LOSS_ACCELERATORS``, keyed like ``native.ACCELERATORS`` by the pair of records'
 ``Layout.segments``): per-tensor E4M3 (TensorRT-LLM FP8) against MODEL1, both directions, with
 the records' constants compiled in. They read token-major records (and MODEL1's block-split data
-and footer parts) in place, compute E4M3 values in branch-free 32-bit arithmetic
-(``native._e4m3_value``, bit-identical to the table) and take every statistic of a 64-value tile
-in one fused loop; the numbers equal the generic kernel's (maxima and counts identical, the float64
-sum of squares per token summed in another order within the token).
+and footer parts) in place and take every statistic of a 64-value tile in one fused loop: the C
+kernels of ``kvbridge._kernels`` (AVX-512: E4M3 values through exact fp16 conversions, 16 values per
+instruction) where ``native`` runs the compiled kernels, else numba (E4M3 values in branch-free 32-bit
+arithmetic, ``native._e4m3_value``). The numbers equal the generic kernel's (maxima and counts
+identical, the float64 sum of squares per token summed in another order within the token).
 """
 
 from __future__ import annotations
@@ -235,11 +236,24 @@ def _model1_fp8_loss_kernel(c0, c1, src, sp, spb, ssplit, srb, s_in, dst, dp, dp
                           per_tensor, mult, maxima, sums, counts)
 
 
-#: Specialised loss kernels per (source, destination) pair of ``Layout.segments``, called with
-#: ``_loss_kernel``'s arguments less the record programs and the E4M3/E2M1 tables.
+def _fp8_model1_loss(nchunks: int, *args) -> None:
+    """Per-tensor E4M3 source against a MODEL1 destination: the C kernel where ``native`` runs the compiled
+    kernels (``native.kernel_implementation()``), else numba."""
+    kernel = _fp8_model1_loss_kernel if native._CK is None else native._CK.fp8_model1_loss
+    _run_chunks(kernel, nchunks, *args)
+
+
+def _model1_fp8_loss(nchunks: int, *args) -> None:
+    """MODEL1 source against a per-tensor E4M3 destination (C or numba, as ``_fp8_model1_loss``)."""
+    kernel = _model1_fp8_loss_kernel if native._CK is None else native._CK.model1_fp8_loss
+    _run_chunks(kernel, nchunks, *args)
+
+
+#: Specialised loss statistics per (source, destination) pair of ``Layout.segments``: ``f(nchunks, *args)``
+#: with ``_loss_kernel``'s arguments after the chunk range, less the record programs and the E4M3/E2M1 tables.
 LOSS_ACCELERATORS = {
-    (get_layout("trtllm-fp8").segments, get_layout("flashmla-model1").segments): _fp8_model1_loss_kernel,
-    (get_layout("flashmla-model1").segments, get_layout("trtllm-fp8").segments): _model1_fp8_loss_kernel,
+    (get_layout("trtllm-fp8").segments, get_layout("flashmla-model1").segments): _fp8_model1_loss,
+    (get_layout("flashmla-model1").segments, get_layout("trtllm-fp8").segments): _model1_fp8_loss,
 }
 
 
@@ -267,9 +281,9 @@ def loss_stats(
     if not min(np.float32(src_scale), np.float32(dst_scale)) > 0:  # the accelerators take positive scales
         fast = None
     if fast is not None:
-        _run_chunks(
-            fast, nchunks, _flat(src_pages), sp, spb, ssplit, srb, np.float32(src_scale), _flat(dst_pages), dp, dpb,
-            dsplit, drb, np.float32(dst_scale), n, per_tensor, m, _UE8M0_F32, maxima, sums, counts,
+        fast(
+            nchunks, _flat(src_pages), sp, spb, ssplit, srb, np.float32(src_scale), _flat(dst_pages), dp, dpb, dsplit,
+            drb, np.float32(dst_scale), n, per_tensor, m, _UE8M0_F32, maxima, sums, counts,
         )
     else:
         _run_chunks(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,8 @@ from kvbridge import api, fastpath, native, native_loss
 from kvbridge.codecs import tensor_multiplier
 from kvbridge.layouts import all_layouts, get_layout
 from kvbridge.loss import LossStats, compare_values
-from tests.test_native import edge_latents
+from tests.test_ckernels import SPLIT_MODEL1, _kernels, implementation, implementations
+from tests.test_native import SPLIT_FP8, TOKEN_MAJOR_MODEL1, edge_latents
 
 LAYOUTS = list(all_layouts())
 
@@ -154,12 +156,26 @@ def threads(request):
     torch.set_num_threads(before)
 
 
+def loss_implementations() -> list[str]:
+    """The accelerators' implementations this machine runs: numba, the C kernels' scalar code and (with
+    AVX-512 VBMI) their vector code (non-temporal stores do not apply: the statistics write no pool)."""
+    return [name for name in implementations() if not name.endswith("-nt")]
+
+
 def assert_accelerated_equals_generic(args: tuple) -> None:
-    """The accelerator's numbers equal the generic kernel's: maxima and counts identical, the sum of
-    squares up to the order of summation within each token (rel 1e-12)."""
+    """Every implementation of the accelerator gives the generic kernel's numbers: maxima and counts
+    identical, the float64 sum of squares up to its order of summation (rel 1e-12: a sum of n
+    non-negative terms is within (n - 1) * 2^-53 of the exact one, relatively; both kernels add at
+    most 512 squares per token, then at most 256 tokens per chunk, so they differ by < 2e-13)."""
     src, dst = args[1], args[4]
     assert native_loss.LOSS_ACCELERATORS.get((src.segments, dst.segments)) is not None
-    assert_same_stats(native_loss.loss_stats(*args), native_loss.loss_stats(*args, accelerated=False))
+    want = native_loss.loss_stats(*args, accelerated=False)
+    for name in loss_implementations():
+        with implementation(name):
+            try:
+                assert_same_stats(native_loss.loss_stats(*args), want)
+            except AssertionError as exc:
+                raise AssertionError(f"{name}: {exc}") from exc
 
 
 def test_accelerators_are_registered_for_tensor_model1_records_only():
@@ -212,3 +228,111 @@ def test_accelerated_stats_equal_generic_on_random_bytes(threads, src_name, dst_
         s_out = 0.5 if dst.per_tensor_scale else 1.0
         for mult in (None, 2.0, 27.0):  # a multiplier counts saturated source values whatever the destination
             assert_accelerated_equals_generic((a, src, sps, b, dst, dps, n, s_in, s_out, mult))
+
+
+@pytest.mark.parametrize("fp8", [get_layout("trtllm-fp8"), SPLIT_FP8], ids=lambda lay: lay.name)
+@pytest.mark.parametrize("m1", [TOKEN_MAJOR_MODEL1, SPLIT_MODEL1], ids=lambda lay: lay.name)
+def test_accelerated_stats_equal_generic_on_other_record_geometries(threads, fp8, m1):
+    """Records read in place from token-major MODEL1 pages, or gathered from pages block-split inside a record
+    (per-tensor E4M3 at 448, MODEL1 at 448), both directions: random finite bytes and transcoded latents."""
+    g = torch.Generator().manual_seed(19)
+    n = 3 * 61 - 4
+    a, b = finite_random_pages(fp8, 3, 61, g), finite_random_pages(m1, 3, 61, g)
+    for mult in (None, 5.0):
+        assert_accelerated_equals_generic((a, fp8, 61, b, m1, 61, n, 0.037, 1.0, mult))
+        assert_accelerated_equals_generic((b, m1, 61, a, fp8, 61, n, 1.0, 0.037, mult))
+    latents = finite_latents(7)
+    n = latents.shape[0]
+    pages = fastpath.encode_pages(latents, fp8, 16, "swa", 0.5)
+    out = native.transcode_pages(pages, fp8, 16, m1, 3, n, 0.5, 1.0, "flashmla")
+    assert_accelerated_equals_generic((pages, fp8, 16, out, m1, 3, n, 0.5, 1.0, None))
+    back = native.transcode_pages(out, m1, 3, fp8, 16, n, 1.0, 0.5, "swa")
+    assert_accelerated_equals_generic((out, m1, 3, back, fp8, 16, n, 1.0, 0.5, tensor_multiplier("swa", 0.5)))
+
+
+@pytest.mark.parametrize(("src_name", "dst_name"), TENSOR_MODEL1)
+def test_accelerated_stats_equal_generic_at_extreme_scales(threads, src_name, dst_name):
+    """Per-tensor scales where the C kernels' exact rescaling by 2^8 would overflow (above FLT_MAX / 256:
+    their two-product path), fp32 subnormal and tiny ones; UE8M0 scale bytes 247-254 (2^120 to 2^127,
+    the MODEL1 two-product path) holding codes small enough for finite values."""
+    g = torch.Generator().manual_seed(17)
+    src, dst = get_layout(src_name), get_layout(dst_name)
+    latents = finite_latents(5)
+    n = latents.shape[0] - 3
+    for scale in (2e36, 3.0e38, 1e-40, 2.0**-149 * 3, 1e-30):
+        s_in = scale if src.per_tensor_scale else 1.0
+        s_out = scale if dst.per_tensor_scale else 1.0
+        pages = fastpath.encode_pages(latents, src, 64, src.default_dialect, s_in)
+        out = native.transcode_pages(pages, src, 64, dst, 61, n, s_in, s_out, "swa" if dst.per_tensor_scale else None)
+        for mult in (None, 1.0, tensor_multiplier("swa", scale)):  # 1/1e-40 is inf in fp32
+            assert_accelerated_equals_generic((pages, src, 64, out, dst, 61, n, s_in, s_out, mult))
+    m1_name = src_name if src_name != "trtllm-fp8" else dst_name
+    m1 = get_layout(m1_name)
+    records = m1.pages_to_records(finite_random_pages(m1, 6, 64, g), 64).clone()
+    tiles = records[:, :448].reshape(-1, 7, 64)
+    big = torch.randint(247, 255, tiles.shape[:2], dtype=torch.uint8, generator=g)
+    use = torch.rand(tiles.shape[:2], generator=g) < 0.5
+    records[:, 576:583] = torch.where(use, big, records[:, 576:583])
+    tiles[use] &= 0xB7  # |e4m3| < 1, so 2^127 times it is finite
+    pool = m1.records_to_pages(records, 64)
+    other = get_layout("trtllm-fp8")
+    pt = finite_random_pages(other, 6, 64, g)
+    for s_pt in (1.0, 1e30, 2e36):
+        args = (pt, other, 64, pool, m1, 64, 6 * 64 - 9, s_pt, 1.0, 3.0) if src_name == "trtllm-fp8" else (
+            pool, m1, 64, pt, other, 64, 6 * 64 - 9, 1.0, s_pt, 3.0)
+        assert_accelerated_equals_generic(args)
+
+
+@pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
+def test_c_loss_kernels_check_their_arguments():
+    """Short pools, statistics buffers or tables and chunk ranges past the tokens raise ValueError."""
+    fp8, m1 = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
+    pt = np.zeros(fp8.page_bytes(64), np.uint8)
+    pool = np.zeros(m1.page_bytes(64), np.uint8)
+    ue8m0 = native._UE8M0_F32
+    maxima, sums, counts = np.zeros((1, 4), np.uint32), np.zeros(1), np.zeros((1, 3), np.int64)
+
+    def call(kernel, c1=1, n=64, src=pt, dst=pool, table=ue8m0, out=(maxima, sums, counts)):
+        s, d = (fp8, m1) if kernel is _kernels.fp8_model1_loss else (m1, fp8)
+        kernel(0, c1, src, 64, s.page_bytes(64), s.record_bytes, s.record_bytes, np.float32(1.0), dst, 64,
+               d.page_bytes(64), d.record_bytes, d.record_bytes, np.float32(1.0), n, True, np.float32(1.0), table, *out)
+
+    call(_kernels.fp8_model1_loss)
+    call(_kernels.model1_fp8_loss, src=pool, dst=pt)
+    with pytest.raises(ValueError, match="geometry"):
+        call(_kernels.fp8_model1_loss, dst=pool[:-1])
+    with pytest.raises(ValueError, match="geometry"):
+        call(_kernels.model1_fp8_loss, src=pool, dst=pt, n=65)
+    with pytest.raises(ValueError, match="chunk range"):
+        call(_kernels.fp8_model1_loss, c1=2)
+    with pytest.raises(ValueError, match="ue8m0"):
+        call(_kernels.fp8_model1_loss, table=ue8m0[:255])
+    with pytest.raises(ValueError, match="maxima"):
+        call(_kernels.fp8_model1_loss, out=(maxima, sums, counts[:, :2]))
+
+
+@pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
+def test_accelerators_run_the_c_kernels_where_native_runs_compiled_ones(latents, monkeypatch):
+    """With ``native._CK`` set (the compiled kernels in use) the accelerators call its loss functions; without
+    it, the numba kernels."""
+    calls = []
+
+    class Recording:
+        def __getattr__(self, name):
+            def run(*args):
+                calls.append(name)
+                return getattr(_kernels, name)(*args)
+            return run
+
+    fp8, m1 = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
+    pages = fastpath.encode_pages(latents, fp8, 64, "swa", 0.5)
+    n = latents.shape[0]
+    out = native.transcode_pages(pages, fp8, 64, m1, 64, n, 0.5, 1.0, "flashmla")
+    monkeypatch.setattr(native, "_CK", Recording())
+    native_loss.loss_stats(pages, fp8, 64, out, m1, 64, n, 0.5, 1.0, None)
+    native_loss.loss_stats(out, m1, 64, pages, fp8, 64, n, 1.0, 0.5, 2.0)
+    assert set(calls) == {"fp8_model1_loss", "model1_fp8_loss"}
+    monkeypatch.setattr(native, "_CK", None)
+    calls.clear()
+    native_loss.loss_stats(pages, fp8, 64, out, m1, 64, n, 0.5, 1.0, None)
+    assert not calls

@@ -43,6 +43,9 @@
 #endif
 
 #define CHUNK_TOKENS 256
+/* The entry points' interface: bumped whenever a function is added or its arguments change, so that
+ * kvbridge.native refuses a stale build (native.KERNELS_INTERFACE). */
+#define KV_INTERFACE 2
 #define HEAD_DIM 512
 #define M1_DATA 576
 #define M1_RECORD 584
@@ -1679,7 +1682,8 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         tree_lanes();
 #endif
     PyObject *m = PyModule_Create(&module);
-    if (m && PyModule_AddIntConstant(m, "CHUNK_TOKENS", CHUNK_TOKENS) < 0) {
+    if (m && (PyModule_AddIntConstant(m, "CHUNK_TOKENS", CHUNK_TOKENS) < 0 ||
+              PyModule_AddIntConstant(m, "INTERFACE", KV_INTERFACE) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

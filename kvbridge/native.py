@@ -1398,6 +1398,10 @@ def _raise_nonfinite(bad_count: np.ndarray, bad_first: np.ndarray) -> None:
 NO_CKERNELS_ENV = "KVBRIDGE_NO_CKERNELS"
 
 
+#: The interface ``kvbridge._kernels`` must have been built with (its ``KV_INTERFACE``).
+KERNELS_INTERFACE = 2
+
+
 def _compiled_kernels() -> tuple[ModuleType | None, str]:
     """(``kvbridge._kernels`` or None, why not): the optional C extension of the MODEL1 accelerators,
     used when it is built, the CPU has its vector ISA (AVX-512 F/BW/VL/DQ/VBMI) and ``NO_CKERNELS_ENV``
@@ -1411,8 +1415,11 @@ def _compiled_kernels() -> tuple[ModuleType | None, str]:
                       f"was installed?); running the slower numba kernels. {NO_CKERNELS_ENV}=1 silences this.",
                       RuntimeWarning, stacklevel=2)
         return None, "the C extension kvbridge._kernels is not built"
-    if _kernels.CHUNK_TOKENS != CHUNK_TOKENS:
-        return None, "kvbridge._kernels was built for another chunk size"
+    if getattr(_kernels, "INTERFACE", 1) != KERNELS_INTERFACE or _kernels.CHUNK_TOKENS != CHUNK_TOKENS:
+        warnings.warn("kvbridge: the compiled kernels (kvbridge._kernels) were built from other sources (rebuild them: "
+                      "pip install -e . or python setup.py build_ext --inplace); running the slower numba kernels.",
+                      RuntimeWarning, stacklevel=2)
+        return None, "kvbridge._kernels is a stale build"
     if _kernels.cpu_isa() == "scalar":
         return None, "the CPU lacks AVX-512 VBMI"
     return _kernels, ""

@@ -135,6 +135,17 @@ def test_extension_is_built_under_ci():
 
 
 @pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
+def test_a_stale_build_is_refused_with_the_remedy(monkeypatch):
+    """A ``.so`` built from other sources (an editable install not rebuilt) could lack an entry point or take
+    other arguments: kvbridge warns once, names the remedy and runs numba."""
+    monkeypatch.delenv(native.NO_CKERNELS_ENV, raising=False)
+    assert _kernels.INTERFACE == native.KERNELS_INTERFACE
+    monkeypatch.setattr(_kernels, "INTERFACE", native.KERNELS_INTERFACE - 1)
+    with pytest.warns(RuntimeWarning, match="built from other sources .*build_ext --inplace"):
+        assert native._compiled_kernels() == (None, "kvbridge._kernels is a stale build")
+
+
+@pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
 def test_dispatch_and_env_var():
     """The extension is used when present and the CPU has the ISA; KVBRIDGE_NO_CKERNELS=1 forces numba."""
     if _kernels.cpu_isa() != "scalar" and not os.environ.get(native.NO_CKERNELS_ENV):

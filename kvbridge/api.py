@@ -349,7 +349,22 @@ def transcode(
     out = fastpath.transcode_pages(pages, src, src_page_size, dst, dps, num_tokens, s_in, s_out, d, out=out)
     if not report:
         return out
+    return out, transcode_loss(pages, src, src_page_size, out, dst, dps, n, src_scale, s_out if auto else dst_scale,
+                               dialect)
+
+
+def transcode_loss(pages: torch.Tensor, src: Layout, src_page_size: int, out: torch.Tensor, dst: Layout,
+                   dst_page_size: int, num_tokens: int, src_scale: float | None, dst_scale: float | None,
+                   dialect: str | None) -> LossReport:
+    """The ``LossReport`` of a code-domain transcode ``pages`` -> ``out`` (not a byte move) that ``transcode``
+    ran with these arguments (``dst_scale`` the scale it used, never ``"auto"``): both decoded and compared,
+    nothing written. ``transcode(..., report=True)`` is ``transcode`` then this; a caller may run it apart
+    (``migrate_local`` does, beside its next batch)."""
+    from kvbridge import fastpath
+
+    s_in, s_out = _check_scale(src_scale, src, "src_scale"), _check_scale(dst_scale, dst, "dst_scale")
+    d = _check_dialect(dialect, dst)
     mult = tensor_multiplier(d, s_out) if dst.per_tensor_scale else None
-    stats = fastpath.loss_stats(pages, src, src_page_size, out, dst, dps, n, s_in, s_out, mult)
-    return out, LossReport.from_stats(stats, src_layout=src.name, dst_layout=dst.name, byte_move=False,
-                                      dst_scale=s_out if dst.per_tensor_scale else None, loss_note=dst.loss_note)
+    stats = fastpath.loss_stats(pages, src, src_page_size, out, dst, dst_page_size, num_tokens, s_in, s_out, mult)
+    return LossReport.from_stats(stats, src_layout=src.name, dst_layout=dst.name, byte_move=False,
+                                 dst_scale=s_out if dst.per_tensor_scale else None, loss_note=dst.loss_note)

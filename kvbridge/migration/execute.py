@@ -17,6 +17,7 @@ guards against corruption, not against a malicious peer.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -28,9 +29,10 @@ import kvbridge
 from kvbridge import fastpath, native, native_state
 from kvbridge import indexer as ix
 from kvbridge import numerics as nx
-from kvbridge.api import LossReport
+from kvbridge.api import LossReport, transcode_loss
 from kvbridge.engines import Storage
 from kvbridge.errors import InputError, KVBridgeError
+from kvbridge.layouts import get_layout
 from kvbridge.layouts.registry import PageGeometry
 from kvbridge.migration.ape import add_ape, remove_ape, unreachable_score
 from kvbridge.migration.plan import MigrationPlan, Transfer
@@ -629,59 +631,80 @@ def _stage(plan: MigrationPlan, src: EnginePools, tables: RequestTables, dst: En
 
 def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_on: ConvertSide,
                 loss_report: bool) -> tuple[RequestTables, MigrationReport]:
-    """Claim the destination pages, then gather, convert and scatter batch by batch."""
+    """Claim the destination pages, then gather, convert and scatter batch by batch. With ``loss_report`` a
+    KV batch's loss statistics run on a worker thread (their kernels release the GIL) while the next
+    batches are gathered, converted and scattered; the stage buffers alternate between two pairs so that
+    a batch's are not overwritten before its statistics are done."""
     t0 = time.perf_counter()
     tables = dst.claim(plan.table_lengths("dst"), plan.released("dst"))
-    loss: list[LossReport] = []
     idx_err: float | None = 0.0 if loss_report else None
     state_err: float | None = None
     gather_s = convert_s = 0.0
     parts: dict[str, float] = {}
+    buffers = [(staged.src_buf, staged.dst_buf)]
+    if loss_report:
+        buffers.append((torch.empty_like(staged.src_buf), torch.empty_like(staged.dst_buf)))
+    busy: list[Future | None] = [None] * len(buffers)  # the statistics still reading each pair
+    reports: list[Future] = []
     try:
-        for b in staged.batches:
-            for piece in b.pieces:
-                t = plan.transfers[piece.index]
-                piece.dst = part_spans(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first + piece.first,
-                                       piece.count) or []
-        publish_s = time.perf_counter() - t0
-        for b in staged.batches:
-            t = b.transfer
-            t1 = time.perf_counter()
-            src_form = _form(staged.src_buf, b.src_page, b.rows, t.src.record_bytes)
-            for piece in b.pieces:
-                move_parts(piece.src, _rows(piece.src, src_form, piece.offset, piece.count), False)
-            t2 = time.perf_counter()
-            if not _needs_conversion(t):
-                dst_form = src_form
-            elif b.dst_page is not None and t.src.kind == "kv":
-                dst_form = _form(staged.dst_buf, b.dst_page, b.rows, t.dst.record_bytes)
-                result = kvbridge.transcode(
-                    staged.src_buf[: b.src_page.page_bytes(b.rows)].view(1, -1), t.src.layout, t.dst.layout,
-                    src_page_size=b.rows, dst_page_size=b.rows, src_scale=t.src.scale, dst_scale=t.dst.scale,
-                    dialect=t.dst.dialect, report=loss_report,
-                    out=staged.dst_buf[: b.dst_page.page_bytes(b.rows)].view(1, -1))
-                if isinstance(result, tuple):
-                    loss.append(result[1])
-            elif b.dst_page is not None:
-                dst_form = _form(staged.dst_buf, b.dst_page, b.rows, t.dst.record_bytes)
-                err = _convert_key_parts(t, src_form, dst_form, loss_report)
-                if idx_err is not None:
-                    idx_err = max(idx_err, err)
-            else:
-                converted, _, err = _convert_batch(t, src_form[0][0], loss_report, b.pieces[0].first)
-                dst_form = [(converted.contiguous(), 0, t.dst.record_bytes)]
-                if err is not None and t.src.kind == "state":
-                    state_err = max(state_err or 0.0, err)
-                elif err is not None and idx_err is not None:
-                    idx_err = max(idx_err, err)
-            t3 = time.perf_counter()
-            for piece in b.pieces:
-                move_parts(piece.dst, _rows(piece.dst, dst_form, piece.offset, piece.count), True)
-            gather_s += t2 - t1
-            convert_s += t3 - t2
-            if _needs_conversion(t):
-                parts[t.src.kind] = parts.get(t.src.kind, 0.0) + t3 - t2
-            publish_s += time.perf_counter() - t3
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-loss") as stats:
+            for b in staged.batches:
+                for piece in b.pieces:
+                    t = plan.transfers[piece.index]
+                    piece.dst = part_spans(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first + piece.first,
+                                           piece.count) or []
+            publish_s = time.perf_counter() - t0
+            for i, b in enumerate(staged.batches):
+                t = b.transfer
+                t1 = time.perf_counter()
+                k = i % len(buffers)
+                if busy[k] is not None:
+                    busy[k].result()
+                    busy[k] = None
+                src_buf, dst_buf = buffers[k]
+                src_form = _form(src_buf, b.src_page, b.rows, t.src.record_bytes)
+                for piece in b.pieces:
+                    move_parts(piece.src, _rows(piece.src, src_form, piece.offset, piece.count), False)
+                t2 = time.perf_counter()
+                if not _needs_conversion(t):
+                    dst_form = src_form
+                elif b.dst_page is not None and t.src.kind == "kv":
+                    dst_form = _form(dst_buf, b.dst_page, b.rows, t.dst.record_bytes)
+                    pages = src_buf[: b.src_page.page_bytes(b.rows)].view(1, -1)
+                    out = dst_buf[: b.dst_page.page_bytes(b.rows)].view(1, -1)
+                    kvbridge.transcode(pages, t.src.layout, t.dst.layout, src_page_size=b.rows,
+                                       dst_page_size=b.rows, src_scale=t.src.scale, dst_scale=t.dst.scale,
+                                       dialect=t.dst.dialect, out=out)
+                    if loss_report:
+                        busy[k] = stats.submit(transcode_loss, pages, get_layout(t.src.layout), b.rows, out,
+                                               get_layout(t.dst.layout), b.rows, b.rows, t.src.scale, t.dst.scale,
+                                               t.dst.dialect)
+                        reports.append(busy[k])
+                elif b.dst_page is not None:
+                    dst_form = _form(dst_buf, b.dst_page, b.rows, t.dst.record_bytes)
+                    err = _convert_key_parts(t, src_form, dst_form, loss_report)
+                    if idx_err is not None:
+                        idx_err = max(idx_err, err)
+                else:
+                    converted, _, err = _convert_batch(t, src_form[0][0], loss_report, b.pieces[0].first)
+                    dst_form = [(converted.contiguous(), 0, t.dst.record_bytes)]
+                    if err is not None and t.src.kind == "state":
+                        state_err = max(state_err or 0.0, err)
+                    elif err is not None and idx_err is not None:
+                        idx_err = max(idx_err, err)
+                t3 = time.perf_counter()
+                for piece in b.pieces:
+                    move_parts(piece.dst, _rows(piece.dst, dst_form, piece.offset, piece.count), True)
+                gather_s += t2 - t1
+                convert_s += t3 - t2
+                if _needs_conversion(t):
+                    parts[t.src.kind] = parts.get(t.src.kind, 0.0) + t3 - t2
+                publish_s += time.perf_counter() - t3
+            t4 = time.perf_counter()
+            loss: list[LossReport] = [f.result() for f in reports]  # in batch order
+            if reports:  # the statistics' time not hidden behind the batches counts as KV conversion
+                convert_s += time.perf_counter() - t4
+                parts["kv"] = parts.get("kv", 0.0) + time.perf_counter() - t4
     except Exception:
         dst.release(tables)
         raise

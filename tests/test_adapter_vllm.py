@@ -33,9 +33,8 @@ from kvbridge.migration import (
     source_request,
     table_of,
 )
-from kvbridge.migration.ape import ape_name
+from kvbridge.migration.ape import synthetic_ape
 from kvbridge.migration.nixl import NixlReceiver, NixlSender, nixl_available
-from kvbridge.migration.plan import ape_needed
 from kvbridge.migration.transport import GlooServer, send_request_tcp
 from kvbridge.topology import Role, from_hf_config
 from tests.migration_helpers import expected_records
@@ -183,15 +182,9 @@ SGLANG = "sglang:swa=256:idx=fp8"
 
 
 def _ape_file(path: Path, model, seed: int) -> Path:
-    """The model's compressor APE weights under the checkpoint's names, seeded N(0, 1) values in bf16 (as a
+    """Seeded stand-in APE weights of the model (``synthetic_ape``) under the checkpoint's names, in bf16 (as a
     checkpoint holds them)."""
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer, role in ape_needed(parse_engine(SGLANG), parse_engine(VLLM), model, False):
-        r = model.compress_ratios[layer]
-        width = (2 if r == 4 else 1) * (model.index_head_dim if role == Role.INDEXER_STATE else model.head_dim)
-        tensors[ape_name(model, layer, role)] = torch.randn(r, width, generator=gen).bfloat16()
-    save_file(tensors, str(path))
+    save_file({k: v.bfloat16() for k, v in synthetic_ape(model, seed=seed, include_mtp=False).items()}, str(path))
     return path
 
 
@@ -341,7 +334,6 @@ def _small_model():
 
 def test_cache_names():
     from kvbridge.adapters.vllm_layout import cache_of
-    from kvbridge.topology import Role
 
     assert cache_of("model.layers.3.attn") == (3, Role.COMPRESS)
     assert cache_of("model.layers.0.attn.swa_cache") == (0, Role.SWA)
@@ -352,7 +344,6 @@ def test_cache_names():
 
 
 def test_write_goes_through_each_groups_blocks_only():
-    from kvbridge.engines import parse_engine
 
     model, profile = _small_model(), parse_engine(VLLM)
     buf, views, pages = _packed_caches(model, profile)
@@ -376,7 +367,6 @@ def test_write_goes_through_each_groups_blocks_only():
 
 
 def test_write_refuses_a_null_or_foreign_block_before_writing_anything():
-    from kvbridge.engines import parse_engine
     from kvbridge.errors import InputError
 
     model, profile = _small_model(), parse_engine(VLLM)
@@ -395,7 +385,6 @@ def test_write_refuses_a_null_or_foreign_block_before_writing_anything():
 
 
 def test_caches_refuse_a_profile_that_does_not_match_vllms_pages():
-    from kvbridge.engines import parse_engine
     from kvbridge.errors import InputError
 
     model, profile = _small_model(), parse_engine(VLLM)
@@ -411,7 +400,6 @@ def test_caches_refuse_a_profile_that_does_not_match_vllms_pages():
 
 
 def test_request_pools_copy_each_groups_blocks_in_table_order():
-    from kvbridge.engines import parse_engine
 
     model, profile = _small_model(), parse_engine(VLLM)
     _, views, pages = _packed_caches(model, profile)

@@ -72,6 +72,17 @@ class ApeWeights:
         return h.hexdigest()
 
 
+def ape_shape(model: ModelTopology, layer: int, role: Role) -> tuple[int, int]:
+    """``[ratio, coff * dim]`` of one compressor's APE (``coff`` 2 at ratio 4: overlapping windows)."""
+    r = model.compress_ratios[layer]
+    return r, (2 if r == 4 else 1) * (model.index_head_dim if role == Role.INDEXER_STATE else model.head_dim)
+
+
+def nan_score(where: str, position: int) -> InputError:
+    """The refusal of a stored score + APE that is NaN (no score to recover)."""
+    return InputError(f"{where}: the compressor score of position {position} is NaN")
+
+
 def synthetic_ape(model: ModelTopology, *, seed: int = 0, include_mtp: bool = True) -> dict[str, torch.Tensor]:
     """Stand-in APE weights of ``model``'s shapes, for benchmarks and tests without a checkpoint: each
     compressed layer's ``[ratio, coff * dim]`` tensors (attention, then the indexer's, layer by layer, MTP
@@ -82,9 +93,8 @@ def synthetic_ape(model: ModelTopology, *, seed: int = 0, include_mtp: bool = Tr
     out = {}
     for spec in model.all_caches(include_mtp):
         if spec.role in (Role.STATE, Role.INDEXER_STATE):
-            r = model.compress_ratios[spec.layer]
-            dim = model.index_head_dim if spec.role == Role.INDEXER_STATE else model.head_dim
-            out[ape_name(model, spec.layer, spec.role)] = torch.randn(r, (2 if r == 4 else 1) * dim, generator=gen)
+            out[ape_name(model, spec.layer, spec.role)] = torch.randn(ape_shape(model, spec.layer, spec.role),
+                                                                      generator=gen)
     return out
 
 
@@ -146,15 +156,13 @@ def load_ape(source: object, model: ModelTopology, needed: Iterable[tuple[int, R
     for layer, role in needed:
         t = keyed[(layer, role)]
         name = ape_name(model, layer, role)
-        r = model.compress_ratios[layer]
-        dim = model.index_head_dim if role == Role.INDEXER_STATE else model.head_dim
-        shape = (r, (2 if r == 4 else 1) * dim)
+        shape = ape_shape(model, layer, role)
         if not isinstance(t, torch.Tensor):
             raise InputError(f"APE weights: {name} is a {type(t).__name__}, not a tensor")
         if t.dtype not in (torch.float32, torch.bfloat16):
             raise InputError(f"APE weights: {name} is {t.dtype}; the checkpoint's APE is fp32 or bf16")
         if tuple(t.shape) != shape:
-            raise InputError(f"APE weights: {name} has shape {list(t.shape)}; layer {layer} (ratio {r}) needs "
+            raise InputError(f"APE weights: {name} has shape {list(t.shape)}; layer {layer} (ratio {shape[0]}) needs "
                              f"{list(shape)}")
         v = t.detach().to("cpu", torch.float32).contiguous()
         if not bool(torch.isfinite(v).all()):
@@ -209,8 +217,7 @@ def remove_ape(values: torch.Tensor, ape: torch.Tensor, first: int, where: str, 
     t = values[:, half:]
     a = _ape_rows(ape, first, values.shape[0])
     if bool(torch.isnan(t).any()):
-        row = int(torch.isnan(t).any(dim=1).nonzero()[0])
-        raise InputError(f"{where}: the compressor score of position {first + row} is NaN")
+        raise nan_score(where, first + int(torch.isnan(t).any(dim=1).nonzero()[0]))
     s = t - a
     s = torch.where(torch.isinf(t), t, s)  # cleared rows (-inf) stay cleared
     for _ in range(4):  # fp32(t - a) is within a few ulps of the preimage

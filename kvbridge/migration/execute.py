@@ -32,9 +32,8 @@ from kvbridge import numerics as nx
 from kvbridge.api import LossReport, transcode_loss
 from kvbridge.engines import Storage
 from kvbridge.errors import InputError, KVBridgeError
-from kvbridge.layouts import get_layout
 from kvbridge.layouts.registry import PageGeometry
-from kvbridge.migration.ape import add_ape, remove_ape, unreachable_score
+from kvbridge.migration.ape import add_ape, nan_score, remove_ape, unreachable_score
 from kvbridge.migration.plan import MigrationPlan, Transfer
 from kvbridge.migration.pools import (
     EnginePools,
@@ -200,17 +199,17 @@ def _convert_state_native(t: Transfer, records: torch.Tensor, loss_report: bool,
     errors and refusals as ``_convert_state_torch``."""
     measure = loss_report and t.src.fmt != t.dst.fmt
     pos = t.first + first
-    res = native_state.convert_state_rows(records, t.src.fmt.endswith("bf16"), t.dst.fmt.endswith("bf16"), t.ape,
-                                          t.ape_sign, pos, measure)
+    src_bf16 = t.src.fmt.endswith("bf16")
+    res = native_state.convert_state_rows(records, src_bf16, t.dst.fmt.endswith("bf16"), t.ape, t.ape_sign, pos,
+                                          measure)
     where = f"layer {t.spec.layer} {t.spec.role.value}"
     if t.ape_sign < 0 and res.nan_row is not None:
-        raise InputError(f"{where}: the compressor score of position {pos + res.nan_row} is NaN")
+        raise nan_score(where, pos + res.nan_row)
     if t.ape_sign < 0 and res.unreachable is not None:
         row, col = res.unreachable
-        half = t.src.record_bytes // (2 if t.src.fmt.endswith("bf16") else 4) // 2
-        stored = float(state_rows_to_f32(records[row : row + 1], t.src.fmt)[0, half + col])
-        raise unreachable_score(where, pos + row, col, stored, float(t.ape[(pos + row) % t.ape.shape[0], col]),
-                                t.src.fmt.endswith("bf16"))
+        values = state_rows_to_f32(records[row : row + 1], t.src.fmt)[0]
+        raise unreachable_score(where, pos + row, col, float(values[values.shape[0] // 2 + col]),
+                                float(t.ape[(pos + row) % t.ape.shape[0], col]), src_bf16)
     if res.infinity_changed:
         raise MigrationError("a compressor-state value changed infinity on conversion")
     return res.rows, None, res.max_abs_error
@@ -647,13 +646,13 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
     busy: list[Future | None] = [None] * len(buffers)  # the statistics still reading each pair
     reports: list[Future] = []
     try:
+        for b in staged.batches:
+            for piece in b.pieces:
+                t = plan.transfers[piece.index]
+                piece.dst = part_spans(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first + piece.first,
+                                       piece.count) or []
+        publish_s = time.perf_counter() - t0
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-loss") as stats:
-            for b in staged.batches:
-                for piece in b.pieces:
-                    t = plan.transfers[piece.index]
-                    piece.dst = part_spans(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first + piece.first,
-                                           piece.count) or []
-            publish_s = time.perf_counter() - t0
             for i, b in enumerate(staged.batches):
                 t = b.transfer
                 t1 = time.perf_counter()
@@ -676,9 +675,8 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
                                        dst_page_size=b.rows, src_scale=t.src.scale, dst_scale=t.dst.scale,
                                        dialect=t.dst.dialect, out=out)
                     if loss_report:
-                        busy[k] = stats.submit(transcode_loss, pages, get_layout(t.src.layout), b.rows, out,
-                                               get_layout(t.dst.layout), b.rows, b.rows, t.src.scale, t.dst.scale,
-                                               t.dst.dialect)
+                        busy[k] = stats.submit(transcode_loss, pages, t.src.layout, b.rows, out, t.dst.layout, b.rows,
+                                               b.rows, t.src.scale, t.dst.scale, t.dst.dialect)
                         reports.append(busy[k])
                 elif b.dst_page is not None:
                     dst_form = _form(dst_buf, b.dst_page, b.rows, t.dst.record_bytes)
@@ -703,8 +701,9 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
             t4 = time.perf_counter()
             loss: list[LossReport] = [f.result() for f in reports]  # in batch order
             if reports:  # the statistics' time not hidden behind the batches counts as KV conversion
-                convert_s += time.perf_counter() - t4
-                parts["kv"] = parts.get("kv", 0.0) + time.perf_counter() - t4
+                waited = time.perf_counter() - t4
+                convert_s += waited
+                parts["kv"] = parts.get("kv", 0.0) + waited
     except Exception:
         dst.release(tables)
         raise

@@ -12,9 +12,9 @@ from typing import Any
 import click
 from rich.table import Table
 
-from kvbridge import accuracy as acc
-from kvbridge.attention import BACKENDS
-from kvbridge.synthetic import LAYERS
+from kvbridge.attention.sparse import BACKENDS
+from kvbridge.study import accuracy as acc
+from kvbridge.study.synthetic import LAYERS
 
 from .common import console, err_console, fmt, json_option, keep_numbers_whole, print_json
 

@@ -28,7 +28,7 @@ def _bootstrap(ctx: click.Context, param: click.Parameter, value: str) -> str:
 def _dump_entries(pools, tables, plan):
     """The request's SWA and compressed KV caches as dump entries (pages of the pools' layout); the
     first position of each SWA window as attributes."""
-    from kvbridge.dump import DumpEntry
+    from kvbridge.dumps.dumpfile import DumpEntry
     from kvbridge.migration.pools import gather_records, table_of
 
     entries, attrs = [], {}
@@ -76,7 +76,7 @@ def command(bootstrap, room, tokens, profile, dst, ape, model, layers, out, forc
     """Receive one request from an SGLang prefill, as its decode server (NIXL)."""
     _require_nixl()
     from kvbridge.adapters.sglang_decode import SGLangDecodePeer
-    from kvbridge.dump import write_dump
+    from kvbridge.dumps.dumpfile import write_dump
     from kvbridge.migration import EnginePools, destination_pools, plan_migration
 
     if out is not None and out.exists() and not force:

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from kvbridge.adapters.vllm_config import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, TRANSPORTS, kv_transfer_config
-from kvbridge.engines import parse_engine
+from kvbridge.engines.profiles import parse_engine
 
 
 @click.command("vllm-config", short_help="Print vLLM's --kv-transfer-config for the kvbridge connector.")

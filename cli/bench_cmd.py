@@ -6,7 +6,7 @@ import click
 import torch
 from rich.table import Table
 
-from kvbridge import bench
+from kvbridge.study import bench
 
 from .common import console, json_option, print_json
 

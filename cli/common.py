@@ -137,7 +137,7 @@ def keep_numbers_whole(table: Table) -> Table:
 
 def engine_spec_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """Click callback: an engine spec ``parse_engine`` does not understand is a usage error (exit 2)."""
-    from kvbridge.engines import parse_engine
+    from kvbridge.engines.profiles import parse_engine
 
     if value is None:
         return None
@@ -150,7 +150,7 @@ def engine_spec_option(ctx: click.Context, param: click.Parameter, value: str | 
 
 def model_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """Click callback: a model preset or config.json that does not load is a usage error (exit 2)."""
-    from kvbridge.topology import get_model
+    from kvbridge.engines.topology import get_model
 
     try:
         get_model(value)

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from kvbridge.demo import run_demo
+from kvbridge.demo.run import run_demo
 
 from .common import console, json_option, print_json, print_wrapped
 

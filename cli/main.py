@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from kvbridge import __version__
+from kvbridge._version import __version__
 from kvbridge.errors import KVBridgeError
 
 #: Command name -> (module under this package defining ``command``, one-line help for the listing).

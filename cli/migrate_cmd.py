@@ -9,6 +9,7 @@ import click
 from rich import box
 from rich.table import Table
 
+from kvbridge.engines.topology import get_model
 from kvbridge.migration import (
     ConvertSide,
     MigrationPlan,
@@ -18,7 +19,6 @@ from kvbridge.migration import (
     source_request,
 )
 from kvbridge.migration.plan import MAX_TOKENS
-from kvbridge.topology import get_model
 
 from .common import console, engine_spec_option, json_option, model_option, print_json, print_wrapped
 

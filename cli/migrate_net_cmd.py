@@ -15,12 +15,12 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn, TransferSpeedColumn
 
-from kvbridge.engines import parse_engine
+from kvbridge.engines.profiles import parse_engine
+from kvbridge.engines.topology import get_model
 from kvbridge.errors import KVBridgeError
 from kvbridge.layouts import Layout
 from kvbridge.migration import EnginePools, plan_migration, source_request
 from kvbridge.migration.control import parse_address
-from kvbridge.topology import get_model
 
 from .common import engine_spec_option, err_console, json_option, model_option, parse_layout, parse_scale
 

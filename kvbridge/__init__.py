@@ -11,25 +11,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvbridge import jitcache
+from kvbridge._version import __version__  # noqa: F401  (the public version)
 
 jitcache.configure()
 
-__version__ = "0.1.0"
 
 #: Public name -> module that defines it.
 _EXPORTS = {
-    "LossReport": "kvbridge.api",
-    "auto_scale": "kvbridge.api",
-    "decode": "kvbridge.api",
-    "encode": "kvbridge.api",
-    "transcode": "kvbridge.api",
-    "sparse_decode": "kvbridge.attention",
+    "LossReport": "kvbridge.ops.pages",
+    "auto_scale": "kvbridge.ops.pages",
+    "decode": "kvbridge.ops.pages",
+    "encode": "kvbridge.ops.pages",
+    "transcode": "kvbridge.ops.pages",
+    "sparse_decode": "kvbridge.attention.sparse",
     "identify_writer": "kvbridge.conformance",
     "run_conformance": "kvbridge.conformance",
-    "Dump": "kvbridge.dump",
-    "DumpEntry": "kvbridge.dump",
-    "read_dump": "kvbridge.dump",
-    "write_dump": "kvbridge.dump",
+    "Dump": "kvbridge.dumps.dumpfile",
+    "DumpEntry": "kvbridge.dumps.dumpfile",
+    "read_dump": "kvbridge.dumps.dumpfile",
+    "write_dump": "kvbridge.dumps.dumpfile",
     "DumpFormatError": "kvbridge.errors",
     "InputError": "kvbridge.errors",
     "KVBridgeError": "kvbridge.errors",
@@ -43,17 +43,16 @@ _EXPORTS = {
     "register": "kvbridge.layouts",
     "migrate_local": "kvbridge.migration",
     "plan_migration": "kvbridge.migration",
-    "gather_transcode": "kvbridge.paged",
-    "transcode_slots": "kvbridge.paged",
+    "gather_transcode": "kvbridge.ops.slots",
+    "transcode_slots": "kvbridge.ops.slots",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
-    from kvbridge.api import LossReport, auto_scale, decode, encode, transcode  # noqa: F401
-    from kvbridge.attention import sparse_decode  # noqa: F401
+    from kvbridge.attention.sparse import sparse_decode  # noqa: F401
     from kvbridge.conformance import identify_writer, run_conformance  # noqa: F401
-    from kvbridge.dump import Dump, DumpEntry, read_dump, write_dump  # noqa: F401
+    from kvbridge.dumps.dumpfile import Dump, DumpEntry, read_dump, write_dump  # noqa: F401
     from kvbridge.errors import (  # noqa: F401
         DumpFormatError,
         InputError,
@@ -64,7 +63,8 @@ if TYPE_CHECKING:
     )
     from kvbridge.layouts import Field, Layout, all_layouts, get_layout, register  # noqa: F401
     from kvbridge.migration import migrate_local, plan_migration  # noqa: F401
-    from kvbridge.paged import gather_transcode, transcode_slots  # noqa: F401
+    from kvbridge.ops.pages import LossReport, auto_scale, decode, encode, transcode  # noqa: F401
+    from kvbridge.ops.slots import gather_transcode, transcode_slots  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -21,10 +21,15 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvbridge.api import decode, encode, transcode
-from kvbridge.codecs import HEAD_DIM, NUM_TILES
+from kvbridge.attention.sparse import LSE_TOLERANCE, OUT_TOLERANCE, compare, sparse_decode
+from kvbridge.engines.profiles import parse_engine
+from kvbridge.engines.topology import FLASH, Role
 from kvbridge.errors import DumpFormatError, InputError
 from kvbridge.layouts import Layout, get_layout
+from kvbridge.layouts.codec import HEAD_DIM, NUM_TILES
+from kvbridge.migration.pools import scatter_records
+from kvbridge.ops import keys as ix
+from kvbridge.ops.pages import decode, encode, transcode
 
 MODEL1_FIXTURE = "model1_reference.safetensors"
 TRTLLM_FIXTURE = "trtllm_fp8_reference.safetensors"
@@ -232,8 +237,6 @@ def trtllm_checks(path: Path, device: torch.device) -> list[CheckResult]:
 
 def decode_checks(path: Path, device: torch.device) -> list[CheckResult]:
     """FlashMLA sparse decode vectors: ``sparse_decode`` out and lse within FlashMLA's tolerances."""
-    from kvbridge.attention import LSE_TOLERANCE, OUT_TOLERANCE, compare, sparse_decode
-
     tensors, cases = _load(path, device)
     results = []
     for case, info in cases.items():
@@ -306,8 +309,6 @@ def page_records(pages: torch.Tensor, slots: torch.Tensor, page_size: int, split
 
 def indexer_checks(root: Path, device: torch.device) -> list[CheckResult]:
     """Indexer-key bytes written by SGLang's and vLLM's own writers: encode = their records and pages."""
-    from kvbridge import indexer as ix
-
     results = []
     loaded = {name: _load(root / name, device) for name in (SGLANG_INDEXER_FIXTURE, VLLM_INDEXER_FIXTURE)}
     for engine, name, fmt_name, rule, writer in INDEXER_WRITERS:
@@ -338,8 +339,6 @@ def indexer_checks(root: Path, device: torch.device) -> list[CheckResult]:
 
 def deepgemm_checks(path: Path, device: torch.device) -> list[CheckResult]:
     """DeepGEMM's own quantizers (``deep_gemm/utils/math.py``, run on CPU): fp8 and fp4 key records."""
-    from kvbridge import indexer as ix
-
     tensors, _ = _load(path, device)
     results = []
     for fmt_name, writer in (("fp8", "per_token_cast_to_fp8(gran_k=128)"),
@@ -352,8 +351,6 @@ def deepgemm_checks(path: Path, device: torch.device) -> list[CheckResult]:
 
 def derived_indexer_checks(path: Path, device: torch.device) -> list[CheckResult]:
     """Indexer records of the writers that need a GPU, from an independent re-implementation (derived)."""
-    from kvbridge import indexer as ix
-
     tensors, _ = _load(path, device)
     keys = tensors["keys"]
     results = []
@@ -388,8 +385,6 @@ def cross_indexer_checks(root: Path, device: torch.device) -> list[CheckResult]:
     (golden), or by the independent re-implementation of a GPU-only writer (keys ``derived:...``),
     see ``fixtures/README.md``; kvbridge's conversion must give the same bytes.
     """
-    from kvbridge import indexer as ix
-
     sources = indexer_source_records(root, device)
     tensors, _ = _load(root / CROSS_INDEXER_FIXTURE, device)
     results = []
@@ -411,10 +406,6 @@ def state_addressing_checks(path: Path, device: torch.device) -> list[CheckResul
     Each live position's record is scattered through kvbridge's storage of the SGLang profile and
     the flat row it lands in (page * ring + row) is compared with SGLang's state_loc.
     """
-    from kvbridge.engines import parse_engine
-    from kvbridge.migration.pools import scatter_records
-    from kvbridge.topology import FLASH, Role
-
     tensors, cases = _load(path, device)
     results = []
     for name, info in cases.items():
@@ -627,8 +618,6 @@ def identify_indexer_writer(pages: torch.Tensor, fmt: str, keys: torch.Tensor, *
     """Which engine's indexer writer reproduces block-planar indexer ``pages`` (uint8
     ``[num_pages, page_bytes]``) from the source ``keys`` ``[N, dim]`` stored at ``slots``
     (default 0..N-1). Every rule of the format is tried; all bytes of each key are compared."""
-    from kvbridge import indexer as ix
-
     f = ix.indexer_format(fmt, keys.shape[1] if isinstance(keys, torch.Tensor) and keys.dim() == 2 else 128)
     if not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or pages.dim() != 2 \
             or pages.shape[1] < page_size * f.record_bytes:

@@ -2,7 +2,7 @@
 
 For each case (trtllm-fp8 <-> MODEL1 transcodes fresh and ``out=``, MODEL1 -> trtllm-fp8 with
 ``dst_scale="auto"`` (``kvbridge.transcode``: the code-domain amax pass, then the transcode), encode
-bf16 -> MODEL1, decode MODEL1 -> fp32) and each thread count, calls of the kernel (through ``kvbridge.fastpath``)
+bf16 -> MODEL1, decode MODEL1 -> fp32) and each thread count, calls of the kernel (through ``backends.dispatch``)
 alternate with ``np.copyto`` (one thread) and ``torch.Tensor.copy_`` (the case's threads) of a
 buffer half the size of the bytes the call reads plus writes (so the copy reads and writes the
 same total); ``x copy`` / ``x copy_`` = best copy time / best kernel time (best of ``--repeat``). Cases
@@ -12,9 +12,9 @@ zeroing of new pages costs on its own (1.0: the kernel is at that ceiling).
 Also prints the one-thread CPU time (``time.process_time``, best of ``--repeat``) of each case at
 ``--cpu-tokens`` tokens, the measure of the layout-rebuild check.
 
-``--impl both`` times the compiled C kernels (``kvbridge._kernels``) and the numba kernels
+``--impl both`` times the compiled C kernels (``kvbridge.backends.native._kernels``) and the numba kernels
 alternately, call by call, each against its own paired copy (``c`` or ``numba``: one of them;
-default ``auto``: whichever ``kvbridge.native`` chose, named in the header).
+default ``auto``: whichever ``kvbridge.backends.native`` chose, named in the header).
 
     PYTHONPATH=$PWD python3 scripts/bench_kernels.py [--tokens 1048576] [--repeat 7] [--threads 1 2] \
         [--impl both] [--json]
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import kvbridge
-from kvbridge import fastpath, native
+from kvbridge.backends import dispatch, native
 from kvbridge.layouts import get_layout
 
 P = 64
@@ -61,17 +61,17 @@ def _cases(n: int) -> dict[str, tuple]:
     fp8, m1 = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(n, 512, generator=gen) * 2).to(torch.bfloat16)
-    src_fp8 = fastpath.encode_pages(x, fp8, P, "swa", 1.0)
-    src_m1 = fastpath.encode_pages(x, m1, P, "flashmla", 1.0)
+    src_fp8 = dispatch.encode_pages(x, fp8, P, "swa", 1.0)
+    src_m1 = dispatch.encode_pages(x, m1, P, "flashmla", 1.0)
     out_m1 = torch.empty_like(src_m1)
     out_fp8 = torch.empty_like(src_fp8)
     nb = lambda t: t.numel() * t.element_size()  # noqa: E731
 
     def to_m1(out=None):
-        return fastpath.transcode_pages(src_fp8, fp8, P, m1, P, n, 1.0, 1.0, "flashmla", out=out)
+        return dispatch.transcode_pages(src_fp8, fp8, P, m1, P, n, 1.0, 1.0, "flashmla", out=out)
 
     def to_fp8(out=None):
-        return fastpath.transcode_pages(src_m1, m1, P, fp8, P, n, 1.0, 1.0, "swa", out=out)
+        return dispatch.transcode_pages(src_m1, m1, P, fp8, P, n, 1.0, 1.0, "swa", out=out)
 
     return {
         "trtllm-fp8 -> MODEL1, out=": (lambda: to_m1(out_m1), nb(src_fp8), nb(out_m1)),
@@ -81,8 +81,8 @@ def _cases(n: int) -> dict[str, tuple]:
         "MODEL1 -> trtllm-fp8, auto, out=": (lambda: kvbridge.transcode(src_m1, m1, fp8, src_page_size=P, num_tokens=n,
                                                                          dst_scale="auto", out=out_fp8),
                                               nb(src_m1), nb(out_fp8)),
-        "encode bf16 -> MODEL1": (lambda: fastpath.encode_pages(x, m1, P, "flashmla", 1.0), nb(x), nb(src_m1)),
-        "decode MODEL1 -> fp32": (lambda: fastpath.decode_pages(src_m1, m1, P, n, 1.0), nb(src_m1), n * 2048),
+        "encode bf16 -> MODEL1": (lambda: dispatch.encode_pages(x, m1, P, "flashmla", 1.0), nb(x), nb(src_m1)),
+        "decode MODEL1 -> fp32": (lambda: dispatch.decode_pages(src_m1, m1, P, n, 1.0), nb(src_m1), n * 2048),
     }
 
 

@@ -3,7 +3,7 @@
 Two cases: a per-tensor E4M3 (``trtllm-fp8``, scale 0.01) pool of N(0, 1) values against the MODEL1 pool
 transcoded from it (no saturation count), and that MODEL1 pool against the fp8 pool transcoded back
 (with the ``swa`` multiplier's saturation count). Per case and implementation (``numba``: the numba
-accelerators; ``c``: the compiled ones, ``kvbridge._kernels``; ``generic``: the record-program kernel),
+accelerators; ``c``: the compiled ones, ``kvbridge.backends.native._kernels``; ``generic``: the record-program kernel),
 each timed call sits between two ``np.copyto`` (one thread) of both pools' bytes; ``x copy`` is the
 median over ``--repeat`` rounds of the call's time over the mean of its two copies; also the best call
 over the best copy. ``--tokens 8192`` keeps both pools in the CPU caches (a migration's staged batch),
@@ -26,9 +26,10 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from kvbridge import native, native_loss
-from kvbridge.codecs import tensor_multiplier
+from kvbridge.backends import native
+from kvbridge.backends.native import loss as native_loss
 from kvbridge.layouts import get_layout
+from kvbridge.layouts.codec import tensor_multiplier
 
 P = 64
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 import kvbridge
-from kvbridge import synthetic
+from kvbridge.study import synthetic
 
 PAGE_SIZE = 128
 BATCH, HEADS = 4, 64

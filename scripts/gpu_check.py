@@ -7,7 +7,7 @@
 
 1. Validation (both E4M3 conversion paths of the kernels: the hardware cast and the integer bit
    operations): encode / decode / whole-pool transcode / repage kernels against
-   ``kvbridge.reference`` on random and edge-case inputs (computed on the CPU), then the public
+   ``kvbridge.backends.reference`` on random and edge-case inputs (computed on the CPU), then the public
    API on CUDA (``encode``, ``decode``, ``transcode``, ``transcode_slots``, ``gather_transcode``,
    their error paths) against the same calls on CPU tensors.
 2. Timing (CUDA events, median of ``--iters``) at ``--tokens`` tokens (default 4M: 2-8 GiB per
@@ -168,7 +168,7 @@ class Validator:
     def __init__(self, device, smoke: bool):
         import torch
 
-        from kvbridge import triton_kernels
+        from kvbridge.backends import triton_kernels
         from kvbridge.layouts import all_layouts, get_layout
 
         self.torch, self.tk, self.device, self.smoke = torch, triton_kernels, device, smoke
@@ -226,7 +226,7 @@ class Validator:
         self.api()
 
     def kernels(self, path: str) -> None:
-        from kvbridge import reference
+        from kvbridge.backends import reference
 
         tk, section = self.tk, f"kernels/{path}"
         for lay, dialect, scale in self.writers:
@@ -388,8 +388,8 @@ class Bench:
     def run_all(self, n: int) -> list[Timing]:
         """Time every operation at ``n`` tokens (a multiple of 256); bytes count payload read + written."""
         import kvbridge as kb
-        from kvbridge import reference
-        from kvbridge import triton_kernels as tk
+        from kvbridge.backends import reference
+        from kvbridge.backends import triton_kernels as tk
         from kvbridge.layouts import get_layout
 
         torch, dev = self.torch, self.device
@@ -479,9 +479,9 @@ def flashmla_section(device, checker: Validator, timings: list[Timing]) -> str:
     if not hasattr(kb, "sparse_decode"):
         return "skipped: kvbridge.sparse_decode is not present in this build"
     try:
-        from kvbridge import attention, flashmla_backend
+        from kvbridge.attention import flashmla, sparse
 
-        flashmla_backend.import_build()
+        flashmla.import_build()
     except Exception as exc:  # no flash_mla module, no legacy kernels, wrong torch, ...
         return f"skipped: FlashMLA backend not usable ({type(exc).__name__}: {exc})"
     import torch
@@ -499,8 +499,8 @@ def flashmla_section(device, checker: Validator, timings: list[Timing]) -> str:
     def check() -> bool | str:
         out, lse = decode("flashmla")
         ref_out, ref_lse = decode("reference")
-        a = attention.compare(out, ref_out, attention.OUT_TOLERANCE)
-        b = attention.compare(lse, ref_lse, attention.LSE_TOLERANCE)
+        a = sparse.compare(out, ref_out, sparse.OUT_TOLERANCE)
+        b = sparse.compare(lse, ref_lse, sparse.LSE_TOLERANCE)
         return True if a.passed and b.passed else f"out: {a.detail}; lse: {b.detail}"
 
     checker.record("flashmla", "sparse_decode(flashmla) on gather scratch == reference decode", check)
@@ -550,7 +550,7 @@ def report(checks: list[Check], timings: list[Timing], flashmla_note: str, devic
 
 def tk_hardware_used(device) -> bool:
     """Whether the kernels ran (and were timed) with the hardware E4M3 conversion."""
-    from kvbridge import triton_kernels
+    from kvbridge.backends import triton_kernels
 
     return triton_kernels.fp8_hardware and triton_kernels.hardware_fp8_available(device)
 

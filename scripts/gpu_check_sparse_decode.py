@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import kvbridge
-from kvbridge.attention import LSE_TOLERANCE, OUT_TOLERANCE, compare
-from kvbridge.flashmla_backend import BackendUnavailable, import_build
+from kvbridge.attention.flashmla import BackendUnavailable, import_build
+from kvbridge.attention.sparse import LSE_TOLERANCE, OUT_TOLERANCE, compare
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "model1_decode_reference.safetensors"
 

@@ -9,9 +9,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvbridge import indexer as ix
+from kvbridge.layouts.codec import record_codec
 from kvbridge.migration.ape import add_ape, remove_ape
 from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
+from kvbridge.ops import keys as ix
 
 
 def expected_records(t, src_records: torch.Tensor) -> torch.Tensor:
@@ -19,8 +20,8 @@ def expected_records(t, src_records: torch.Tensor) -> torch.Tensor:
     if t.src.kind == "kv":
         if t.conversion == "byte move":
             return src_records
-        values = t.src.layout.codec.decode(src_records, scale=t.src.scale or 1.0)
-        return t.dst.layout.codec.encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
+        values = record_codec(t.src.layout).decode(src_records, scale=t.src.scale or 1.0)
+        return record_codec(t.dst.layout).encode(values, dialect=t.dst.dialect, scale=t.dst.scale or 1.0)
     if t.src.kind == "indexer" and t.conversion != "byte copy":
         return ix.encode_keys(ix.decode_keys(src_records, t.src.indexer, t.src.dialect), t.dst.indexer, t.dst.dialect)
     if t.src.kind == "state" and t.ape_sign:  # the destination stores score + APE, or the source does

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import kvbridge as kb
-from kvbridge import accuracy as acc
 from kvbridge.errors import InputError
 from kvbridge.layouts import all_layouts
+from kvbridge.study import accuracy as acc
 
 # ---------------------------------------------------------------- variants and scales
 
@@ -235,8 +235,8 @@ def test_run_study_rejects_unknown_sweeps_and_bad_cases():
 
 
 def _write_dump(path, tokens: int = 96):
-    from kvbridge.dump import DumpEntry, write_dump
-    from kvbridge.synthetic import latents
+    from kvbridge.dumps.dumpfile import DumpEntry, write_dump
+    from kvbridge.study.synthetic import latents
 
     x = latents(tokens, seed=5).to(torch.bfloat16)
     entries = [

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvbridge.engines.topology import FLASH, Role
 from kvbridge.migration import plan_migration, source_request
-from kvbridge.topology import FLASH, Role
 from tests.migration_helpers import free_port, need_sglang
 
 SGLANG_PY = os.environ.get("KVBRIDGE_SGLANG_PYTHON")
@@ -38,8 +38,8 @@ TOKENS = 1026  # ratio-4 state rows 1022..1025 straddle the SWA page boundary at
 def test_pd_layout_is_sglang_buffer_order():
     """Without SGLang: the buffer list for DeepSeek-V4-Pro (no SWA-only layer) and its sizes."""
     from kvbridge.adapters.sglang import pd_layout
+    from kvbridge.engines.topology import PRO
     from kvbridge.migration import EnginePools
-    from kvbridge.topology import PRO
 
     pools = EnginePools.create("sglang", PRO, {"full": 1, "swa": 1, "state128": 1}, include_mtp=False)
     lay = pd_layout(pools)

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvbridge.engines.topology import FLASH, Role
 from kvbridge.migration import EnginePools, migrate_local, plan_migration, source_request
 from kvbridge.migration.pools import gather_records, table_of
-from kvbridge.topology import FLASH, Role
 from tests.migration_helpers import free_port, need_sglang
 
 SGLANG_PY = os.environ.get("KVBRIDGE_SGLANG_PYTHON")
@@ -262,7 +262,7 @@ def test_sglang_prefill_sends_exact_bytes_to_kvbridge(request_pools, tmp_path):
         for p in dst.free[name]:
             assert not dst.pool(spec)[p].any(), (spec, p)
     # SGLang's compressor state cannot go to vLLM: the planner says why, as for a direct migration
-    from kvbridge.engines import parse_engine
+    from kvbridge.engines.profiles import parse_engine
     from kvbridge.errors import InputError
 
     prof = parse_engine("vllm")
@@ -445,7 +445,7 @@ def test_cli_receives_converts_and_writes_a_dump(tmp_path):
     layers, the command converts them to TensorRT-LLM's 512-B records and writes a kvbridge dump whose
     entries hold exactly the records of kvbridge's direct conversion."""
     _need_sglang()
-    from kvbridge.dump import read_dump
+    from kvbridge.dumps.dumpfile import read_dump
     from kvbridge.migration import destination_pools
     from kvbridge.migration.pools import gather_records, table_of
 

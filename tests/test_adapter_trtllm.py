@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvbridge.adapters import trtllm
+from kvbridge.engines.topology import FLASH, Role
 from kvbridge.errors import InputError
 from kvbridge.migration import EnginePools, destination_pools, migrate_local, plan_migration, source_request
 from kvbridge.migration.pools import pool_tensors
-from kvbridge.topology import FLASH, Role
 
 MODEL = FLASH.with_layers(4)
 TRT = "trtllm:fp8:tpb=128"

@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvbridge.adapters.vllm_layout import VllmCaches
-from kvbridge.engines import parse_engine
+from kvbridge.engines.profiles import parse_engine
+from kvbridge.engines.topology import Role, from_hf_config
 from kvbridge.migration import (
     MigrationError,
     destination_pools,
@@ -36,7 +37,6 @@ from kvbridge.migration import (
 from kvbridge.migration.ape import synthetic_ape
 from kvbridge.migration.nixl import NixlReceiver, NixlSender, nixl_available
 from kvbridge.migration.transport import GlooServer, send_request_tcp
-from kvbridge.topology import Role, from_hf_config
 from tests.migration_helpers import expected_records
 
 ROOT = Path(__file__).resolve().parent.parent

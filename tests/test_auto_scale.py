@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import kvbridge as kb
-from kvbridge import dump as dump_mod
-from kvbridge.dump import DumpEntry, convert_dump, convert_entry, read_dump, write_dump
-from kvbridge.loss import lossless_scale_candidates
+from kvbridge.backends.loss_stats import lossless_scale_candidates
+from kvbridge.dumps import dumpfile as dump_mod
+from kvbridge.dumps.dumpfile import DumpEntry, convert_dump, convert_entry, read_dump, write_dump
 
 
 def latents(n: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
@@ -94,8 +94,8 @@ def test_transcode_auto_every_amax_implementation(src_name, scale):
     """``kb.transcode(dst_scale="auto")`` through each code-domain amax (numba, the compiled kernels' scalar and
     AVX-512 code) writes the bytes of decoding everything and encoding at ``auto_scale`` of the values; a NaN
     code, a NaN scale byte or a NaN rope word raises the decoded values' error (count and first position)."""
+    from kvbridge.backends.reference import check_finite
     from kvbridge.errors import NonFiniteError
-    from kvbridge.reference import check_finite
     from tests.test_ckernels import implementation, implementations
     from tests.test_native import edge_latents
 

@@ -8,8 +8,8 @@ import json
 from click.testing import CliRunner
 
 from cli.main import cli
-from kvbridge import bench
 from kvbridge.layouts import get_layout
+from kvbridge.study import bench
 
 
 def test_json_has_both_copies_threads_outputs_and_the_reference_size():
@@ -93,9 +93,9 @@ def test_migrate_bench_local_to_sglang_with_synthetic_or_file_ape(tmp_path):
     """TensorRT-LLM -> SGLang needs the model's APE weights: seeded stand-ins or a file; the output names them."""
     from safetensors.torch import save_file
 
+    from kvbridge.engines.topology import get_model
     from kvbridge.migration.ape import synthetic_ape
     from kvbridge.migration.bench import bench_local
-    from kvbridge.topology import get_model
 
     res = bench_local(tokens=300, src="trtllm", dst="sglang", repeat=1, loss_report=True, ape="synthetic")
     used = res["request"]["ape"]

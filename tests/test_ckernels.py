@@ -1,4 +1,4 @@
-"""The compiled MODEL1 kernels (``kvbridge._kernels``) against the numba kernels and the generic kernel.
+"""The compiled MODEL1 kernels (``kvbridge.backends.native._kernels``) against the numba kernels and the generic kernel.
 
 Each case runs every implementation present: the numba accelerators, the C kernels' portable
 scalar code and (on a CPU with AVX-512 VBMI) their vector code, the latter with ordinary and with
@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge import native, reference
 from kvbridge import numerics as nx
+from kvbridge.backends import native, reference
 from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import Field, Layout, get_layout
 from tests.test_native import SPLIT_FP8, TOKEN_MAJOR_MODEL1, edge_latents
 
 try:
-    from kvbridge import _kernels
+    from kvbridge.backends.native import _kernels
 except ImportError:  # not built: only the numba kernels run (CI refuses that, see below)
     _kernels = None
 
@@ -129,12 +129,12 @@ def check_transcode(pages, src, sp, dst, dp, n, s_in, s_out, dialect) -> int:
 def test_extension_is_built_under_ci():
     """CI (CI=true) must run the compiled kernels, not silently fall back to numba."""
     if os.environ.get("CI", "").strip().lower() != "true":
-        pytest.skip("not CI: kvbridge._kernels is optional")
-    assert _kernels is not None, "kvbridge._kernels was not built (see the pip install log for the compiler error)"
+        pytest.skip("not CI: kvbridge.backends.native._kernels is optional")
+    assert _kernels is not None, "the compiled kernels were not built (see the pip install log for the compiler error)"
     assert native.kernel_implementation().startswith("C ") or native._CK_WHY_NOT, native.kernel_implementation()
 
 
-@pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
+@pytest.mark.skipif(_kernels is None, reason="kvbridge.backends.native._kernels is not built")
 def test_a_stale_build_is_refused_with_the_remedy(monkeypatch):
     """A ``.so`` built from other sources (an editable install not rebuilt) could lack an entry point or take
     other arguments: kvbridge warns once, names the remedy and runs numba."""
@@ -142,23 +142,23 @@ def test_a_stale_build_is_refused_with_the_remedy(monkeypatch):
     assert _kernels.INTERFACE == native.KERNELS_INTERFACE
     monkeypatch.setattr(_kernels, "INTERFACE", native.KERNELS_INTERFACE - 1)
     with pytest.warns(RuntimeWarning, match="built from other sources .*build_ext --inplace"):
-        assert native._compiled_kernels() == (None, "kvbridge._kernels is a stale build")
+        assert native._compiled_kernels() == (None, "kvbridge.backends.native._kernels is a stale build")
 
 
-@pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
+@pytest.mark.skipif(_kernels is None, reason="kvbridge.backends.native._kernels is not built")
 def test_dispatch_and_env_var():
     """The extension is used when present and the CPU has the ISA; KVBRIDGE_NO_CKERNELS=1 forces numba."""
     if _kernels.cpu_isa() != "scalar" and not os.environ.get(native.NO_CKERNELS_ENV):
         assert native._CK is _kernels and native.kernel_implementation() == f"C ({_kernels.isa()})"
     env = {**os.environ, native.NO_CKERNELS_ENV: "1"}
-    code = "from kvbridge import native; print(native.kernel_implementation())"
+    code = "from kvbridge.backends import native; print(native.kernel_implementation())"
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert got.stdout.strip() == f"numba ({native.NO_CKERNELS_ENV} is set)"
     with pytest.raises(ValueError, match="not available|ISA"):
         _kernels.set_isa("avx9000")
 
 
-@pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
+@pytest.mark.skipif(_kernels is None, reason="kvbridge.backends.native._kernels is not built")
 def test_bad_arguments_raise_instead_of_overrunning():
     """The C entry points check buffer sizes and geometry against the token count."""
     src = np.zeros(FP8.page_bytes(64), np.uint8)
@@ -396,7 +396,7 @@ def test_amax_every_scale_byte_and_tile():
         check_amax(pages, MODEL1, 2, 2, 1.0)
 
 
-@pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
+@pytest.mark.skipif(_kernels is None, reason="kvbridge.backends.native._kernels is not built")
 def test_amax_bad_arguments_raise():
     pages = np.zeros(MODEL1.page_bytes(64), np.uint8)
     amax, bad = np.zeros(1, np.float32), np.zeros(1, np.int64)

@@ -21,10 +21,10 @@ import kvbridge as kb
 from cli import convert_cmd
 from cli.common import keep_numbers_whole
 from cli.main import cli
-from kvbridge.dump import DumpEntry, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry, write_dump
+from kvbridge.engines.topology import FLASH
 from kvbridge.errors import InputError
 from kvbridge.migration import destination_pools, migrate_local, plan_migration, source_request
-from kvbridge.topology import FLASH
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def test_wheel_holds_only_kvbridge_with_cli_and_fixtures(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     (wheel,) = tmp_path.glob("kvbridge-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"  # a platform wheel with kvbridge._kernels
+    dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"  # a platform wheel (the C extension)
     assert {n.split("/")[0] for n in names} == {"kvbridge", dist_info}
     for fixture in (ROOT / "fixtures").glob("*.safetensors"):
         assert f"kvbridge/fixtures/{fixture.name}" in names
@@ -106,9 +106,9 @@ def test_jit_cache_goes_to_a_per_user_dir_and_unwritable_costs_only_a_compile(tm
     unwritable = python(show, KVBRIDGE_JIT_CACHE="/proc/kvbridge-cache").split()
     assert unwritable[0] == unwritable[1] and "kvbridge-numba-" in unwritable[0]  # a temporary dir instead
     scan = (
-        "import torch, kvbridge\nfrom kvbridge import nonfinite, jitcache\n"
+        "import torch, kvbridge\nfrom kvbridge import jitcache\nfrom kvbridge.layouts import scan\n"
         "pages = kvbridge.encode(torch.zeros(4, 512), 'bf16', page_size=4, nonfinite='zero')\n"
-        "print(jitcache.cache_dir, nonfinite.scan_pages(pages, kvbridge.get_layout('bf16'), 4).count)"
+        "print(jitcache.cache_dir, scan.scan_pages(pages, kvbridge.get_layout('bf16'), 4).count)"
     )
     assert python(scan, KVBRIDGE_JIT_CACHE="off", KVBRIDGE_BACKEND="reference").split() == ["None", "0"]
 

@@ -1,6 +1,6 @@
 """`kvbridge convert` as real processes: SIGINT mid-convert and two converts racing for one output.
 
-The child is the real command (``cli.main``) with ``kvbridge.dump.CHUNK_BYTES`` set to 64 KiB, so
+The child is the real command (``cli.main``) with ``kvbridge.dumps.dumpfile.CHUNK_BYTES`` set to 64 KiB, so
 that a small dump takes hundreds of chunks and the signal or the second process lands while the
 output's temp file exists.
 """
@@ -18,10 +18,13 @@ import pytest
 import torch
 
 import kvbridge as kb
-from kvbridge.dump import DumpEntry, partial_path, read_dump, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry, partial_path, read_dump, write_dump
 
 ROOT = Path(__file__).resolve().parent.parent
-CHILD = "import sys; import kvbridge.dump as d; d.CHUNK_BYTES = 1 << 16; from cli.main import cli; cli(sys.argv[1:])"
+CHILD = (
+    "import sys; import kvbridge.dumps.dumpfile as d; d.CHUNK_BYTES = 1 << 16; "
+    "from cli.main import cli; cli(sys.argv[1:])"
+)
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -72,7 +75,7 @@ def test_two_racing_converts_exactly_one_wins(dump: Path, tmp_path: Path):
 def test_an_interrupt_as_the_temp_file_is_created_leaves_nothing_behind(tmp_path: Path, monkeypatch):
     """Ctrl-C landing just as ``os.open`` creates the temp file (before its descriptor is recorded,
     the window a loaded machine hits) is delivered once the writer can remove the file again."""
-    import kvbridge.dump as dump_module
+    import kvbridge.dumps.dumpfile as dump_module
 
     real_open = os.open
 
@@ -92,7 +95,7 @@ def test_an_interrupt_as_the_temp_file_is_created_leaves_nothing_behind(tmp_path
 def test_an_interrupt_before_the_with_block_leaves_nothing_behind(tmp_path: Path, monkeypatch):
     """Ctrl-C after the writer made its temp file but before the ``with`` block holds it (so no
     ``__exit__`` runs): the dropped writer removes the file."""
-    import kvbridge.dump as dump_module
+    import kvbridge.dumps.dumpfile as dump_module
 
     def interrupted(self):
         signal.raise_signal(signal.SIGINT)

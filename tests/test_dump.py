@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 import kvbridge
-from kvbridge.dump import (
+from kvbridge.dumps.dumpfile import (
     FORMAT_NAME,
     DumpEntry,
     convert_dump,

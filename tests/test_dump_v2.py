@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 import kvbridge as kb
-from kvbridge import dump as dump_mod
-from kvbridge.dump import (
+from kvbridge.dumps import dumpfile as dump_mod
+from kvbridge.dumps.dumpfile import (
     DumpEntry,
     DumpWriter,
     EntrySpec,

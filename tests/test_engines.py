@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbridge.engines import parse_engine
+from kvbridge.engines.profiles import parse_engine
+from kvbridge.engines.topology import FLASH, Role
 from kvbridge.errors import InputError
 from kvbridge.migration import (
     EnginePools,
@@ -16,7 +17,6 @@ from kvbridge.migration import (
     source_request,
 )
 from kvbridge.migration.pools import table_of
-from kvbridge.topology import FLASH, Role
 
 MODEL = FLASH.with_layers(4)
 

@@ -17,8 +17,8 @@ from test_sparse_decode import LSE_TOL, OUT_TOL, assert_close_flashmla, random_p
 
 import kvbridge
 from kvbridge import InputError, LayoutError, sparse_decode
-from kvbridge.attention import validate
-from kvbridge.flashmla_backend import (
+from kvbridge.attention.args import validate
+from kvbridge.attention.flashmla import (
     CURRENT_MAIN,
     SCRATCH_PAGE_SIZE,
     BackendUnavailable,
@@ -28,7 +28,8 @@ from kvbridge.flashmla_backend import (
     prepare,
     unsupported_reason,
 )
-from kvbridge.paged import record_byte_index
+from kvbridge.layouts.codec import record_codec
+from kvbridge.ops.slots import record_byte_index
 
 
 def split_wheel_module(legacy: bool | None, *, legacy_as_function: bool = True) -> types.ModuleType:
@@ -255,8 +256,8 @@ def test_scratch_records_hold_the_pool_values_exactly():
     ok = slots >= 0
     lay_s, lay_fp8 = call.main.layout, kvbridge.get_layout("trtllm-fp8")
     assert lay_s.name == CURRENT_MAIN and call.kwargs["k_cache"].shape[1:] == (SCRATCH_PAGE_SIZE, 1, 528)
-    got = lay_s.codec.decode(scratch.reshape(-1)[record_byte_index(lay_s, 64, remapped[ok])], scale=1.0)
-    want = lay_fp8.codec.decode(pool.reshape(-1)[record_byte_index(lay_fp8, 128, slots[ok])], scale=1.0)
+    got = record_codec(lay_s).decode(scratch.reshape(-1)[record_byte_index(lay_s, 64, remapped[ok])], scale=1.0)
+    want = record_codec(lay_fp8).decode(pool.reshape(-1)[record_byte_index(lay_fp8, 128, slots[ok])], scale=1.0)
     assert torch.equal(got, want)
 
 

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import kvbridge as kb
-from kvbridge.dump import DumpEntry, convert_dump, dump_stats, open_dump, read_dump, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry, convert_dump, dump_stats, open_dump, read_dump, write_dump
+from kvbridge.engines.topology import FLASH
 from kvbridge.errors import DumpFormatError, KVBridgeError
 from kvbridge.migration import destination_pools, migrate_local, plan_migration, source_request
-from kvbridge.topology import FLASH
 
 CASES = int(os.environ.get("KVBRIDGE_FUZZ_CASES", "2000"))
 SEED = int(os.environ.get("KVBRIDGE_FUZZ_SEED", "20261201"))

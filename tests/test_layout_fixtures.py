@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import kvbridge as kb
-from kvbridge import fastpath
+from kvbridge.backends import dispatch
 from kvbridge.layouts import get_layout
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -56,7 +56,7 @@ def test_fixtures_cover_every_page_size():
 @pytest.mark.parametrize(("file", "entry"), ENTRIES, ids=lambda v: v["pages"] + ":" + v["layout"] if isinstance(v, dict)
                          else v)
 def test_encode_reproduces_the_peer_writer(tensors, file, entry, backend, monkeypatch):
-    monkeypatch.setenv(fastpath.BACKEND_ENV, backend)
+    monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
     t = tensors(file)
     x, want = t[entry["input"]], t[entry["pages"]]
     lay = get_layout(entry["layout"])

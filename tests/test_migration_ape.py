@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from cli.main import cli
+from kvbridge.engines.topology import Role, get_model
 from kvbridge.errors import InputError
 from kvbridge.migration import (
     destination_pools,
@@ -26,7 +27,6 @@ from kvbridge.migration import (
 )
 from kvbridge.migration.ape import add_ape, ape_name, load_ape, remove_ape
 from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
-from kvbridge.topology import Role, get_model
 
 GOLDEN = load_file(str(Path(__file__).parent.parent / "fixtures" / "vllm_ape_state_reference.safetensors"))
 CASES = [f"{c}_{d}" for c in ("c4_attn", "c128_attn", "c4_indexer") for d in ("fp32", "bf16")]

@@ -147,10 +147,10 @@ def test_parse_address_refuses_bad_ports(text):
 
 
 def test_nixl_receiver_refuses_pools_it_cannot_register():
+    from kvbridge.engines.topology import FLASH, Role
     from kvbridge.errors import InputError
     from kvbridge.migration import EnginePools, plan_migration
     from kvbridge.migration.nixl import NixlReceiver
-    from kvbridge.topology import FLASH, Role
 
     model = FLASH.with_layers(4)
     cap = plan_migration("vllm", "vllm", model, 1100).held_pages("dst")

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from kvbridge.conformance import default_fixtures_dir, indexer_source_records
+from kvbridge.engines.topology import FLASH, Role
 from kvbridge.migration import destination_pools, gather_records, migrate_local, plan_migration, source_request
 from kvbridge.migration.pools import scatter_records, table_of
-from kvbridge.topology import FLASH, Role
 
 MODEL = FLASH.with_layers(3)  # layers 0 and 1 SWA-only, layer 2 ratio 4 (the indexer)
 #: engine spec -> the fixture writer whose records its indexer pool holds

@@ -12,9 +12,9 @@ import struct
 import pytest
 import torch
 
-from kvbridge import indexer as ix
 from kvbridge import numerics as nx
 from kvbridge.errors import InputError, KVBridgeError
+from kvbridge.ops import keys as ix
 
 FP8, FP4 = ix.indexer_format("fp8"), ix.indexer_format("fp4")
 
@@ -254,7 +254,7 @@ def test_native_fp4_to_fp8_shifted_codes_at_every_block_distance(monkeypatch, ru
     per power of two) against the torch path: every block 0..14 binades below the key's largest one (E4M3
     normals, the subnormal boundary, underflow), every code present, keys whose amax saturates at 448, both as
     records and as a page's 8-byte aligned parts."""
-    from kvbridge import native
+    from kvbridge.backends import native
 
     g = torch.Generator().manual_seed(13)
     n = 4 * 15 * 16

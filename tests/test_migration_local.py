@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from migration_helpers import expected_records
 
 from cli.main import cli
+from kvbridge.engines.topology import FLASH, Role
 from kvbridge.errors import InputError
 from kvbridge.migration import (
     ChecksumError,
@@ -30,7 +31,6 @@ from kvbridge.migration import (
     verify,
 )
 from kvbridge.migration.pools import pool_tensors, scatter_records, table_of
-from kvbridge.topology import FLASH, Role
 
 MODEL = FLASH.with_layers(4)
 TOKENS = 700

@@ -38,12 +38,12 @@ from migration_helpers import expected_records
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from kvbridge.engines.topology import FLASH
 from kvbridge.errors import KVBridgeError
 from kvbridge.migration import EnginePools, gather_records, plan_migration, source_request
 from kvbridge.migration import nixl as nx
 from kvbridge.migration.control import MAGIC, PROTOCOL_VERSION
 from kvbridge.migration.pools import pool_tensors, table_of
-from kvbridge.topology import FLASH
 
 pytestmark = pytest.mark.skipif(not nx.nixl_available(), reason="needs the nixl extra: pip install 'kvbridge[nixl]'")
 
@@ -439,7 +439,7 @@ def _safetensors_parts(path: Path) -> tuple[dict, bytes]:
 
 def _make_dump(path: Path) -> None:
     import kvbridge
-    from kvbridge.dump import DumpEntry, write_dump
+    from kvbridge.dumps.dumpfile import DumpEntry, write_dump
 
     gen = torch.Generator().manual_seed(3)
     entries = []

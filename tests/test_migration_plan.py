@@ -16,9 +16,9 @@ import pytest
 from click.testing import CliRunner
 
 from cli.main import cli
+from kvbridge.engines.topology import FLASH, Role
 from kvbridge.errors import InputError
 from kvbridge.migration import live_entries, plan_migration
-from kvbridge.topology import FLASH, Role
 
 L = 131072
 SWA_LAYERS, C4_LAYERS, C128_LAYERS = 44, 21, 20

@@ -14,13 +14,13 @@ import torch
 from test_migration_local import MODEL, PAIRS, TOKENS
 
 import kvbridge.migration.execute as ex
-from kvbridge import indexer as ix
-from kvbridge import native
+from kvbridge.backends import native
+from kvbridge.engines.topology import Role
 from kvbridge.errors import InputError, KVBridgeError, NonFiniteError
 from kvbridge.migration import EnginePools, destination_pools, migrate_local, pack, plan_migration, source_request
 from kvbridge.migration.execute import finish
 from kvbridge.migration.pools import _run_array, _runs, gather_records, pool_tensors, scatter_records, table_of
-from kvbridge.topology import Role
+from kvbridge.ops import keys as ix
 
 
 def _pools(pools: EnginePools) -> dict:

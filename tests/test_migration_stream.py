@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from migration_helpers import free_port, init_gloo_pair
 
+from kvbridge.engines.topology import FLASH
 from kvbridge.errors import KVBridgeError
 from kvbridge.migration import ChecksumError, destination_pools, gather_records, plan_migration, source_request
 from kvbridge.migration import transport as tr
 from kvbridge.migration.stream import layer_groups
-from kvbridge.topology import FLASH
 
 MODEL = FLASH.with_layers(4)
 TOKENS = 1100

@@ -22,6 +22,7 @@ from migration_helpers import expected_records, free_port, init_gloo_pair
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from kvbridge.engines.topology import FLASH, Role
 from kvbridge.migration import (
     ChecksumError,
     EnginePools,
@@ -34,7 +35,6 @@ from kvbridge.migration import (
 )
 from kvbridge.migration.pools import pool_tensors, table_of
 from kvbridge.migration.transport import receive_request, send_payload, send_request
-from kvbridge.topology import FLASH, Role
 
 MODEL = FLASH.with_layers(4)
 TOKENS = 3000

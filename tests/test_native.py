@@ -1,4 +1,4 @@
-"""The native CPU kernels (kvbridge.native) against the reference, byte for byte, and the dispatch.
+"""The native CPU kernels (kvbridge.backends.native) against the reference, byte for byte, and the dispatch.
 
 Every comparison is exact: pages with ``torch.equal``, decoded values through their int32 bit
 patterns (so -0.0 and NaN payloads count too).
@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 
 import kvbridge as kb
 from cli.main import cli
-from kvbridge import bench, fastpath, native, reference
 from kvbridge import numerics as nx
+from kvbridge.backends import dispatch, native, reference
 from kvbridge.errors import InputError, NonFiniteError
 from kvbridge.layouts import Field, Layout, all_layouts, get_layout
+from kvbridge.study import bench
 
 NATIVE_LAYOUTS = [lay for lay in all_layouts() if native.supports(lay)]
 PER_TENSOR_SCALES = (1.0, 0.5, 2.0, 0.037)
@@ -300,7 +301,7 @@ SPLIT_FP8 = Layout(
 
 def test_new_layout_runs_native(latents):
     """Geometry comes from the layout: a token-major MODEL1 layout needs no native code of its own."""
-    assert fastpath.backend_name(latents, TOKEN_MAJOR_MODEL1) == "native"
+    assert dispatch.backend_name(latents, TOKEN_MAJOR_MODEL1) == "native"
     x = latents.repeat(3, 1)[:200]
     pages = native.encode_pages(x, TOKEN_MAJOR_MODEL1, 61, "amax-1e-4", 1.0)
     assert torch.equal(pages, reference.encode_pages(x, TOKEN_MAJOR_MODEL1, 61, "amax-1e-4", 1.0))
@@ -365,12 +366,12 @@ def test_encode_decode_accelerators_equal_the_generic_kernel(latents):
 
 def test_backend_env_var(monkeypatch, latents):
     model1 = get_layout("flashmla-model1")
-    assert fastpath.backend_name(latents, model1) == "native"
-    monkeypatch.setenv(fastpath.BACKEND_ENV, "reference")
-    assert fastpath.backend_name(latents, model1) == "reference"
+    assert dispatch.backend_name(latents, model1) == "native"
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "reference")
+    assert dispatch.backend_name(latents, model1) == "reference"
     want = reference.encode_pages(latents[:10], model1, 2, "flashmla", 1.0)
     assert torch.equal(kb.encode(latents[:10], model1, page_size=2), want)
-    monkeypatch.setenv(fastpath.BACKEND_ENV, "fastest")
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "fastest")
     with pytest.raises(InputError, match="KVBRIDGE_BACKEND must be one of auto, reference, got 'fastest'"):
         kb.encode(latents[:10], model1, page_size=2)
 
@@ -379,7 +380,7 @@ def test_backend_env_var(monkeypatch, latents):
 def test_public_api_on_cpu_matches_flashmla_vectors(model1_vectors, p):
     tensors, _ = model1_vectors
     x = tensors[f"p{p}.input"].reshape(-1, 512)
-    assert fastpath.backend_name(x, get_layout("flashmla-model1")) == "native"
+    assert dispatch.backend_name(x, get_layout("flashmla-model1")) == "native"
     pages = kb.encode(x, "flashmla-model1", page_size=p)
     assert torch.equal(pages, tensors[f"p{p}.model1"])
     assert torch.equal(kb.encode(x.float(), "model1", page_size=p), tensors[f"p{p}.model1"])
@@ -446,7 +447,7 @@ def test_all_finite_bit_test():
             y = x.clone()
             y.view(-1)[index] = value
             assert not native.all_finite(y)
-            assert not fastpath.all_finite(y)
+            assert not dispatch.all_finite(y)
         big = torch.full((3, 512), 3.0e38).to(dtype)  # finite in fp32; bf16 rounds it to Inf
         assert native.all_finite(big) == bool(torch.isfinite(big).all())
 

@@ -1,5 +1,5 @@
-"""The loss statistics of a transcode: the native one-pass kernel (kvbridge.native_loss) against the
-torch comparison of decoded values (kvbridge.loss), and ``transcode(report=True)`` against the
+"""The loss statistics of a transcode: the native one-pass kernel (kvbridge.backends.native.loss) against the
+torch comparison of decoded values (kvbridge.backends.loss_stats), and ``transcode(report=True)`` against the
 torch formulas it replaced.
 
 Maxima and counts must be identical; the float64 sum of squared errors differs only in its
@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge import api, fastpath, native, native_loss
-from kvbridge.codecs import tensor_multiplier
+from kvbridge.backends import dispatch, native
+from kvbridge.backends.loss_stats import LossStats, compare_values
+from kvbridge.backends.native import loss as native_loss
 from kvbridge.layouts import all_layouts, get_layout
-from kvbridge.loss import LossStats, compare_values
+from kvbridge.layouts.codec import tensor_multiplier
+from kvbridge.ops import pages as page_ops
 from tests.test_ckernels import SPLIT_MODEL1, _kernels, implementation, implementations
 from tests.test_native import SPLIT_FP8, TOKEN_MAJOR_MODEL1, edge_latents
 
@@ -49,7 +51,7 @@ def test_native_stats_match_torch_comparison_for_every_pair(latents, src):
     per-tensor destinations at several scales and both dialects."""
     n = latents.shape[0] - 7
     s_in = 0.037 if src.per_tensor_scale else 1.0
-    pages = fastpath.encode_pages(latents, src, 61, src.default_dialect, s_in)
+    pages = dispatch.encode_pages(latents, src, 61, src.default_dialect, s_in)
     for dst in LAYOUTS:
         settings = itertools.product(dst.dialects or (None,), (1.0, 0.037, 3.0) if dst.per_tensor_scale else (1.0,))
         for dialect, s_out in settings:
@@ -90,11 +92,11 @@ def test_transcode_report_matches_the_torch_formulas(latents, src, dst, scale, d
     latents = latents.clamp(-1e15, 1e15)
     s_lay, d_lay = get_layout(src), get_layout(dst)
     s_in = 0.037 if s_lay.per_tensor_scale else None
-    pages = fastpath.encode_pages(latents, s_lay, 64, s_lay.default_dialect, s_in or 1.0)
-    out, rep = api.transcode(pages, src, dst, src_page_size=64, src_scale=s_in, dst_scale=scale, dialect=dialect,
+    pages = dispatch.encode_pages(latents, s_lay, 64, s_lay.default_dialect, s_in or 1.0)
+    out, rep = page_ops.transcode(pages, src, dst, src_page_size=64, src_scale=s_in, dst_scale=scale, dialect=dialect,
                              report=True)
-    values = api.decode(pages, src, page_size=64, scale=s_in)
-    back = api.decode(out, dst, page_size=64, scale=rep.dst_scale)
+    values = page_ops.decode(pages, src, page_size=64, scale=s_in)
+    back = page_ops.decode(out, dst, page_size=64, scale=rep.dst_scale)
     mult = tensor_multiplier(dialect, rep.dst_scale) if d_lay.per_tensor_scale else None
     want = old_report(values, back, mult)
     got = rep.to_dict()
@@ -104,11 +106,11 @@ def test_transcode_report_matches_the_torch_formulas(latents, src, dst, scale, d
 
 
 def test_reference_backend_report_equals_native(latents, monkeypatch):
-    pages = fastpath.encode_pages(latents, get_layout("flashmla-model1"), 64, "flashmla", 1.0)
+    pages = dispatch.encode_pages(latents, get_layout("flashmla-model1"), 64, "flashmla", 1.0)
     kwargs = dict(src_page_size=64, dst_page_size=32, dst_scale=0.02, report=True)
-    out, native_rep = api.transcode(pages, "flashmla-model1", "trtllm-fp8", **kwargs)
-    monkeypatch.setenv(fastpath.BACKEND_ENV, "reference")
-    ref_out, ref_rep = api.transcode(pages, "flashmla-model1", "trtllm-fp8", **kwargs)
+    out, native_rep = page_ops.transcode(pages, "flashmla-model1", "trtllm-fp8", **kwargs)
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "reference")
+    ref_out, ref_rep = page_ops.transcode(pages, "flashmla-model1", "trtllm-fp8", **kwargs)
     assert torch.equal(out, ref_out)
     assert ref_rep.rms_error == pytest.approx(native_rep.rms_error, rel=1e-12)
     assert {**ref_rep.to_dict(), "rms_error": 0} == {**native_rep.to_dict(), "rms_error": 0}
@@ -116,29 +118,29 @@ def test_reference_backend_report_equals_native(latents, monkeypatch):
 
 def test_lossless_transcode_report_and_empty_input():
     x = torch.randn(300, 512).bfloat16().float()
-    pages = api.encode(x, "bf16", page_size=64)
-    _, rep = api.transcode(pages, "bf16", "bf16", src_page_size=64, dst_page_size=16, report=True)  # byte move
+    pages = page_ops.encode(x, "bf16", page_size=64)
+    _, rep = page_ops.transcode(pages, "bf16", "bf16", src_page_size=64, dst_page_size=16, report=True)  # byte move
     assert rep.lossless and rep.byte_move and rep.max_abs_error == 0
-    fp8 = api.encode(x, "trtllm-fp8", page_size=64, scale=0.5)
-    _, rep = api.transcode(fp8, "trtllm-fp8", "bf16", src_page_size=64, src_scale=0.5, report=True)
+    fp8 = page_ops.encode(x, "trtllm-fp8", page_size=64, scale=0.5)
+    _, rep = page_ops.transcode(fp8, "trtllm-fp8", "bf16", src_page_size=64, src_scale=0.5, report=True)
     assert rep.lossless and not rep.byte_move and rep.rms_error == 0 and rep.num_tokens == 320
     empty = torch.zeros(0, get_layout("trtllm-fp8").page_bytes(64), dtype=torch.uint8)
-    _, rep = api.transcode(empty, "trtllm-fp8", "flashmla-model1", src_page_size=64, report=True)
+    _, rep = page_ops.transcode(empty, "trtllm-fp8", "flashmla-model1", src_page_size=64, report=True)
     assert rep.lossless and rep.num_tokens == 0 and rep.rms_error == 0
 
 
 def test_merged_chunk_stats_equal_one_pass(latents):
     """Streamed conversions merge per-chunk statistics: maxima and counts as one pass over all."""
     src, dst = get_layout("flashmla-model1"), get_layout("trtllm-fp8")
-    pages = fastpath.encode_pages(latents, src, 64, "flashmla", 1.0)
+    pages = dispatch.encode_pages(latents, src, 64, "flashmla", 1.0)
     n = latents.shape[0]
-    out = fastpath.transcode_pages(pages, src, 64, dst, 64, n, 1.0, 0.01, "swa")
+    out = dispatch.transcode_pages(pages, src, 64, dst, 64, n, 1.0, 0.01, "swa")
     mult = tensor_multiplier("swa", 0.01)
-    whole = fastpath.loss_stats(pages, src, 64, out, dst, 64, n, 1.0, 0.01, mult)
+    whole = dispatch.loss_stats(pages, src, 64, out, dst, 64, n, 1.0, 0.01, mult)
     merged = LossStats()
     for p0 in range(0, pages.shape[0], 3):
         k = min(n - 64 * p0, 3 * 64)
-        merged.merge(fastpath.loss_stats(pages[p0:p0 + 3], src, 64, out[p0:p0 + 3], dst, 64, k, 1.0, 0.01, mult))
+        merged.merge(dispatch.loss_stats(pages[p0:p0 + 3], src, 64, out[p0:p0 + 3], dst, 64, k, 1.0, 0.01, mult))
     assert_same_stats(merged, whole)
 
 
@@ -192,7 +194,7 @@ def test_accelerated_stats_equal_generic_on_edge_latents(latents, threads, src_n
     n = latents.shape[0] - 5
     for (sps, dps), scale in itertools.product(((64, 64), (61, 16), (16, 1), (128, 61)), (1.0, 0.5, 0.037)):
         s_in = scale if src.per_tensor_scale else 1.0
-        pages = fastpath.encode_pages(latents, src, sps, src.default_dialect, s_in)
+        pages = dispatch.encode_pages(latents, src, sps, src.default_dialect, s_in)
         for dialect in dst.dialects:
             s_out = scale if dst.per_tensor_scale else 1.0
             out = native.transcode_pages(pages, src, sps, dst, dps, n, s_in, s_out, dialect)
@@ -243,7 +245,7 @@ def test_accelerated_stats_equal_generic_on_other_record_geometries(threads, fp8
         assert_accelerated_equals_generic((b, m1, 61, a, fp8, 61, n, 1.0, 0.037, mult))
     latents = finite_latents(7)
     n = latents.shape[0]
-    pages = fastpath.encode_pages(latents, fp8, 16, "swa", 0.5)
+    pages = dispatch.encode_pages(latents, fp8, 16, "swa", 0.5)
     out = native.transcode_pages(pages, fp8, 16, m1, 3, n, 0.5, 1.0, "flashmla")
     assert_accelerated_equals_generic((pages, fp8, 16, out, m1, 3, n, 0.5, 1.0, None))
     back = native.transcode_pages(out, m1, 3, fp8, 16, n, 1.0, 0.5, "swa")
@@ -262,7 +264,7 @@ def test_accelerated_stats_equal_generic_at_extreme_scales(threads, src_name, ds
     for scale in (2e36, 3.0e38, 1e-40, 2.0**-149 * 3, 1e-30):
         s_in = scale if src.per_tensor_scale else 1.0
         s_out = scale if dst.per_tensor_scale else 1.0
-        pages = fastpath.encode_pages(latents, src, 64, src.default_dialect, s_in)
+        pages = dispatch.encode_pages(latents, src, 64, src.default_dialect, s_in)
         out = native.transcode_pages(pages, src, 64, dst, 61, n, s_in, s_out, "swa" if dst.per_tensor_scale else None)
         for mult in (None, 1.0, tensor_multiplier("swa", scale)):  # 1/1e-40 is inf in fp32
             assert_accelerated_equals_generic((pages, src, 64, out, dst, 61, n, s_in, s_out, mult))
@@ -283,7 +285,7 @@ def test_accelerated_stats_equal_generic_at_extreme_scales(threads, src_name, ds
         assert_accelerated_equals_generic(args)
 
 
-@pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
+@pytest.mark.skipif(_kernels is None, reason="kvbridge.backends.native._kernels is not built")
 def test_c_loss_kernels_check_their_arguments():
     """Short pools, statistics buffers or tables and chunk ranges past the tokens raise ValueError."""
     fp8, m1 = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
@@ -311,7 +313,7 @@ def test_c_loss_kernels_check_their_arguments():
         call(_kernels.fp8_model1_loss, out=(maxima, sums, counts[:, :2]))
 
 
-@pytest.mark.skipif(_kernels is None, reason="kvbridge._kernels is not built")
+@pytest.mark.skipif(_kernels is None, reason="kvbridge.backends.native._kernels is not built")
 def test_accelerators_run_the_c_kernels_where_native_runs_compiled_ones(latents, monkeypatch):
     """With ``native._CK`` set (the compiled kernels in use) the accelerators call its loss functions; without
     it, the numba kernels."""
@@ -325,7 +327,7 @@ def test_accelerators_run_the_c_kernels_where_native_runs_compiled_ones(latents,
             return run
 
     fp8, m1 = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
-    pages = fastpath.encode_pages(latents, fp8, 64, "swa", 0.5)
+    pages = dispatch.encode_pages(latents, fp8, 64, "swa", 0.5)
     n = latents.shape[0]
     out = native.transcode_pages(pages, fp8, 64, m1, 64, n, 0.5, 1.0, "flashmla")
     monkeypatch.setattr(native, "_CK", Recording())

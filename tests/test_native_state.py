@@ -1,4 +1,4 @@
-"""The native compressor-state conversion (``kvbridge.native_state``) against the torch rules it replaces:
+"""The native compressor-state conversion (``kvbridge.backends.native.state``) against the torch rules it replaces:
 the same bytes, the same max abs error, the same refusals, on every state dtype pair and APE direction."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kvbridge.engines.topology import Role, get_model
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration import plan_migration
 from kvbridge.migration.ape import add_ape, ape_name, remove_ape
@@ -20,7 +21,6 @@ from kvbridge.migration.execute import (
     state_rows_from_f32,
     state_rows_to_f32,
 )
-from kvbridge.topology import Role, get_model
 
 MODEL = get_model("deepseek-v4-flash").with_layers(4)  # layer 2: ratio 4, layer 3: ratio 128
 TOKENS = 1019

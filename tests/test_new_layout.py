@@ -21,11 +21,17 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import kvbridge as kb  # noqa: E402
-from kvbridge import fastpath, native, paged, reference  # noqa: E402
-from kvbridge.engines import Storage  # noqa: E402
+from kvbridge.backends import (
+    dispatch,
+    native,
+    reference,  # noqa: E402
+)
+from kvbridge.engines.profiles import Storage  # noqa: E402
 from kvbridge.layouts import Field, Layout, all_layouts, get_layout  # noqa: E402
 from kvbridge.layouts import registry as layout_registry  # noqa: E402
+from kvbridge.layouts.codec import record_codec
 from kvbridge.migration.pools import gather_records, scatter_records  # noqa: E402
+from kvbridge.ops import slots as slot_ops
 
 TILE16 = Layout(
     name="test-v41-fp8-tile16",
@@ -69,7 +75,7 @@ def latents() -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", NEW, ids=ids)
 def test_new_layout_encodes_and_decodes_on_every_cpu_backend(latents, layout, monkeypatch):
-    assert fastpath.backend_name(latents, layout) == "native"
+    assert dispatch.backend_name(latents, layout) == "native"
     for dialect in layout.dialects or (None,):
         want = reference.encode_pages(latents, layout, 61, dialect, 1.0)
         assert torch.equal(kb.encode(latents, layout, page_size=61, dialect=dialect), want)
@@ -80,7 +86,7 @@ def test_new_layout_encodes_and_decodes_on_every_cpu_backend(latents, layout, mo
     got, ref = kb.decode(pages, layout, page_size=61), reference.decode_pages(pages, layout, 61, None, 1.0)
     assert torch.equal(torch.isnan(got), torch.isnan(ref))
     assert torch.equal(got.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32))
-    monkeypatch.setenv(fastpath.BACKEND_ENV, "reference")
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "reference")
     assert torch.equal(kb.encode(latents, layout, page_size=61), reference.encode_pages(
         latents, layout, 61, layout.default_dialect, 1.0))
 
@@ -92,10 +98,10 @@ def test_new_layout_transcodes_to_and_from_every_registered_layout(latents, layo
         s = 0.5 if other.per_tensor_scale else None
         src = kb.encode(x, other, page_size=64, scale=s)
         args = (src, other, 64, layout, 7, 70, s or 1.0, 1.0, layout.default_dialect)
-        assert torch.equal(fastpath.transcode_pages(*args), reference.transcode_pages(*args)), other.name
+        assert torch.equal(dispatch.transcode_pages(*args), reference.transcode_pages(*args)), other.name
         mine = kb.encode(x, layout, page_size=7)
         args = (mine, layout, 7, other, 64, 70, 1.0, s or 1.0, other.default_dialect)
-        assert torch.equal(fastpath.transcode_pages(*args), reference.transcode_pages(*args)), other.name
+        assert torch.equal(dispatch.transcode_pages(*args), reference.transcode_pages(*args)), other.name
     out, rep = kb.transcode(kb.encode(x, "bf16", page_size=64), "bf16", layout, src_page_size=64, report=True)
     assert not rep.lossless and rep.max_abs_error > 0
     assert torch.equal(kb.transcode(mine, layout, layout, src_page_size=7, dst_page_size=64),
@@ -109,21 +115,21 @@ def test_new_layout_slot_operations(latents, layout):
     dst = torch.zeros(4, layout.page_bytes(61), dtype=torch.uint8)
     src_slots = torch.tensor([5, 0, 149, 77, 64])
     dst_slots = torch.tensor([200, 3, 61, 0, 122])
-    paged.transcode_slots(src, model1, dst, layout, src_page_size=64, dst_page_size=61, src_slots=src_slots,
+    slot_ops.transcode_slots(src, model1, dst, layout, src_page_size=64, dst_page_size=61, src_slots=src_slots,
                           dst_slots=dst_slots)
     values = kb.decode(src, model1, page_size=64)[src_slots]
-    want = layout.codec.encode(values, dialect=layout.default_dialect, scale=1.0)
+    want = record_codec(layout).encode(values, dialect=layout.default_dialect, scale=1.0)
     assert torch.equal(dst.view(-1)[layout.geometry.byte_index(61, dst_slots)], want)
     untouched = torch.ones(dst.numel(), dtype=torch.bool)
     untouched[layout.geometry.byte_index(61, dst_slots).reshape(-1)] = False
     assert not bool(dst.view(-1)[untouched].any())
-    scratch, remapped = paged.gather_transcode(dst, layout, page_size=61, indices=torch.tensor([[200, -1, 61]]),
+    scratch, remapped = slot_ops.gather_transcode(dst, layout, page_size=61, indices=torch.tensor([[200, -1, 61]]),
                                                out_layout="v41-fp8-interleaved", out_page_size=2)
     assert remapped.tolist() == [[0, -1, 2]]
     v41 = get_layout("v41-fp8-interleaved")
     back = kb.decode(dst, layout, page_size=61)[torch.tensor([200, 61])]
     rows = scratch.view(-1)[v41.geometry.byte_index(2, torch.tensor([0, 2]))]
-    assert torch.equal(rows, v41.codec.encode(back, dialect="flashmla", scale=1.0))
+    assert torch.equal(rows, record_codec(v41).encode(back, dialect="flashmla", scale=1.0))
 
 
 @pytest.mark.parametrize("layout", NEW, ids=ids)
@@ -134,7 +140,7 @@ def test_new_layout_in_migration_pools(latents, layout, monkeypatch):
     st = Storage("kv", layout.name, layout.record_bytes, layout.split, p, layout.page_bytes(p), "swa", "paged",
                  layout.default_dialect)
     pool = torch.zeros(5, st.page_bytes, dtype=torch.uint8)
-    records = layout.codec.encode(latents[:40], dialect=layout.default_dialect, scale=1.0)
+    records = record_codec(layout).encode(latents[:40], dialect=layout.default_dialect, scale=1.0)
     table = [3, 0, 4]
     scatter_records(pool, st, table, 0, records)
     assert torch.equal(gather_records(pool, st, table, 0, 40), records)
@@ -144,7 +150,7 @@ def test_new_layout_in_migration_pools(latents, layout, monkeypatch):
 
 @pytest.mark.parametrize("layout", NEW, ids=ids)
 def test_new_layout_on_the_triton_kernels(latents, layout):
-    from kvbridge import triton_kernels as tk
+    from kvbridge.backends import triton_kernels as tk
 
     if not tk.INTERPRETED:
         tk = importlib.reload(tk)

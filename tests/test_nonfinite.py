@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbridge import nonfinite
-from kvbridge.layouts import all_layouts, get_layout
+from kvbridge.layouts import all_layouts, get_layout, scan
 
 
 def random_pages(layout, num_pages: int, page_size: int, seed: int, density: float) -> torch.Tensor:
@@ -26,10 +25,10 @@ def test_kernel_equals_reference(name: str, page_size: int, tokens: int):
     num_pages = -(-tokens // page_size) + 1  # one spare page: its bytes must not count
     for seed, density in ((0, 0.0), (1, 1e-5), (2, 0.01)):
         pages = random_pages(lay, num_pages, page_size, seed, density)
-        got = nonfinite.scan_pages(pages, lay, page_size, tokens)
-        want = nonfinite.scan_records(lay.pages_to_records(pages, page_size, tokens), lay)
+        got = scan.scan_pages(pages, lay, page_size, tokens)
+        want = scan.scan_records(lay.pages_to_records(pages, page_size, tokens), lay)
         assert got == want
-        assert nonfinite.code_stats(pages, lay, page_size, tokens) == nonfinite._code_stats_records(
+        assert scan.code_stats(pages, lay, page_size, tokens) == scan._code_stats_records(
             lay.pages_to_records(pages, page_size, tokens), lay
         )
 
@@ -38,23 +37,23 @@ def test_first_token_and_field_and_pad_ignored():
     lay = get_layout("flashmla-model1")
     pages = torch.zeros(2, lay.page_bytes(4), dtype=torch.uint8)
     pages[0, lay.field_offset("pad", 1, 4)] = 0xFF  # pad bytes are not codes
-    assert nonfinite.scan_pages(pages, lay, 4).count == 0
+    assert scan.scan_pages(pages, lay, 4).count == 0
     pages[1, lay.field_offset("scale", 2, 4) + 3] = 0xFF  # token 6: UE8M0 NaN
     pages[1, lay.field_offset("nope", 3, 4) + 9] = 0x7F  # token 7: E4M3 NaN
     rope = lay.field_offset("rope", 3, 4) + 2
     pages[1, rope : rope + 2] = torch.tensor([0x80, 0x7F], dtype=torch.uint8)  # token 7: bf16 +Inf
-    scan = nonfinite.scan_pages(pages, lay, 4)
-    assert (scan.count, scan.first_token, scan.first_field) == (3, 6, "scale")
-    stats = nonfinite.code_stats(pages, lay, 4)
+    found = scan.scan_pages(pages, lay, 4)
+    assert (found.count, found.first_token, found.first_field) == (3, 6, "scale")
+    stats = scan.code_stats(pages, lay, 4)
     assert (stats.e4m3_nan, stats.bf16_nan, stats.bf16_inf, stats.ue8m0[0xFF]) == (1, 0, 1, 1)
 
 
 def test_value_stats_kernel_equals_torch():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(70000, 3, generator=g) * 1e3
-    assert nonfinite.value_stats(x) == (float(x.abs().max()), 0)
+    assert scan.value_stats(x) == (float(x.abs().max()), 0)
     x[5, 1], x[60000, 2], x[7, 0] = float("nan"), float("-inf"), -3e38
     big = float(torch.tensor(3e38))  # the fp32 value stored
-    assert nonfinite.value_stats(x) == (big, 2)
-    assert nonfinite.value_stats(x.double()) == (big, 2)  # the torch path
-    assert nonfinite.value_stats(torch.zeros(0)) == (0.0, 0)
+    assert scan.value_stats(x) == (big, 2)
+    assert scan.value_stats(x.double()) == (big, 2)  # the torch path
+    assert scan.value_stats(torch.zeros(0)) == (0.0, 0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvbridge as kb
-from kvbridge import native
+from kvbridge.backends import native
 from kvbridge.errors import InputError, NonFiniteError, OutputBufferError
 from kvbridge.layouts import all_layouts, get_layout
 from tests.test_ckernels import implementation, implementations

@@ -1,6 +1,6 @@
 """Block-table API (``transcode_slots``, ``gather_transcode``): semantics and every error path, on CPU.
 
-The expectations are built independently of ``kvbridge.paged``: from whole-pool ``kb.decode``,
+The expectations are built independently of ``kvbridge.ops.slots``: from whole-pool ``kb.decode``,
 the layouts' ``pages_to_records`` and the reference record codecs.
 """
 
@@ -16,6 +16,7 @@ import torch
 import kvbridge as kb
 from kvbridge.errors import InputError, LayoutError, NonFiniteError
 from kvbridge.layouts import get_layout
+from kvbridge.layouts.codec import record_codec
 
 MODEL1 = "flashmla-model1"
 FOOTER = "trtllm-fp8-ds-mla"
@@ -74,7 +75,7 @@ def record_positions(layout: str, page_size: int, num_pages: int, slots: torch.T
 
 def encoded_records(values: torch.Tensor, layout: str, dialect: str | None = None, scale: float = 1.0) -> torch.Tensor:
     lay = get_layout(layout)
-    return lay.codec.encode(values, dialect=dialect or lay.default_dialect, scale=scale)
+    return record_codec(lay).encode(values, dialect=dialect or lay.default_dialect, scale=scale)
 
 
 # ---------------------------------------------------------------- transcode_slots semantics
@@ -341,7 +342,7 @@ def test_reference_chunking_gives_the_same_bytes_and_checks_every_chunk_before_w
                               dst_page_size=13, src_slots=src_slots, dst_slots=dst_slots, src_scale=0.5)
     indices = torch.cat([src_slots, torch.tensor([-1, 7])]).view(2, 26)
     want_scratch, _ = kb.gather_transcode(pool, TRT, page_size=8, indices=indices, scale=0.5, out_page_size=5)
-    monkeypatch.setattr("kvbridge.reference.CHUNK_TOKENS", 3)
+    monkeypatch.setattr("kvbridge.backends.reference.CHUNK_TOKENS", 3)
     got = kb.transcode_slots(pool, TRT, random_pool(MODEL1, 5, 13, seed=12), MODEL1, src_page_size=8,
                              dst_page_size=13, src_slots=src_slots, dst_slots=dst_slots, src_scale=0.5)
     assert torch.equal(got, want)

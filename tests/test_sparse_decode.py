@@ -195,7 +195,7 @@ def test_chunked_rows_equal_single_pass(monkeypatch):
     x, q, idx, lengths, sink = random_problem(21, b=3, s_q=3)
     pages = kvbridge.encode(x, "model1", page_size=64)
     one = sparse_decode(q, pages, idx, layout="model1", page_size=64, topk_length=lengths, backend="reference")
-    monkeypatch.setattr("kvbridge.attention._MAX_GATHERED_VALUES", 2 * 64 * 512)
+    monkeypatch.setattr("kvbridge.attention.sparse._MAX_GATHERED_VALUES", 2 * 64 * 512)
     two = sparse_decode(q, pages, idx, layout="model1", page_size=64, topk_length=lengths, backend="reference")
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
@@ -250,7 +250,7 @@ def test_bad_kernel_view_stride_is_refused(small):
 
 
 def test_library_compare_agrees_with_flashmla_rules():
-    from kvbridge.attention import LSE_TOLERANCE, OUT_TOLERANCE, compare
+    from kvbridge.attention.sparse import LSE_TOLERANCE, OUT_TOLERANCE, compare
 
     ones = torch.ones(1000)
     assert compare(ones, ones, OUT_TOLERANCE).passed
@@ -275,8 +275,9 @@ def test_library_compare_agrees_with_flashmla_rules():
 
 
 def test_demo_decode_section(tmp_path):
-    from kvbridge.demo import DemoContext, build_request, convert_to_model1
-    from kvbridge.demo_decode import decode_section
+    from kvbridge.demo.decode import decode_section
+    from kvbridge.demo.context import DemoContext
+    from kvbridge.demo.run import build_request, convert_to_model1
 
     ctx = DemoContext(tokens=256, workdir=tmp_path)
     build_request(ctx)

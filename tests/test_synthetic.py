@@ -1,4 +1,4 @@
-"""kvbridge.synthetic: DeepSeek-V4-shaped latents and queries."""
+"""kvbridge.study.synthetic: DeepSeek-V4-shaped latents and queries."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvbridge import InputError
-from kvbridge.synthetic import (
+from kvbridge.study.synthetic import (
     COMPRESSED_ROPE,
     SWA_ROPE,
     apply_rope,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from kvbridge.engines.topology import FLASH, PRO, ModelTopology, Role, from_hf_config, get_model
 from kvbridge.errors import InputError
-from kvbridge.topology import FLASH, PRO, ModelTopology, Role, from_hf_config, get_model
 
 # The published DeepSeek-V4-Flash config.json fields kvbridge reads (spec section 5).
 FLASH_CONFIG = {

@@ -20,11 +20,12 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvbridge import paged, reference  # noqa: E402
-from kvbridge import triton_kernels as tk  # noqa: E402
-from kvbridge.api import is_byte_move  # noqa: E402
+from kvbridge.backends import reference  # noqa: E402
+from kvbridge.backends import triton_kernels as tk  # noqa: E402
 from kvbridge.errors import NonFiniteError  # noqa: E402
 from kvbridge.layouts import all_layouts, get_layout  # noqa: E402
+from kvbridge.ops import slots as slot_ops
+from kvbridge.ops.pages import is_byte_move  # noqa: E402
 
 # The interpreter runs fp32 math in numpy, which warns where a huge decoded scale overflows to inf (as on a GPU).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -164,7 +165,7 @@ def test_transcode_slots_kernel_matches_reference(latents, src, src_scale, dst, 
     src_slots, dst_slots = slot_lists(pages.shape[0] * 7, 3 * 61, 33, seed=15)
     want = random_pool(dst, 3, 61, seed=16)
     got = want.clone()
-    paged.transcode_slots(pages, src, want, dst, src_page_size=7, dst_page_size=61, src_slots=src_slots,
+    slot_ops.transcode_slots(pages, src, want, dst, src_page_size=7, dst_page_size=61, src_slots=src_slots,
                           dst_slots=dst_slots, src_scale=src_scale, dst_scale=dst_scale, dialect=dialect)
     byte_move = is_byte_move(src, dst, src_scale or 1.0, dst_scale or 1.0)
     d = None if byte_move else (dialect or dst.default_dialect)
@@ -182,7 +183,7 @@ def test_persistent_grid_matches_reference(latents, monkeypatch):
     src_slots, dst_slots = slot_lists(pages.shape[0] * 7, 3 * 61, 33, seed=18)
     want = random_pool(MODEL1, 3, 61, seed=19)
     got = want.clone()
-    paged.transcode_slots(pages, TRT, want, MODEL1, src_page_size=7, dst_page_size=61, src_slots=src_slots,
+    slot_ops.transcode_slots(pages, TRT, want, MODEL1, src_page_size=7, dst_page_size=61, src_slots=src_slots,
                           dst_slots=dst_slots, src_scale=0.5)
     tk.transcode_slots(pages, TRT, 7, got, MODEL1, 61, src_slots, dst_slots, 0.5, 1.0, "flashmla", False)
     assert torch.equal(got, want)
@@ -210,7 +211,7 @@ def test_gather_transcode_kernel_matches_reference(latents, src, scale, dialect,
     s = scale if src.per_tensor_scale else None
     byte_move = src.same_record(out)
     dialect = dialect if not byte_move and dialect in out.dialects else None
-    want, want_remap = paged.gather_transcode(pages, src, page_size=61, indices=indices, scale=s, dialect=dialect,
+    want, want_remap = slot_ops.gather_transcode(pages, src, page_size=61, indices=indices, scale=s, dialect=dialect,
                                               out_page_size=5, out_layout=out)
     d = None if byte_move else (dialect or out.default_dialect)
     got, flags = tk.gather_transcode(pages, src, 61, indices.reshape(-1), scale, d, byte_move, 5, out)
@@ -224,10 +225,10 @@ def test_gather_kernel_flags_become_the_reference_errors():
     pages[1, 2 * 512 + 5] = 0x7F  # slot 6 decodes to NaN
     for indices in (torch.tensor([[0, 16], [3, -1]]), torch.tensor([[0, -3]]), torch.tensor([[6, 1], [-1, 6]])):
         with pytest.raises(Exception) as want:
-            paged.gather_transcode(pages, TRT, page_size=4, indices=indices)
+            slot_ops.gather_transcode(pages, TRT, page_size=4, indices=indices)
         _, flags = tk.gather_transcode(pages, TRT, 4, indices.reshape(-1), 1.0, "flashmla", False, 64, MODEL1)
         with pytest.raises(type(want.value)) as got:
-            paged._raise_flags(flags, indices, 16)
+            slot_ops._raise_flags(flags, indices, 16)
         assert str(got.value) == str(want.value)
     copy_flags = tk.gather_transcode(reference.encode_pages(edge_case_latents()[:8], MODEL1, 4, "flashmla", 1.0),
                                      MODEL1, 4, torch.tensor([7, 8, -1, -9]), 1.0, None, True, 64, MODEL1)[1]
@@ -244,7 +245,7 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvbridge import triton_kernels as tk
+from kvbridge.backends import triton_kernels as tk
 
 from kvbridge.layouts import all_layouts as tk_layouts, get_layout
 

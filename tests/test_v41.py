@@ -11,8 +11,9 @@ import torch
 
 import kvbridge as kb
 from kvbridge import numerics as nx
-from kvbridge.api import is_byte_move
 from kvbridge.layouts import get_layout
+from kvbridge.layouts.codec import record_codec
+from kvbridge.ops.pages import is_byte_move
 
 V41_FP8 = ("v41-fp8", "v41-fp8-interleaved")
 V41_FP4 = ("v41-fp4", "v41-fp4-pad512", "v41-fp4-interleaved")
@@ -74,14 +75,14 @@ def test_fp4_divides_by_the_rounded_scale_and_nan_poisons_its_tile():
     x = torch.zeros(1, 512)
     x[0, :16] = torch.linspace(-1.3, 1.3, 16)
     x[0, 5] = 1.3 * 7 / 6  # amax / 6 is not an E4M3 value: the scale is rounded first
-    rec = lay.codec.encode(x, dialect=None, scale=1.0)
+    rec = record_codec(lay).encode(x, dialect=None, scale=1.0)
     scale = nx.e4m3_decode(rec[:, 256])
     assert torch.equal(nx.e2m1_encode(x[0, :16] / scale), nx.e2m1_unpack(rec[0, :8]))
     bad = x.clone()
     bad[0, 20] = float("nan")
-    rec = lay.codec.encode(bad, dialect=None, scale=1.0)
+    rec = record_codec(lay).encode(bad, dialect=None, scale=1.0)
     assert int(rec[0, 257]) == nx.E4M3_NAN and int(rec[0, 256]) != nx.E4M3_NAN
-    values = lay.codec.decode(rec, scale=1.0)
+    values = record_codec(lay).decode(rec, scale=1.0)
     assert bool(values[0, 16:32].isnan().all()) and not bool(values[0, :16].isnan().any())
     with pytest.raises(kb.NonFiniteError):
         kb.transcode(lay.records_to_pages(rec, 1), lay, "v41-fp8", src_page_size=1)

@@ -34,7 +34,7 @@ The buffer order is SGLang's ``DeepSeekV4TokenToKVPool``: KV = every ratio-4 com
 ratio-4 indexer cache, every ratio-128 compressed cache (layer order within each); state component
 ``swa`` = every layer's SWA cache, then the ratio-4 attention and indexer compressor states;
 component ``c128_state`` = the ratio-128 compressor states. Pools are kvbridge ``EnginePools`` of an
-SGLang profile (``kvbridge.engines.sglang``); a request from another engine's pools is first
+SGLang profile (``kvbridge.engines.profiles.sglang``); a request from another engine's pools is first
 converted with ``kvbridge.migration.migrate_local`` (``SGLangPrefillPeer.add_migrated_request``).
 
 Limits of this version: attention TP/PP/CP of 1 on the kvbridge side (any decode TP: MLA pages go
@@ -63,12 +63,12 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import torch
 
+from kvbridge.engines.topology import CacheSpec, Role
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.execute import TransferError, migrate_local
 from kvbridge.migration.nixl import _Agent
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
-from kvbridge.topology import CacheSpec, Role
 
 SGLANG_VERSION = "0.5.23"
 #: First frame of every registration / transfer message (SGLang's ``nixl/conn.py`` ``GUARD``).

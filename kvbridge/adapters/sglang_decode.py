@@ -63,12 +63,12 @@ from kvbridge.adapters.sglang import (
     pd_layout,
     start_peer,
 )
+from kvbridge.engines.topology import CacheSpec
 from kvbridge.errors import InputError
 from kvbridge.migration.execute import MigrationError, MigrationReport, TransferError, migrate_local
 from kvbridge.migration.nixl import _Agent
 from kvbridge.migration.plan import MigrationPlan, plan_migration
 from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
-from kvbridge.topology import CacheSpec
 
 #: Byte every state item of a request is set to before the prefill writes it (see ``_mark_state``).
 STATE_MARK = 0xFF

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.engines import EngineProfile, parse_engine
+from kvbridge.engines.profiles import EngineProfile, parse_engine
+from kvbridge.engines.topology import ModelTopology, Role, get_model
 from kvbridge.errors import InputError
 from kvbridge.migration.pools import EnginePools, Pool, RequestTables, pool_shapes
-from kvbridge.topology import ModelTopology, Role, get_model
 
 __all__ = ["ROLE_NAMES", "PageTable", "engine_pools", "parse_page_table", "request_tables"]
 

@@ -67,12 +67,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvbridge.adapters.vllm_config import CONVERT_SIDES, TRANSPORTS, ape_paths, host_port
 from kvbridge.adapters.vllm_layout import VllmCaches
-from kvbridge.engines import parse_engine
+from kvbridge.engines.profiles import parse_engine
+from kvbridge.engines.topology import get_model
 from kvbridge.errors import InputError
 from kvbridge.migration.ape import ApeWeights, load_ape
+from kvbridge.migration.nixl import NixlReceiver, NixlSender
 from kvbridge.migration.plan import ape_needed, plan_migration
 from kvbridge.migration.pools import EnginePools, gather_records, table_of
-from kvbridge.topology import get_model
+from kvbridge.migration.transport import GlooServer, send_request_tcp
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -157,8 +159,6 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 self.server = self._nixl_receiver(extra.get("landing_tokens", vllm_config.model_config.max_model_len),
                                                   host, port)
             else:
-                from kvbridge.migration.transport import GlooServer
-
                 self.server = GlooServer(EnginePools(self.profile, self.model, False, {}), plan=self._plan,
                                          host=host, port=port)
             log.info("kvbridge connector listening on %s:%d (%s)", *self.server.address, self.transport)
@@ -166,8 +166,6 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def _nixl_receiver(self, landing_tokens: Any, host: str, port: int):
         """A NIXL receiver whose pools are the landing area: one request of ``landing_tokens`` tokens in this
         vLLM's layout, in host memory (kvbridge's NIXL registers host memory only)."""
-        from kvbridge.migration.nixl import NixlReceiver
-
         if isinstance(landing_tokens, bool) or not isinstance(landing_tokens, int) or landing_tokens < 1:
             raise InputError(f"kv_connector_extra_config: landing_tokens must be a positive integer, "
                              f"got {landing_tokens!r}")
@@ -379,16 +377,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         pools, tables = self.caches.request_pools(plan, send.block_ids)
         host, port = host_port(send.peer, "kvbridge_peer")
         if self.transport == "nixl":
-            from kvbridge.migration.nixl import NixlSender
-
             sender = self._senders.get(send.peer)
             if sender is None:
                 sender = self._senders[send.peer] = NixlSender(host, port, timeout=self.timeout)
             sender.send_request(plan, pools, tables, convert_on=self.convert_on, loss_report=False,
                                 request_id=send.request_id)
         else:
-            from kvbridge.migration.transport import send_request_tcp
-
             send_request_tcp(plan, pools, tables, host=host, port=port, convert_on=self.convert_on,
                              timeout=self.timeout, request_id=send.request_id)
         log.info("kvbridge: sent request %s to %s over %s", send.request_id, send.peer, self.transport)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbridge.engines import parse_engine
+from kvbridge.engines.profiles import parse_engine
 from kvbridge.errors import InputError
 
 #: vLLM's ``kv_role`` for each kvbridge role name.

@@ -17,11 +17,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvbridge.engines import EngineProfile
+from kvbridge.engines.profiles import EngineProfile
+from kvbridge.engines.topology import ModelTopology, Role
 from kvbridge.errors import InputError
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables, scatter_records
-from kvbridge.topology import ModelTopology, Role
 
 _NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.attn(\.swa_cache|\.indexer\.k_cache|\.compressor\.state_cache"
                    r"|\.indexer\.compressor\.state_cache)?$")

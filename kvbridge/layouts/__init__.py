@@ -1,16 +1,8 @@
-"""Layout registry; every module of this package registers its layouts on import.
+"""Layouts: the declarative description of a record (``registry``), the reference record codec
+(``codec``), the non-finite byte scan (``scan``) and the registered families (``families``, all
+imported with this package)."""
 
-Adding a layout is adding one module here that builds a ``Layout`` and calls ``register``:
-it is found and imported with the package, in name order.
-"""
-
-import importlib
-import pkgutil
-
+from kvbridge.layouts import families  # noqa: F401  (registers every layout)
 from kvbridge.layouts.registry import Field, Layout, PageGeometry, Segment, all_layouts, get_layout, register
-
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    if _module != "registry":
-        importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["Field", "Layout", "PageGeometry", "Segment", "all_layouts", "get_layout", "register"]

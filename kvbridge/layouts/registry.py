@@ -23,14 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from kvbridge.errors import LayoutError
-
-if TYPE_CHECKING:
-    from kvbridge.codecs import RecordCodec
 
 HEAD_DIM = 512
 
@@ -259,13 +256,6 @@ class Layout:
     @property
     def geometry(self) -> PageGeometry:
         return PageGeometry(self.record_bytes, self.split, self.page_align)
-
-    @cached_property
-    def codec(self) -> RecordCodec:
-        """The reference record codec (torch) driven by ``segments``."""
-        from kvbridge.codecs import RecordCodec
-
-        return RecordCodec(self)
 
     @property
     def block_split(self) -> bool:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kvbridge.engines.topology import ModelTopology, Role
 from kvbridge.errors import InputError
-from kvbridge.topology import ModelTopology, Role
 
 #: Checkpoint names of the APE tensors (DeepSeek-V4 HF checkpoint; vLLM adds the ``model.`` prefix).
 _NAME = re.compile(r"^(?:model\.)?(layers|mtp)\.(\d+)\.attn\.(indexer\.)?compressor\.ape$")

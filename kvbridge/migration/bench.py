@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import xxhash
 
+from kvbridge.engines.topology import get_model
+from kvbridge.migration import nixl as nx
 from kvbridge.migration.ape import synthetic_ape
 from kvbridge.migration.execute import (
     CHECKSUM,
@@ -53,6 +55,7 @@ from kvbridge.migration.execute import (
 from kvbridge.migration.plan import plan_migration
 from kvbridge.migration.pools import gather_records, pool_tensors, table_of
 from kvbridge.migration.stream import layer_groups
+from kvbridge.migration.transport import DEFAULT_CHUNK_BYTES
 
 
 def _median(fn: Callable[[], float], repeat: int) -> float:
@@ -121,9 +124,6 @@ def bench_transports(*, tokens: int = 131072, model: str = "deepseek-v4-flash", 
                      progress: Callable[[str], None] | None = None) -> dict:
     """Run every measurement of the module docstring; returns a JSON-ready dict (seconds, GB/s = 1e9 B/s).
     ``ape`` as for ``bench_local``."""
-    from kvbridge.migration import nixl as nx
-    from kvbridge.migration.transport import DEFAULT_CHUNK_BYTES
-
     say = progress or (lambda _: None)
     plan, ape_used = _plan(src, dst, model, tokens, ape)
     pools = destination_pools(plan, seed=1)
@@ -263,8 +263,6 @@ def _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat: int) 
 
 
 def _request_receiver(engine: str, model: str, tokens: int, addr_q, out_q) -> None:
-    from kvbridge.migration import nixl as nx
-
     plan = plan_migration(engine, engine, model, tokens)
     with nx.NixlReceiver(destination_pools(plan, seed=3), plan=plan) as rx:
         rx._ensure_agent()
@@ -311,8 +309,6 @@ SYNTHETIC_APE = "synthetic"
 
 def _plan(src: str, dst: str, model: str, tokens: int, ape: object) -> tuple:
     """The benchmarked plan and the JSON record of the APE weights it uses (None when the pair needs none)."""
-    from kvbridge.topology import get_model
-
     topo = get_model(model)
     weights = synthetic_ape(topo, seed=0) if ape == SYNTHETIC_APE else ape
     plan = plan_migration(src, dst, topo, tokens, ape=weights)

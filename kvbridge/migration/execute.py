@@ -25,12 +25,10 @@ import numpy as np
 import torch
 import xxhash
 
-import kvbridge
-from kvbridge import fastpath, native, native_state
-from kvbridge import indexer as ix
 from kvbridge import numerics as nx
-from kvbridge.api import LossReport, transcode_loss
-from kvbridge.engines import Storage
+from kvbridge.backends import dispatch, native
+from kvbridge.backends.native import state as native_state
+from kvbridge.engines.profiles import Storage
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.layouts.registry import PageGeometry
 from kvbridge.migration.ape import add_ape, nan_score, remove_ape, unreachable_score
@@ -47,6 +45,9 @@ from kvbridge.migration.pools import (
     scatter_records,
     table_of,
 )
+from kvbridge.ops import keys as ix
+from kvbridge.ops import pages as page_ops
+from kvbridge.ops.pages import LossReport, transcode_loss
 
 ConvertSide = Literal["sender", "receiver"]
 
@@ -195,7 +196,7 @@ def _convert_state_torch(t: Transfer, records: torch.Tensor, loss_report: bool, 
 
 def _convert_state_native(t: Transfer, records: torch.Tensor, loss_report: bool, first: int) -> tuple[
         torch.Tensor, None, float | None]:
-    """``_convert_batch``'s state rows on CPU: one native pass (``kvbridge.native_state``), the same bytes,
+    """``_convert_batch``'s state rows on CPU: one native pass (``kvbridge.backends.native.state``), the same bytes,
     errors and refusals as ``_convert_state_torch``."""
     measure = loss_report and t.src.fmt != t.dst.fmt
     pos = t.first + first
@@ -230,7 +231,7 @@ def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first:
         values = ix.decode_keys(records, t.src.indexer, t.src.dialect)
         return ix.encode_keys(values, t.dst.indexer, t.dst.dialect or ""), None, None
     src, dst, n = t.src.layout, t.dst.layout, records.shape[0]
-    result = kvbridge.transcode(
+    result = page_ops.transcode(
         _one_page(src, records), src, dst, src_page_size=n, dst_page_size=n, src_scale=t.src.scale,
         dst_scale=t.dst.scale, dialect=t.dst.dialect, report=loss_report,
     )
@@ -251,7 +252,7 @@ def _page_records(layout, page: torch.Tensor, n: int) -> torch.Tensor:
     for _, lo, hi in layout.geometry.page_views(page, n):
         spans = np.array([(n * lo + first * (hi - lo), first, min(SPAN_ROWS, n - first))
                           for first in range(0, n, SPAN_ROWS)], np.int64).reshape(-1, 3)
-        fastpath.move_rows(page, records, spans, lo, hi - lo, False)
+        dispatch.move_rows(page, records, spans, lo, hi - lo, False)
     return records
 
 
@@ -671,7 +672,7 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
                     dst_form = _form(dst_buf, b.dst_page, b.rows, t.dst.record_bytes)
                     pages = src_buf[: b.src_page.page_bytes(b.rows)].view(1, -1)
                     out = dst_buf[: b.dst_page.page_bytes(b.rows)].view(1, -1)
-                    kvbridge.transcode(pages, t.src.layout, t.dst.layout, src_page_size=b.rows,
+                    page_ops.transcode(pages, t.src.layout, t.dst.layout, src_page_size=b.rows,
                                        dst_page_size=b.rows, src_scale=t.src.scale, dst_scale=t.dst.scale,
                                        dialect=t.dst.dialect, out=out)
                     if loss_report:
@@ -742,7 +743,7 @@ def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables,
         if st.kind == "kv":
             x = torch.randn(t.count, 512, generator=gen).bfloat16().float()
             x[::7] *= 2.0**-12
-            pages = kvbridge.encode(x, st.layout, page_size=t.count, dialect=st.dialect, scale=st.scale)
+            pages = page_ops.encode(x, st.layout, page_size=t.count, dialect=st.dialect, scale=st.scale)
             rec = st.layout.pages_to_records(pages, t.count)
         elif st.kind == "indexer":
             rec = ix.encode_keys(torch.randn(t.count, t.spec.width, generator=gen), st.indexer, st.dialect or "")

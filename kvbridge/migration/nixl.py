@@ -52,10 +52,9 @@ import torch
 import torch.multiprocessing as tmp
 import xxhash
 
-from kvbridge import __version__
-from kvbridge.api import LossReport
-from kvbridge.dump import LATENT_DTYPES, Dump, DumpEntry, convert_entry, read_dump, write_dump
-from kvbridge.engines import Storage
+from kvbridge._version import __version__
+from kvbridge.dumps.dumpfile import LATENT_DTYPES, Dump, DumpEntry, convert_entry, read_dump, write_dump
+from kvbridge.engines.profiles import Storage
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.control import Channel, Listener
 from kvbridge.migration.execute import (
@@ -79,6 +78,7 @@ from kvbridge.migration.stream import (
     request_info,
     wire_fingerprint,
 )
+from kvbridge.ops.pages import LossReport
 
 #: Seconds an agent process gets to start (spawn + imports + UCX backend), and to answer a call.
 AGENT_START_S = 60.0

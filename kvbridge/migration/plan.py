@@ -24,11 +24,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.api import is_byte_move
-from kvbridge.engines import EngineProfile, Storage, parse_engine
+from kvbridge.engines.profiles import EngineProfile, Storage, parse_engine
+from kvbridge.engines.topology import CacheSpec, ModelTopology, Role, get_model
 from kvbridge.errors import InputError
 from kvbridge.migration.ape import ApeWeights, load_ape
-from kvbridge.topology import CacheSpec, ModelTopology, Role, get_model
+from kvbridge.ops.pages import is_byte_move
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvbridge import fastpath
-from kvbridge.engines import EngineProfile, Storage, parse_engine
+from kvbridge.backends import dispatch
+from kvbridge.engines.profiles import EngineProfile, Storage, parse_engine
+from kvbridge.engines.topology import CacheSpec, ModelTopology, Role, get_model
 from kvbridge.errors import InputError
-from kvbridge.topology import CacheSpec, ModelTopology, Role, get_model
 
 #: A request's block tables: table name -> physical page ids (-1: released / not held).
 RequestTables = dict[str, list[int]]
@@ -157,7 +157,7 @@ def move_parts(spans: list[PartSpans], rows: list[tuple[torch.Tensor, int]], to_
     """Copy each record part between its pool spans and ``rows[k]`` = (contiguous ``[count, row_bytes]``
     tensor, byte offset of the part in a row): one native span copy per run of entries in one page."""
     for (tensor, _, width, sp), (records, at) in zip(spans, rows, strict=True):
-        fastpath.move_rows(tensor, records, sp, at, width, to_pool)
+        dispatch.move_rows(tensor, records, sp, at, width, to_pool)
 
 
 def _move(pool: Pool, storage: Storage, table: Table, first: int, records: torch.Tensor, to_pool: bool) -> bool:

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from kvbridge.api import LossReport
 from kvbridge.errors import InputError
 from kvbridge.migration.execute import (
     MigrationError,
@@ -34,6 +33,7 @@ from kvbridge.migration.execute import (
 )
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables
+from kvbridge.ops.pages import LossReport
 
 
 def request_info(plan: MigrationPlan) -> dict[str, Any]:

@@ -31,8 +31,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvbridge.api import LossReport
+from kvbridge._version import __version__
 from kvbridge.errors import InputError, KVBridgeError
+from kvbridge.migration.control import Channel, Listener
 from kvbridge.migration.execute import (
     ConvertSide,
     MigrationError,
@@ -51,6 +52,7 @@ from kvbridge.migration.stream import (
     request_info,
     wire_fingerprint,
 )
+from kvbridge.ops.pages import LossReport
 
 MAGIC = 0x4B5642_4D494733  # "KVB" "MIG3": the layer-group protocol, XXH3-64 checksums
 #: Magics of earlier versions of this protocol, refused with a line naming what changed.
@@ -392,8 +394,6 @@ class GlooServer:
 
     def __init__(self, dst: EnginePools, *, plan: MigrationPlan | Callable[[dict], MigrationPlan],
                  host: str = "127.0.0.1", port: int = 0, loss_report: bool = True):
-        from kvbridge.migration.control import Listener
-
         self.dst, self.plan, self.loss_report = dst, plan, loss_report
         self.listener = Listener(host, port)
 
@@ -471,8 +471,6 @@ def send_request_tcp(plan: MigrationPlan, src: EnginePools, tables: RequestTable
     (default: a random id; up to 64 characters)."""
     import uuid
 
-    from kvbridge import __version__
-    from kvbridge.migration.control import Channel
 
     deadline = time.monotonic() + _check_timeout(timeout)
     if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):

@@ -16,7 +16,7 @@ Each case times, on one device and in one run:
   ``vs_fresh_ceiling`` = the ceiling's time over kvbridge's (1.0: kvbridge costs what allocating and
   filling its output costs); ``ceiling_vs_np_copyto`` = np.copyto's time over the ceiling's, the
   ``vs_np_copyto`` a fresh-output operation would reach if it cost only its output;
-- the naive reference path (``kvbridge.reference``) on ``min(tokens, reference_tokens)`` tokens
+- the naive reference path (``kvbridge.backends.reference``) on ``min(tokens, reference_tokens)`` tokens
   (default: the same size as kvbridge; its rate per token falls with the size, so a capped
   reference makes ``vs_reference`` understate the speed-up; ``reference_capped`` says so).
 
@@ -40,8 +40,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvbridge import api, fastpath, native, reference
+from kvbridge.backends import dispatch, native, reference
 from kvbridge.layouts import get_layout
+from kvbridge.ops import pages as page_ops
 
 #: Source and destination page size of every case (FlashMLA / vLLM SWA pools use 64).
 PAGE_SIZE = 64
@@ -185,7 +186,7 @@ def _cases(latents: torch.Tensor) -> list[_Case]:
     fp8, model1, ds_mla, bf16 = (get_layout(n) for n in ("trtllm-fp8", "flashmla-model1", "trtllm-fp8-ds-mla", "bf16"))
     v41, v41i, fp4i = (get_layout(n) for n in ("v41-fp8", "v41-fp8-interleaved", "v41-fp4-interleaved"))
     x32 = latents.float()
-    pools = {lay.name: api.encode(latents, lay, page_size=p) for lay in (fp8, model1, bf16, v41, v41i, fp4i)}
+    pools = {lay.name: page_ops.encode(latents, lay, page_size=p) for lay in (fp8, model1, bf16, v41, v41i, fp4i)}
     device, num_pages = latents.device, -(-latents.shape[0] // p)
 
     def head(name: str, n: int) -> torch.Tensor:
@@ -197,14 +198,14 @@ def _cases(latents: torch.Tensor) -> list[_Case]:
 
         def run(n: int, into: bool) -> torch.Tensor:
             out = dst_pool.rows(-(-n // p)) if into else None
-            return api.transcode(head(src.name, n), src, dst, src_page_size=p, num_tokens=n, out=out,
+            return page_ops.transcode(head(src.name, n), src, dst, src_page_size=p, num_tokens=n, out=out,
                                  dst_scale="auto" if auto else None)
 
         def run_reference(n: int) -> torch.Tensor:
             if not auto:
                 return reference.transcode_pages(head(src.name, n), src, p, dst, p, n, 1.0, 1.0, dst.default_dialect)
             values = reference.decode_pages(head(src.name, n), src, p, n, 1.0)
-            return reference.encode_pages(values, dst, p, dst.default_dialect, api.auto_scale(values))
+            return reference.encode_pages(values, dst, p, dst.default_dialect, page_ops.auto_scale(values))
 
         name = f"transcode {src.name} -> {dst.name}" + (" dst_scale=auto" if auto else "")
         return _Case(name, run, run_reference, (pb + db) // p, pools[src.name], (src, dst), dst_pool)
@@ -213,7 +214,9 @@ def _cases(latents: torch.Tensor) -> list[_Case]:
         dst_pool = _OutBuffer((num_pages, dst.page_bytes(p)), torch.uint8, device)
         return _Case(
             f"encode bf16 latents -> {dst.name}",
-            lambda n, into: api.encode(latents[:n], dst, page_size=p, out=dst_pool.rows(-(-n // p)) if into else None),
+            lambda n, into: page_ops.encode(
+                latents[:n], dst, page_size=p, out=dst_pool.rows(-(-n // p)) if into else None
+            ),
             lambda n: reference.encode_pages(x32[:n], dst, p, dst.default_dialect, 1.0),
             2 * 512 + dst.page_bytes(p) // p, latents, (dst,), dst_pool,
         )
@@ -222,7 +225,7 @@ def _cases(latents: torch.Tensor) -> list[_Case]:
         values = _OutBuffer((latents.shape[0], 512), torch.float32, device)
         return _Case(
             f"decode {src.name} -> fp32 latents",
-            lambda n, into: api.decode(head(src.name, n), src, page_size=p, num_tokens=n,
+            lambda n, into: page_ops.decode(head(src.name, n), src, page_size=p, num_tokens=n,
                                        out=values.rows(n) if into else None),
             lambda n: reference.decode_pages(head(src.name, n), src, p, n, 1.0),
             src.page_bytes(p) // p + 4 * 512, pools[src.name], (src,), values,
@@ -233,7 +236,7 @@ def _cases(latents: torch.Tensor) -> list[_Case]:
 
         def run(n: int, into: bool) -> torch.Tensor:
             out = dst_pool.rows(-(-n // dst_p)) if into else None
-            return api.transcode(head(src.name, n), src, dst, src_page_size=p, dst_page_size=dst_p, num_tokens=n,
+            return page_ops.transcode(head(src.name, n), src, dst, src_page_size=p, dst_page_size=dst_p, num_tokens=n,
                                  out=out)
 
         return _Case(
@@ -287,7 +290,7 @@ def _time_variant(case: _Case, into: bool, threads: int, tokens: int, n_ref: int
     nbytes = case.bytes_per_token * tokens
     return CaseResult(
         case=case.name + (" into out=" if into else ""), device=str(device),
-        backend=fastpath.backend_name(case.probe, *case.layouts), threads=threads, output="out=" if into else "fresh",
+        backend=dispatch.backend_name(case.probe, *case.layouts), threads=threads, output="out=" if into else "fresh",
         kvbridge=Timing.of(tokens, t_fast, nbytes),
         reference=Timing.of(n_ref, t_ref, case.bytes_per_token * n_ref),
         copy=Timing.of(tokens, times["copy"], 2 * copy_src.numel()),

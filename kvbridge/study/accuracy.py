@@ -32,10 +32,14 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from kvbridge import numerics as nx
-from kvbridge.api import auto_scale, decode, encode
-from kvbridge.codecs import HEAD_DIM, NOPE_DIM
+from kvbridge.attention.args import DEFAULT_SOFTMAX_SCALE
+from kvbridge.attention.sparse import sparse_decode
+from kvbridge.dumps.dumpfile import read_dump
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout, all_layouts, get_layout
+from kvbridge.layouts.codec import HEAD_DIM, NOPE_DIM
+from kvbridge.ops.pages import auto_scale, decode, encode
+from kvbridge.study import synthetic
 
 #: Per-tensor scale rules besides plain numbers: amax/448 (``auto_scale``, never saturates) and
 #: that value rounded up to a power of two (2^ceil(log2(amax/448)), exact in bf16 after decode).
@@ -310,8 +314,6 @@ def _check_case(case: Case) -> None:
 
 def _decode_step(case: Case, pages: torch.Tensor, layout: str | Layout, scale: float | None,
                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from kvbridge.attention import sparse_decode
-
     return sparse_decode(case.q, pages, case.indices, layout=layout, page_size=case.page_size,
                          softmax_scale=case.softmax_scale, scale=scale, backend=backend)
 
@@ -339,7 +341,6 @@ def evaluate(case: Case, variants: list[Variant], *, overlap_k: int = 16, backen
     _check_case(case)
     if isinstance(overlap_k, bool) or not isinstance(overlap_k, int) or overlap_k < 1:
         raise InputError(f"overlap_k must be a positive integer, got {overlap_k!r}")
-    from kvbridge.attention import DEFAULT_SOFTMAX_SCALE
 
     sm = DEFAULT_SOFTMAX_SCALE if case.softmax_scale is None else case.softmax_scale
     ref = quantize(case.latents, Variant(REFERENCE_LAYOUT), case.page_size)
@@ -409,7 +410,7 @@ def _attribution(case: Case, values: torch.Tensor, ref_values: torch.Tensor, ref
 
 @dataclass(frozen=True)
 class SyntheticParams:
-    """Every parameter of a synthetic case (``kvbridge.synthetic``) and of its decode step.
+    """Every parameter of a synthetic case (``kvbridge.study.synthetic``) and of its decode step.
 
     ``layer``: ``compressed`` (rope base 160000 + YaRN, compressed token c at position
     ``c * compress_ratio``; ``context`` cached entries, the ``topk`` highest-logit ones attended, as
@@ -477,11 +478,9 @@ DEFAULT_SWEEPS: dict[str, tuple] = {
 def synthetic_case(params: SyntheticParams, seed: int) -> Case:
     """Build the case ``params`` describes; deterministic for ``seed``.
 
-    Latents and queries come from ``kvbridge.synthetic`` and are rounded to bf16 (the reference
+    Latents and queries come from ``kvbridge.study.synthetic`` and are rounded to bf16 (the reference
     the study measures against); indices are computed from the bf16 values.
     """
-    from kvbridge import synthetic
-
     p = params
     if p.layer == "swa":
         if not 1 <= p.window <= p.context:
@@ -599,8 +598,6 @@ def summarize(rows: list[dict]) -> dict:
 def dump_case(keys: torch.Tensor, params: SyntheticParams, seed: int) -> Case:
     """A case over real bf16 ``keys`` ``[N, 512]``: synthetic queries (``params``' query fields) and
     the ``params.topk`` highest-logit slots per query token (-1 padded when N < topk)."""
-    from kvbridge import synthetic
-
     k = keys.float()
     q = synthetic.queries(k, batch=params.batch, s_q=params.s_q, heads=params.heads, seed=seed,
                           peakedness=params.peakedness, focus_tokens=min(params.focus_tokens, k.shape[0]),
@@ -620,7 +617,7 @@ def run_dump_study(
     backend: str = "reference",
     progress: Callable[[str], None] | None = None,
 ) -> dict:
-    """The study over the unquantized entries of a dump file (``kvbridge.dump`` format).
+    """The study over the unquantized entries of a dump file (``kvbridge.dumps.dumpfile`` format).
 
     Each entry holding raw latents or ``bf16`` pages is one case: its values (rounded to bf16 if
     stored as fp16/fp32) are the keys, the queries are synthetic (``params``' query fields and
@@ -628,8 +625,6 @@ def run_dump_study(
     that holds quantized pages is an error, an unnamed one is listed under ``skipped``.
     Returns the same shape as ``run_study`` with ``source`` = the path and one run per entry.
     """
-    from kvbridge.dump import read_dump
-
     params = SyntheticParams() if params is None else params
     dump = read_dump(path)
     names = dump.names

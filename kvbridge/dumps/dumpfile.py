@@ -38,13 +38,14 @@ from typing import Any
 
 import torch
 
-from kvbridge import fastpath, nonfinite
-from kvbridge.api import LossReport, auto_scale, decode, encode, is_byte_move, transcode
-from kvbridge.codecs import HEAD_DIM, tensor_multiplier
+from kvbridge._version import __version__
+from kvbridge.backends import dispatch
+from kvbridge.backends.loss_stats import LossStats, compare_values, lossless_scale_candidates
+from kvbridge.backends.reference import check_finite
 from kvbridge.errors import DumpFormatError, DumpWriteError, InputError, KVBridgeError, NonFiniteError
-from kvbridge.layouts import Layout, get_layout
-from kvbridge.loss import LossStats, compare_values, lossless_scale_candidates
-from kvbridge.reference import check_finite
+from kvbridge.layouts import Layout, get_layout, scan
+from kvbridge.layouts.codec import HEAD_DIM, tensor_multiplier
+from kvbridge.ops.pages import LossReport, auto_scale, decode, encode, is_byte_move, transcode
 
 FORMAT_NAME = "kvbridge-dump"
 FORMAT_VERSION = 2
@@ -643,8 +644,6 @@ class EntrySpec:
 
 def _header_bytes(specs: Sequence[EntrySpec], attrs: dict[str, str], crcs: Sequence[int]) -> bytes:
     """The safetensors header (length prefix included, padded with spaces to 8 bytes)."""
-    from kvbridge import __version__
-
     metas = [{**{k: s.meta.get(k) for k in _META_KEYS}, CHECKSUM: f"{c:08x}"} for s, c in zip(specs, crcs, strict=True)]
     metadata = {"created_by": f"kvbridge {__version__}", **attrs}
     metadata.update(format=FORMAT_NAME, version=str(FORMAT_VERSION), entries=json.dumps(metas, separators=(",", ":")))
@@ -953,7 +952,7 @@ class _StatsAccumulator:
             self.histogram = {}
 
     def add_values(self, values: torch.Tensor) -> None:
-        top, bad = nonfinite.value_stats(values)
+        top, bad = scan.value_stats(values)
         self.abs_max = max(self.abs_max, top)
         self.nonfinite += bad
 
@@ -964,7 +963,7 @@ class _StatsAccumulator:
 
     def add_pages(self, pages: torch.Tensor, page_size: int, num_tokens: int) -> None:
         """Count the stored codes of the first ``num_tokens`` tokens of ``pages`` (native kernel)."""
-        c = nonfinite.code_stats(pages, self.layout, page_size, num_tokens)
+        c = scan.code_stats(pages, self.layout, page_size, num_tokens)
         formats = {f.format for f in self.layout.fields}
         if "e4m3" in formats:
             self.nan["e4m3"] = self.nan.get("e4m3", 0) + c.e4m3_nan
@@ -1215,7 +1214,7 @@ class _Converter:
         for t0, k, rows in self._chunks():
             values = self._values(rows, k)
             self._check_finite(values, t0)
-            amax = max(amax, nonfinite.value_stats(values)[0])
+            amax = max(amax, scan.value_stats(values)[0])
             if sample is None:
                 sample = values[:LOSSLESS_SAMPLE_TOKENS].clone()
             exact_at_1 = exact_at_1 and self._reproduces(values, k, 1.0)  # stops at the first chunk it does not
@@ -1236,7 +1235,7 @@ class _Converter:
         return torch.equal(decode(trial, p.dst, page_size=p.dst_page_size, num_tokens=k, scale=scale), values)
 
     def _check_finite(self, values: torch.Tensor, t0: int) -> None:
-        if fastpath.all_finite(values):
+        if dispatch.all_finite(values):
             return
         bad = ~torch.isfinite(values)
         if bool(bad.any()):
@@ -1253,14 +1252,14 @@ class _Converter:
         scale = p.dst_scale if p.dst.per_tensor_scale else None
         mult = tensor_multiplier(p.dialect, scale) if scale is not None else None
         stats = LossStats()
-        bad: nonfinite.Scan | None = None
+        bad: scan.Scan | None = None
         for t0, k, rows in self._chunks():
             if p.byte_move:
-                scan = nonfinite.scan_pages(rows, p.src, p.src_page_size, k)
-                if scan.count and bad is None:
-                    bad = nonfinite.Scan(scan.count, t0 + scan.first_token, scan.first_field)
-                elif scan.count:
-                    bad = nonfinite.Scan(bad.count + scan.count, bad.first_token, bad.first_field)
+                found = scan.scan_pages(rows, p.src, p.src_page_size, k)
+                if found.count and bad is None:
+                    bad = scan.Scan(found.count, t0 + found.first_token, found.first_field)
+                elif found.count:
+                    bad = scan.Scan(bad.count + found.count, bad.first_token, bad.first_field)
                 if bad is not None:
                     continue  # keep scanning for the exact count; nothing more is written
                 pages = transcode(rows, p.src, p.dst, src_page_size=p.src_page_size, dst_page_size=p.dst_page_size,
@@ -1282,7 +1281,7 @@ class _Converter:
                     self._check_finite(self._values(rows, k), t0)
                     raise
                 if self.report:  # decode-and-compare of both pools in one native pass
-                    stats.merge(fastpath.loss_stats(rows, p.src, p.src_page_size, pages, p.dst, p.dst_page_size, k,
+                    stats.merge(dispatch.loss_stats(rows, p.src, p.src_page_size, pages, p.dst, p.dst_page_size, k,
                                                     p.src_scale or 1.0, scale or 1.0, mult))
             self.progress(self.out.write(pages))
         if bad is not None:

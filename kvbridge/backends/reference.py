@@ -1,9 +1,9 @@
 """Reference paged operations (readable torch), the ground truth for every fast path.
 
-All take already-validated arguments (see ``kvbridge.api`` and ``kvbridge.paged``): fp32 or bf16
+All take already-validated arguments (see ``kvbridge.ops.pages`` and ``kvbridge.ops.slots``): fp32 or bf16
 contiguous latents, uint8 pages of the right shape, a resolved dialect and an fp32-representable
-scale. Records are encoded and decoded by the layout's own description (``Layout.codec``) and
-placed by its geometry; this module is also the ``reference`` backend of ``kvbridge.fastpath``.
+scale. Records are encoded and decoded by the layout's own description (``codec.record_codec``) and
+placed by its geometry; this module is also the ``reference`` backend of ``kvbridge.backends.dispatch``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import Layout
+from kvbridge.layouts.codec import record_codec
 
 name = "reference"
 #: Tokens per step of the slot operations: bounds their int64 byte-index tensors (32K x 1024 x 8 B = 256 MiB).
@@ -38,7 +39,7 @@ def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str |
                  *, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 (or bf16, widened exactly) ``[N, 512]`` -> pages ``[ceil(N/P), page_bytes]`` (built, then
     copied into ``out`` when given)."""
-    return _into(out, layout.records_to_pages(layout.codec.encode(x.float(), dialect=dialect, scale=scale),
+    return _into(out, layout.records_to_pages(record_codec(layout).encode(x.float(), dialect=dialect, scale=scale),
                                               page_size))
 
 
@@ -48,7 +49,7 @@ def decode_pages(
 ) -> torch.Tensor:
     """Pages -> fp32 ``[num_tokens, 512]`` (all rows when ``num_tokens`` is None; built, then copied
     into ``out`` when given)."""
-    return _into(out, layout.codec.decode(layout.pages_to_records(pages, page_size, num_tokens), scale=scale))
+    return _into(out, record_codec(layout).decode(layout.pages_to_records(pages, page_size, num_tokens), scale=scale))
 
 
 def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
@@ -111,7 +112,7 @@ def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: 
     flags = torch.zeros(slots.numel(), dtype=torch.uint8, device=pages.device)
     for start in range(0, slots.numel(), CHUNK_TOKENS):
         part = slots[start : start + CHUNK_TOKENS]
-        values = layout.codec.decode(records_at(pages, layout, page_size, part), scale=scale)
+        values = record_codec(layout).decode(records_at(pages, layout, page_size, part), scale=scale)
         flags[start : start + part.numel()] = (~torch.isfinite(values).all(dim=1)).to(torch.uint8) * FLAG_NONFINITE
     return flags
 
@@ -126,7 +127,8 @@ def transcode_slots(
     for start in range(0, src_slots.numel(), CHUNK_TOKENS):
         records = records_at(src_pages, src, src_page_size, src_slots[start : start + CHUNK_TOKENS])
         if not byte_move:
-            records = dst.codec.encode(src.codec.decode(records, scale=src_scale), dialect=dialect, scale=dst_scale)
+            values = record_codec(src).decode(records, scale=src_scale)
+            records = record_codec(dst).encode(values, dialect=dialect, scale=dst_scale)
         index = dst.geometry.byte_index(dst_page_size, dst_slots[start : start + CHUNK_TOKENS])
         dst_pages.view(-1)[index] = records
 
@@ -153,12 +155,12 @@ def gather_transcode(
         part = positions[start : start + CHUNK_TOKENS]
         records = records_at(pool, layout, page_size, indices[part])
         if not byte_move:
-            values = layout.codec.decode(records, scale=scale)
+            values = record_codec(layout).decode(records, scale=scale)
             bad = ~torch.isfinite(values).all(dim=1)
             if bool(bad.any()):
                 flags[part[bad]] = FLAG_NONFINITE
                 return scratch, flags
-            records = scratch_layout.codec.encode(values, dialect=dialect, scale=1.0)
+            records = record_codec(scratch_layout).encode(values, dialect=dialect, scale=1.0)
         scratch.view(-1)[scratch_layout.geometry.byte_index(out_page_size, part)] = records
     return scratch, flags
 

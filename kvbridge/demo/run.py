@@ -14,17 +14,18 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-import kvbridge
-from kvbridge import reference, synthetic
-from kvbridge.demo_decode import decode_section
-from kvbridge.dump import DumpEntry, convert_dump, read_dump, write_dump
+from kvbridge.backends import reference
+from kvbridge.demo.context import DemoContext
+from kvbridge.demo.decode import decode_section
+from kvbridge.dumps.dumpfile import DumpEntry, convert_dump, read_dump, write_dump
 from kvbridge.errors import InputError
 from kvbridge.layouts import get_layout
+from kvbridge.ops.pages import encode
+from kvbridge.study import synthetic
 
 #: DeepSeek-V4-Flash compress ratios of the layers the demo builds (0: SWA only).
 DEMO_COMPRESS_RATIOS = (0, 0, 4, 128)
@@ -33,22 +34,6 @@ TOKENS_PER_BLOCK = 128  # TensorRT-LLM block size
 SOURCE_LAYOUT = "trtllm-fp8"
 TARGET_LAYOUT = "flashmla-model1"
 TARGET_DIALECT = "flashmla"
-
-
-@dataclass
-class DemoContext:
-    """State shared by the demo's sections: inputs, file paths, per-entry latents and checks."""
-
-    tokens: int
-    workdir: Path
-    seed: int = 0
-    source_path: Path | None = None
-    target_path: Path | None = None
-    latents: dict[str, torch.Tensor] = field(default_factory=dict)
-    checks: list[dict] = field(default_factory=list)
-
-    def check(self, name: str, passed: bool, detail: str) -> None:
-        self.checks.append({"check": name, "passed": bool(passed), "detail": detail})
 
 
 def swa_window_start(tokens: int) -> int:
@@ -65,14 +50,14 @@ def build_request(ctx: DemoContext) -> dict:
         full = synthetic.latents(ctx.tokens, seed=seed, layer="swa")
         swa = full[start:]
         # TensorRT-LLM's SWA writer quantizes bf16 rows: e4m3(float(bf16 x) * fp32(1/s)).
-        pages = kvbridge.encode(swa.bfloat16(), SOURCE_LAYOUT, page_size=TOKENS_PER_BLOCK, dialect="swa")
+        pages = encode(swa.bfloat16(), SOURCE_LAYOUT, page_size=TOKENS_PER_BLOCK, dialect="swa")
         entries.append(DumpEntry(layer, "swa", pages, SOURCE_LAYOUT, TOKENS_PER_BLOCK, swa.shape[0], 1.0, "swa", ratio))
         ctx.latents[entries[-1].name] = swa.bfloat16().float()
         if ratio:
             comp = synthetic.latents(ctx.tokens // ratio, seed=seed + 50, layer="compressed", compress_ratio=ratio)
             p = TOKENS_PER_BLOCK // ratio
             # The COMPRESS writer quantizes fp32 values at scale 1.
-            pages = kvbridge.encode(comp, SOURCE_LAYOUT, page_size=p, dialect="compress")
+            pages = encode(comp, SOURCE_LAYOUT, page_size=p, dialect="compress")
             entries.append(DumpEntry(layer, "compress", pages, SOURCE_LAYOUT, p, comp.shape[0], 1.0, "compress", ratio))
             ctx.latents[entries[-1].name] = comp
     ctx.source_path = ctx.workdir / "request.trtllm-fp8.safetensors"

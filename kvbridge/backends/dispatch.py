@@ -1,15 +1,15 @@
 """The one dispatcher of paged operations: picks the fastest exact backend for the tensors.
 
-Every backend is a module with the same interface, byte-identical to ``kvbridge.reference``:
+Every backend is a module with the same interface, byte-identical to ``kvbridge.backends.reference``:
 ``name``, ``supports(*layouts)``, ``all_finite``, ``amax_pages``, ``move_rows``, ``encode_pages(..., out=)``,
 ``decode_pages(..., out=)``, ``repage(..., out=)``, ``transcode_pages(..., out=)``, ``nonfinite_flags``,
 ``transcode_slots`` and ``gather_transcode`` (a backend whose kernel cannot write into ``out`` builds a temporary and
-copies it in: the reference does); ``loss_stats`` runs ``kvbridge.native_loss`` on CPU and compares decoded
-values (``kvbridge.loss``) elsewhere. All of them execute the layouts' own record descriptions, so every
+copies it in: the reference does); ``loss_stats`` runs ``kvbridge.backends.native.loss`` on CPU and compares decoded
+values (``kvbridge.backends.loss_stats``) elsewhere. All of them execute the layouts' own record descriptions, so every
 registered layout runs on every backend.
 
-- CPU tensors: the native numba kernels (``kvbridge.native``, imported on first use);
-- CUDA tensors: the Triton kernels (``kvbridge.triton_kernels``, imported only then) when Triton
+- CPU tensors: the native numba kernels (``kvbridge.backends.native``, imported on first use);
+- CUDA tensors: the Triton kernels (``kvbridge.backends.triton_kernels``, imported only then) when Triton
   is installed and every tensor is contiguous and 16-byte aligned;
 - everything else, and everything when the environment variable ``KVBRIDGE_BACKEND=reference``
   is set, runs the reference. ``KVBRIDGE_BACKEND=auto`` (or unset) is the default.
@@ -23,10 +23,10 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from kvbridge import reference
+from kvbridge.backends import reference
+from kvbridge.backends.loss_stats import LossStats, compare_values
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
-from kvbridge.loss import LossStats, compare_values
 
 __all__ = [
     "BACKEND_ENV", "all_finite", "amax_pages", "backend", "backend_name", "decode_pages", "encode_pages",
@@ -48,12 +48,12 @@ def _forced_reference() -> bool:
 def _device_backend(device: torch.device) -> ModuleType | None:
     """The kernel module for ``device`` (imported here, lazily), or None."""
     if device.type == "cpu":
-        from kvbridge import native
+        from kvbridge.backends import native  # optional dependency: numba, loaded at the first CPU call
 
         return native
     if device.type == "cuda":
         try:
-            from kvbridge import triton_kernels
+            from kvbridge.backends import triton_kernels  # optional dependency: triton
         except ImportError:  # Triton not installed: the torch reference also runs on CUDA
             return None
         return triton_kernels
@@ -162,7 +162,7 @@ def loss_stats(
     """Loss statistics of the first ``num_tokens`` tokens of ``dst_pages`` against ``src_pages`` (both
     finite; ``mult``: the destination's per-tensor E4M3 multiplier, None for per-tile scales)."""
     if backend((src_pages, dst_pages), src, dst).name == "native":
-        from kvbridge import native_loss
+        from kvbridge.backends.native import loss as native_loss  # optional dependency: numba
 
         return native_loss.loss_stats(src_pages, src, src_page_size, dst_pages, dst, dst_page_size, num_tokens,
                                       src_scale, dst_scale, mult)

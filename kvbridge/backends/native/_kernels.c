@@ -1,6 +1,6 @@
-/* kvbridge._kernels: compiled MODEL1 hot kernels (optional; kvbridge.native falls back to numba).
+/* kvbridge.backends.native._kernels: compiled MODEL1 hot kernels (optional; kvbridge.backends.native falls back to numba).
  *
- * Four kernels, byte-identical to the numba accelerators of kvbridge/native.py, with the same
+ * Four kernels, byte-identical to the numba accelerators of kvbridge/backends/native/__init__.py, with the same
  * chunking (CHUNK_TOKENS destination tokens of whole pages per chunk, or source tokens for the
  * decoder) and the same arguments, so that native._run_chunks runs them on its thread pool
  * (every kernel releases the GIL):
@@ -1100,7 +1100,7 @@ KV_VARIANTS(fp8_amax, FP8_AMAX_PARAMS, FP8_AMAX_ARGS)
 
 static int need(int ok, const char *what) {
     if (!ok)
-        PyErr_Format(PyExc_ValueError, "kvbridge._kernels: %s", what);
+        PyErr_Format(PyExc_ValueError, "kvbridge.backends.native._kernels: %s", what);
     return ok;
 }
 
@@ -1109,7 +1109,7 @@ static int check_geom(const geom_t *g, Py_ssize_t len, Py_ssize_t record_bytes, 
                       const char *what) {
     if (g->pages < 1 || g->record_bytes != record_bytes || g->split < 0 || g->split > g->record_bytes ||
         g->page_bytes < g->pages * g->record_bytes || len < pages_needed * g->page_bytes) {
-        PyErr_Format(PyExc_ValueError, "kvbridge._kernels: bad %s geometry", what);
+        PyErr_Format(PyExc_ValueError, "kvbridge.backends.native._kernels: bad %s geometry", what);
         return 0;
     }
     return 1;
@@ -1296,7 +1296,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
         return NULL;
     int want = strcmp(name, "scalar") == 0 ? ISA_SCALAR : strcmp(name, "avx512vbmi") == 0 ? ISA_AVX512 : -1;
     if (want < 0 || want > kv_cpu_isa) {
-        PyErr_Format(PyExc_ValueError, "kvbridge._kernels: ISA %R not available (this CPU: %s)", arg,
+        PyErr_Format(PyExc_ValueError, "kvbridge.backends.native._kernels: ISA %R not available (this CPU: %s)", arg,
                      isa_name(kv_cpu_isa));
         return NULL;
     }
@@ -1664,7 +1664,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvbridge._kernels", "Compiled MODEL1 hot kernels (see kvbridge/_kernels.c).", -1,
+    PyModuleDef_HEAD_INIT, "kvbridge.backends.native._kernels", "Compiled MODEL1 hot kernels (see kvbridge/backends/native/_kernels.c).", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

@@ -8,7 +8,7 @@ layout geometry's job. Every fast path (native CPU, Triton) is tested byte-for-b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
 
 import torch
 
@@ -20,12 +20,13 @@ from kvbridge.layouts.registry import (
     OP_E4M3_TENSOR,
     OP_E4M3_UE8M0,
     OP_ZERO,
+    Layout,
 )
 
-if TYPE_CHECKING:
-    from kvbridge.layouts.registry import Layout
-
-__all__ = ["HEAD_DIM", "NOPE_DIM", "NUM_TILES", "ROPE_DIM", "RecordCodec", "reciprocal_f32", "tensor_multiplier"]
+__all__ = [
+    "HEAD_DIM", "NOPE_DIM", "NUM_TILES", "ROPE_DIM", "RecordCodec",
+    "reciprocal_f32", "record_codec", "tensor_multiplier",
+]
 
 NOPE_DIM = 448
 ROPE_DIM = 64
@@ -47,6 +48,12 @@ def tensor_multiplier(dialect: str | None, scale: float) -> float:
 def ue8m0_dialect(dialect: str | None) -> str:
     """The UE8M0 scale rule a dialect names (``flashmla`` when None)."""
     return dialect if dialect in nx.DIALECT_MIN_EXPONENT else "flashmla"
+
+
+@functools.cache
+def record_codec(layout: Layout) -> RecordCodec:
+    """The reference record codec of ``layout`` (one per layout, built on first use)."""
+    return RecordCodec(layout)
 
 
 class RecordCodec:

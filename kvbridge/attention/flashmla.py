@@ -15,7 +15,7 @@
 ``prepare`` picks the kernels for the pair of pools (``FlashMLABuild.route``): a pool the chosen
 kernels read is passed zero-copy as ``(num_pages, P, 1, record_bytes)`` uint8 with dim-0 stride =
 page bytes; any other pool is gather-transcoded (only the touched tokens) by
-``kvbridge.paged.gather_transcode`` into a scratch cache of the kernels' layout (interleaved
+``kvbridge.ops.slots.gather_transcode`` into a scratch cache of the kernels' layout (interleaved
 528-byte V4.1 records for the current kernels, MODEL1 for the others) with remapped indices.
 q heads are zero-padded to 64 or 128 and index lists padded with -1 to a multiple of 64, both of
 which leave the result unchanged.
@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from kvbridge.attention import CacheArg, DecodeArgs
-from kvbridge.codecs import HEAD_DIM
+from kvbridge.attention.args import CacheArg, DecodeArgs
 from kvbridge.errors import InputError, KVBridgeError, LayoutError
 from kvbridge.layouts import Layout, get_layout
+from kvbridge.layouts.codec import HEAD_DIM
+from kvbridge.ops.slots import gather_transcode
 
 MODEL1 = "flashmla-model1"
 #: The current kernels' main-cache layout, and the scratch layout other pools are gathered into for them.
@@ -196,7 +197,6 @@ def prepare_cache(arg: CacheArg, target: str) -> KernelCache:
     if arg.layout.name == lay.name:
         view = kernel_view(arg.pages, lay, arg.page_size)
         return KernelCache(view, lay, _pad_topk(arg.indices), arg.topk_length, False)
-    from kvbridge.paged import gather_transcode
 
     pages = arg.pages if arg.pages.is_contiguous() else arg.pages.contiguous()
     scratch, remapped = gather_transcode(

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbridge.codecs import HEAD_DIM, NOPE_DIM, ROPE_DIM
 from kvbridge.errors import InputError
+from kvbridge.layouts.codec import HEAD_DIM, NOPE_DIM, ROPE_DIM
 
 LAYERS = ("swa", "compressed")
 

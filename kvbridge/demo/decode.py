@@ -12,17 +12,14 @@ the attention-output error of each FP8 variant against BF16.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-import kvbridge
-from kvbridge import synthetic
-from kvbridge.attention import OUT_TOLERANCE, compare
-from kvbridge.dump import entry_name, read_dump
-
-if TYPE_CHECKING:
-    from kvbridge.demo import DemoContext
+from kvbridge.attention.sparse import OUT_TOLERANCE, compare, sparse_decode
+from kvbridge.demo.context import DemoContext
+from kvbridge.dumps.dumpfile import entry_name, read_dump
+from kvbridge.ops.pages import encode
+from kvbridge.study import synthetic
 
 DECODE_LAYERS = (0, 2)  # layer 0: SWA only; layer 2: compress ratio 4 (CSA)
 QUERY_HEADS = 64  # DeepSeek-V4-Flash
@@ -56,7 +53,7 @@ def decode_pools(q: torch.Tensor, pools: list[Pool], swa_idx: torch.Tensor, comp
         comp = pools[1]
         extra = dict(extra_k_cache=comp.pages, extra_indices=comp_idx, extra_layout=comp.layout,
                      extra_page_size=comp.page_size, extra_scale=comp.scale)
-    return kvbridge.sparse_decode(q, swa.pages, swa_idx, layout=swa.layout, page_size=swa.page_size,
+    return sparse_decode(q, swa.pages, swa_idx, layout=swa.layout, page_size=swa.page_size,
                                   scale=swa.scale, **extra)
 
 
@@ -80,9 +77,9 @@ def decode_section(ctx: DemoContext) -> dict:
         src = [source[entry_name(layer, role)] for role in roles]
         fp8 = [Pool(e.data, e.layout, e.page_size, e.scale) for e in src]
         model1 = [Pool(e.data, e.layout, e.page_size) for e in (target[entry_name(layer, role)] for role in roles)]
-        bf16 = [Pool(kvbridge.encode(k, "bf16", page_size=e.page_size), "bf16", e.page_size)
+        bf16 = [Pool(encode(k, "bf16", page_size=e.page_size), "bf16", e.page_size)
                 for k, e in zip(keys, src, strict=True)]
-        native = [Pool(kvbridge.encode(k, "flashmla-model1", page_size=e.page_size), "flashmla-model1", e.page_size)
+        native = [Pool(encode(k, "flashmla-model1", page_size=e.page_size), "flashmla-model1", e.page_size)
                   for k, e in zip(keys, src, strict=True)]
         out_fp8, lse_fp8 = decode_pools(q, fp8, swa_idx, comp_idx)
         out_m1, _ = decode_pools(q, model1, swa_idx, comp_idx)

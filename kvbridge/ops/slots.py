@@ -2,7 +2,7 @@
 
 A token's *slot* is ``page * P + row``: it lives in page ``slot // P`` at row
 ``slot % P``. Both functions validate every argument before writing anything, then run on the
-backend ``kvbridge.fastpath`` picks (the torch reference on CPU, the Triton kernels on CUDA);
+backend ``kvbridge.backends.dispatch`` picks (the torch reference on CPU, the Triton kernels on CUDA);
 every backend is byte-identical to the reference.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from kvbridge import fastpath, nonfinite, reference
-from kvbridge.api import _check_dialect, _check_scale, is_byte_move
+from kvbridge.backends import dispatch, reference
 from kvbridge.errors import InputError, LayoutError, NonFiniteError
-from kvbridge.layouts import Layout, get_layout
+from kvbridge.layouts import Layout, get_layout, scan
+from kvbridge.ops.pages import _check_dialect, _check_scale, is_byte_move
 
 #: Layout of the scratch cache ``gather_transcode`` writes (FlashMLA's sparse decode reads it).
 SCRATCH_LAYOUT = "flashmla-model1"
@@ -50,12 +50,12 @@ def _check_slots(slots: object, what: str, pool: torch.Tensor, pool_name: str) -
 
 def _first_nonfinite_code(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor) -> int | None:
     """Position in ``slots`` of the first token whose stored bytes hold a NaN/Inf code (byte moves
-    decode nothing, so the codes are scanned; see ``kvbridge.nonfinite``)."""
+    decode nothing, so the codes are scanned; see ``kvbridge.layouts.scan``)."""
     for start in range(0, slots.numel(), reference.CHUNK_TOKENS):
         part = slots[start : start + reference.CHUNK_TOKENS]
-        scan = nonfinite.scan_records(reference.records_at(pages, layout, page_size, part), layout)
-        if scan.count:
-            return start + scan.first_token
+        found = scan.scan_records(reference.records_at(pages, layout, page_size, part), layout)
+        if found.count:
+            return start + found.first_token
     return None
 
 
@@ -157,10 +157,10 @@ def transcode_slots(
         if bad is not None:
             _raise_nonfinite_slot(src_slots, bad)
     if not byte_move:  # a first pass, so that nothing is written when any source token is bad
-        flags = fastpath.nonfinite_flags(src_pages, src, src_page_size, src_slots, s_in)
+        flags = dispatch.nonfinite_flags(src_pages, src, src_page_size, src_slots, s_in)
         if bool(flags.any()):
             _raise_nonfinite_slot(src_slots, int(flags.nonzero()[0, 0]))
-    fastpath.transcode_slots(src_pages, src, src_page_size, dst_pages, dst, dst_page_size, src_slots, dst_slots,
+    dispatch.transcode_slots(src_pages, src, src_page_size, dst_pages, dst, dst_page_size, src_slots, dst_slots,
                              s_in, s_out, d, byte_move)
     return dst_pages
 
@@ -215,7 +215,7 @@ def gather_transcode(
         if bad is not None:
             _raise_out_of_range(indices, bad, capacity)
         _check_gathered_codes(pool, src, page_size, flat, indices)
-    scratch, flags = fastpath.gather_transcode(pool, src, page_size, flat.contiguous(), s_in, d, byte_move,
+    scratch, flags = dispatch.gather_transcode(pool, src, page_size, flat.contiguous(), s_in, d, byte_move,
                                                out_page_size, dst)
     _raise_flags(flags, indices, capacity)
     positions = torch.arange(flat.numel(), dtype=torch.int32, device=pool.device)

@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvbridge.engines.topology import CacheSpec, Role
 from kvbridge.errors import InputError
-from kvbridge.indexer import IndexerFormat, indexer_format
 from kvbridge.layouts import Layout, PageGeometry, get_layout
-from kvbridge.topology import CacheSpec, Role
+from kvbridge.ops.keys import IndexerFormat, indexer_format
 
 Addressing = Literal["paged", "ring", "page-ring"]
 #: Bytes per compressor-state value.

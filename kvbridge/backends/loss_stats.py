@@ -3,7 +3,7 @@
 ``LossStats`` holds maxima, counts and one float64 sum, so statistics of the chunks of a
 streamed conversion merge into exactly the maxima and counts of one pass over the whole
 entry (the float64 sum only in its rounding). ``compare_values`` computes them in torch from
-decoded values (any device); ``kvbridge.native_loss`` computes the same numbers on CPU straight
+decoded values (any device); ``kvbridge.backends.native.loss`` computes the same numbers on CPU straight
 from the two pools, with no fp32 copy of either.
 
 Every statistic compares fp32 values ``src`` (the decoded source) and ``dst`` (the decoded
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbridge import numerics as nx
-from kvbridge.codecs import HEAD_DIM, NOPE_DIM
+from kvbridge.layouts.codec import HEAD_DIM, NOPE_DIM
 
 _E4M3_MAX = 448.0
 

@@ -4,7 +4,7 @@ Every layer has an SWA cache (one 512-wide token vector per token, last ``slidin
 tokens). A layer of compress ratio ``r`` in {4, 128} adds a COMPRESS cache (one 512-wide
 compressed token per ``r`` tokens, all of them) and the running state of its compressor
 (``[kv | score]`` rows, one per token of the unfinished window; each engine stores and
-addresses them its own way, see ``kvbridge.engines``). Ratio-4 layers (CSA) also hold
+addresses them its own way, see ``kvbridge.engines.profiles``). Ratio-4 layers (CSA) also hold
 INDEXER_COMPRESS keys (``index_head_dim`` values per compressed token) and their own
 indexer-compressor state. Ratio 4 compresses overlapping windows (2r tokens), so its
 compressor rows are ``2 * dim`` wide and its window is 2r = 8 positions.

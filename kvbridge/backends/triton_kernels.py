@@ -2,7 +2,7 @@
 
 Imported lazily (only for CUDA tensors, or by the interpreter tests), so ``import kvbridge``
 never imports Triton. Every entry point takes already-validated arguments (see
-``kvbridge.api`` and ``kvbridge.paged``) and is byte-identical to ``kvbridge.reference``.
+``kvbridge.ops.pages`` and ``kvbridge.ops.slots``) and is byte-identical to ``kvbridge.backends.reference``.
 
 Two kernels cover everything:
 
@@ -30,15 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvbridge.codecs import HEAD_DIM, tensor_multiplier, ue8m0_dialect
+from kvbridge.backends.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check_finite
+from kvbridge.backends.reference import amax_pages as reference_amax
+from kvbridge.backends.reference import decode_pages as reference_decode
+from kvbridge.backends.reference import move_rows as reference_move_rows
 from kvbridge.errors import LayoutError
 from kvbridge.layouts import Layout
+from kvbridge.layouts.codec import HEAD_DIM, tensor_multiplier, ue8m0_dialect
 from kvbridge.layouts.registry import OP_BF16, OP_ZERO
 from kvbridge.numerics import DIALECT_MIN_EXPONENT
-from kvbridge.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check_finite
-from kvbridge.reference import amax_pages as reference_amax
-from kvbridge.reference import decode_pages as reference_decode
-from kvbridge.reference import move_rows as reference_move_rows
 
 #: True when the kernels below were decorated under ``TRITON_INTERPRET=1`` (CPU tensors then work).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

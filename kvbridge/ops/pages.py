@@ -13,13 +13,13 @@ from typing import Literal
 
 import torch
 
-from kvbridge import nonfinite
 from kvbridge import numerics as nx
-from kvbridge.codecs import HEAD_DIM, reciprocal_f32, tensor_multiplier
+from kvbridge.backends import dispatch
+from kvbridge.backends.loss_stats import LossStats
+from kvbridge.backends.reference import check_finite
 from kvbridge.errors import InputError, NonFiniteError, OutputBufferError
-from kvbridge.layouts import Layout, get_layout
-from kvbridge.loss import LossStats
-from kvbridge.reference import check_finite
+from kvbridge.layouts import Layout, get_layout, scan
+from kvbridge.layouts.codec import HEAD_DIM, reciprocal_f32, tensor_multiplier
 
 NonFinitePolicy = Literal["error", "zero", "saturate"]
 NONFINITE_POLICIES = ("error", "zero", "saturate")
@@ -49,9 +49,8 @@ def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
     (see ``encode``); any replacement is done, and returned, in fp32."""
     if not isinstance(policy, str) or policy not in NONFINITE_POLICIES:
         raise InputError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {policy!r}")
-    from kvbridge import fastpath
 
-    if fastpath.all_finite(x):
+    if dispatch.all_finite(x):
         return x
     bad = ~torch.isfinite(x)
     if policy == "error":
@@ -99,12 +98,10 @@ def auto_scale(x: torch.Tensor) -> float:
 
     The scale is nudged up by fp32 ulps until amax * fp32(1/s) <= 448. All-zero input gives 1.0.
     """
-    from kvbridge import fastpath
-
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
         raise InputError(f"x must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     x = x.detach()
-    if x.numel() and not fastpath.all_finite(x.float()):
+    if x.numel() and not dispatch.all_finite(x.float()):
         raise NonFiniteError("x holds NaN or Inf: no finite scale avoids saturating it")
     return _scale_for_amax(float(x.abs().max()) if x.numel() else 0.0)
 
@@ -158,9 +155,8 @@ def encode(
             raise InputError(f"scale='auto' applies only to per-tensor layouts, not {lay.name}")
         scale = auto_scale(xf)
     s = _check_scale(scale, lay)
-    from kvbridge import fastpath
 
-    return fastpath.encode_pages(xf.contiguous(), lay, page_size, d, s, out=out)
+    return dispatch.encode_pages(xf.contiguous(), lay, page_size, d, s, out=out)
 
 
 def decode(
@@ -188,9 +184,8 @@ def decode(
     if out is not None:
         _check_out(out, dtype=torch.float32, shape=[lay.token_count(pages, page_size, num_tokens), HEAD_DIM],
                    source=pages, what="decoded latents", source_name="pages")
-    from kvbridge import fastpath
 
-    return fastpath.decode_pages(pages, lay, page_size, num_tokens, s, out=out)
+    return dispatch.decode_pages(pages, lay, page_size, num_tokens, s, out=out)
 
 
 @dataclass
@@ -324,7 +319,6 @@ def transcode(
     if out is not None:
         _check_out(out, dtype=torch.uint8, shape=[dst.num_pages(n, dps), dst.page_bytes(dps)], source=pages,
                    what=dst.name, source_name="pages")
-    from kvbridge import fastpath
 
     if not auto and is_byte_move(src, dst, s_in, s_out):
         if dialect is not None:
@@ -332,21 +326,21 @@ def transcode(
                 f"{src.name} -> {dst.name} is a byte move that keeps the source's scales; "
                 f"dialect={dialect!r} would not be applied"
             )
-        nonfinite.check_pages(pages, src, src_page_size, n)  # nothing is decoded: scan the stored codes
-        out = fastpath.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
+        scan.check_pages(pages, src, src_page_size, n)  # nothing is decoded: scan the stored codes
+        out = dispatch.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
         if not report:
             return out
         return out, LossReport.from_stats(LossStats(num_tokens=n), src_layout=src.name, dst_layout=dst.name,
                                           byte_move=True, dst_scale=s_out if dst.per_tensor_scale else None)
     d = _check_dialect(dialect, dst)
     if auto:  # the amax from codes and scale bytes (one read pass)
-        amax = fastpath.amax_pages(pages, src, src_page_size, num_tokens, s_in)
+        amax = dispatch.amax_pages(pages, src, src_page_size, num_tokens, s_in)
         if amax is None:  # a value decodes to NaN/Inf: the decoded values name it
-            values = fastpath.decode_pages(pages, src, src_page_size, num_tokens, s_in)
+            values = dispatch.decode_pages(pages, src, src_page_size, num_tokens, s_in)
             check_finite(values)
             amax = float(values.abs().max())
         s_out = _scale_for_amax(amax)
-    out = fastpath.transcode_pages(pages, src, src_page_size, dst, dps, num_tokens, s_in, s_out, d, out=out)
+    out = dispatch.transcode_pages(pages, src, src_page_size, dst, dps, num_tokens, s_in, s_out, d, out=out)
     if not report:
         return out
     return out, transcode_loss(pages, src, src_page_size, out, dst, dps, n, src_scale, s_out if auto else dst_scale,
@@ -360,11 +354,9 @@ def transcode_loss(pages: torch.Tensor, src: Layout, src_page_size: int, out: to
     ran with these arguments (``dst_scale`` the scale it used, never ``"auto"``): both decoded and compared,
     nothing written. ``transcode(..., report=True)`` is ``transcode`` then this; a caller may run it apart
     (``migrate_local`` does, beside its next batch)."""
-    from kvbridge import fastpath
-
     s_in, s_out = _check_scale(src_scale, src, "src_scale"), _check_scale(dst_scale, dst, "dst_scale")
     d = _check_dialect(dialect, dst)
     mult = tensor_multiplier(d, s_out) if dst.per_tensor_scale else None
-    stats = fastpath.loss_stats(pages, src, src_page_size, out, dst, dst_page_size, num_tokens, s_in, s_out, mult)
+    stats = dispatch.loss_stats(pages, src, src_page_size, out, dst, dst_page_size, num_tokens, s_in, s_out, mult)
     return LossReport.from_stats(stats, src_layout=src.name, dst_layout=dst.name, byte_move=False,
                                  dst_scale=s_out if dst.per_tensor_scale else None, loss_note=dst.loss_note)

@@ -1,4 +1,4 @@
-"""Native CPU paged operations: multi-threaded numba kernels, byte-identical to ``kvbridge.reference``.
+"""Native CPU paged operations: multi-threaded numba kernels, byte-identical to ``kvbridge.backends.reference``.
 
 The kernels execute each layout's record description, not a list of layouts:
 
@@ -33,7 +33,7 @@ through tables of (scale byte, code).
 Numba compiles the kernels on first use and caches them on disk (``cache=True``); see
 ``docs/performance.md`` for the one-time cost. The four MODEL1 accelerators (trtllm-fp8 <-> MODEL1,
 MODEL1 encode and decode) and the code-domain amax of MODEL1 and per-tensor E4M3 pools run compiled C
-kernels instead (``kvbridge._kernels``, an optional
+kernels instead (``kvbridge.backends.native._kernels``, an optional
 extension built at install time, byte-identical, AVX-512 VBMI table lookups and non-temporal stores)
 where it is built and the CPU has AVX-512 VBMI, unless ``KVBRIDGE_NO_CKERNELS=1``
 (``kernel_implementation()`` says which runs).
@@ -53,10 +53,10 @@ import torch
 from numba import njit
 
 from kvbridge import numerics as nx
-from kvbridge import reference
-from kvbridge.codecs import tensor_multiplier, ue8m0_dialect
+from kvbridge.backends import reference
 from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import Layout, get_layout
+from kvbridge.layouts.codec import tensor_multiplier, ue8m0_dialect
 from kvbridge.layouts.registry import OP_BF16, OP_E2M1_E4M3, OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_ZERO
 
 name = "native"
@@ -1164,7 +1164,7 @@ def _nonfinite_kernel(c0, c1, words, exp_mask, counts):
 
 
 # ---------------------------------------------------------------------------------------------
-# Python entry points (same signatures and semantics as kvbridge.reference)
+# Python entry points (same signatures and semantics as kvbridge.backends.reference)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1394,32 +1394,34 @@ def _raise_nonfinite(bad_count: np.ndarray, bad_first: np.ndarray) -> None:
         raise NonFiniteError(f"source holds non-finite values ({total}; first at token {token}, dim {dim})")
 
 
-#: Set to 1 to run the numba MODEL1 kernels even where the compiled ones (``kvbridge._kernels``) are built.
+#: Set to 1 to run the numba MODEL1 kernels even where the compiled ones (``_kernels``) are built.
 NO_CKERNELS_ENV = "KVBRIDGE_NO_CKERNELS"
 
 
-#: The interface ``kvbridge._kernels`` must have been built with (its ``KV_INTERFACE``).
+#: The interface ``kvbridge.backends.native._kernels`` must have been built with (its ``KV_INTERFACE``).
 KERNELS_INTERFACE = 2
 
 
 def _compiled_kernels() -> tuple[ModuleType | None, str]:
-    """(``kvbridge._kernels`` or None, why not): the optional C extension of the MODEL1 accelerators,
+    """(``kvbridge.backends.native._kernels`` or None, why not): the optional C extension of the MODEL1 accelerators,
     used when it is built, the CPU has its vector ISA (AVX-512 F/BW/VL/DQ/VBMI) and ``NO_CKERNELS_ENV``
     is not set; otherwise the accelerators run their numba kernels."""
     if os.environ.get(NO_CKERNELS_ENV, "").strip() not in ("", "0"):
         return None, f"{NO_CKERNELS_ENV} is set"
     try:
-        from kvbridge import _kernels
+        from kvbridge.backends.native import _kernels  # optional: the C extension (not built without a compiler)
     except ImportError:
-        warnings.warn("kvbridge: the compiled kernels (kvbridge._kernels) are not built (no C compiler when kvbridge "
-                      f"was installed?); running the slower numba kernels. {NO_CKERNELS_ENV}=1 silences this.",
+        warnings.warn("kvbridge: the compiled kernels (backends/native/_kernels.c) are not built "
+                      "(no C compiler when kvbridge was installed?); running the slower numba kernels. "
+                      f"{NO_CKERNELS_ENV}=1 silences this.",
                       RuntimeWarning, stacklevel=2)
-        return None, "the C extension kvbridge._kernels is not built"
+        return None, "the C extension kvbridge.backends.native._kernels is not built"
     if getattr(_kernels, "INTERFACE", 1) != KERNELS_INTERFACE or _kernels.CHUNK_TOKENS != CHUNK_TOKENS:
-        warnings.warn("kvbridge: the compiled kernels (kvbridge._kernels) were built from other sources (rebuild them: "
-                      "pip install -e . or python setup.py build_ext --inplace); running the slower numba kernels.",
+        warnings.warn("kvbridge: the compiled kernels (backends/native/_kernels.c) were built from other sources "
+                      "(rebuild them: pip install -e . or python setup.py build_ext --inplace); "
+                      "running the slower numba kernels.",
                       RuntimeWarning, stacklevel=2)
-        return None, "kvbridge._kernels is a stale build"
+        return None, "kvbridge.backends.native._kernels is a stale build"
     if _kernels.cpu_isa() == "scalar":
         return None, "the CPU lacks AVX-512 VBMI"
     return _kernels, ""

@@ -1,9 +1,9 @@
 """Native CPU loss statistics of a transcode: both pools decoded token by token and compared in one pass.
 
-The kernel runs the source's and the destination's record programs (``kvbridge.native.program``,
+The kernel runs the source's and the destination's record programs (``kvbridge.backends.native.program``,
 the layouts' own descriptions), so it serves every pair of layouts: per token it gathers the
 source record and the destination record, decodes each into a 512-value fp32 buffer with the
-native decoder and accumulates the ``kvbridge.loss.LossStats`` of the pair; no fp32 copy of
+native decoder and accumulates the ``kvbridge.backends.loss_stats.LossStats`` of the pair; no fp32 copy of
 either pool is built. The numbers are those of ``loss.compare_values`` on the decoded tensors:
 maxima and counts identical, the float64 sum of squares up to its summation order (per chunk of
 ``native.CHUNK_TOKENS`` tokens, then over chunks). Work is split over ``native.num_threads()``
@@ -13,7 +13,7 @@ Accelerators (``LOSS_ACCELERATORS``, keyed like ``native.ACCELERATORS`` by the p
 ``Layout.segments``): per-tensor E4M3 (TensorRT-LLM FP8) against MODEL1, both directions, with
 the records' constants compiled in. They read token-major records (and MODEL1's block-split data
 and footer parts) in place and take every statistic of a 64-value tile in one fused loop: the C
-kernels of ``kvbridge._kernels`` (AVX-512: E4M3 values through exact fp16 conversions, 16 values per
+kernels of ``kvbridge.backends.native._kernels`` (AVX-512: E4M3 values through exact fp16 conversions, 16 values per
 instruction) where ``native`` runs the compiled kernels, else numba (E4M3 values in branch-free 32-bit
 arithmetic, ``native._e4m3_value``). The numbers equal the generic kernel's (maxima and counts
 identical, the float64 sum of squares per token summed in another order within the token).
@@ -25,11 +25,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from kvbridge import native
-from kvbridge.codecs import HEAD_DIM, NOPE_DIM
-from kvbridge.layouts import Layout, get_layout
-from kvbridge.loss import LossStats
-from kvbridge.native import (
+from kvbridge.backends import native
+from kvbridge.backends.loss_stats import LossStats
+from kvbridge.backends.native import (
     _E2M1_F32,
     _E4M3_F32,
     _UE8M0_F32,
@@ -42,6 +40,8 @@ from kvbridge.native import (
     _locate,
     _run_chunks,
 )
+from kvbridge.layouts import Layout, get_layout
+from kvbridge.layouts.codec import HEAD_DIM, NOPE_DIM
 
 _E4M3_MAX = np.float32(448.0)
 #: Fast-math flags of the comparison: reductions may be reordered (so they vectorize) and values are

@@ -1,0 +1,1 @@
+"""Operations on pools: pages (encode, decode, transcode), slots, indexer keys, loss reports."""

@@ -15,6 +15,7 @@ from test_migration_local import MODEL, PAIRS, TOKENS
 
 import kvbridge.migration.execute as ex
 from kvbridge.backends import native
+from kvbridge.backends.native import pool as native_pool
 from kvbridge.engines.topology import Role
 from kvbridge.errors import InputError, KVBridgeError, NonFiniteError
 from kvbridge.migration import EnginePools, destination_pools, migrate_local, pack, plan_migration, source_request
@@ -158,7 +159,7 @@ def test_fp4_to_fp8_keys_between_page_parts_equal_the_torch_path(monkeypatch, ru
     keys, key_scales = records[:, : src.split].contiguous(), records[:, src.split :].contiguous()
     out_keys = torch.empty(n, dim, dtype=torch.uint8)
     out_scales = torch.empty(n, 4, dtype=torch.uint8)
-    flat = [native._flat(x) for x in (keys, key_scales, out_keys, out_scales)]
+    flat = [native_pool._flat(x) for x in (keys, key_scales, out_keys, out_scales)]
     for measure in (True, False):
         err = native.fp4_to_fp8_key_rows(flat[0], src.split, flat[1], key_scales.shape[1], n, flat[2], dim, flat[3], 4,
                                          dim, rule, measure=measure)

@@ -47,7 +47,7 @@ from kvbridge.migration.pools import (
 )
 from kvbridge.ops import keys as ix
 from kvbridge.ops import pages as page_ops
-from kvbridge.ops.pages import LossReport, transcode_loss
+from kvbridge.ops.loss import LossReport, transcode_loss
 
 ConvertSide = Literal["sender", "receiver"]
 

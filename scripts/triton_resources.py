@@ -160,8 +160,8 @@ def _moves(src: Layout, dst: Layout, arch: int) -> list[Spec]:
 
 def _covering(arch: int, layouts: list[Layout], per_layout: bool) -> list[Spec]:
     """Whole-pool transcode from layout i to layout i+1 (each layout on both sides); with ``per_layout`` slot
-    transcode and the integer-E4M3 path on the same pairs and encode / decode / scan / gather of each layout
-    (else of one pair / layout), the
+    transcode and the integer-E4M3 path on the same pairs, encode / decode / scan of each layout and its gather
+    into both scratch layouts (else of one pair / layout), the
     re-paging byte move of every distinct pair of splits (else of the one with the most word ranges) and the slot
     and gather byte moves of that one."""
     cycle = [(a, layouts[(i + 1) % len(layouts)]) for i, a in enumerate(layouts)]
@@ -175,7 +175,8 @@ def _covering(arch: int, layouts: list[Layout], per_layout: bool) -> list[Spec]:
         specs.append(convert_spec("encode", None, lay, arch))
         specs.append(convert_spec("decode", lay, None, arch))
         specs.append(convert_spec("nonfinite scan", lay, lay, arch, src_slots=True, check=True, write=False))
-        specs.append(convert_spec("gather", lay, scratch[i % len(scratch)], arch, src_slots=True, check=True))
+        for out in scratch if per_layout else scratch[i % len(scratch):][:1]:
+            specs.append(convert_spec("gather", lay, out, arch, src_slots=True, check=True))
     specs.append(persistent_spec(get_layout("trtllm-fp8"), get_layout("flashmla-model1"), arch))
     moves = [(a, b) for a in layouts for b in layouts if a.same_record(b)]
     splits: dict[tuple, tuple[Layout, Layout]] = {}

@@ -54,7 +54,8 @@ _FLAG_NONFINITE = tl.constexpr(FLAG_NONFINITE)  # the same values as kernel-visi
 _FLAG_OUT_OF_RANGE = tl.constexpr(FLAG_OUT_OF_RANGE)
 
 #: Launch shape (tuning knobs; ``scripts/gpu_check.py`` times alternatives): tokens per program and warps.
-#: 8 tokens on 8 warps keeps each thread at 16 values (sm_90: 70 registers, no spills, 3 programs per SM).
+#: 8 tokens on 8 warps keeps each thread at 16 values (sm_90, TensorRT-LLM FP8 -> MODEL1: about 100 registers,
+#: no spills, 2 programs per SM; ``scripts/triton_resources.py`` reports every kernel).
 convert_block_tokens = 8
 convert_warps = 8
 #: None: one program per block of tokens; k: a persistent grid of k programs per SM looping over the blocks.

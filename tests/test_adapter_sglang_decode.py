@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvbridge.adapters.sglang import pd_layout
 from kvbridge.engines.topology import FLASH, Role
 from kvbridge.migration import EnginePools, migrate_local, plan_migration, source_request
 from kvbridge.migration.pools import gather_records, table_of
@@ -438,6 +439,70 @@ def test_a_prefill_with_other_state_dtype_is_detected_and_leaves_nothing(tmp_pat
     assert peer.quarantined == []
     assert {k: sorted(v) for k, v in dst.free.items()} == free
     assert not any(t.any() for p in dst.pools.values() for t in (p if isinstance(p, tuple) else (p,)))
+
+
+def test_a_prefill_killed_mid_transfer_is_detected_and_its_pages_come_back(request_pools, tmp_path):
+    """SGLang's prefill writes a first chunk (2 of the request's 5 KV pages) and is SIGKILLed: the
+    peer's heartbeat (SGLang's bootstrap ``/health`` route) declares it dead within ``dead_within``
+    s of the kill, the request fails with one line, its pages stay quarantined until no write can
+    land (``heartbeat`` s after the death), then come back zeroed; the pools hold one request only,
+    so the next room, from a new prefill, lands in exactly those pages, byte-exact."""
+    _need_sglang()
+    import threading
+    import time
+
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+    from kvbridge.migration import TransferError
+
+    src, src_tables = request_pools
+    dst = EnginePools.create("sglang", MODEL, {"full": 5, "swa": 2, "state128": 1}, include_mtp=False, seed=6)
+    free = {k: sorted(v) for k, v in dst.free.items()}
+    fill = lambda lay: _sglang_buffers(src, src_tables, lay, TOKENS)  # noqa: E731
+    proc, next_line, layout = _prefill({"die_after_pages": 2}, tmp_path, fill)
+    with SGLangDecodePeer(dst, timeout=60, heartbeat=0.5) as peer:
+        failure: list[BaseException] = []
+        ended = threading.Event()
+
+        def receive() -> None:
+            try:
+                peer.receive(layout["bootstrap_addr"], ROOM, TOKENS)
+            except TransferError as exc:
+                failure.append(exc)
+            finally:
+                ended.set()
+
+        t = threading.Thread(target=receive)
+        t.start()
+        try:
+            assert next_line()["event"] == "sending"
+            assert next_line()["event"] == "partial"  # the first chunk was written
+            assert any(dst.pool(s).any() for s in pd_layout(dst).kv)
+            killed = time.monotonic()
+            proc.kill()
+            assert ended.wait(peer.dead_within + 1.0), "the dead prefill was not noticed within the bound"
+            noticed = time.monotonic() - killed
+        finally:
+            t.join(60)
+            proc.kill()
+            proc.wait(30)
+        assert len(failure) == 1 and "died mid-transfer" in str(failure[0]) and "\n" not in str(failure[0])
+        assert noticed <= peer.dead_within + 0.5, noticed
+        deadline = time.monotonic() + 5 * peer.heartbeat
+        while peer.quarantined and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert peer.quarantined == [] and {k: sorted(v) for k, v in dst.free.items()} == free
+        assert not any(t.any() for p in dst.pools.values() for t in (p if isinstance(p, tuple) else (p,)))
+        # the next room, from a prefill that lives, lands in the reclaimed pages
+        proc, next_line, layout = _prefill({"room": ROOM + 1}, tmp_path, lambda lay: _sglang_buffers(
+            src, src_tables, lay, TOKENS, {PREFILL_AUX: ROOM + 1}))
+        try:
+            req = peer.receive(layout["bootstrap_addr"], ROOM + 1, TOKENS)
+            result = _until_result(next_line)
+        finally:
+            _stop(proc)
+    assert result["result"] == "Success", result
+    plan = plan_migration("sglang", "sglang", MODEL, TOKENS, include_mtp=False)
+    assert req.room == ROOM + 1 and _records(dst, req.tables, plan) == _records(src, src_tables, plan)
 
 
 def test_cli_receives_converts_and_writes_a_dump(tmp_path):

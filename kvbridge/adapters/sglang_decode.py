@@ -21,16 +21,25 @@ from one:
    request's block tables in its ``EnginePools`` (an SGLang profile), ready for
    ``kvbridge.migration.migrate_local`` into any engine's pools (``SGLangDecodePeer.migrate``).
    On Failed the request's pages are zeroed and released (SGLang reports Failed once its writes
-   settled); on a timeout they are zeroed and kept out of use (``quarantined``), as writes may
-   still land. Nothing half-written looks like a request.
+   settled). Nothing half-written looks like a request.
+4. liveness: while a request is in flight the prefill's bootstrap server is probed on SGLang's
+   ``GET /health`` route every ``heartbeat`` s; ``heartbeat_failures`` failed probes in a row declare
+   it dead (within ``dead_within`` s) and the request fails with one line; a live prefill that sends
+   no status fails it after ``timeout``. The request's pages are then zeroed and quarantined, and
+   come back (``reclaim``) once the prefill reported the room after all, or ``heartbeat`` s after
+   it was declared dead: then no write of it can still land.
+
+Every pool tensor is registered with NIXL as the kind of its memory (``memory_kind``: VRAM for CUDA,
+DRAM for host), and the KV buffers' kinds are announced so; the metadata rows are host memory, as
+SGLang writes them. SGLang's prefill addresses the decode's SWA and state buffers (components ``swa``
+and ``c128_state``) as GPU memory (``VRAM``) whatever kind the decode registered: against a CUDA
+prefill the pools must be CUDA tensors; host pools receive only from a prefill whose state writes
+address host memory (NIXL finds no descriptor otherwise: ``NIXL_ERR_NOT_FOUND``).
 
 Limits of this version: a prefill with attention TP/CP/PP/DP of 1 (one rank), no MTP/draft layers,
-no decode-side prefix cache, metadata rows without the sampling-mask, DSA top-k and KV checksum
-buffers. SGLang's prefill addresses the decode's SWA and state buffers (components ``swa`` and
-``c128_state``) as GPU memory (``VRAM``) whatever kind the decode registered; kvbridge's pools are
-registered as host memory (``DRAM``), for which NIXL finds no GPU-memory descriptor
-(``NIXL_ERR_NOT_FOUND``): a CUDA prefill fails the request with that reason (the compressed KV and
-metadata writes use the announced kind).
+no decode-side prefix cache, metadata rows without the sampling-mask and DSA top-k buffers (the KV
+checksum row with ``kv_checksum``). SGLang's bootstrap announces no layer count: a prefill of another
+depth is not refused at bootstrap (see docs/adapters.md).
 """
 
 from __future__ import annotations

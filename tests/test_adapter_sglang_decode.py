@@ -103,6 +103,63 @@ def test_registration_and_page_id_messages():
     assert TransferInfo.parse(peer._metadata_message(77, tables, 3, 3, False)[1:]).state_indices == [[4, 2], []]
 
 
+def test_quarantine_rule_and_heartbeat():
+    """Without SGLang: quarantined pages stay out of use while the prefill may still write (it answers
+    its health route, or was declared dead less than ``heartbeat`` s ago), and come back zeroed, with
+    their metadata row, once it reported the room or ``heartbeat`` s after ``heartbeat_failures``
+    failed probes declared it dead; a request waiting on that prefill is woken as dead."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvbridge.adapters.sglang import metadata_item_lens
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer, _Quarantine, _Waiter
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    alive = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=alive.serve_forever, daemon=True).start()
+    alive_addr, dead_addr = f"127.0.0.1:{alive.server_address[1]}", f"127.0.0.1:{free_port()}"
+    pools = EnginePools.create("sglang", MODEL, {"full": 15, "swa": 3, "state128": 3}, include_mtp=False)
+    free = {k: sorted(v) for k, v in pools.free.items()}
+    peer = SGLangDecodePeer(pools, heartbeat=0.2, heartbeat_failures=2)
+    assert peer.dead_within == pytest.approx(0.8)
+    peer._aux = [torch.zeros(peer.aux_rows, n, dtype=torch.uint8) for n in metadata_item_lens()]
+    held = {}
+    for room, addr in ((1, alive_addr), (2, dead_addr), (3, alive_addr)):
+        tables = pools.claim({"full": 5, "swa": 1, "state128": 1})
+        aux = peer._free_aux.pop()
+        for spec in (*peer.layout.kv, *peer.layout.swa_state, *peer.layout.request_state):
+            pools.pool(spec)[tables[pools.storage(spec).table]] = 7  # a late write
+        peer._aux[0][aux] = 9
+        peer._quarantine[room] = held[room] = _Quarantine(addr, tables, aux)
+    waiter = peer._waiters[4] = _Waiter(dead_addr)
+    assert peer.reclaim() == 0 and len(peer.quarantined) == 3
+    peer._probe()
+    assert peer.reclaim() == 0 and not waiter.done.is_set()  # one failed probe: not dead yet
+    peer._probe()
+    assert waiter.dead and waiter.done.is_set() and held[2].dead_at is not None and held[1].dead_at is None
+    assert peer.reclaim() == 0  # declared dead, but a posted write may still land for heartbeat s
+    time.sleep(0.25)
+    assert peer.reclaim() == 1 and set(peer._quarantine) == {1, 3}
+    held[3].settled = True  # the live prefill reported room 3 after all
+    assert peer.reclaim() == 1 and set(peer._quarantine) == {1}  # room 1: alive, silent: kept
+    peer._quarantine.pop(1)
+    pools.release(held[1].tables)
+    peer._scrub(held[1].tables)
+    peer._aux[0][held[1].aux_index] = 0
+    alive.shutdown()
+    assert {k: sorted(v) for k, v in pools.free.items()} == free and len(peer._free_aux) == peer.aux_rows - 1
+    assert not any(t.any() for p in pools.pools.values() for t in (p if isinstance(p, tuple) else (p,)))
+    assert not any(t.any() for t in peer._aux)
+
+
 def _prefill(cfg: dict, tmp_path: Path, fill_for) -> tuple[subprocess.Popen, callable, dict]:
     """Start SGLang's prefill side; ``fill_for(layout)`` returns the buffers' contents."""
     base = {"kv_cache_dtype": "fp8_e4m3", "page_size": 256, "compress_ratios": list(MODEL.compress_ratios[:5]),
@@ -503,6 +560,21 @@ def test_a_prefill_killed_mid_transfer_is_detected_and_its_pages_come_back(reque
     assert result["result"] == "Success", result
     plan = plan_migration("sglang", "sglang", MODEL, TOKENS, include_mtp=False)
     assert req.room == ROOM + 1 and _records(dst, req.tables, plan) == _records(src, src_tables, plan)
+
+
+def test_kvbridge_prefill_to_kvbridge_decode_checks_the_digest():
+    """Both ends kvbridge, over SGLang's protocol (no SGLang needed): the prefill peer writes its
+    ``kv_digest`` into the checksum row, the decode peer's own digest of what landed matches it
+    (``digest_verified``) and every record is byte-exact. ``scripts/gpu_check.py`` runs the same
+    case with every pool in VRAM."""
+    pytest.importorskip("zmq")
+    pytest.importorskip("nixl")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.sglang_pd_roundtrip(torch.device("cpu")) is True
 
 
 def test_cli_receives_converts_and_writes_a_dump(tmp_path):

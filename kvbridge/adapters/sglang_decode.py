@@ -391,23 +391,27 @@ class SGLangDecodePeer:
         dead after ``heartbeat_failures`` failed probes in a row (its waiting requests fail now, its
         quarantined pages are reclaimed a ``heartbeat`` later)."""
         while not self._stop.wait(self.heartbeat):
-            with self._lock:
-                addrs = {w.addr for w in self._waiters.values()} | {
-                    q.addr for q in self._quarantine.values() if q.dead_at is None}
-            for addr in addrs:
-                misses = 0 if self._healthy(addr) else self._misses.get(addr, 0) + 1
-                self._misses[addr] = misses
-                if misses < self.heartbeat_failures:
-                    continue
-                with self._lock:
-                    for w in self._waiters.values():
-                        if w.addr == addr and not w.done.is_set():
-                            w.dead = True
-                            w.done.set()
-                    for q in self._quarantine.values():
-                        if q.addr == addr and q.dead_at is None:
-                            q.dead_at = time.monotonic()
+            self._probe()
             self.reclaim()
+
+    def _probe(self) -> None:
+        """One heartbeat: probe each prefill a request waits on or is quarantined for."""
+        with self._lock:
+            addrs = {w.addr for w in self._waiters.values()} | {
+                q.addr for q in self._quarantine.values() if q.dead_at is None}
+        for addr in addrs:
+            misses = 0 if self._healthy(addr) else self._misses.get(addr, 0) + 1
+            self._misses[addr] = misses
+            if misses < self.heartbeat_failures:
+                continue
+            with self._lock:
+                for w in self._waiters.values():
+                    if w.addr == addr and not w.done.is_set():
+                        w.dead = True
+                        w.done.set()
+                for q in self._quarantine.values():
+                    if q.addr == addr and q.dead_at is None:
+                        q.dead_at = time.monotonic()
 
     def _progress(self, waiter: _Waiter, deadline: float) -> None:
         """Drive the NIXL agent until the prefill's status arrives: the prefill connects to it and

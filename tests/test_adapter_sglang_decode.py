@@ -160,25 +160,16 @@ def test_quarantine_rule_and_heartbeat():
     assert not any(t.any() for t in peer._aux)
 
 
-def _prefill(cfg: dict, tmp_path: Path, fill_for) -> tuple[subprocess.Popen, callable, dict]:
-    """Start SGLang's prefill side; ``fill_for(layout)`` returns the buffers' contents."""
-    base = {"kv_cache_dtype": "fp8_e4m3", "page_size": 256, "compress_ratios": list(MODEL.compress_ratios[:5]),
-            "pages": 8, "req_slots": 4, "swa_pages": 8, "sliding_window": MODEL.sliding_window, "aux_rows": 4,
-            "timeout": 90, "room": ROOM, "num_tokens": TOKENS, "kv_page_ids": PREFILL_KV_PAGES,
-            "swa_page_ids": PREFILL_SWA_PAGES, "req_pool_idx": PREFILL_SLOT, "aux_index": PREFILL_AUX,
-            "bootstrap_port": free_port()}
-    base.update(cfg)
-    log = open(tmp_path / "prefill.log", "w")
-    proc = subprocess.Popen([SGLANG_PY, str(PREFILL_SIDE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=log, text=True)
-    proc.stdin.write(json.dumps(base) + "\n")
-    proc.stdin.flush()
+def _prefill(cfg: dict, tmp_path: Path, fill_for, launched=None) -> tuple[subprocess.Popen, callable, dict]:
+    """Start SGLang's prefill side (or finish starting ``launched``, from ``_launch``); ``fill_for(layout)``
+    returns the buffers' contents."""
+    proc, log_path = launched or _launch(cfg, tmp_path)
 
     def next_line() -> dict:
         line = proc.stdout.readline()
         if not line:
             proc.wait(30)
-            text = (tmp_path / "prefill.log").read_text()[-3000:]
+            text = log_path.read_text()[-3000:]
             raise AssertionError(f"SGLang prefill side ended without a result (rc {proc.returncode}):\n{text}")
         msg = json.loads(line)
         if msg.get("result") == "error":
@@ -187,13 +178,29 @@ def _prefill(cfg: dict, tmp_path: Path, fill_for) -> tuple[subprocess.Popen, cal
 
     layout = next_line()
     assert layout["event"] == "layout", layout
-    path = tmp_path / "fill.npz"
+    path = log_path.with_suffix(".npz")
     np.savez(path, **fill_for(layout))
     proc.stdin.write(json.dumps({"fill": str(path)}) + "\n")
     proc.stdin.flush()
     ready = next_line()
     assert ready["event"] == "ready", ready
     return proc, next_line, {**layout, "bootstrap_addr": ready["bootstrap_addr"]}
+
+
+def _launch(cfg: dict, tmp_path: Path, name: str = "prefill") -> tuple[subprocess.Popen, Path]:
+    """Start SGLang's prefill side process with ``cfg`` (over the defaults); ``_prefill`` finishes it."""
+    base = {"kv_cache_dtype": "fp8_e4m3", "page_size": 256, "compress_ratios": list(MODEL.compress_ratios[:5]),
+            "pages": 8, "req_slots": 4, "swa_pages": 8, "sliding_window": MODEL.sliding_window, "aux_rows": 4,
+            "timeout": 90, "room": ROOM, "num_tokens": TOKENS, "kv_page_ids": PREFILL_KV_PAGES,
+            "swa_page_ids": PREFILL_SWA_PAGES, "req_pool_idx": PREFILL_SLOT, "aux_index": PREFILL_AUX,
+            "bootstrap_port": free_port()}
+    base.update(cfg)
+    log_path = tmp_path / f"{name}.log"
+    proc = subprocess.Popen([SGLANG_PY, str(PREFILL_SIDE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=open(log_path, "w"), text=True)
+    proc.stdin.write(json.dumps(base) + "\n")
+    proc.stdin.flush()
+    return proc, log_path
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -514,8 +521,9 @@ def test_a_prefill_killed_mid_transfer_is_detected_and_its_pages_come_back(reque
     src, src_tables = request_pools
     dst = EnginePools.create("sglang", MODEL, {"full": 5, "swa": 2, "state128": 1}, include_mtp=False, seed=6)
     free = {k: sorted(v) for k, v in dst.free.items()}
-    fill = lambda lay: _sglang_buffers(src, src_tables, lay, TOKENS)  # noqa: E731
-    proc, next_line, layout = _prefill({"die_after_pages": 2}, tmp_path, fill)
+    proc, next_line, layout = _prefill({"die_after_pages": 2}, tmp_path,
+                                       lambda lay: _sglang_buffers(src, src_tables, lay, TOKENS))
+    second = _launch({"room": ROOM + 1}, tmp_path, "prefill2")  # starts (imports SGLang) meanwhile
     with SGLangDecodePeer(dst, timeout=60, heartbeat=0.5) as peer:
         failure: list[BaseException] = []
         ended = threading.Event()
@@ -550,8 +558,8 @@ def test_a_prefill_killed_mid_transfer_is_detected_and_its_pages_come_back(reque
         assert peer.quarantined == [] and {k: sorted(v) for k, v in dst.free.items()} == free
         assert not any(t.any() for p in dst.pools.values() for t in (p if isinstance(p, tuple) else (p,)))
         # the next room, from a prefill that lives, lands in the reclaimed pages
-        proc, next_line, layout = _prefill({"room": ROOM + 1}, tmp_path, lambda lay: _sglang_buffers(
-            src, src_tables, lay, TOKENS, {PREFILL_AUX: ROOM + 1}))
+        proc, next_line, layout = _prefill({}, tmp_path, lambda lay: _sglang_buffers(
+            src, src_tables, lay, TOKENS, {PREFILL_AUX: ROOM + 1}), second)
         try:
             req = peer.receive(layout["bootstrap_addr"], ROOM + 1, TOKENS)
             result = _until_result(next_line)

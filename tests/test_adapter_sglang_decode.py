@@ -160,6 +160,34 @@ def test_quarantine_rule_and_heartbeat():
     assert not any(t.any() for t in peer._aux)
 
 
+def test_a_kvbridge_prefill_of_another_depth_is_refused_at_bootstrap():
+    """kvbridge's prefill peer serves its model on ``MODEL_ROUTE`` next to SGLang's bootstrap route: a
+    decode peer whose pools hold 4 layers of Flash (the same layout string ``v4,c4:v4,c128:v4`` as the
+    prefill's 5) is refused at bootstrap with one line, before any page is allocated; the same model
+    passes. (SGLang's own bootstrap server announces no depth: see docs/adapters.md.)"""
+    pytest.importorskip("zmq")
+    pytest.importorskip("nixl")
+    import time
+
+    from kvbridge.adapters.sglang import SGLangPrefillPeer
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+    from kvbridge.migration import MigrationError
+
+    shallow = EnginePools.create("sglang", FLASH.with_layers(4), {"full": 6, "swa": 6, "state128": 2},
+                                 include_mtp=False)
+    same = EnginePools.create("sglang", MODEL, {"full": 6, "swa": 6, "state128": 2}, include_mtp=False)
+    free = {k: sorted(v) for k, v in shallow.free.items()}
+    with SGLangPrefillPeer(EnginePools.create("sglang", MODEL, {"full": 1, "swa": 1, "state128": 1},
+                                              include_mtp=False)) as prefill:
+        deadline = time.monotonic() + 30
+        assert SGLangDecodePeer(same)._prefill_info(prefill.bootstrap_addr, deadline)["kv_layout"] == \
+            "v4,c4:v4,c128:v4"
+        with pytest.raises(MigrationError) as exc:
+            SGLangDecodePeer(shallow)._prefill_info(prefill.bootstrap_addr, deadline)
+    assert "model mismatch" in str(exc.value) and "num_layers" in str(exc.value) and "\n" not in str(exc.value)
+    assert {k: sorted(v) for k, v in shallow.free.items()} == free
+
+
 def _prefill(cfg: dict, tmp_path: Path, fill_for, launched=None) -> tuple[subprocess.Popen, callable, dict]:
     """Start SGLang's prefill side (or finish starting ``launched``, from ``_launch``); ``fill_for(layout)``
     returns the buffers' contents."""

@@ -136,6 +136,20 @@ def pd_layout(pools: EnginePools) -> SGLangPDLayout:
                           tuple(tuple(pools.storage(s).page_bytes for s in g) for g in groups), types)
 
 
+#: Route of kvbridge's bootstrap server (not SGLang's) describing the model its pools hold, which
+#: SGLang's ``PrefillServerInfo`` does not carry; SGLang's decodes never ask it.
+MODEL_ROUTE = "/kvbridge/model"
+
+
+def model_info(pools: EnginePools) -> dict[str, Any]:
+    """What kvbridge's prefill serves on ``MODEL_ROUTE``: the model's name, depth, per-layer compression
+    ratios and the item bytes of every PD buffer (they follow from the dims and dtypes)."""
+    lay = pd_layout(pools)
+    return {"model": pools.model.name, "num_layers": pools.model.num_layers,
+            "compress_ratios": list(pools.model.compress_ratios[: pools.model.num_layers]),
+            "kv_item_lens": list(lay.kv_item_lens), "state_item_lens": [list(x) for x in lay.state_item_lens]}
+
+
 def metadata_item_lens(hidden_state_bytes: int = HIDDEN_STATE_BYTES) -> list[int]:
     """Bytes per row of each metadata buffer, in SGLang's order (``MetadataBuffers.get_buf_infos``):
     output ids, cached tokens, token logprob value and index (16 x 4 B each), top-logprob values and
@@ -329,8 +343,8 @@ class TransferInfo:
 class _Bootstrap(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, host: str, port: int, info: dict, rank: dict):
-        self.info, self.rank = info, rank
+    def __init__(self, host: str, port: int, info: dict, rank: dict, model: dict):
+        self.info, self.rank, self.model = info, rank, model
         super().__init__((host, port), _RouteHandler)
 
 
@@ -352,6 +366,8 @@ class _RouteHandler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         if url.path == "/health":
             return self._reply(200, "OK")
+        if url.path == MODEL_ROUTE:
+            return self._reply(200, self.server.model)
         if url.path != "/route":
             return self._reply(404, "not found")
         q = {k: v[0] for k, v in parse_qs(url.query).items()}
@@ -481,7 +497,7 @@ class SGLangPrefillPeer:
         if self._register_with is None:
             try:
                 self._http = _Bootstrap(self.host, self._bootstrap_port or 0, info,
-                                        {"rank_ip": ip, "rank_port": self.rank_port})
+                                        {"rank_ip": ip, "rank_port": self.rank_port}, model_info(self.pools))
             except OSError as exc:
                 raise TransferError(f"cannot serve the bootstrap route on {self.host}:{self._bootstrap_port}: "
                                     f"{exc.strerror or exc}") from None

@@ -64,6 +64,7 @@ from kvbridge.adapters.sglang import (
     GUARD,
     HIDDEN_STATE_BYTES,
     KV_STATUS,
+    MODEL_ROUTE,
     POLL_FAILED,
     POLL_SUCCESS,
     SGLangPDLayout,
@@ -71,6 +72,7 @@ from kvbridge.adapters.sglang import (
     _pack_lists,
     kv_digest,
     metadata_item_lens,
+    model_info,
     pd_layout,
     start_peer,
 )
@@ -453,7 +455,27 @@ class SGLangDecodePeer:
                                     f"({code or 'unreachable'}: {str(body)[:200]})")
             time.sleep(0.2)
         self._check_prefill(addr, body)
+        self._check_model(addr)
         return body
+
+    def _check_model(self, addr: str) -> None:
+        """Refuse a kvbridge prefill (its bootstrap server answers ``MODEL_ROUTE``) whose model differs
+        in depth, per-layer ratios or buffer item bytes; SGLang's bootstrap server announces none of
+        these (it answers 404) and is not checked here."""
+        try:
+            code, theirs = _get_json(f"http://{addr}{MODEL_ROUTE}", f"the bootstrap server {addr}")
+        except (OSError, TransferError):
+            return
+        if code != 200 or not isinstance(theirs, dict):
+            return
+        ours = model_info(self.pools)
+        diff = [k for k in ("num_layers", "compress_ratios", "kv_item_lens", "state_item_lens")
+                if theirs.get(k) != ours[k]]
+        if diff:
+            raise MigrationError(f"the prefill at {addr} serves {theirs.get('model')} with {theirs.get('num_layers')} "
+                                 f"layers, ratios {theirs.get('compress_ratios')}; kvbridge's pools hold "
+                                 f"{ours['model']} with {ours['num_layers']} layers, ratios {ours['compress_ratios']} "
+                                 f"({', '.join(diff)} differ): model mismatch")
 
     def _check_prefill(self, addr: str, info: dict[str, Any]) -> None:
         """SGLang's decode-side handshake checks, plus what this peer serves (one prefill rank)."""

@@ -357,7 +357,8 @@ def test_cli_serves_a_dump_to_sglang(tmp_path):
     model = FLASH.with_layers(2)
     plan = plan_migration("sglang", "sglang", model, TOKENS, include_mtp=False)
     src, tables = source_request(plan, seed=12)
-    path = write_dump(tmp_path / "request.safetensors", *request_dump(src, tables, plan))
+    entries, attrs = request_dump(src, tables, plan)
+    path = write_dump(tmp_path / "request.safetensors", entries, attrs=attrs)
     base = [sys.executable, "-m", "cli.main", "serve-sglang-prefill", "--dump", str(path), "--layers", "2",
             "--tokens", str(TOKENS)]
     bad = subprocess.run([*base, "--room", "1", "--from", "trtllm"], capture_output=True, text=True, timeout=120,

@@ -608,7 +608,7 @@ def test_kvbridge_prefill_to_kvbridge_decode_checks_the_digest():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
+    gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
     spec.loader.exec_module(gpu_check)
     assert gpu_check.sglang_pd_roundtrip(torch.device("cpu")) is True
 

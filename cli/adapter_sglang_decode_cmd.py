@@ -25,27 +25,6 @@ def _bootstrap(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
-def _dump_entries(pools, tables, plan):
-    """The request's SWA and compressed KV caches as dump entries (pages of the pools' layout); the
-    first position of each SWA window as attributes."""
-    from kvbridge.dumps.dumpfile import DumpEntry
-    from kvbridge.migration.pools import gather_records, table_of
-
-    entries, attrs = [], {}
-    for t in plan.transfers:
-        st = t.dst
-        if st.kind != "kv":
-            continue
-        rec = gather_records(pools.pool(t.spec), st, table_of(tables, st), t.first, t.count)
-        pages = st.layout.records_to_pages(rec, st.page_size)
-        entries.append(DumpEntry(t.spec.layer, t.spec.role.value, pages, layout=st.layout.name,
-                                 page_size=st.page_size, num_tokens=t.count, scale=st.scale, dialect=st.dialect,
-                                 compress_ratio=t.spec.ratio or None))
-        if t.first:
-            attrs[f"layer.{t.spec.layer}.{t.spec.role.value}.first_position"] = str(t.first)
-    return entries, attrs
-
-
 @click.command("sglang-decode")
 @click.option("--bootstrap", required=True, callback=_bootstrap, metavar="HOST:PORT",
               help="The SGLang prefill's bootstrap server (its --disaggregation-bootstrap-port).")
@@ -75,6 +54,7 @@ def command(bootstrap, room, tokens, profile, dst, ape, model, layers, out, forc
             kv_cache_dtype, timeout, as_json) -> None:
     """Receive one request from an SGLang prefill, as its decode server (NIXL)."""
     _require_nixl()
+    from kvbridge.adapters.sglang import request_dump
     from kvbridge.adapters.sglang_decode import SGLangDecodePeer
     from kvbridge.dumps.dumpfile import write_dump
     from kvbridge.migration import EnginePools, destination_pools, plan_migration
@@ -103,7 +83,7 @@ def command(bootstrap, room, tokens, profile, dst, ape, model, layers, out, forc
             result["converted"] = {"engine": conv.dst.spec, **report.to_dict()}
             plan = conv
         if out is not None:
-            entries, attrs = _dump_entries(final, tables, plan)
+            entries, attrs = request_dump(final, tables, plan)
             attrs.update({"kvbridge.source": f"SGLang prefill {bootstrap}", "room": str(room),
                           "first_token": str(req.first_token), "num_tokens": str(tokens),
                           "engine": plan.dst.spec, "model": topo.name})

@@ -16,6 +16,9 @@
 3. Optional: FlashMLA's sparse decode over a TensorRT-LLM pool through the legacy (MODEL1 scratch, ``V41``)
    and the current V4.1 kernels, whichever the GPU runs (needs a usable ``flash_mla`` build; skipped with
    the reason otherwise).
+4. SGLang PD with device memory: NIXL memory kinds of CUDA pools, ``kv_digest`` reduced on the GPU,
+   and a request from kvbridge's SGLang prefill peer to its SGLang decode peer with every pool in
+   VRAM (needs nixl with a CUDA-enabled UCX, and pyzmq; a failed check says why otherwise).
 The summary table is printed last. See docs/gpu.md.
 """
 
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     timings = timer.run_all(args.tokens) if all(c.passed for c in checker.checks if c.section != "kernels/hardware") \
         else []
     flashmla_note = flashmla_section(device, checker, timings) if not args.smoke else "skipped in --smoke"
+    sglang_pd_section(device, checker)
     report(checker.checks, timings, flashmla_note, device, time.perf_counter() - started, args)
     if args.json:
         write_json(args.json, checker.checks, timings, flashmla_note, device)
@@ -541,6 +545,67 @@ def flashmla_section(device, checker: Validator, timings: list[Timing]) -> str:
 
 
 # ----------------------------------------------------------------------------- output
+
+
+def pools_on(pools, device):
+    """``pools`` (EnginePools) with every tensor moved to ``device``, in place."""
+    pools.pools = {k: tuple(t.to(device) for t in v) if isinstance(v, tuple) else v.to(device)
+                   for k, v in pools.pools.items()}
+    return pools
+
+
+def sglang_pd_roundtrip(device) -> bool | str:
+    """kvbridge's SGLang prefill peer -> kvbridge's SGLang decode peer over SGLang 0.5.23's PD protocol
+    (bootstrap route, ZMQ frames, NIXL writes), both with their pools on ``device``: on CUDA every pool
+    is registered and announced as VRAM (the compressor state too, as SGLang addresses it), the
+    metadata rows as DRAM; the request lands byte-exact and the decode's own digest, reduced on the
+    device, matches the one the prefill wrote into the checksum row."""
+    import torch
+
+    from kvbridge.adapters.sglang import SGLangPrefillPeer
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+    from kvbridge.engines.topology import FLASH
+    from kvbridge.migration import EnginePools, plan_migration, source_request
+    from kvbridge.migration.pools import gather_records, table_of
+
+    model, tokens, room = FLASH.with_layers(5), 1026, 31
+    plan = plan_migration("sglang", "sglang", model, tokens, include_mtp=False)
+    src, src_tables = source_request(plan, seed=5)
+    dst = EnginePools.create("sglang", model, {"full": 8, "swa": 8, "state128": 3}, include_mtp=False, seed=2)
+    src, dst = pools_on(src, device), pools_on(dst, device)
+    kind = "VRAM" if device.type == "cuda" else "DRAM"
+    with SGLangPrefillPeer(src, state_memory=kind) as prefill, SGLangDecodePeer(dst, kv_checksum=True) as decode:
+        prefill.add_request(room, src_tables, tokens, 7)
+        req = decode.receive(prefill.bootstrap_addr, room, tokens)
+        sent = prefill.wait(room)
+    if sent["status"] != "Success" or not req.digest_verified or req.digest != sent["digest"]:
+        return f"prefill {sent['status']} {sent['reason']}; digest verified {req.digest_verified}"
+    for t in plan.transfers:
+        got = gather_records(dst.pool(t.spec), t.dst, table_of(req.tables, t.dst), t.first, t.count)
+        want = gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count)
+        if got.device != device or not torch.equal(got.cpu(), want.cpu()):
+            return f"layer {t.spec.layer} {t.spec.role.value}: bytes differ (or not on {device})"
+    return True
+
+
+def sglang_pd_section(device, checker: Validator) -> None:
+    """The SGLang PD adapters with device memory (docs/adapters.md names these as GPU-only cases):
+    memory kinds, ``kv_digest`` on the device against the host digest, a kvbridge-to-kvbridge request."""
+    import torch
+
+    from kvbridge.adapters.sglang import kv_checksum, kv_digest
+    from kvbridge.migration.nixl import memory_kind
+
+    section = "sglang-pd"
+    t = torch.zeros(4, dtype=torch.uint8, device=device)
+    checker.record(section, "memory kind of a pool tensor",
+                   lambda: memory_kind(t) == (("VRAM", t.device.index or 0) if device.type == "cuda" else ("DRAM", 0)))
+    g = torch.Generator().manual_seed(9)
+    items = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (584 * 256, 524288, 1, 4096)]
+    checker.record(section, "kv_digest on the device = Adler-32 of the bytes",
+                   lambda: kv_digest(i.to(device) for i in items) == kv_checksum(i.numpy().tobytes() for i in items))
+    checker.record(section, "kvbridge prefill -> kvbridge decode, pools on the device (NIXL)",
+                   sglang_pd_roundtrip, device)
 
 
 def report(checks: list[Check], timings: list[Timing], flashmla_note: str, device, seconds: float,

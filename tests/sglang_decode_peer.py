@@ -27,7 +27,13 @@ import sys
 import time
 import traceback
 
-from sglang_engine_side import deepseek_v4_pool, emit, metadata_buffers, nixl_kv_args  # fd 1 -> stderr
+from sglang_engine_side import (  # fd 1 -> stderr
+    deepseek_v4_pool,
+    emit,
+    host_state_kinds,
+    metadata_buffers,
+    nixl_kv_args,
+)
 
 
 def run(cfg: dict) -> None:
@@ -61,14 +67,7 @@ def run(cfg: dict) -> None:
         addr = f"127.0.0.1:{cfg['bootstrap_port']}"
     else:
         addr = cfg["bootstrap_addr"]
-    # SGLang registers the state buffers as VRAM whatever their device (register_buffer_to_engine);
-    # UCX refuses VRAM registration of host memory, so on this CPU-only machine that one call is
-    # made with DRAM. Nothing else of SGLang's is changed.
-    from nixl._api import nixl_agent
-
-    register_memory = nixl_agent.register_memory
-    nixl_agent.register_memory = lambda self, descs, mem_type=None, *a, **k: register_memory(
-        self, descs, "DRAM" if mem_type == "VRAM" else mem_type, *a, **k)
+    host_state_kinds(kv_args)  # SGLang's hard-coded VRAM state kinds, on this CPU-only machine
     mgr = NixlKVManager(kv_args, DisaggregationMode.DECODE, sa, is_mla_backend(pool))
     emit(event="ready", bootstrap_addr=addr)
 

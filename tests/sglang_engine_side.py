@@ -84,3 +84,41 @@ def nixl_kv_args(cfg: dict, pool, meta, *, prefill: bool):
     kv_args.ib_device = None
     kv_args.gpu_id = 0
     return kv_args
+
+
+def host_state_kinds(kv_args) -> None:
+    """The one change these CPU runs make to SGLang 0.5.23: the memory kind it hard-codes for the
+    DeepSeek-V4 compressor-state buffers, which is VRAM whatever their device, becomes DRAM, the kind
+    of the host memory they are here (UCX without CUDA refuses VRAM registration, and NIXL finds no
+    VRAM descriptor for a DRAM region). Two places, both in ``disaggregation/nixl/conn.py``:
+
+    - ``register_buffer_to_engine`` (line 2023): ``self.agent.register_memory(state_addrs, "VRAM")``;
+      only a call whose descriptors are all state buffers of ``kv_args`` is changed;
+    - the state writes of ``send_kvcache`` (line 3214, ``self._send_kvcache_generic(...)`` for
+      ``StateType.SWA`` / ``DSV4_REQUEST_STATE``), made with that function's defaults
+      ``src_mem_kind="VRAM", dst_mem_kind="VRAM"`` (lines 2099-2100); only a call with a state type
+      and no memory kind given is changed.
+
+    KV and metadata buffers keep the kinds SGLang takes from ``kv_data_mem_kinds`` and the
+    registration message (what the peer announced); on CUDA, SGLang's prepared state plan
+    (lines 862-865, CUDA only) is VRAM too, and no rewrite is needed as the state is device memory."""
+    from nixl._api import nixl_agent
+    from sglang.srt.disaggregation.base.conn import StateType
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+
+    state_ptrs = {p for comp in kv_args.state_data_ptrs or [] for p in comp if p}
+    register_memory, send = nixl_agent.register_memory, NixlKVManager._send_kvcache_generic
+
+    def register(self, descs, mem_type=None, *a, **k):
+        if mem_type == "VRAM" and descs and all(d[0] in state_ptrs for d in descs):
+            mem_type = "DRAM"
+        return register_memory(self, descs, mem_type, *a, **k)
+
+    def send_state(self, *a, **k):
+        if (k.get("state_type") in (StateType.SWA, StateType.DSV4_REQUEST_STATE) and "src_mem_kind" not in k
+                and "dst_mem_kind" not in k):
+            k.update(src_mem_kind="DRAM", dst_mem_kind="DRAM")
+        return send(self, *a, **k)
+
+    nixl_agent.register_memory = register
+    NixlKVManager._send_kvcache_generic = send_state

@@ -14,9 +14,10 @@ each the whole content of that buffer, which it copies into SGLang's buffers by 
 prefill's forward pass and ``MetadataBuffers.set_buf`` would have written). It then answers
 ``{"event": "ready", "bootstrap_addr": ...}``, waits for a decode to send the request's page ids
 (``KVPoll.WaitingForInput``), sends the request as SGLang's prefill scheduler does
-(``sender.send(page_indices, state_indices)``; ``"requests"`` serves several rooms in turn) and
-ends with ``{"result": "Success" | "Failed" | "timeout" | "error", ...}`` (the sender's final poll,
-the failure reason SGLang recorded, seconds).
+(``sender.send(page_indices, state_indices)``; ``"requests"`` serves several rooms in turn;
+``"die_after_pages": k`` sends the first ``k`` KV pages as a chunk, answers ``{"event": "partial"}``
+and stalls, to be SIGKILLed) and ends with ``{"result": "Success" | "Failed" | "timeout" | "error", ...}``
+(the sender's final poll, the failure reason SGLang recorded, seconds).
 It stays up until stdin is closed, then ends with ``os._exit``: NIXL's libraries can crash at exit.
 """
 
@@ -28,27 +29,13 @@ import sys
 import time
 import traceback
 
-from sglang_engine_side import deepseek_v4_pool, emit, metadata_buffers, nixl_kv_args  # fd 1 -> stderr
-
-
-def cpu_only_nixl() -> None:
-    """SGLang registers and addresses its state buffers as VRAM whatever their device
-    (``register_buffer_to_engine``, ``_send_kvcache_generic``'s default memory kinds); UCX refuses VRAM
-    registration of host memory, so on this CPU-only machine those calls are made with DRAM (all
-    memory here is host memory). Nothing else of SGLang's is changed."""
-    from nixl._api import nixl_agent
-
-    def dram(kind):
-        return "DRAM" if kind == "VRAM" else kind
-
-    register_memory, get_xfer_descs, prep_xfer_dlist = (nixl_agent.register_memory, nixl_agent.get_xfer_descs,
-                                                        nixl_agent.prep_xfer_dlist)
-    nixl_agent.register_memory = lambda self, descs, mem_type=None, *a, **k: register_memory(
-        self, descs, dram(mem_type), *a, **k)
-    nixl_agent.get_xfer_descs = lambda self, descs, mem_type=None, *a, **k: get_xfer_descs(
-        self, descs, dram(mem_type), *a, **k)
-    nixl_agent.prep_xfer_dlist = lambda self, agent, descs, mem_type=None, *a, **k: prep_xfer_dlist(
-        self, agent, descs, dram(mem_type), *a, **k)
+from sglang_engine_side import (  # fd 1 -> stderr
+    deepseek_v4_pool,
+    emit,
+    host_state_kinds,
+    metadata_buffers,
+    nixl_kv_args,
+)
 
 
 def run(cfg: dict) -> None:
@@ -106,7 +93,7 @@ def run(cfg: dict) -> None:
 
     NixlKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"])
     addr = f"127.0.0.1:{cfg['bootstrap_port']}"
-    cpu_only_nixl()
+    host_state_kinds(kv_args)  # SGLang's hard-coded VRAM state kinds, on this CPU-only machine
     mgr = NixlKVManager(kv_args, DisaggregationMode.PREFILL, sa, is_mla_backend(pool))
     # one request by default; "requests": [{"room", "aux_index"}, ...] serves several, in order, with
     # the same pages (a prefill cache hit), each through a sender of its own
@@ -136,6 +123,11 @@ def run(cfg: dict) -> None:
             emit(result="Failed", stage="bootstrap", room=room, reason=mgr.failure_records.get(room, ""))
             return
         t0 = time.perf_counter()
+        if cfg.get("die_after_pages"):  # a prefill killed mid-transfer: one chunk of KV pages, then it stalls
+            sender.send(kv_pages[: cfg["die_after_pages"]])  # not the last chunk: no state, no status
+            time.sleep(0.5)
+            emit(event="partial", room=room)
+            time.sleep(3600)  # the test SIGKILLs the process here
         sender.send(kv_pages, state_indices, num_kv_tokens=cfg["num_tokens"])
         while (status := sender.poll()) not in (KVPoll.Success, KVPoll.Failed):
             if time.monotonic() > deadline:

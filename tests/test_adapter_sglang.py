@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kvbridge.engines.topology import FLASH, Role
 from kvbridge.migration import plan_migration, source_request
@@ -30,6 +31,10 @@ from tests.migration_helpers import free_port, need_sglang
 
 SGLANG_PY = os.environ.get("KVBRIDGE_SGLANG_PYTHON")
 DECODE_SIDE = Path(__file__).with_name("sglang_decode_peer.py")
+#: The kind the decode side registers its state buffers as here: SGLang hard-codes VRAM
+#: (``nixl/conn.py`` line 2023), which the CPU decode side turns into DRAM (``host_state_kinds``);
+#: SGLang does not announce it, so kvbridge is told.
+STATE_MEMORY = "DRAM"
 #: DeepSeek-V4-Flash cut to 5 layers (ratios 0, 0, 4, 128, 4), without its MTP layer.
 MODEL = FLASH.with_layers(5)
 TOKENS = 1026  # ratio-4 state rows 1022..1025 straddle the SWA page boundary at 1024: two rings
@@ -55,10 +60,11 @@ def test_pd_layout_is_sglang_buffer_order():
 
 
 def test_kv_checksum_is_sglang_digest():
-    """kvbridge's KV digest equals SGLang 0.5.23's Adler-32 kernel on its golden cases (fixtures/README.md)."""
+    """kvbridge's KV digest equals SGLang 0.5.23's Adler-32 kernel on its golden cases (fixtures/README.md),
+    from host bytes (``kv_checksum``) and reduced where the tensors are (``kv_digest``)."""
     from safetensors import safe_open
 
-    from kvbridge.adapters.sglang import kv_checksum
+    from kvbridge.adapters.sglang import kv_checksum, kv_digest
 
     path = Path(__file__).parents[1] / "fixtures" / "sglang_adler32_reference.safetensors"
     with safe_open(str(path), "np") as f:
@@ -69,7 +75,8 @@ def test_kv_checksum_is_sglang_digest():
         items = [tensors[it["buffer"]][it["offset"] + j * it["item_len"]:][: it["item_len"]]
                  for it in case["items"] for j in tensors[it["indices"]].tolist()]
         assert kv_checksum(items) == case["digest"], case["name"]
-    assert kv_checksum([]) == 1
+        assert kv_digest(torch.from_numpy(np.ascontiguousarray(i)) for i in items) == case["digest"], case["name"]
+    assert kv_checksum([]) == 1 == kv_digest([])
 
 
 def test_wire_messages_and_refusals():
@@ -151,7 +158,7 @@ def _serve(pools, tables, *, tmp_path, decode_cfg, bootstrap="sglang"):
     port = free_port()
     cfg = {"bootstrap": bootstrap, "bootstrap_port": port, **decode_cfg}
     if bootstrap == "kvbridge":
-        peer = SGLangPrefillPeer(pools, bootstrap_port=0).start()
+        peer = SGLangPrefillPeer(pools, bootstrap_port=0, state_memory=STATE_MEMORY).start()
         cfg["bootstrap_addr"] = peer.bootstrap_addr
         proc, next_line = _decode(cfg, tmp_path)
         layout = _until(next_line, "event", "layout")
@@ -159,8 +166,8 @@ def _serve(pools, tables, *, tmp_path, decode_cfg, bootstrap="sglang"):
         proc, next_line = _decode(cfg, tmp_path)
         layout = _until(next_line, "event", "layout")
         _until(next_line, "event", "ready")
-        peer = SGLangPrefillPeer(pools, bootstrap_port=None,
-                                 register_with=f"127.0.0.1:{port}").start()
+        peer = SGLangPrefillPeer(pools, bootstrap_port=None, register_with=f"127.0.0.1:{port}",
+                                 state_memory=STATE_MEMORY).start()
     try:
         peer.add_request(cfg.get("room", 4242), tables, TOKENS, first_token=31337)
         result = _until(next_line, "result")
@@ -299,6 +306,83 @@ def test_cli_serves_a_tensorrt_llm_request_to_sglang(tmp_path):
         for k, d in enumerate([9, 2]):
             assert dump[f"state0_{j}"][d * item : (d + 1) * item].tobytes() == \
                 dst.pool(spec)[tables["swa"][first + k]].numpy().tobytes()
+
+
+def test_a_dump_loads_into_the_peer_pools_as_its_request(tmp_path):
+    """``SGLangPrefillPeer.add_dump_request``: the entries ``request_dump`` wrote (SGLang's 584-B pages)
+    come back, byte for byte, as the request's live records; a TensorRT-LLM dump is converted as
+    ``convert_entry`` does; a model with compressed layers (state a dump does not hold) and a dump
+    of another length are refused with the remedy, before any page is taken."""
+    from kvbridge.adapters.sglang import SGLangPrefillPeer, request_dump
+    from kvbridge.dumps.dumpfile import convert_entry, read_dump, write_dump
+    from kvbridge.errors import InputError
+    from kvbridge.migration import destination_pools
+    from kvbridge.migration.pools import gather_records, table_of
+
+    model = FLASH.with_layers(2)
+    plan = plan_migration("sglang", "sglang", model, TOKENS, include_mtp=False)
+    src, src_tables = source_request(plan, seed=9)
+    entries, attrs = request_dump(src, src_tables, plan)
+    path = write_dump(tmp_path / "request.safetensors", entries, attrs=attrs)
+    peer = SGLangPrefillPeer(destination_pools(plan), state_memory=STATE_MEMORY)
+    tables = peer.add_dump_request(5, read_dump(path), TOKENS, 1)
+    for t in plan.transfers:
+        assert torch.equal(gather_records(peer.pools.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count),
+                           gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count))
+    # the same request as TensorRT-LLM pages: converted on loading
+    trt = [convert_entry(e, "trtllm-fp8", page_size=32)[0] for e in entries]
+    peer2 = SGLangPrefillPeer(destination_pools(plan), state_memory=STATE_MEMORY)
+    tables2 = peer2.add_dump_request(6, read_dump(write_dump(tmp_path / "trt.safetensors", trt, attrs=attrs)),
+                                     TOKENS, 1)
+    for t, e in zip(plan.transfers, trt, strict=True):
+        back = convert_entry(e, t.dst.layout, page_size=t.dst.page_size, dialect=t.dst.dialect, scale=t.dst.scale)[0]
+        assert torch.equal(gather_records(peer2.pools.pool(t.spec), t.dst, table_of(tables2, t.dst), t.first, t.count),
+                           t.dst.layout.pages_to_records(back.data, t.dst.page_size, t.count))
+    free = {k: sorted(v) for k, v in peer2.pools.free.items()}
+    with pytest.raises(InputError, match="keeps"):
+        peer2.add_dump_request(7, read_dump(path), TOKENS + 300, 1)
+    assert {k: sorted(v) for k, v in peer2.pools.free.items()} == free
+    big = plan_migration("sglang", "sglang", MODEL, TOKENS, include_mtp=False)
+    with pytest.raises(InputError, match="compressor state"):
+        SGLangPrefillPeer(destination_pools(big)).add_dump_request(8, read_dump(path), TOKENS, 1)
+
+
+def test_cli_serves_a_dump_to_sglang(tmp_path):
+    """``kvbridge serve-sglang-prefill --dump``: a kvbridge dump of a request (the first two Flash layers)
+    reaches SGLang's own receiver byte for byte; ``--from`` with ``--dump`` is a usage error."""
+    _need_sglang()
+    from kvbridge.adapters.sglang import request_dump
+    from kvbridge.dumps.dumpfile import write_dump
+
+    model = FLASH.with_layers(2)
+    plan = plan_migration("sglang", "sglang", model, TOKENS, include_mtp=False)
+    src, tables = source_request(plan, seed=12)
+    entries, attrs = request_dump(src, tables, plan)
+    path = write_dump(tmp_path / "request.safetensors", entries, attrs=attrs)
+    base = [sys.executable, "-m", "cli.main", "serve-sglang-prefill", "--dump", str(path), "--layers", "2",
+            "--tokens", str(TOKENS)]
+    bad = subprocess.run([*base, "--room", "1", "--from", "trtllm"], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parents[1])
+    assert bad.returncode == 2 and "synthetic" in bad.stderr
+    port, room = free_port(), 78
+    proc, next_line = _decode({"bootstrap": "sglang", "bootstrap_port": port, "compress_ratios": [0, 0],
+                               "room": room}, tmp_path)
+    _until(next_line, "event", "ready")
+    cli = subprocess.run([*base, "--room", str(room), "--first-token", "5", "--register-with", f"127.0.0.1:{port}",
+                          "--state-memory", STATE_MEMORY, "--timeout", "90", "--json"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    result = _until(next_line, "result")
+    proc.wait(60)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert json.loads(cli.stdout)["status"] == "Success" and result["result"] == "Success", (cli.stdout, result)
+    dump = np.load(result["dump"])
+    first = (TOKENS - MODEL.sliding_window) // 256
+    for j in range(2):
+        spec = model.caches(j)[0]
+        item = src.storage(spec).page_bytes
+        for k, d in enumerate([9, 2]):  # the decode's SWA pages (_decode's swa_page_ids)
+            assert dump[f"state0_{j}"][d * item : (d + 1) * item].tobytes() == \
+                src.pool(spec)[tables["swa"][first + k]].numpy().tobytes()
 
 
 if __name__ == "__main__":

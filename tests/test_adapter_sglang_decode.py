@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvbridge.adapters.sglang import pd_layout
 from kvbridge.engines.topology import FLASH, Role
 from kvbridge.migration import EnginePools, migrate_local, plan_migration, source_request
 from kvbridge.migration.pools import gather_records, table_of
@@ -102,25 +103,101 @@ def test_registration_and_page_id_messages():
     assert TransferInfo.parse(peer._metadata_message(77, tables, 3, 3, False)[1:]).state_indices == [[4, 2], []]
 
 
-def _prefill(cfg: dict, tmp_path: Path, fill_for) -> tuple[subprocess.Popen, callable, dict]:
-    """Start SGLang's prefill side; ``fill_for(layout)`` returns the buffers' contents."""
-    base = {"kv_cache_dtype": "fp8_e4m3", "page_size": 256, "compress_ratios": list(MODEL.compress_ratios[:5]),
-            "pages": 8, "req_slots": 4, "swa_pages": 8, "sliding_window": MODEL.sliding_window, "aux_rows": 4,
-            "timeout": 90, "room": ROOM, "num_tokens": TOKENS, "kv_page_ids": PREFILL_KV_PAGES,
-            "swa_page_ids": PREFILL_SWA_PAGES, "req_pool_idx": PREFILL_SLOT, "aux_index": PREFILL_AUX,
-            "bootstrap_port": free_port()}
-    base.update(cfg)
-    log = open(tmp_path / "prefill.log", "w")
-    proc = subprocess.Popen([SGLANG_PY, str(PREFILL_SIDE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=log, text=True)
-    proc.stdin.write(json.dumps(base) + "\n")
-    proc.stdin.flush()
+def test_quarantine_rule_and_heartbeat():
+    """Without SGLang: quarantined pages stay out of use while the prefill may still write (it answers
+    its health route, or was declared dead less than ``heartbeat`` s ago), and come back zeroed, with
+    their metadata row, once it reported the room or ``heartbeat`` s after ``heartbeat_failures``
+    failed probes declared it dead; a request waiting on that prefill is woken as dead."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvbridge.adapters.sglang import metadata_item_lens
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer, _Quarantine, _Waiter
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    alive = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=alive.serve_forever, daemon=True).start()
+    alive_addr, dead_addr = f"127.0.0.1:{alive.server_address[1]}", f"127.0.0.1:{free_port()}"
+    pools = EnginePools.create("sglang", MODEL, {"full": 15, "swa": 3, "state128": 3}, include_mtp=False)
+    free = {k: sorted(v) for k, v in pools.free.items()}
+    peer = SGLangDecodePeer(pools, heartbeat=0.2, heartbeat_failures=2)
+    assert peer.dead_within == pytest.approx(0.8)
+    peer._aux = [torch.zeros(peer.aux_rows, n, dtype=torch.uint8) for n in metadata_item_lens()]
+    held = {}
+    for room, addr in ((1, alive_addr), (2, dead_addr), (3, alive_addr)):
+        tables = pools.claim({"full": 5, "swa": 1, "state128": 1})
+        aux = peer._free_aux.pop()
+        for spec in (*peer.layout.kv, *peer.layout.swa_state, *peer.layout.request_state):
+            pools.pool(spec)[tables[pools.storage(spec).table]] = 7  # a late write
+        peer._aux[0][aux] = 9
+        peer._quarantine[room] = held[room] = _Quarantine(addr, tables, aux)
+    waiter = peer._waiters[4] = _Waiter(dead_addr)
+    assert peer.reclaim() == 0 and len(peer.quarantined) == 3
+    peer._probe()
+    assert peer.reclaim() == 0 and not waiter.done.is_set()  # one failed probe: not dead yet
+    peer._probe()
+    assert waiter.dead and waiter.done.is_set() and held[2].dead_at is not None and held[1].dead_at is None
+    assert peer.reclaim() == 0  # declared dead, but a posted write may still land for heartbeat s
+    time.sleep(0.25)
+    assert peer.reclaim() == 1 and set(peer._quarantine) == {1, 3}
+    held[3].settled = True  # the live prefill reported room 3 after all
+    assert peer.reclaim() == 1 and set(peer._quarantine) == {1}  # room 1: alive, silent: kept
+    peer._quarantine.pop(1)
+    pools.release(held[1].tables)
+    peer._scrub(held[1].tables)
+    peer._aux[0][held[1].aux_index] = 0
+    alive.shutdown()
+    assert {k: sorted(v) for k, v in pools.free.items()} == free and len(peer._free_aux) == peer.aux_rows - 1
+    assert not any(t.any() for p in pools.pools.values() for t in (p if isinstance(p, tuple) else (p,)))
+    assert not any(t.any() for t in peer._aux)
+
+
+def test_a_kvbridge_prefill_of_another_depth_is_refused_at_bootstrap():
+    """kvbridge's prefill peer serves its model on ``MODEL_ROUTE`` next to SGLang's bootstrap route: a
+    decode peer whose pools hold 4 layers of Flash (the same layout string ``v4,c4:v4,c128:v4`` as the
+    prefill's 5) is refused at bootstrap with one line, before any page is allocated; the same model
+    passes. (SGLang's own bootstrap server announces no depth: see docs/adapters.md.)"""
+    pytest.importorskip("zmq")
+    pytest.importorskip("nixl")
+    import time
+
+    from kvbridge.adapters.sglang import SGLangPrefillPeer
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+    from kvbridge.migration import MigrationError
+
+    shallow = EnginePools.create("sglang", FLASH.with_layers(4), {"full": 6, "swa": 6, "state128": 2},
+                                 include_mtp=False)
+    same = EnginePools.create("sglang", MODEL, {"full": 6, "swa": 6, "state128": 2}, include_mtp=False)
+    free = {k: sorted(v) for k, v in shallow.free.items()}
+    with SGLangPrefillPeer(EnginePools.create("sglang", MODEL, {"full": 1, "swa": 1, "state128": 1},
+                                              include_mtp=False)) as prefill:
+        deadline = time.monotonic() + 30
+        assert SGLangDecodePeer(same)._prefill_info(prefill.bootstrap_addr, deadline)["kv_layout"] == \
+            "v4,c4:v4,c128:v4"
+        with pytest.raises(MigrationError) as exc:
+            SGLangDecodePeer(shallow)._prefill_info(prefill.bootstrap_addr, deadline)
+    assert "model mismatch" in str(exc.value) and "num_layers" in str(exc.value) and "\n" not in str(exc.value)
+    assert {k: sorted(v) for k, v in shallow.free.items()} == free
+
+
+def _prefill(cfg: dict, tmp_path: Path, fill_for, launched=None) -> tuple[subprocess.Popen, callable, dict]:
+    """Start SGLang's prefill side (or finish starting ``launched``, from ``_launch``); ``fill_for(layout)``
+    returns the buffers' contents."""
+    proc, log_path = launched or _launch(cfg, tmp_path)
 
     def next_line() -> dict:
         line = proc.stdout.readline()
         if not line:
             proc.wait(30)
-            text = (tmp_path / "prefill.log").read_text()[-3000:]
+            text = log_path.read_text()[-3000:]
             raise AssertionError(f"SGLang prefill side ended without a result (rc {proc.returncode}):\n{text}")
         msg = json.loads(line)
         if msg.get("result") == "error":
@@ -129,13 +206,29 @@ def _prefill(cfg: dict, tmp_path: Path, fill_for) -> tuple[subprocess.Popen, cal
 
     layout = next_line()
     assert layout["event"] == "layout", layout
-    path = tmp_path / "fill.npz"
+    path = log_path.with_suffix(".npz")
     np.savez(path, **fill_for(layout))
     proc.stdin.write(json.dumps({"fill": str(path)}) + "\n")
     proc.stdin.flush()
     ready = next_line()
     assert ready["event"] == "ready", ready
     return proc, next_line, {**layout, "bootstrap_addr": ready["bootstrap_addr"]}
+
+
+def _launch(cfg: dict, tmp_path: Path, name: str = "prefill") -> tuple[subprocess.Popen, Path]:
+    """Start SGLang's prefill side process with ``cfg`` (over the defaults); ``_prefill`` finishes it."""
+    base = {"kv_cache_dtype": "fp8_e4m3", "page_size": 256, "compress_ratios": list(MODEL.compress_ratios[:5]),
+            "pages": 8, "req_slots": 4, "swa_pages": 8, "sliding_window": MODEL.sliding_window, "aux_rows": 4,
+            "timeout": 90, "room": ROOM, "num_tokens": TOKENS, "kv_page_ids": PREFILL_KV_PAGES,
+            "swa_page_ids": PREFILL_SWA_PAGES, "req_pool_idx": PREFILL_SLOT, "aux_index": PREFILL_AUX,
+            "bootstrap_port": free_port()}
+    base.update(cfg)
+    log_path = tmp_path / f"{name}.log"
+    proc = subprocess.Popen([SGLANG_PY, str(PREFILL_SIDE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=open(log_path, "w"), text=True)
+    proc.stdin.write(json.dumps(base) + "\n")
+    proc.stdin.flush()
+    return proc, log_path
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -438,6 +531,86 @@ def test_a_prefill_with_other_state_dtype_is_detected_and_leaves_nothing(tmp_pat
     assert peer.quarantined == []
     assert {k: sorted(v) for k, v in dst.free.items()} == free
     assert not any(t.any() for p in dst.pools.values() for t in (p if isinstance(p, tuple) else (p,)))
+
+
+def test_a_prefill_killed_mid_transfer_is_detected_and_its_pages_come_back(request_pools, tmp_path):
+    """SGLang's prefill writes a first chunk (2 of the request's 5 KV pages) and is SIGKILLed: the
+    peer's heartbeat (SGLang's bootstrap ``/health`` route) declares it dead within ``dead_within``
+    s of the kill, the request fails with one line, its pages stay quarantined until no write can
+    land (``heartbeat`` s after the death), then come back zeroed; the pools hold one request only,
+    so the next room, from a new prefill, lands in exactly those pages, byte-exact."""
+    _need_sglang()
+    import threading
+    import time
+
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+    from kvbridge.migration import TransferError
+
+    src, src_tables = request_pools
+    dst = EnginePools.create("sglang", MODEL, {"full": 5, "swa": 2, "state128": 1}, include_mtp=False, seed=6)
+    free = {k: sorted(v) for k, v in dst.free.items()}
+    proc, next_line, layout = _prefill({"die_after_pages": 2}, tmp_path,
+                                       lambda lay: _sglang_buffers(src, src_tables, lay, TOKENS))
+    second = _launch({"room": ROOM + 1}, tmp_path, "prefill2")  # starts (imports SGLang) meanwhile
+    with SGLangDecodePeer(dst, timeout=60, heartbeat=0.5) as peer:
+        failure: list[BaseException] = []
+        ended = threading.Event()
+
+        def receive() -> None:
+            try:
+                peer.receive(layout["bootstrap_addr"], ROOM, TOKENS)
+            except TransferError as exc:
+                failure.append(exc)
+            finally:
+                ended.set()
+
+        t = threading.Thread(target=receive)
+        t.start()
+        try:
+            assert next_line()["event"] == "sending"
+            assert next_line()["event"] == "partial"  # the first chunk was written
+            assert any(dst.pool(s).any() for s in pd_layout(dst).kv)
+            killed = time.monotonic()
+            proc.kill()
+            assert ended.wait(peer.dead_within + 1.0), "the dead prefill was not noticed within the bound"
+            noticed = time.monotonic() - killed
+        finally:
+            t.join(60)
+            proc.kill()
+            proc.wait(30)
+        assert len(failure) == 1 and "died mid-transfer" in str(failure[0]) and "\n" not in str(failure[0])
+        assert noticed <= peer.dead_within + 0.5, noticed
+        deadline = time.monotonic() + 5 * peer.heartbeat
+        while peer.quarantined and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert peer.quarantined == [] and {k: sorted(v) for k, v in dst.free.items()} == free
+        assert not any(t.any() for p in dst.pools.values() for t in (p if isinstance(p, tuple) else (p,)))
+        # the next room, from a prefill that lives, lands in the reclaimed pages
+        proc, next_line, layout = _prefill({}, tmp_path, lambda lay: _sglang_buffers(
+            src, src_tables, lay, TOKENS, {PREFILL_AUX: ROOM + 1}), second)
+        try:
+            req = peer.receive(layout["bootstrap_addr"], ROOM + 1, TOKENS)
+            result = _until_result(next_line)
+        finally:
+            _stop(proc)
+    assert result["result"] == "Success", result
+    plan = plan_migration("sglang", "sglang", MODEL, TOKENS, include_mtp=False)
+    assert req.room == ROOM + 1 and _records(dst, req.tables, plan) == _records(src, src_tables, plan)
+
+
+def test_kvbridge_prefill_to_kvbridge_decode_checks_the_digest():
+    """Both ends kvbridge, over SGLang's protocol (no SGLang needed): the prefill peer writes its
+    ``kv_digest`` into the checksum row, the decode peer's own digest of what landed matches it
+    (``digest_verified``) and every record is byte-exact. ``scripts/gpu_check.py`` runs the same
+    case with every pool in VRAM."""
+    pytest.importorskip("zmq")
+    pytest.importorskip("nixl")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts" / "gpu_check.py")
+    gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.sglang_pd_roundtrip(torch.device("cpu")) is True
 
 
 def test_cli_receives_converts_and_writes_a_dump(tmp_path):

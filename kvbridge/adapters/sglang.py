@@ -63,12 +63,13 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import torch
 
+from kvbridge.dumps.dumpfile import Dump, DumpEntry, convert_entry, entry_name
 from kvbridge.engines.topology import CacheSpec, Role
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.execute import TransferError, migrate_local
-from kvbridge.migration.nixl import _Agent
-from kvbridge.migration.plan import MigrationPlan
-from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
+from kvbridge.migration.nixl import _Agent, memory_kind
+from kvbridge.migration.plan import MigrationPlan, plan_migration
+from kvbridge.migration.pools import EnginePools, RequestTables, gather_records, pool_tensors, scatter_records, table_of
 
 SGLANG_VERSION = "0.5.23"
 #: First frame of every registration / transfer message (SGLang's ``nixl/conn.py`` ``GUARD``).
@@ -135,6 +136,20 @@ def pd_layout(pools: EnginePools) -> SGLangPDLayout:
                           tuple(tuple(pools.storage(s).page_bytes for s in g) for g in groups), types)
 
 
+#: Route of kvbridge's bootstrap server (not SGLang's) describing the model its pools hold, which
+#: SGLang's ``PrefillServerInfo`` does not carry; SGLang's decodes never ask it.
+MODEL_ROUTE = "/kvbridge/model"
+
+
+def model_info(pools: EnginePools) -> dict[str, Any]:
+    """What kvbridge's prefill serves on ``MODEL_ROUTE``: the model's name, depth, per-layer compression
+    ratios and the item bytes of every PD buffer (they follow from the dims and dtypes)."""
+    lay = pd_layout(pools)
+    return {"model": pools.model.name, "num_layers": pools.model.num_layers,
+            "compress_ratios": list(pools.model.compress_ratios[: pools.model.num_layers]),
+            "kv_item_lens": list(lay.kv_item_lens), "state_item_lens": [list(x) for x in lay.state_item_lens]}
+
+
 def metadata_item_lens(hidden_state_bytes: int = HIDDEN_STATE_BYTES) -> list[int]:
     """Bytes per row of each metadata buffer, in SGLang's order (``MetadataBuffers.get_buf_infos``):
     output ids, cached tokens, token logprob value and index (16 x 4 B each), top-logprob values and
@@ -167,6 +182,56 @@ def kv_checksum(items: Iterable[Any]) -> int:
     for item in items:
         digest = zlib.adler32(item, digest)
     return digest
+
+
+#: Adler-32's modulus.
+ADLER_MOD = 65521
+
+
+def kv_digest(items: Iterable[torch.Tensor]) -> int:
+    """``kv_checksum`` of ``items`` (tensors, each one transferred item, in transfer order), computed
+    where each item is: its byte sum and position-weighted byte sum (int64, exact for items below
+    256 MiB) are reduced on the item's device, and only those two numbers per item come to the host,
+    where they are combined in order as SGLang's kernel does (A = 1 + sum, B = n + sum((n - i) * b_i)
+    for one item of n bytes)."""
+    weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+    parts, lens = [], []
+    for item in items:
+        b = item.contiguous().view(torch.uint8).reshape(-1)
+        n = b.numel()
+        w = weights.get((n, b.device))
+        if w is None:
+            w = weights[(n, b.device)] = torch.arange(n, 0, -1, dtype=torch.int64, device=b.device)
+        wide = b.to(torch.int64)
+        parts.append(torch.stack([wide.sum(), (wide * w).sum()]))
+        lens.append(n)
+    same = len({p.device for p in parts}) == 1  # then one copy to the host for all items
+    sums = torch.stack(parts).tolist() if same else [p.tolist() for p in parts]
+    a, b_sum = 1, 0
+    for (s, ws), n in zip(sums, lens, strict=True):
+        a2, b2 = (1 + s) % ADLER_MOD, (n + ws) % ADLER_MOD
+        a, b_sum = (a + a2 - 1) % ADLER_MOD, (b_sum + b2 + n * (a - 1)) % ADLER_MOD
+    return (b_sum << 16) | a
+
+
+def request_dump(pools: EnginePools, tables: RequestTables, plan: MigrationPlan) -> tuple[list[DumpEntry],
+                                                                                     dict[str, str]]:
+    """The request's SWA and compressed KV caches in ``pools`` (``plan``'s destination) as dump entries
+    (pages of the pools' layout), and the first position of each SWA window as attributes
+    (``layer.{i}.{role}.first_position``); ``SGLangPrefillPeer.add_dump_request`` reads them back."""
+    entries, attrs = [], {}
+    for t in plan.transfers:
+        st = t.dst
+        if st.kind != "kv":
+            continue
+        rec = gather_records(pools.pool(t.spec), st, table_of(tables, st), t.first, t.count)
+        pages = st.layout.records_to_pages(rec, st.page_size)
+        entries.append(DumpEntry(t.spec.layer, t.spec.role.value, pages, layout=st.layout.name,
+                                 page_size=st.page_size, num_tokens=t.count, scale=st.scale, dialect=st.dialect,
+                                 compress_ratio=t.spec.ratio or None))
+        if t.first:
+            attrs[f"{entry_name(t.spec.layer, t.spec.role.value)}.first_position"] = str(t.first)
+    return entries, attrs
 
 
 def start_peer(peer: Any) -> None:
@@ -278,8 +343,8 @@ class TransferInfo:
 class _Bootstrap(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, host: str, port: int, info: dict, rank: dict):
-        self.info, self.rank = info, rank
+    def __init__(self, host: str, port: int, info: dict, rank: dict, model: dict):
+        self.info, self.rank, self.model = info, rank, model
         super().__init__((host, port), _RouteHandler)
 
 
@@ -301,6 +366,8 @@ class _RouteHandler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         if url.path == "/health":
             return self._reply(200, "OK")
+        if url.path == MODEL_ROUTE:
+            return self._reply(200, self.server.model)
         if url.path != "/route":
             return self._reply(404, "not found")
         q = {k: v[0] for k, v in parse_qs(url.query).items()}
@@ -361,18 +428,20 @@ class SGLangPrefillPeer:
     bytes per row of the decode's hidden-state metadata buffer: 64 (16 fp32, SGLang's padding) unless
     its speculative decoding carries draft hidden states (then the draft's hidden size x its dtype).
     ``timeout``: seconds one request's transfer may take. ``state_memory``: the memory kind (``VRAM``
-    or ``DRAM``) of the decode's state buffers, which SGLang does not announce (it registers them as
-    VRAM); default: the kind of its KV buffers, VRAM when it has none.
+    or ``DRAM``) the decode registered its compressor-state buffers as, which SGLang does not announce:
+    SGLang 0.5.23 always registers them as ``VRAM`` (``nixl/conn.py`` ``register_buffer_to_engine``),
+    also when its KV is in host memory (hisparse), so that is the default; ``DRAM`` only for a decode
+    changed to register host state as host memory (as the CPU tests do).
     """
 
     def __init__(self, pools: EnginePools, *, hidden_state_bytes: int = HIDDEN_STATE_BYTES, host: str = "127.0.0.1",
                  bootstrap_port: int | None = 0, register_with: str | None = None,
-                 kv_cache_dtype: str = "fp8_e4m3", timeout: float = 60.0, state_memory: str | None = None):
+                 kv_cache_dtype: str = "fp8_e4m3", timeout: float = 60.0, state_memory: str = "VRAM"):
         if not isinstance(pools, EnginePools):
             raise InputError(f"pools must be EnginePools, got {type(pools).__name__}")
         if isinstance(hidden_state_bytes, bool) or not isinstance(hidden_state_bytes, int) or hidden_state_bytes < 1:
             raise InputError(f"hidden_state_bytes must be a positive integer, got {hidden_state_bytes!r}")
-        if state_memory not in (None, "DRAM", "VRAM"):
+        if state_memory not in ("DRAM", "VRAM"):
             raise InputError(f"state_memory must be DRAM or VRAM, got {state_memory!r}")
         self.state_memory = state_memory
         if (bootstrap_port is None) == (register_with is None):
@@ -428,7 +497,7 @@ class SGLangPrefillPeer:
         if self._register_with is None:
             try:
                 self._http = _Bootstrap(self.host, self._bootstrap_port or 0, info,
-                                        {"rank_ip": ip, "rank_port": self.rank_port})
+                                        {"rank_ip": ip, "rank_port": self.rank_port}, model_info(self.pools))
             except OSError as exc:
                 raise TransferError(f"cannot serve the bootstrap route on {self.host}:{self._bootstrap_port}: "
                                     f"{exc.strerror or exc}") from None
@@ -530,10 +599,43 @@ class SGLangPrefillPeer:
         self.add_request(room, tables, plan.num_tokens, first_token)
         return tables
 
+    def add_dump_request(self, room: int, dump: Dump, num_tokens: int, first_token: int) -> RequestTables:
+        """Load a request from a kvbridge dump (``request_dump``'s entries: each KV cache's pages, in any
+        layout, converted to the pools' by ``convert_entry`` where it differs, byte for byte where it is
+        the same) into ``pools``, then offer it. A dump holds KV caches, not compressor state: a model with
+        compressed layers is served from pools (``add_request``). Returns its block tables in ``pools``."""
+        plan = plan_migration(self.pools.profile, self.pools.profile, self.pools.model, num_tokens, include_mtp=False)
+        state = sorted({t.spec.role.value for t in plan.transfers if t.dst.kind != "kv"})
+        if state:
+            raise InputError(f"{self.pools.model.name} needs compressor state ({', '.join(state)}) for SGLang's "
+                             "decode, which a kvbridge dump does not hold: serve the request from pools "
+                             "(SGLangPrefillPeer.add_request)")
+        loaded = []
+        for t in plan.transfers:
+            st, name = t.dst, entry_name(t.spec.layer, t.spec.role.value)
+            if name not in dump.names:
+                raise InputError(f"the dump has no entry {name} ({num_tokens} tokens of {self.pools.model.name} need "
+                                 f"one per KV cache); entries: {', '.join(dump.names) or 'none'}")
+            entry = dump[name]
+            first = int(dump.attrs.get(f"{name}.first_position", 0))
+            if (first, entry.num_tokens) != (t.first, t.count):
+                raise InputError(f"dump entry {name} holds tokens {first}..{first + (entry.num_tokens or 0) - 1}, a "
+                                 f"{num_tokens}-token request keeps {t.first}..{t.first + t.count - 1} there")
+            if (entry.layout, entry.page_size) != (st.layout.name, st.page_size):
+                entry, _ = convert_entry(entry, st.layout, page_size=st.page_size, dialect=st.dialect, scale=st.scale)
+            loaded.append((t, st.layout.pages_to_records(entry.data, st.page_size, t.count)))
+        with self._lock:
+            tables = self.pools.claim(plan.table_lengths("dst"), plan.released("dst"))
+        for t, rec in loaded:
+            scatter_records(self.pools.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, rec)
+        self.add_request(room, tables, num_tokens, first_token)
+        return tables
+
     def wait(self, room: int, timeout: float | None = None) -> dict[str, Any]:
         """Block until ``room`` was sent (or failed); returns ``{"status", "reason", "bytes", "seconds",
-        "peers", "kv_checksum"}`` (the digest in the decode's checksum row; None when it has none).
-        Raises ``TransferError`` when it did not finish within ``timeout``."""
+        "peers", "digest", "kv_checksum"}``: ``digest`` is kvbridge's digest of every page and state row
+        written (``kv_digest``), ``kv_checksum`` the same value when the decode has a checksum row
+        (None otherwise). Raises ``TransferError`` when it did not finish within ``timeout``."""
         with self._lock:
             req = self._requests.get(room)
         if req is None:
@@ -606,12 +708,12 @@ class SGLangPrefillPeer:
             if req is None or req.done.is_set():
                 continue
             t0 = time.perf_counter()
-            sent, reason, digest = 0, "", None
+            sent, reason, digest, asked = 0, "", None, False
             targets = [(i.endpoint, i.port) for i in infos.values() if not i.dummy]
             try:
                 for info in infos.values():
                     if not info.dummy:
-                        n, digest = self._send(req, info)
+                        n, digest, asked = self._send(req, info)
                         sent += n
                 status = POLL_SUCCESS
             except KVBridgeError as exc:
@@ -622,7 +724,8 @@ class SGLangPrefillPeer:
                 self._push_status(endpoint, port, room, status, reason)
             req.result = {"status": "Success" if status == POLL_SUCCESS else "Failed", "reason": reason,
                           "bytes": sent, "seconds": time.perf_counter() - t0, "peers": len(targets),
-                          "kv_checksum": digest if status == POLL_SUCCESS else None}
+                          "digest": digest if status == POLL_SUCCESS else None,
+                          "kv_checksum": digest if status == POLL_SUCCESS and asked else None}
             req.done.set()
 
     def _push_status(self, endpoint: str, port: int, room: int, status: int, reason: str) -> None:
@@ -636,9 +739,10 @@ class SGLangPrefillPeer:
         finally:
             sock.close()
 
-    def _send(self, req: _Request, info: TransferInfo) -> tuple[int, int | None]:
-        """NIXL-write one request to one decode rank; returns the bytes written and, when the decode
-        asked for it, the KV checksum (SGLang's digest of the pages and state rows written)."""
+    def _send(self, req: _Request, info: TransferInfo) -> tuple[int, int, bool]:
+        """NIXL-write one request to one decode rank; returns the bytes written, kvbridge's digest of the
+        pages and state rows written (``kv_digest``, SGLang's KV checksum) and whether the decode asked
+        for it in its checksum row."""
         with self._lock:
             peer = self._peers.get(info.agent_name)
         if peer is None:
@@ -654,9 +758,10 @@ class SGLangPrefillPeer:
         if len(info.kv_pages) != num_pages:
             raise InputError(f"decode allocated {len(info.kv_pages)} KV pages for room {info.room}; the request's "
                              f"{req.num_tokens} tokens take {num_pages}")
-        local: dict[str, list[tuple[int, int, int]]] = {"DRAM": [], "VRAM": []}
-        remote: dict[str, list[tuple[int, int, int]]] = {"DRAM": [], "VRAM": []}
-        items: list[np.ndarray] = []  # every page / state row written, in SGLang's transfer order
+        # descriptors per (remote kind, local kind): each side's kind is the one of its memory
+        local: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+        remote: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+        items: list[torch.Tensor] = []  # every page / state row written, in SGLang's transfer order
 
         def add(spec: CacheSpec, src_pages: Sequence[int], dst_ptr: int, dst_pages: Sequence[int], kind: str) -> None:
             st = pools.storage(spec)
@@ -664,6 +769,8 @@ class SGLangPrefillPeer:
             (tensor,) = pool_tensors(pools.pool(spec))
             n_pages = tensor.shape[0]
             dev = peer.gpu_id if kind == "VRAM" else 0
+            local_kind, local_dev = memory_kind(tensor)
+            key = (kind, local_kind)
             for s, d in zip(src_pages, dst_pages, strict=True):
                 if s < 0:
                     raise InputError(f"layer {spec.layer} {spec.role.value}: the request's page for decode page {d} "
@@ -671,16 +778,15 @@ class SGLangPrefillPeer:
                 if s >= n_pages or d < 0:
                     raise InputError(f"layer {spec.layer} {spec.role.value}: page {s} -> decode page {d} is outside "
                                      f"the pools ({n_pages} pages) or negative")
-                local[kind].append((base + s * st.page_bytes, st.page_bytes, 0))
-                remote[kind].append((dst_ptr + d * st.page_bytes, st.page_bytes, dev))
-                items.append(tensor[s].numpy())
+                local.setdefault(key, []).append((base + s * st.page_bytes, st.page_bytes, local_dev))
+                remote.setdefault(key, []).append((dst_ptr + d * st.page_bytes, st.page_bytes, dev))
+                items.append(tensor[s])
 
         for i, spec in enumerate(lay.kv):
             table = req.tables[pools.storage(spec).table]
             n = min(len(table), num_pages)  # pages past the table hold no complete compressed entry yet
             add(spec, table[:n], peer.kv_ptrs[i], info.kv_pages[:n], peer.kv_mem_kinds[i])
-        # SGLang registers state buffers as VRAM and does not announce their kind (see state_memory)
-        state_kind = self.state_memory or (peer.kv_mem_kinds[0] if peer.kv_mem_kinds else "VRAM")
+        state_kind = self.state_memory  # SGLang does not announce it (see state_memory)
         comps = [c for c in (lay.swa_state, lay.request_state) if c]
         if len(info.state_indices) != len(comps):
             raise InputError(f"decode sent {len(info.state_indices)} state index lists, the layout has {len(comps)}")
@@ -700,25 +806,24 @@ class SGLangPrefillPeer:
             for j, spec in enumerate(lay.request_state):
                 ring = req.tables[pools.storage(spec).table][:1]
                 add(spec, ring if slots else [], peer.state_ptrs[1][j], slots, state_kind)
-        digest = kv_checksum(items) if peer.kv_checksum else None
-        row = metadata_row(info.room, req.first_token, self.hidden_state_bytes, digest)
+        digest = kv_digest(items)  # on the pools' device; sent when the decode registered the checksum row
+        row = metadata_row(info.room, req.first_token, self.hidden_state_bytes,
+                           digest if peer.kv_checksum else None)
         aux = np.frombuffer(b"".join(row), dtype=np.uint8)
         self._aux.numpy()[: aux.size] = aux
         off = 0
-        for ptr, b in zip(peer.aux_ptrs, row, strict=True):
-            local["DRAM"].append((self._aux_addr + off, len(b), 0))
-            remote["DRAM"].append((ptr + info.aux_index * len(b), len(b), 0))
+        for ptr, b in zip(peer.aux_ptrs, row, strict=True):  # host memory on both ends (SGLang's send_aux)
+            local.setdefault(("DRAM", "DRAM"), []).append((self._aux_addr + off, len(b), 0))
+            remote.setdefault(("DRAM", "DRAM"), []).append((ptr + info.aux_index * len(b), len(b), 0))
             off += len(b)
         assert self._agent is not None
         total = 0
         xids = []
-        for kind in ("VRAM", "DRAM"):
-            if not local[kind]:
-                continue
+        for key in local:  # the device writes, then the metadata row
             xid = uuid.uuid4().int & (2**62 - 1)
-            loc = np.array(local[kind], dtype=np.uint64).reshape(-1, 3)
-            rem = np.array(remote[kind], dtype=np.uint64).reshape(-1, 3)
-            self._agent.call("posting the NIXL write", "write", xid, loc, rem, peer.nixl_name, b"", kind)
+            loc = np.array(local[key], dtype=np.uint64).reshape(-1, 3)
+            rem = np.array(remote[key], dtype=np.uint64).reshape(-1, 3)
+            self._agent.call("posting the NIXL write", "write", xid, loc, rem, peer.nixl_name, b"", *key)
             xids.append(xid)
             total += int(loc[:, 1].sum())
         for xid in xids:
@@ -726,4 +831,4 @@ class SGLangPrefillPeer:
                                      timeout=self.timeout + 10)
             if state != "DONE":
                 raise TransferError(f"NIXL write to decode agent {info.agent_name} ended {state}")
-        return total, digest
+        return total, digest, peer.kv_checksum

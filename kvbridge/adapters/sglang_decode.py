@@ -21,16 +21,25 @@ from one:
    request's block tables in its ``EnginePools`` (an SGLang profile), ready for
    ``kvbridge.migration.migrate_local`` into any engine's pools (``SGLangDecodePeer.migrate``).
    On Failed the request's pages are zeroed and released (SGLang reports Failed once its writes
-   settled); on a timeout they are zeroed and kept out of use (``quarantined``), as writes may
-   still land. Nothing half-written looks like a request.
+   settled). Nothing half-written looks like a request.
+4. liveness: while a request is in flight the prefill's bootstrap server is probed on SGLang's
+   ``GET /health`` route every ``heartbeat`` s; ``heartbeat_failures`` failed probes in a row declare
+   it dead (within ``dead_within`` s) and the request fails with one line; a live prefill that sends
+   no status fails it after ``timeout``. The request's pages are then zeroed and quarantined, and
+   come back (``reclaim``) once the prefill reported the room after all, or ``heartbeat`` s after
+   it was declared dead: then no write of it can still land.
+
+Every pool tensor is registered with NIXL as the kind of its memory (``memory_kind``: VRAM for CUDA,
+DRAM for host), and the KV buffers' kinds are announced so; the metadata rows are host memory, as
+SGLang writes them. SGLang's prefill addresses the decode's SWA and state buffers (components ``swa``
+and ``c128_state``) as GPU memory (``VRAM``) whatever kind the decode registered: against a CUDA
+prefill the pools must be CUDA tensors; host pools receive only from a prefill whose state writes
+address host memory (NIXL finds no descriptor otherwise: ``NIXL_ERR_NOT_FOUND``).
 
 Limits of this version: a prefill with attention TP/CP/PP/DP of 1 (one rank), no MTP/draft layers,
-no decode-side prefix cache, metadata rows without the sampling-mask, DSA top-k and KV checksum
-buffers. SGLang's prefill addresses the decode's SWA and state buffers (components ``swa`` and
-``c128_state``) as GPU memory (``VRAM``) whatever kind the decode registered; kvbridge's pools are
-registered as host memory (``DRAM``), for which NIXL finds no GPU-memory descriptor
-(``NIXL_ERR_NOT_FOUND``): a CUDA prefill fails the request with that reason (the compressed KV and
-metadata writes use the announced kind).
+no decode-side prefix cache, metadata rows without the sampling-mask and DSA top-k buffers (the KV
+checksum row with ``kv_checksum``). SGLang's bootstrap announces no layer count: a prefill of another
+depth is not refused at bootstrap (see docs/adapters.md).
 """
 
 from __future__ import annotations
@@ -51,22 +60,26 @@ import numpy as np
 import torch
 
 from kvbridge.adapters.sglang import (
+    CHECKSUM_ROW_BYTES,
     GUARD,
     HIDDEN_STATE_BYTES,
     KV_STATUS,
+    MODEL_ROUTE,
     POLL_FAILED,
     POLL_SUCCESS,
     SGLangPDLayout,
     _local_ip,
     _pack_lists,
+    kv_digest,
     metadata_item_lens,
+    model_info,
     pd_layout,
     start_peer,
 )
 from kvbridge.engines.topology import CacheSpec
 from kvbridge.errors import InputError
 from kvbridge.migration.execute import MigrationError, MigrationReport, TransferError, migrate_local
-from kvbridge.migration.nixl import _Agent
+from kvbridge.migration.nixl import _Agent, memory_kind
 from kvbridge.migration.plan import MigrationPlan, plan_migration
 from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
 
@@ -74,6 +87,13 @@ from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
 STATE_MARK = 0xFF
 #: Rows of metadata buffers the peer registers (requests it can hold in flight at once).
 AUX_ROWS = 8
+#: Index of the metadata buffer holding the bootstrap room (SGLang's corruption check).
+ROOM_BUFFER = len(metadata_item_lens()) - 1
+#: Seconds between two health probes (``GET /health``) of a prefill's bootstrap server, and the most
+#: one probe waits; SGLang's decode probes the same route (``SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL``).
+HEARTBEAT_S = 1.0
+#: Failed probes in a row that declare a prefill dead (SGLang's ``..._HEARTBEAT_MAX_FAILURE`` default).
+HEARTBEAT_FAILURES = 2
 
 
 @dataclass
@@ -88,18 +108,34 @@ class SGLangRequest:
     pages: dict[str, int]  # pages the prefill wrote per block table
     seconds: float  # from sending the page ids to the prefill's Success
     prefill: dict[str, Any] = field(default_factory=dict)  # its PrefillServerInfo, as served
+    digest: int = 0  # kvbridge's digest (kv_digest) of the kept KV pages, window SWA/state pages and ring
+    digest_verified: bool = False  # the prefill sent a digest in the checksum row and it matched
 
     def to_dict(self) -> dict[str, Any]:
         return {"room": self.room, "num_tokens": self.num_tokens, "first_token": self.first_token,
                 "tables": {k: list(v) for k, v in self.tables.items()}, "bytes": self.bytes,
-                "pages": dict(self.pages), "seconds": self.seconds, "prefill": dict(self.prefill)}
+                "pages": dict(self.pages), "seconds": self.seconds, "prefill": dict(self.prefill),
+                "digest": self.digest, "digest_verified": self.digest_verified}
 
 
 @dataclass
 class _Waiter:
+    addr: str  # the prefill's bootstrap address, probed while the request is in flight
     done: threading.Event = field(default_factory=threading.Event)
     status: int | None = None
     reason: str = ""
+    dead: bool = False  # the prefill's bootstrap server failed HEARTBEAT_FAILURES probes in a row
+
+
+@dataclass
+class _Quarantine:
+    """Pages (and the metadata row) of a failed request the prefill may still write into."""
+
+    addr: str
+    tables: RequestTables
+    aux_index: int
+    settled: bool = False  # the prefill reported the room after all (its writes settled)
+    dead_at: float | None = None  # monotonic time the prefill was declared dead
 
 
 def _get_json(url: str, what: str) -> tuple[int, Any]:
@@ -123,18 +159,28 @@ class SGLangDecodePeer:
     ``hidden_state_bytes``: bytes per row of the hidden-state metadata buffer, as the prefill's
     (64 without speculative decoding that carries draft hidden states). ``kv_cache_dtype``: the
     prefill's ``--kv-cache-dtype`` (DeepSeek-V4 resolves ``auto`` to ``fp8_e4m3``). ``timeout``:
-    seconds one request may take, bootstrap included.
+    seconds one request may take, bootstrap included (a stalled prefill fails the request then).
+    ``heartbeat`` / ``heartbeat_failures``: the prefill's bootstrap server is probed every
+    ``heartbeat`` s while a request is in flight or quarantined; that many failed probes in a row
+    declare it dead, within ``dead_within`` s (``2 * heartbeat * heartbeat_failures``).
+    ``kv_checksum``: also register SGLang's KV-checksum metadata row, into which kvbridge's prefill
+    peer writes its digest, checked here against what landed (an SGLang prefill without
+    ``--disaggregation-enable-kv-checksum`` logs that the decode has one more metadata buffer).
     """
 
     def __init__(self, pools: EnginePools, *, aux_rows: int = AUX_ROWS, hidden_state_bytes: int = HIDDEN_STATE_BYTES,
-                 host: str = "127.0.0.1", kv_cache_dtype: str = "fp8_e4m3", timeout: float = 60.0):
+                 host: str = "127.0.0.1", kv_cache_dtype: str = "fp8_e4m3", timeout: float = 60.0,
+                 heartbeat: float = HEARTBEAT_S, heartbeat_failures: int = HEARTBEAT_FAILURES,
+                 kv_checksum: bool = False):
         if not isinstance(pools, EnginePools):
             raise InputError(f"pools must be EnginePools, got {type(pools).__name__}")
-        for name, v in (("aux_rows", aux_rows), ("hidden_state_bytes", hidden_state_bytes)):
+        for name, v in (("aux_rows", aux_rows), ("hidden_state_bytes", hidden_state_bytes),
+                        ("heartbeat_failures", heartbeat_failures)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(f"{name} must be a positive integer, got {v!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        for name, x in (("timeout", timeout), ("heartbeat", heartbeat)):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0:
+                raise InputError(f"{name} must be a positive number of seconds, got {x!r}")
         if pools.profile.state_dtype != "fp32":
             raise InputError(f"{pools.profile.spec}: the SGLang decode peer takes fp32 compressor state only (SGLang's "
                              "default): SGLang's prefill announces no state dtype and writes its rows at its own "
@@ -142,18 +188,21 @@ class SGLangDecodePeer:
         self.pools, self.layout = pools, pd_layout(pools)
         self.aux_rows, self.hidden_state_bytes = aux_rows, hidden_state_bytes
         self.host, self.kv_cache_dtype, self.timeout = host, kv_cache_dtype, float(timeout)
-        self._lock = threading.Lock()
+        self.heartbeat, self.heartbeat_failures = float(heartbeat), heartbeat_failures
+        self.kv_checksum = bool(kv_checksum)
+        #: Seconds within which a dead prefill is detected: each of the failed probes in a row waits at
+        #: most ``heartbeat`` and follows the previous one by ``heartbeat``.
+        self.dead_within = 2 * self.heartbeat * heartbeat_failures
+        self._lock = threading.RLock()
         self._waiters: dict[int, _Waiter] = {}
+        self._quarantine: dict[int, _Quarantine] = {}
+        self._misses: dict[str, int] = {}
         self._registered: set[tuple[str, int]] = set()
         self._free_aux = list(range(aux_rows - 1, -1, -1))
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._agent: _Agent | None = None
         self._zmq: Any = None
         self._push: dict[tuple[str, int], Any] = {}
-        #: Block tables of requests that timed out mid-transfer: zeroed, but kept out of the free
-        #: lists, as the prefill may still write into them.
-        self.quarantined: list[RequestTables] = []
         self.ip = ""
         self.rank_port = 0
 
@@ -179,19 +228,20 @@ class SGLangDecodePeer:
             t.share_memory_()
             self._ptrs[(spec.layer, spec.role)] = self._agent.register(f"{spec.layer}.{spec.role.value}", t)
         self._aux = [torch.zeros(self.aux_rows, n, dtype=torch.uint8).share_memory_()
-                     for n in metadata_item_lens(self.hidden_state_bytes)]
+                     for n in metadata_item_lens(self.hidden_state_bytes) + [CHECKSUM_ROW_BYTES] * self.kv_checksum]
         self._aux_ptrs = [self._agent.register(f"aux{i}", t) for i, t in enumerate(self._aux)]
         self._metadata = self._agent.call("reading the NIXL agent metadata", "metadata")
-        self._thread = threading.Thread(target=self._listen, args=(pull,), daemon=True,
-                                        name="kvbridge-sglang-decode-status")
-        self._thread.start()
+        self._threads = [threading.Thread(target=fn, args=args, daemon=True, name=f"kvbridge-sglang-decode-{what}")
+                         for fn, args, what in ((self._listen, (pull,), "status"), (self._watch, (), "heartbeat"))]
+        for t in self._threads:
+            t.start()
 
     def close(self) -> None:
         """Stop; requests still waiting fail with ``TransferError``."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
+        for t in getattr(self, "_threads", ()):
+            t.join(5)
+        self._threads = []
         if self._agent is not None:
             self._agent.close()
             self._agent = None
@@ -239,26 +289,25 @@ class SGLangDecodePeer:
             raise MigrationError(f"{self.pools.profile.spec} holds {want} pages ({released} released) for "
                                  f"{num_tokens} tokens, SGLang's prefill sends {num_pages} KV pages and SWA pages "
                                  f"from {first_swa}: this profile does not match SGLang's PD rule")
+        self._register(target)  # once per prefill rank, before any page is allocated
+        self.reclaim()
         with self._lock:
-            if room in self._waiters:
+            if room in self._waiters or room in self._quarantine:
                 raise InputError(f"room {room} is already being received")
             if not self._free_aux:
                 raise InputError(f"all {self.aux_rows} metadata rows are in use (aux_rows)")
             tables = self.pools.claim(lengths, {"swa": first_swa})
             aux_index = self._free_aux.pop()
-            waiter = self._waiters[room] = _Waiter()
+            waiter = self._waiters[room] = _Waiter(bootstrap_addr)
         ok = sent = False
         t0 = time.perf_counter()
         try:
             self._mark_state(tables, ring)
-            self._register(target)
             self._send(target, self._metadata_message(room, tables, aux_index, first_swa, ring))
             sent = True
             self._progress(waiter, deadline)
             if waiter.status is None:
-                raise TransferError(f"room {room}: the SGLang prefill at {bootstrap_addr} did not finish the transfer "
-                                    f"within {self.timeout:.0f} s" if not self._stop.is_set() else
-                                    f"room {room}: the peer was closed")
+                raise TransferError(self._unfinished(room, waiter, time.perf_counter() - t0))
             seconds = time.perf_counter() - t0
             if waiter.status != POLL_SUCCESS:
                 raise TransferError(f"room {room}: the SGLang prefill failed the transfer: "
@@ -268,6 +317,7 @@ class SGLangDecodePeer:
                 raise TransferError(f"room {room}: the metadata row names room {meta_room}: corrupted or another "
                                     "request's row")
             self._check_state(room, tables, ring)
+            digest, verified = self._check_digest(room, aux_index, tables, first_swa, ring, want.get("full", 0))
             pages = {k: len([i for i in v if i >= 0]) for k, v in tables.items()}
             if not ring and lay.request_state:  # no live ratio-128 rows: the ring was not sent
                 pages["state128"] = 0
@@ -275,7 +325,8 @@ class SGLangDecodePeer:
             kept = {name: ids[: want.get(name, 0)] for name, ids in tables.items()}
             self.pools.release({name: ids[len(kept[name]):] for name, ids in tables.items()})
             ok = True
-            return SGLangRequest(room, num_tokens, first_token, kept, self._written(pages), pages, seconds, info)
+            return SGLangRequest(room, num_tokens, first_token, kept, self._written(pages), pages, seconds, info,
+                                 digest, verified)
         finally:
             with self._lock:
                 self._waiters.pop(room, None)
@@ -289,7 +340,80 @@ class SGLangDecodePeer:
                     if settled:
                         self.pools.release(tables)
                     else:  # writes may still land: keep the pages (and the row) out of use
-                        self.quarantined.append(tables)
+                        self._quarantine[room] = _Quarantine(bootstrap_addr, tables, aux_index,
+                                                             dead_at=time.monotonic() if waiter.dead else None)
+
+    def _unfinished(self, room: int, waiter: _Waiter, seconds: float) -> str:
+        """The one line a request that got no status from its prefill fails with."""
+        if waiter.dead:
+            return (f"room {room}: the SGLang prefill at {waiter.addr} died mid-transfer (its bootstrap server "
+                    f"failed {self.heartbeat_failures} health probes in a row; noticed after {seconds:.1f} s)")
+        if self._stop.is_set():
+            return f"room {room}: the peer was closed"
+        return (f"room {room}: the SGLang prefill at {waiter.addr} is alive but did not finish the transfer within "
+                f"{self.timeout:.0f} s (stalled)")
+
+    # -- liveness and quarantine -----------------------------------------------------------------
+
+    @property
+    def quarantined(self) -> list[RequestTables]:
+        """Block tables of failed requests kept out of use because their prefill may still write
+        into them: zeroed, and returned to the free lists by ``reclaim`` once no write can land."""
+        with self._lock:
+            return [q.tables for q in self._quarantine.values()]
+
+    def reclaim(self) -> int:
+        """Return quarantined pages to use where no write can still land: the prefill reported the
+        room after all (SGLang reports a room once its writes settled), or it was declared dead at
+        least ``heartbeat`` s ago (a dead process posts no write; one it had posted completes or is
+        dropped with its endpoint). The pages are zeroed again first. Returns the requests reclaimed."""
+        now = time.monotonic()
+        with self._lock:
+            done = [room for room, q in self._quarantine.items()
+                    if q.settled or (q.dead_at is not None and now >= q.dead_at + self.heartbeat)]
+            for room in done:
+                q = self._quarantine.pop(room)
+                self._scrub(q.tables)
+                for t in self._aux:
+                    t[q.aux_index].zero_()
+                self.pools.release(q.tables)
+                self._free_aux.append(q.aux_index)
+        return len(done)
+
+    def _healthy(self, addr: str) -> bool:
+        """One probe of SGLang's bootstrap-server health route (what SGLang's decode heartbeat asks)."""
+        try:
+            with urllib.request.urlopen(f"http://{addr}/health", timeout=self.heartbeat) as r:
+                return r.status == 200
+        except (OSError, ValueError):
+            return False
+
+    def _watch(self) -> None:
+        """Probe the prefills of requests in flight or quarantined every ``heartbeat`` s; declare one
+        dead after ``heartbeat_failures`` failed probes in a row (its waiting requests fail now, its
+        quarantined pages are reclaimed a ``heartbeat`` later)."""
+        while not self._stop.wait(self.heartbeat):
+            self._probe()
+            self.reclaim()
+
+    def _probe(self) -> None:
+        """One heartbeat: probe each prefill a request waits on or is quarantined for."""
+        with self._lock:
+            addrs = {w.addr for w in self._waiters.values()} | {
+                q.addr for q in self._quarantine.values() if q.dead_at is None}
+        for addr in addrs:
+            misses = 0 if self._healthy(addr) else self._misses.get(addr, 0) + 1
+            self._misses[addr] = misses
+            if misses < self.heartbeat_failures:
+                continue
+            with self._lock:
+                for w in self._waiters.values():
+                    if w.addr == addr and not w.done.is_set():
+                        w.dead = True
+                        w.done.set()
+                for q in self._quarantine.values():
+                    if q.addr == addr and q.dead_at is None:
+                        q.dead_at = time.monotonic()
 
     def _progress(self, waiter: _Waiter, deadline: float) -> None:
         """Drive the NIXL agent until the prefill's status arrives: the prefill connects to it and
@@ -331,7 +455,27 @@ class SGLangDecodePeer:
                                     f"({code or 'unreachable'}: {str(body)[:200]})")
             time.sleep(0.2)
         self._check_prefill(addr, body)
+        self._check_model(addr)
         return body
+
+    def _check_model(self, addr: str) -> None:
+        """Refuse a kvbridge prefill (its bootstrap server answers ``MODEL_ROUTE``) whose model differs
+        in depth, per-layer ratios or buffer item bytes; SGLang's bootstrap server announces none of
+        these (it answers 404) and is not checked here."""
+        try:
+            code, theirs = _get_json(f"http://{addr}{MODEL_ROUTE}", f"the bootstrap server {addr}")
+        except (OSError, TransferError):
+            return
+        if code != 200 or not isinstance(theirs, dict):
+            return
+        ours = model_info(self.pools)
+        diff = [k for k in ("num_layers", "compress_ratios", "kv_item_lens", "state_item_lens")
+                if theirs.get(k) != ours[k]]
+        if diff:
+            raise MigrationError(f"the prefill at {addr} serves {theirs.get('model')} with {theirs.get('num_layers')} "
+                                 f"layers, ratios {theirs.get('compress_ratios')}; kvbridge's pools hold "
+                                 f"{ours['model']} with {ours['num_layers']} layers, ratios {ours['compress_ratios']} "
+                                 f"({', '.join(diff)} differ): model mismatch")
 
     def _check_prefill(self, addr: str, info: dict[str, Any]) -> None:
         """SGLang's decode-side handshake checks, plus what this peer serves (one prefill rank)."""
@@ -396,12 +540,16 @@ class SGLangDecodePeer:
         state_ptrs = [[self._ptrs[(s.layer, s.role)] for s in g] for g in groups]
         state_lens = [[pool_tensors(pools.pool(s))[0].numel() for s in g] for g in groups]
         num_slots = min((pool_tensors(pools.pool(s))[0].shape[0] for s in lay.kv), default=0)
+        kinds = [memory_kind(pool_tensors(pools.pool(s))[0])[0] for s in lay.kv]  # the memory each KV buffer is in
+        # the device SGLang addresses VRAM descriptors on (state buffers are always VRAM to it)
+        gpu = next((memory_kind(t)[1] for s in self._specs() for t in pool_tensors(pools.pool(s)) if t.is_cuda), 0)
         q = lambda xs: struct.pack(f"<{len(xs)}Q", *xs)  # noqa: E731
         frames = [GUARD, b"None", self.ip.encode(), str(self.rank_port).encode(), self._agent.name.encode(),
-                  self._metadata, q(kv_ptrs), q(self._aux_ptrs), _pack_lists(state_ptrs, "Q"), b"0", b"1", b"0",
+                  self._metadata, q(kv_ptrs), q(self._aux_ptrs), _pack_lists(state_ptrs, "Q"), str(gpu).encode(),
+                  b"1", b"0",
                   str(lay.kv_item_lens[0] if lay.kv_item_lens else 0).encode(),
                   _pack_lists([list(x) for x in lay.state_item_lens], "I"), _pack_lists([[] for _ in groups], "I"),
-                  b"", b"", str(num_slots).encode(), ",".join(["DRAM"] * len(kv_ptrs)).encode(),
+                  b"", b"", str(num_slots).encode(), ",".join(kinds).encode(),
                   q(list(lay.kv_item_lens)), _pack_lists([[] for _ in groups], "I"), b"", b"1", b"0",
                   _pack_lists(state_lens, "Q")]
         self._send(target, frames)
@@ -435,19 +583,53 @@ class SGLangDecodePeer:
             except ValueError:
                 continue
             reason = msg[4].decode(errors="replace") if len(msg) > 4 else ""
+            if status not in (POLL_SUCCESS, POLL_FAILED):
+                continue
             with self._lock:
-                w = self._waiters.get(room)
-            if w is not None and status in (POLL_SUCCESS, POLL_FAILED):
-                w.status, w.reason = status, reason
-                w.done.set()
+                w, q = self._waiters.get(room), self._quarantine.get(room)
+                if w is not None:
+                    w.status, w.reason = status, reason
+                    w.done.set()
+                elif q is not None:  # a late status: the prefill's writes for the room settled
+                    q.settled = True
+            if q is not None and w is None:
+                self.reclaim()
 
     # -- received bytes --------------------------------------------------------------------------
 
     def _read_row(self, aux_index: int) -> tuple[int, int]:
         """(first output token, bootstrap room) of metadata row ``aux_index``."""
         first = int(np.frombuffer(self._aux[0][aux_index].numpy().tobytes()[:4], "<i4")[0])
-        room = int(np.frombuffer(self._aux[-1][aux_index].numpy().tobytes()[:8], "<u8")[0])
+        room = int(np.frombuffer(self._aux[ROOM_BUFFER][aux_index].numpy().tobytes()[:8], "<u8")[0])
         return first, room
+
+    def _landed(self, tables: RequestTables, first_swa: int, ring: bool, full_pages: int):
+        """Every item the request keeps, in SGLang's transfer order (each KV buffer over the first
+        ``full_pages`` pages, each ``swa`` component buffer over the window's pages, then the ratio-128
+        ring when it travelled): what ``SGLangPrefillPeer`` digests."""
+        lay = self.layout
+        groups = [(lay.kv, tables.get("full", [])[:full_pages]), (lay.swa_state, tables["swa"][first_swa:])]
+        if ring:
+            groups.append((lay.request_state, tables["state128"][:1]))
+        for specs, ids in groups:
+            for spec in specs:
+                for t in pool_tensors(self.pools.pool(spec)):
+                    for i in ids:
+                        yield t[i]
+
+    def _check_digest(self, room: int, aux_index: int, tables: RequestTables, first_swa: int, ring: bool,
+                      full_pages: int) -> tuple[int, bool]:
+        """kvbridge's digest of what landed (on the pools' device) and whether it was checked: against
+        the digest a prefill wrote into the checksum row (``kv_checksum``; kvbridge's prefill peer does,
+        SGLang 0.5.23's cannot digest DeepSeek-V4 state and sends none). A mismatch fails the request."""
+        digest = kv_digest(self._landed(tables, first_swa, ring, full_pages))
+        if not self.kv_checksum:
+            return digest, False
+        sent = int(np.frombuffer(self._aux[-1][aux_index].numpy().tobytes()[:8], "<u8")[0])
+        if sent and sent != digest:
+            raise TransferError(f"room {room}: the bytes that landed digest to {digest:#010x}, the prefill's digest is "
+                                f"{sent:#010x}: corrupted in transfer")
+        return digest, bool(sent)
 
     def _written(self, pages: dict[str, int]) -> int:
         """Bytes the prefill wrote for ``pages`` (pages per block table) and one metadata row."""
@@ -501,4 +683,4 @@ class SGLangDecodePeer:
         return (*lay.kv, *lay.swa_state, *lay.request_state)
 
 
-__all__ = ["AUX_ROWS", "SGLangDecodePeer", "SGLangRequest"]
+__all__ = ["AUX_ROWS", "HEARTBEAT_FAILURES", "HEARTBEAT_S", "SGLangDecodePeer", "SGLangRequest"]

@@ -141,12 +141,19 @@ def _agent_main(conn, name: str) -> None:
         os._exit(0)
 
 
+def memory_kind(tensor: torch.Tensor) -> tuple[str, int]:
+    """NIXL's memory type and device id of ``tensor``'s memory: ``("VRAM", cuda index)`` for CUDA
+    memory, ``("DRAM", 0)`` for host memory."""
+    return ("VRAM", tensor.device.index or 0) if tensor.is_cuda else ("DRAM", 0)
+
+
 def _agent_op(agent, regions: dict, xfers: dict, op: str, args: tuple) -> Any:
     if op == "register":
         key, tensor = args
         if key in regions:
             agent.deregister_memory(regions.pop(key)[1])
-        reg = agent.register_memory([(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0, "")], "DRAM")
+        kind, dev = memory_kind(tensor)
+        reg = agent.register_memory([(tensor.data_ptr(), tensor.numel() * tensor.element_size(), dev, "")], kind)
         regions[key] = (tensor, reg)
         return tensor.data_ptr()
     if op == "metadata":
@@ -157,9 +164,10 @@ def _agent_op(agent, regions: dict, xfers: dict, op: str, args: tuple) -> Any:
         agent.remove_remote_agent(args[0])
         return None
     if op == "write":
-        xid, local, remote, peer, notif, *kind = args  # kind: the remote memory's type (default DRAM)
-        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
-                                       agent.get_xfer_descs(remote, kind[0] if kind else "DRAM"), peer, notif)
+        xid, local, remote, peer, notif, *kinds = args  # kinds: the remote memory's type, the local one (DRAM)
+        remote_kind, local_kind = (*kinds, "DRAM", "DRAM")[:2]
+        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, local_kind),
+                                       agent.get_xfer_descs(remote, remote_kind), peer, notif)
         state = agent.transfer(handle)
         if state == "ERR":
             agent.release_xfer_handle(handle)

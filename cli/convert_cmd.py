@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from kvbridge.dumps.dumpfile import convert_open_dump, open_dump, plan_convert
+from kvbridge.dumps.convert import convert_open_dump, plan_convert
+from kvbridge.dumps.dumpfile import open_dump
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 

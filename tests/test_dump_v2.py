@@ -13,19 +13,11 @@ import torch
 from safetensors.torch import save_file
 
 import kvbridge as kb
+from kvbridge.dumps import convert as convert_mod
 from kvbridge.dumps import dumpfile as dump_mod
-from kvbridge.dumps.dumpfile import (
-    DumpEntry,
-    DumpWriter,
-    EntrySpec,
-    convert_dump,
-    dump_stats,
-    entry_stats,
-    open_dump,
-    partial_path,
-    read_dump,
-    write_dump,
-)
+from kvbridge.dumps.convert import convert_dump
+from kvbridge.dumps.dumpfile import DumpEntry, DumpWriter, EntrySpec, open_dump, partial_path, read_dump, write_dump
+from kvbridge.dumps.stats import dump_stats, entry_stats
 from kvbridge.errors import DumpFormatError, DumpWriteError, InputError, NonFiniteError
 
 
@@ -111,7 +103,7 @@ def test_streamed_conversion_equals_whole_entry_conversion(tmp_path: Path, small
                        ("trtllm-fp8-ds-mla", {"page_size": 24}), ("model1", {"page_size": 8, "report": False})):
         out = tmp_path / f"{to}.safetensors"
         got = convert_dump(src, out, to, overwrite=True, **kwargs)
-        want = [dump_mod.convert_entry(e, to, page_size=kwargs["page_size"], scale=kwargs.get("scale"))
+        want = [convert_mod.convert_entry(e, to, page_size=kwargs["page_size"], scale=kwargs.get("scale"))
                 for e in read_dump(src)]
         for g, (entry, rep), e in zip(got, want, read_dump(out), strict=True):
             assert torch.equal(e.data, entry.data), (to, e.name)
@@ -186,7 +178,7 @@ def test_inspect_counts_what_convert_refuses(tmp_path: Path):
 def test_output_checks_run_before_any_work(tmp_path: Path, monkeypatch):
     src = write_dump(tmp_path / "s.safetensors", entries())
     work = []
-    monkeypatch.setattr(dump_mod._Converter, "run", lambda self: work.append(1))
+    monkeypatch.setattr(convert_mod._Converter, "run", lambda self: work.append(1))
     with pytest.raises(InputError, match="does not exist"):
         convert_dump(src, tmp_path / "missing" / "o.safetensors", "model1", page_size=8)
     with pytest.raises(InputError, match="is a directory"):

@@ -131,3 +131,5 @@ def command(
             str(r.flushed_to_zero),
         )
     console.print(table)
+    for note in dict.fromkeys(c.report.note for c in converted if c.report.note):
+        console.print(f"[dim]{to_layout.name}:[/dim] {note}")

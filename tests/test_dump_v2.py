@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import save_file
 
 import kvbridge as kb
+from cli.main import cli
 from kvbridge.dumps import convert as convert_mod
 from kvbridge.dumps import dumpfile as dump_mod
 from kvbridge.dumps.convert import convert_dump
@@ -299,3 +301,19 @@ def test_write_dump_refuses_a_tensor_and_a_directory(tmp_path: Path):
         write_dump(tmp_path / "x.safetensors", torch.zeros(3, 512))
     with pytest.raises(InputError, match="is a directory"):
         write_dump(tmp_path, entries(10))
+
+
+def test_convert_report_equals_transcode_report_note_included(tmp_path: Path):
+    x = latents(300)
+    pages = kb.encode(x, "model1", page_size=64)
+    src = write_dump(tmp_path / "m1.safetensors", [DumpEntry(0, "swa", pages, "flashmla-model1", 64, 300)])
+    for to, args in (("v41-fp4", ()), ("trtllm-fp8", ("--scale", "0.05")), ("trtllm-fp8-ds-mla", ())):
+        out = tmp_path / f"{to}.safetensors"
+        result = CliRunner().invoke(cli, ["convert", str(src), str(out), "--to", to, "--json", *args])
+        assert result.exit_code == 0, result.output
+        got = json.loads(result.output)["entries"][0]
+        assert got.pop("name") == "layer.0.swa"
+        scale = {"dst_scale": 0.05} if args else {}
+        _, want = kb.transcode(pages, "flashmla-model1", to, src_page_size=64, num_tokens=300, report=True, **scale)
+        assert got == want.to_dict(), to
+        assert (want.note != "") == (not want.lossless), to  # the layout's loss note, where anything was lost

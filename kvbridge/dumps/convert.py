@@ -8,7 +8,7 @@ the plans chunk by chunk (``_Converter``) into a ``DumpWriter`` (atomic, space r
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,14 +25,26 @@ from kvbridge.dumps.dumpfile import (
     ProgressFn,
     _estimate_bytes,
     _fp32_scale,
-    _short,
     open_dump,
     tokens_per_chunk,
 )
 from kvbridge.errors import InputError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout, scan
 from kvbridge.layouts.codec import tensor_multiplier
-from kvbridge.ops.pages import LossReport, auto_scale, decode, encode, is_byte_move, transcode
+from kvbridge.ops.pages import (
+    LossReport,
+    _check_auto,
+    _check_byte_move_dialect,
+    _check_dialect,
+    _check_scale,
+    auto_scale,
+    decode,
+    encode,
+    is_byte_move,
+    loss_report,
+    transcode,
+    transcode_loss_stats,
+)
 
 #: Tokens of an entry's first chunk that pre-select the lossless per-tensor scales of ``scale="auto"``.
 LOSSLESS_SAMPLE_TOKENS = 64
@@ -98,16 +110,9 @@ def plan_convert(
     dst = get_layout(to_layout)
     if page_size is not None:
         dst.check_page_size(page_size)
-    if scale is not None and scale != "auto":
-        if not dst.per_tensor_scale:
-            raise InputError(f"{dst.name} has per-tile scales; a destination scale applies to per-tensor layouts")
-        if _fp32_scale(scale) is None:
-            raise InputError(f"scale must be a positive finite fp32 number or 'auto', got {_short(scale)}")
-    if scale == "auto" and not dst.per_tensor_scale:
-        raise InputError(f"scale='auto' applies only to per-tensor layouts, not {dst.name}")
-    if dialect is not None and dialect not in dst.dialects:
-        allowed = ", ".join(dst.dialects) or "none"
-        raise InputError(f"dialect {_short(dialect)} does not apply to {dst.name} (allowed: {allowed})")
+    auto = _check_auto(scale, dst)  # the same checks, and messages, as ``transcode``
+    s_given = None if auto else _check_scale(scale, dst)
+    encoder_dialect = _check_dialect(dialect, dst)
     plans = []
     for info in fh.entries:
         src = info.layout
@@ -117,28 +122,49 @@ def plan_convert(
         dp = sp if page_size is None else page_size
         s_in = _fp32_scale(info.meta.get("scale"))  # None: per-tile source (or latents)
         if dst.per_tensor_scale:
-            if scale == "auto" and s_in is not None and is_byte_move(src, dst, s_in, s_in):
+            if auto and s_in is not None and is_byte_move(src, dst, s_in, s_in):
                 s_out: float | str | None = s_in  # a lossless byte move exists: keep it
             else:
-                s_out = 1.0 if scale is None else scale if scale == "auto" else _fp32_scale(scale)
+                s_out = "auto" if auto else s_given
         else:
             s_out = None
         move = src is not None and s_out != "auto" and is_byte_move(src, dst, s_in or 1.0, s_out or 1.0)
-        if move and dialect is not None:
-            raise InputError(
-                f"entry {info.name}: {src.name} -> {dst.name} is a byte move that keeps the source's scales; "
-                f"dialect {dialect!r} would not be applied"
-            )
-        d = None if move else (dialect or dst.default_dialect)
+        if move:
+            try:
+                _check_byte_move_dialect(src, dst, dialect)
+            except InputError as e:
+                raise InputError(f"entry {info.name}: {e}") from None
+        d = None if move else encoder_dialect
         out_dialect = info.meta.get("dialect") if move else d
         plans.append(EntryPlan(info, src, sp, dst, dp, s_in, s_out, move, d, out_dialect))
     return plans
 
 
 def _nonfinite_error(fh: DumpFile, plan: EntryPlan, count: int, token: int, where: str) -> NonFiniteError:
+    """``count``: the entry's decoded values that are NaN or Inf, as ``kvbridge inspect`` counts them."""
     return NonFiniteError(
-        f"{fh.path}: entry {plan.info.name}: {count} non-finite value(s) in the source; first at token {token}{where}"
+        f"{fh.path}: entry {plan.info.name}: {count} non-finite value(s) (decoded NaN/Inf) in the source; "
+        f"first at token {token}{where}"
     )
+
+
+def _reproduces(values: torch.Tensor, dst: Layout, page_size: int, dialect: str | None, scale: float) -> bool:
+    """Whether ``dst`` at per-tensor ``scale`` stores the decoded fp32 ``values`` exactly."""
+    trial = encode(values, dst, page_size=page_size, dialect=dialect, scale=scale)
+    return torch.equal(decode(trial, dst, page_size=page_size, num_tokens=values.shape[0], scale=scale), values)
+
+
+def _lossless_scale(chunks: Callable[[], Iterable[torch.Tensor]], amax: float, sample: torch.Tensor, dst: Layout,
+                    page_size: int, dialect: str | None, *, one_refuted: bool = False) -> float | None:
+    """The per-tensor scale ``scale="auto"`` takes when one stores every value exactly, else None: s = 1
+    first (unless ``one_refuted``; e.g. back to the TensorRT-LLM FP8 a MODEL1 dump came from), then the
+    ``lossless_scale_candidates`` of the values' ``amax`` and ``sample``, largest first. ``chunks()`` yields
+    the decoded values again for each scale tried, which stops at the first chunk it does not reproduce."""
+    d = _check_dialect(dialect, dst)
+    for s in [*([] if one_refuted else [1.0]), *lossless_scale_candidates(amax, sample, d)]:
+        if all(_reproduces(v, dst, page_size, dialect, s) for v in chunks()):
+            return s
+    return None
 
 
 class _Converter:
@@ -181,10 +207,8 @@ class _Converter:
 
     def settle_auto_scale(self) -> None:
         """``scale="auto"`` where no byte move applies: a scale that reproduces every value when one
-        exists (s = 1, e.g. back to the TensorRT-LLM FP8 a MODEL1 dump came from, else the largest of
-        ``loss.lossless_scale_candidates``, each checked on the whole entry), else the smallest scale
-        with no saturation. The first pass takes the amax and checks s = 1; each candidate costs at
-        most one more pass, ending at its first chunk that it does not reproduce."""
+        exists (``_lossless_scale``), else the smallest scale with no saturation. The first pass takes
+        the amax and checks s = 1; each candidate costs at most one more pass."""
         p = self.plan
         if p.dst_scale != "auto":
             return
@@ -195,50 +219,36 @@ class _Converter:
             amax = max(amax, scan.value_stats(values)[0])
             if sample is None:
                 sample = values[:LOSSLESS_SAMPLE_TOKENS].clone()
-            exact_at_1 = exact_at_1 and self._reproduces(values, k, 1.0)  # stops at the first chunk it does not
+            exact_at_1 = exact_at_1 and _reproduces(values, p.dst, p.dst_page_size, p.dialect, 1.0)
         if exact_at_1:
             p.dst_scale = 1.0
             return
-        candidates = [] if sample is None else lossless_scale_candidates(amax, sample, p.dialect)
-        for s in candidates:
-            if all(self._reproduces(self._values(rows, k), k, s) for _, k, rows in self._chunks(counted=False)):
-                p.dst_scale = s
-                return
-        p.dst_scale = auto_scale(torch.tensor([amax]))
-
-    def _reproduces(self, values: torch.Tensor, k: int, scale: float) -> bool:
-        """Whether the destination at per-tensor ``scale`` stores these ``k`` decoded values exactly."""
-        p = self.plan
-        trial = encode(values, p.dst, page_size=p.dst_page_size, dialect=p.dialect, scale=scale)
-        return torch.equal(decode(trial, p.dst, page_size=p.dst_page_size, num_tokens=k, scale=scale), values)
+        again = lambda: (self._values(rows, k) for _, k, rows in self._chunks(counted=False))  # noqa: E731
+        found = None if sample is None else _lossless_scale(again, amax, sample, p.dst, p.dst_page_size, p.dialect,
+                                                             one_refuted=True)
+        p.dst_scale = auto_scale(torch.tensor([amax])) if found is None else found
 
     def _check_finite(self, values: torch.Tensor, t0: int) -> None:
+        """``NonFiniteError`` when the decoded ``values`` of the chunk at token ``t0`` (the first with any)
+        hold NaN/Inf: it names the first and counts those of the whole entry (one more pass, on failure only)."""
         if dispatch.all_finite(values):
             return
         bad = ~torch.isfinite(values)
         if bool(bad.any()):
             token, dim = (int(v) for v in bad.nonzero()[0])
-            raise _nonfinite_error(self.fh, self.plan, int(bad.sum()), t0 + token, f", dim {dim}")
-
-    def _report(self, stats: LossStats) -> LossReport:
-        p = self.plan
-        return LossReport.from_stats(stats, src_layout=p.src.name if p.src else "latents", dst_layout=p.dst.name,
-                                     byte_move=p.byte_move, dst_scale=p.dst_scale if p.dst.per_tensor_scale else None)
+            total = sum(scan.value_stats(self._values(rows, k))[1] for _, k, rows in self._chunks(counted=False))
+            raise _nonfinite_error(self.fh, self.plan, total, t0 + token, f", dim {dim}")
 
     def run(self) -> LossReport | None:
         p = self.plan
         scale = p.dst_scale if p.dst.per_tensor_scale else None
         mult = tensor_multiplier(p.dialect, scale) if scale is not None else None
         stats = LossStats()
-        bad: scan.Scan | None = None
+        bad = scan.Scan(0)
         for t0, k, rows in self._chunks():
             if p.byte_move:
-                found = scan.scan_pages(rows, p.src, p.src_page_size, k)
-                if found.count and bad is None:
-                    bad = scan.Scan(found.count, t0 + found.first_token, found.first_field)
-                elif found.count:
-                    bad = scan.Scan(bad.count + found.count, bad.first_token, bad.first_field)
-                if bad is not None:
+                bad += scan.scan_pages(rows, p.src, p.src_page_size, k).shifted(t0)
+                if bad.count:
                     continue  # keep scanning for the exact count; nothing more is written
                 pages = transcode(rows, p.src, p.dst, src_page_size=p.src_page_size, dst_page_size=p.dst_page_size,
                                   num_tokens=k, src_scale=p.src_scale, dst_scale=scale, out=self._out_buffer(k))
@@ -258,13 +268,13 @@ class _Converter:
                 except NonFiniteError:
                     self._check_finite(self._values(rows, k), t0)
                     raise
-                if self.report:  # decode-and-compare of both pools in one native pass
-                    stats.merge(dispatch.loss_stats(rows, p.src, p.src_page_size, pages, p.dst, p.dst_page_size, k,
-                                                    p.src_scale or 1.0, scale or 1.0, mult))
+                if self.report:  # decode-and-compare of both pools in one native pass (as transcode's report)
+                    stats.merge(transcode_loss_stats(rows, p.src, p.src_page_size, pages, p.dst, p.dst_page_size, k,
+                                                     p.src_scale, scale, p.dialect))
             self.progress(self.out.write(pages))
-        if bad is not None:
-            raise _nonfinite_error(self.fh, p, bad.count, bad.first_token, f", field {bad.first_field!r} (byte scan)")
-        return self._report(stats) if self.report else None
+        if bad.count:
+            raise _nonfinite_error(self.fh, p, bad.values, bad.first_token, f", field {bad.first_field!r} (byte scan)")
+        return loss_report(stats, p.src, p.dst, byte_move=p.byte_move, dst_scale=scale) if self.report else None
 
 
 def convert_open_dump(
@@ -330,18 +340,11 @@ def convert_dump(
         return convert_open_dump(fh, plans, dst, overwrite=overwrite, report=report, on_progress=on_progress)
 
 
-def _lossless_scale(values: torch.Tensor, dst: Layout, page_size: int, dialect: str | None) -> float | None:
-    """The per-tensor scale ``scale="auto"`` takes for in-memory ``values`` when one stores them
-    exactly (1.0 first, then ``loss.lossless_scale_candidates``), else None."""
+def _lossless_scale_of(values: torch.Tensor, dst: Layout, page_size: int, dialect: str | None) -> float | None:
+    """``_lossless_scale`` of in-memory decoded ``values`` (checked finite first)."""
     check_finite(values)
     amax = float(values.abs().max()) if values.numel() else 0.0
-    d = dialect or dst.default_dialect
-    for s in [1.0, *lossless_scale_candidates(amax, values[:LOSSLESS_SAMPLE_TOKENS], d)]:
-        back = decode(encode(values, dst, page_size=page_size, dialect=dialect, scale=s), dst, page_size=page_size,
-                      num_tokens=values.shape[0], scale=s)
-        if torch.equal(back, values):
-            return s
-    return None
+    return _lossless_scale(lambda: (values,), amax, values[:LOSSLESS_SAMPLE_TOKENS], dst, page_size, dialect)
 
 
 def convert_entry(
@@ -358,13 +361,13 @@ def convert_entry(
         if page_size is None:
             raise InputError(f"entry {entry.name} holds raw latents: page_size is needed to encode it")
         values = entry.data.float()
-        s = (_lossless_scale(values, dst, page_size, dialect) or auto_scale(values)) if scale == "auto" else scale
+        s = (_lossless_scale_of(values, dst, page_size, dialect) or auto_scale(values)) if scale == "auto" else scale
         pages = encode(values, dst, page_size=page_size, dialect=dialect, scale=s)
         s_out = (_fp32_scale(s) or 1.0) if dst.per_tensor_scale else None
         back = decode(pages, dst, page_size=page_size, num_tokens=entry.num_tokens, scale=s_out)
         d = dialect or dst.default_dialect
         stats = compare_values(values, back, tensor_multiplier(d, s_out) if s_out is not None else None)
-        rep = LossReport.from_stats(stats, src_layout="latents", dst_layout=dst.name, byte_move=False, dst_scale=s_out)
+        rep = loss_report(stats, None, dst, byte_move=False, dst_scale=s_out)
         p = page_size
     else:
         p = entry.page_size if page_size is None else page_size
@@ -373,7 +376,7 @@ def convert_entry(
             scale = entry.scale
         elif scale == "auto" and dst.per_tensor_scale:  # a lossless scale where one exists (as plan_convert)
             values = decode(entry.data, src, page_size=entry.page_size, num_tokens=entry.num_tokens, scale=entry.scale)
-            scale = _lossless_scale(values, dst, p, dialect) or scale
+            scale = _lossless_scale_of(values, dst, p, dialect) or scale
         pages, rep = transcode(
             entry.data, src, dst, src_page_size=entry.page_size, dst_page_size=p, num_tokens=entry.num_tokens,
             src_scale=entry.scale, dst_scale=scale, dialect=dialect, report=True,

@@ -10,6 +10,7 @@ import torch
 
 from kvbridge.dumps.dumpfile import _META_KEYS, _TORCH_DTYPES, DumpEntry, DumpFile, ProgressFn, tokens_per_chunk
 from kvbridge.layouts import Layout, get_layout, scan
+from kvbridge.layouts.formats import get_format
 from kvbridge.ops.pages import decode
 
 
@@ -24,7 +25,7 @@ class _StatsAccumulator:
         self.nonfinite = 0
         self.abs_max = 0.0
         self.histogram: dict[int, int] | None = None
-        if layout is not None and any(f.format == "ue8m0" for f in layout.fields):
+        if layout is not None and any(get_format(f.format).exponent_bias is not None for f in layout.fields):
             self.histogram = {}
 
     def add_values(self, values: torch.Tensor) -> None:
@@ -38,20 +39,20 @@ class _StatsAccumulator:
         self.add_values(raw.float())
 
     def add_pages(self, pages: torch.Tensor, page_size: int, num_tokens: int) -> None:
-        """Count the stored codes of the first ``num_tokens`` tokens of ``pages`` (native kernel)."""
-        c = scan.code_stats(pages, self.layout, page_size, num_tokens)
-        formats = {f.format for f in self.layout.fields}
-        if "e4m3" in formats:
-            self.nan["e4m3"] = self.nan.get("e4m3", 0) + c.e4m3_nan
-            self.at_max += c.e4m3_at_max
-        if "ue8m0" in formats:
-            self.nan["ue8m0"] = self.nan.get("ue8m0", 0) + c.ue8m0[0xFF]
-            for byte, count in enumerate(c.ue8m0[:0xFF]):
-                if count:
-                    self.histogram[byte - 127] = self.histogram.get(byte - 127, 0) + count
-        if "bf16" in formats:
-            self.nan["bf16"] = self.nan.get("bf16", 0) + c.bf16_nan
-            self.inf += c.bf16_inf
+        """Count the stored codes of the first ``num_tokens`` tokens of ``pages`` per format, as the
+        format table says: ``nan`` per format with non-finite codes (those not infinities), ``inf``,
+        ``at_max``, and the exponent histogram of power-of-two scale formats (non-finite bytes left out)."""
+        for name, c in scan.code_stats(pages, self.layout, page_size, num_tokens).items():
+            fmt = get_format(name)
+            if fmt.nonfinite is not None:
+                self.nan[name] = self.nan.get(name, 0) + c.nonfinite - c.inf
+            self.inf += c.inf
+            self.at_max += c.at_max
+            if fmt.exponent_bias is not None:
+                for byte, count in enumerate(c.histogram):
+                    if count and not fmt.nonfinite.matches(byte):
+                        k = byte - fmt.exponent_bias
+                        self.histogram[k] = self.histogram.get(k, 0) + count
 
     def result(self) -> dict:
         per_tensor = self.layout is not None and self.layout.per_tensor_scale
@@ -73,13 +74,16 @@ def _stats_head(meta: dict, num_pages: int | None, nbytes: int) -> dict:
 def entry_stats(entry: DumpEntry) -> dict:
     """Byte-level statistics of an entry's first ``num_tokens`` tokens.
 
-    ``nan``: NaN codes per field format (E4M3 0x7F/0xFF, UE8M0 0xFF, bf16 NaN); ``inf``: bf16
-    infinities; ``nonfinite_values``: decoded values that are NaN or Inf (what an encoder
-    refuses; a huge scale can overflow finite codes); ``saturated``: E4M3 codes at +-448
-    (0x7E/0xFE) of per-tensor layouts, where they mean clipping (None for per-tile layouts,
-    whose tile maxima are stored at 448 by design; ``e4m3_at_max`` counts them for every
-    layout); ``scale_exponents``: histogram {k: count} of the UE8M0 tile scales 2^k
-    (per-tile layouts only); ``abs_max``: the largest finite |decoded value|.
+    ``nan``: NaN codes per field format with non-finite codes in the format table
+    (``layouts.formats``: E4M3 and E4M3 scale bytes 0x7F/0xFF, UE8M0 0xFF, bf16 NaN); ``inf``:
+    infinite codes (bf16); ``nonfinite_values``: decoded values that are NaN or Inf, the one
+    count of non-finite values ``kvbridge inspect`` shows and ``kvbridge convert`` refuses (a NaN
+    scale byte spoils every value of its tile; a huge scale can overflow finite codes);
+    ``saturated``: E4M3 codes at +-448 (0x7E/0xFE) of per-tensor layouts, where they mean
+    clipping (None for per-tile layouts, whose tile maxima are stored at 448 by design;
+    ``e4m3_at_max`` counts them for every layout); ``scale_exponents``: histogram {k: count}
+    of the power-of-two tile scales 2^k (UE8M0; per-tile layouts only); ``abs_max``: the
+    largest finite |decoded value|.
     """
     stats = _stats_head(entry.metadata(), entry.num_pages, entry.data.numel() * entry.data.element_size())
     if entry.layout is None:

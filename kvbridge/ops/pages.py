@@ -93,6 +93,24 @@ def _check_dialect(dialect: str | None, layout: Layout) -> str | None:
     return dialect
 
 
+def _check_auto(scale: object, layout: Layout, what: str = "scale") -> bool:
+    """Whether ``scale`` is ``"auto"``; ``InputError`` when it is and ``layout`` has per-tile scales."""
+    if not isinstance(scale, str) or scale != "auto":
+        return False
+    if not layout.per_tensor_scale:
+        raise InputError(f"{what}='auto' applies only to per-tensor layouts, not {layout.name}")
+    return True
+
+
+def _check_byte_move_dialect(src: Layout, dst: Layout, dialect: str | None) -> None:
+    """``InputError`` when a ``dialect`` is given for the byte move ``src`` -> ``dst`` (nothing is re-encoded)."""
+    if dialect is not None:
+        raise InputError(
+            f"{src.name} -> {dst.name} is a byte move that keeps the source's scales; "
+            f"dialect={dialect!r} would not be applied"
+        )
+
+
 def auto_scale(x: torch.Tensor) -> float:
     """Smallest fp32 per-tensor scale with which no value of ``x`` saturates (amax / 448).
 
@@ -150,9 +168,7 @@ def encode(
         _check_out(out, dtype=torch.uint8, shape=[lay.num_pages(x.shape[0], page_size), lay.page_bytes(page_size)],
                    source=x, what=lay.name, source_name="latents x")
     xf = _apply_nonfinite(x if x.dtype == torch.bfloat16 else x.float(), nonfinite)  # bf16: no fp32 copy
-    if scale == "auto":
-        if not lay.per_tensor_scale:
-            raise InputError(f"scale='auto' applies only to per-tensor layouts, not {lay.name}")
+    if _check_auto(scale, lay):
         scale = auto_scale(xf)
     s = _check_scale(scale, lay)
 
@@ -312,26 +328,19 @@ def transcode(
     num_tokens = _check_num_tokens(num_tokens)
     n = src.token_count(pages, src_page_size, num_tokens)
     s_in = _check_scale(src_scale, src, "src_scale")
-    auto = dst_scale == "auto"
+    auto = _check_auto(dst_scale, dst, "dst_scale")
     s_out = 1.0 if auto else _check_scale(dst_scale, dst, "dst_scale")
-    if auto and not dst.per_tensor_scale:
-        raise InputError(f"dst_scale='auto' applies only to per-tensor layouts, not {dst.name}")
     if out is not None:
         _check_out(out, dtype=torch.uint8, shape=[dst.num_pages(n, dps), dst.page_bytes(dps)], source=pages,
                    what=dst.name, source_name="pages")
 
     if not auto and is_byte_move(src, dst, s_in, s_out):
-        if dialect is not None:
-            raise InputError(
-                f"{src.name} -> {dst.name} is a byte move that keeps the source's scales; "
-                f"dialect={dialect!r} would not be applied"
-            )
+        _check_byte_move_dialect(src, dst, dialect)
         scan.check_pages(pages, src, src_page_size, n)  # nothing is decoded: scan the stored codes
         out = dispatch.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
         if not report:
             return out
-        return out, LossReport.from_stats(LossStats(num_tokens=n), src_layout=src.name, dst_layout=dst.name,
-                                          byte_move=True, dst_scale=s_out if dst.per_tensor_scale else None)
+        return out, loss_report(LossStats(num_tokens=n), src, dst, byte_move=True, dst_scale=s_out)
     d = _check_dialect(dialect, dst)
     if auto:  # the amax from codes and scale bytes (one read pass)
         amax = dispatch.amax_pages(pages, src, src_page_size, num_tokens, s_in)
@@ -354,9 +363,27 @@ def transcode_loss(pages: torch.Tensor, src: Layout, src_page_size: int, out: to
     ran with these arguments (``dst_scale`` the scale it used, never ``"auto"``): both decoded and compared,
     nothing written. ``transcode(..., report=True)`` is ``transcode`` then this; a caller may run it apart
     (``migrate_local`` does, beside its next batch)."""
+    stats = transcode_loss_stats(pages, src, src_page_size, out, dst, dst_page_size, num_tokens, src_scale,
+                                 dst_scale, dialect)
+    return loss_report(stats, src, dst, byte_move=False, dst_scale=_check_scale(dst_scale, dst, "dst_scale"))
+
+
+def transcode_loss_stats(pages: torch.Tensor, src: Layout, src_page_size: int, out: torch.Tensor, dst: Layout,
+                         dst_page_size: int, num_tokens: int, src_scale: float | None, dst_scale: float | None,
+                         dialect: str | None) -> LossStats:
+    """The ``LossStats`` behind ``transcode_loss`` (same arguments); statistics of chunks merge
+    (``LossStats.merge``) into those of the whole, which ``loss_report`` turns into the report."""
     s_in, s_out = _check_scale(src_scale, src, "src_scale"), _check_scale(dst_scale, dst, "dst_scale")
     d = _check_dialect(dialect, dst)
     mult = tensor_multiplier(d, s_out) if dst.per_tensor_scale else None
-    stats = dispatch.loss_stats(pages, src, src_page_size, out, dst, dst_page_size, num_tokens, s_in, s_out, mult)
-    return LossReport.from_stats(stats, src_layout=src.name, dst_layout=dst.name, byte_move=False,
-                                 dst_scale=s_out if dst.per_tensor_scale else None, loss_note=dst.loss_note)
+    return dispatch.loss_stats(pages, src, src_page_size, out, dst, dst_page_size, num_tokens, s_in, s_out, mult)
+
+
+def loss_report(stats: LossStats, src: Layout | None, dst: Layout, *, byte_move: bool,
+                dst_scale: float | None) -> LossReport:
+    """The ``LossReport`` of a conversion into ``dst`` with statistics ``stats`` (``src`` None: raw
+    latents encoded); the one report build of ``transcode``, ``transcode_loss`` and ``kvbridge convert``:
+    ``dst_scale`` is kept for per-tensor destinations, ``dst.loss_note`` is its note when anything was lost."""
+    return LossReport.from_stats(stats, src_layout="latents" if src is None else src.name, dst_layout=dst.name,
+                                 byte_move=byte_move, dst_scale=dst_scale if dst.per_tensor_scale else None,
+                                 loss_note=dst.loss_note)

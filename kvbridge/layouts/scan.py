@@ -136,12 +136,6 @@ def _kernel():
             return page * page_bytes + row * split + off
         return page * page_bytes + page_size * split + row * (record_bytes - split) + off - split
 
-    @njit(cache=True, inline="always")
-    def word(pages, at, width):
-        if width == 1:
-            return np.int64(pages[at])
-        return np.int64(pages[at]) | (np.int64(pages[at + 1]) << 8)
-
     @njit(cache=True, parallel=True, nogil=True)
     def scan(pages, n, page_size, page_bytes, split, record_bytes, starts, sizes, widths, masks, values, counts,
              firsts):
@@ -153,8 +147,13 @@ def _kernel():
                 for k in range(starts.shape[0]):
                     at = address(t, page_size, page_bytes, split, record_bytes, starts[k])
                     bad = 0
-                    for j in range(0, sizes[k], widths[k]):
-                        bad += (word(pages, at + j, widths[k]) & masks[k]) == values[k]
+                    mask, value = masks[k], values[k]
+                    if widths[k] == 1:
+                        for j in range(sizes[k]):
+                            bad += (pages[at + j] & mask) == value
+                    else:
+                        for j in range(0, sizes[k], 2):
+                            bad += ((np.int64(pages[at + j]) | (np.int64(pages[at + j + 1]) << 8)) & mask) == value
                     if bad and first < 0:
                         first = t * 64 + k
                     c += bad
@@ -169,13 +168,31 @@ def _kernel():
             for t in range(b * 4096, min(n, b * 4096 + 4096)):
                 for k in range(starts.shape[0]):
                     at = address(t, page_size, page_bytes, split, record_bytes, starts[k])
-                    for j in range(0, sizes[k], widths[k]):
-                        w = word(pages, at + j, widths[k])
-                        counts[b, k, 0] += (w & nf_mask[k]) == nf_value[k]
-                        counts[b, k, 1] += (w & inf_mask[k]) == inf_value[k]
-                        counts[b, k, 2] += (w & max_mask[k]) == max_value[k]
-                        if histogram[k]:
-                            hist[b, k, w & 0xFF] += 1
+                    width, nfm, nfv, im, iv, mm, mv = widths[k], nf_mask[k], nf_value[k], inf_mask[k], inf_value[k], \
+                        max_mask[k], max_value[k]
+                    nf = 0
+                    inf = 0
+                    top = 0
+                    if width == 1:  # one loop per word width: no width test per element
+                        on = histogram[k]
+                        for j in range(sizes[k]):
+                            w = np.int64(pages[at + j])
+                            if (w & nfm) == nfv:
+                                nf += 1
+                                inf += (w & im) == iv
+                            top += (w & mm) == mv
+                            if on:
+                                hist[b, k, w] += 1
+                    else:  # 2-byte words (formats with an exponent bias are 1-byte scale formats)
+                        for j in range(0, sizes[k], 2):
+                            w = np.int64(pages[at + j]) | (np.int64(pages[at + j + 1]) << 8)
+                            if (w & nfm) == nfv:
+                                nf += 1
+                                inf += (w & im) == iv
+                            top += (w & mm) == mv
+                    counts[b, k, 0] += nf
+                    counts[b, k, 1] += inf
+                    counts[b, k, 2] += top
 
     _KERNELS = (scan, stats)
     return _KERNELS
@@ -189,7 +206,7 @@ class FormatCodes:
     """Counts of one format's stored codes over some tokens (see ``code_stats``)."""
 
     nonfinite: int = 0  # codes matching the format's ``nonfinite`` rule (NaN, or NaN and Inf)
-    inf: int = 0  # of those, the ``inf`` rule's
+    inf: int = 0  # of those, the ones the ``inf`` rule matches
     at_max: int = 0  # codes at the largest finite magnitude (``at_max`` rule)
     histogram: tuple[int, ...] | None = None  # counts of the 256 byte values (formats with an exponent bias)
 
@@ -249,7 +266,8 @@ def _code_stats_records(records: torch.Tensor, layout: Layout) -> dict[str, Form
         hist = None
         if fmt.exponent_bias is not None:
             hist = tuple(torch.bincount((w & 0xFF).reshape(-1).to(torch.int64).cpu(), minlength=256).tolist())
-        out[fmt.name] += FormatCodes(int(_matches(w, fmt.nonfinite).sum()), int(_matches(w, fmt.inf).sum()),
+        bad = _matches(w, fmt.nonfinite)
+        out[fmt.name] += FormatCodes(int(bad.sum()), int((bad & _matches(w, fmt.inf)).sum()),
                                      int(_matches(w, fmt.at_max).sum()), hist)
     return out
 

@@ -31,20 +31,9 @@ from kvbridge.dumps.dumpfile import (
 from kvbridge.errors import InputError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout, scan
 from kvbridge.layouts.codec import tensor_multiplier
-from kvbridge.ops.pages import (
-    LossReport,
-    _check_auto,
-    _check_byte_move_dialect,
-    _check_dialect,
-    _check_scale,
-    auto_scale,
-    decode,
-    encode,
-    is_byte_move,
-    loss_report,
-    transcode,
-    transcode_loss_stats,
-)
+from kvbridge.ops.checks import _check_auto, _check_byte_move_dialect, _check_dialect, _check_scale
+from kvbridge.ops.loss import LossReport, loss_report, transcode_loss_stats
+from kvbridge.ops.pages import auto_scale, decode, encode, is_byte_move, transcode
 
 #: Tokens of an entry's first chunk that pre-select the lossless per-tensor scales of ``scale="auto"``.
 LOSSLESS_SAMPLE_TOKENS = 64

@@ -50,7 +50,7 @@ class Scan:
         )
 
     def __add__(self, later: Scan) -> Scan:
-        """This scan followed by ``later``'s (its tokens counted from where this one's end)."""
+        """This scan followed by ``later``, a scan of later tokens (its first token already shifted)."""
         if not later.count:
             return self
         if not self.count:

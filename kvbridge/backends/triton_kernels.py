@@ -25,12 +25,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from functools import partial
 
 import torch
 import triton
 import triton.language as tl
 
-from kvbridge.backends.loss_stats import LossStats, decoded_loss_stats
+from kvbridge.backends.loss_stats import decoded_loss_stats
 from kvbridge.backends.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check_finite
 from kvbridge.backends.reference import amax_pages as reference_amax
 from kvbridge.backends.reference import decode_pages as reference_decode
@@ -708,10 +709,5 @@ def gather_transcode(
     return scratch, flags
 
 
-def loss_stats(
-    src_pages: torch.Tensor, src: Layout, src_page_size: int, dst_pages: torch.Tensor, dst: Layout,
-    dst_page_size: int, num_tokens: int, src_scale: float, dst_scale: float, mult: float | None,
-) -> LossStats:
-    """Loss statistics of a transcode: both pools decoded here and compared (``loss_stats.decoded_loss_stats``)."""
-    return decoded_loss_stats(decode_pages, src_pages, src, src_page_size, dst_pages, dst, dst_page_size, num_tokens,
-                              src_scale, dst_scale, mult)
+#: ``dispatch.loss_stats``: both pools decoded by the Triton decoder and compared (``loss_stats.decoded_loss_stats``).
+loss_stats = partial(decoded_loss_stats, decode_pages)

@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from kvbridge.dumps.dumpfile import convert_open_dump, open_dump, plan_convert
+from kvbridge.dumps.convert import convert_open_dump, plan_convert
+from kvbridge.dumps.dumpfile import open_dump
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 
@@ -130,3 +131,5 @@ def command(
             str(r.flushed_to_zero),
         )
     console.print(table)
+    for note in dict.fromkeys(c.report.note for c in converted if c.report.note):
+        console.print(f"[dim]{to_layout.name}:[/dim] {note}")

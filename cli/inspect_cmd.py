@@ -8,7 +8,8 @@ import click
 from rich.table import Table
 
 from kvbridge.conformance import WriterReport, identify_writer
-from kvbridge.dumps.dumpfile import CHECKSUM, Dump, dump_stats, open_dump, read_dump
+from kvbridge.dumps.dumpfile import CHECKSUM, Dump, open_dump, read_dump
+from kvbridge.dumps.stats import dump_stats
 
 from .common import LARGE_FILE_BYTES, byte_progress, console, err_console, fmt, json_option, print_json
 

@@ -149,7 +149,7 @@ def test_failures_exit_1_naming_entry_and_value(trt_dump: Path, tmp_path: Path):
     pages[1, 3] = 0xFF  # token 2: an E4M3 NaN
     nan = write_dump(tmp_path / "nan.safetensors", [DumpEntry(7, "compress", pages, "model1", 2, 4)])
     one_line(run("convert", nan, tmp_path / "o.safetensors", "--to", "trtllm-fp8-ds-mla"), 1,
-             "entry layer.7.compress: 1 non-finite value(s) in the source; first at token 2")
+             "entry layer.7.compress: 1 non-finite value(s) (decoded NaN/Inf) in the source; first at token 2")
     raw = bytearray(trt_dump.read_bytes())
     raw[-5] ^= 0x10
     (tmp_path / "flip.safetensors").write_bytes(bytes(raw))

@@ -12,14 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 import kvbridge
-from kvbridge.dumps.dumpfile import (
-    FORMAT_NAME,
-    DumpEntry,
-    convert_dump,
-    entry_stats,
-    read_dump,
-    write_dump,
-)
+from kvbridge.dumps.convert import convert_dump
+from kvbridge.dumps.dumpfile import FORMAT_NAME, DumpEntry, read_dump, write_dump
+from kvbridge.dumps.stats import entry_stats
 from kvbridge.errors import DumpFormatError, InputError
 
 

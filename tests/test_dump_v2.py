@@ -10,22 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import save_file
 
 import kvbridge as kb
+from cli.main import cli
+from kvbridge.dumps import convert as convert_mod
 from kvbridge.dumps import dumpfile as dump_mod
-from kvbridge.dumps.dumpfile import (
-    DumpEntry,
-    DumpWriter,
-    EntrySpec,
-    convert_dump,
-    dump_stats,
-    entry_stats,
-    open_dump,
-    partial_path,
-    read_dump,
-    write_dump,
-)
+from kvbridge.dumps.convert import convert_dump
+from kvbridge.dumps.dumpfile import DumpEntry, DumpWriter, EntrySpec, open_dump, partial_path, read_dump, write_dump
+from kvbridge.dumps.stats import dump_stats, entry_stats
 from kvbridge.errors import DumpFormatError, DumpWriteError, InputError, NonFiniteError
 
 
@@ -111,7 +105,7 @@ def test_streamed_conversion_equals_whole_entry_conversion(tmp_path: Path, small
                        ("trtllm-fp8-ds-mla", {"page_size": 24}), ("model1", {"page_size": 8, "report": False})):
         out = tmp_path / f"{to}.safetensors"
         got = convert_dump(src, out, to, overwrite=True, **kwargs)
-        want = [dump_mod.convert_entry(e, to, page_size=kwargs["page_size"], scale=kwargs.get("scale"))
+        want = [convert_mod.convert_entry(e, to, page_size=kwargs["page_size"], scale=kwargs.get("scale"))
                 for e in read_dump(src)]
         for g, (entry, rep), e in zip(got, want, read_dump(out), strict=True):
             assert torch.equal(e.data, entry.data), (to, e.name)
@@ -186,7 +180,7 @@ def test_inspect_counts_what_convert_refuses(tmp_path: Path):
 def test_output_checks_run_before_any_work(tmp_path: Path, monkeypatch):
     src = write_dump(tmp_path / "s.safetensors", entries())
     work = []
-    monkeypatch.setattr(dump_mod._Converter, "run", lambda self: work.append(1))
+    monkeypatch.setattr(convert_mod._Converter, "run", lambda self: work.append(1))
     with pytest.raises(InputError, match="does not exist"):
         convert_dump(src, tmp_path / "missing" / "o.safetensors", "model1", page_size=8)
     with pytest.raises(InputError, match="is a directory"):
@@ -307,3 +301,19 @@ def test_write_dump_refuses_a_tensor_and_a_directory(tmp_path: Path):
         write_dump(tmp_path / "x.safetensors", torch.zeros(3, 512))
     with pytest.raises(InputError, match="is a directory"):
         write_dump(tmp_path, entries(10))
+
+
+def test_convert_report_equals_transcode_report_note_included(tmp_path: Path):
+    x = latents(300)
+    pages = kb.encode(x, "model1", page_size=64)
+    src = write_dump(tmp_path / "m1.safetensors", [DumpEntry(0, "swa", pages, "flashmla-model1", 64, 300)])
+    for to, args in (("v41-fp4", ()), ("trtllm-fp8", ("--scale", "0.05")), ("trtllm-fp8-ds-mla", ())):
+        out = tmp_path / f"{to}.safetensors"
+        result = CliRunner().invoke(cli, ["convert", str(src), str(out), "--to", to, "--json", *args])
+        assert result.exit_code == 0, result.output
+        got = json.loads(result.output)["entries"][0]
+        assert got.pop("name") == "layer.0.swa"
+        scale = {"dst_scale": 0.05} if args else {}
+        _, want = kb.transcode(pages, "flashmla-model1", to, src_page_size=64, num_tokens=300, report=True, **scale)
+        assert got == want.to_dict(), to
+        assert (want.note != "") == (not want.lossless), to  # the layout's loss note, where anything was lost

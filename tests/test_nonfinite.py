@@ -3,9 +3,16 @@ and geometry, count exactly and name the first bad token and field."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from click.testing import CliRunner
 
+import kvbridge as kb
+from cli.main import cli
+from kvbridge.dumps.dumpfile import DumpEntry, write_dump
+from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import all_layouts, get_layout, scan
 
 
@@ -44,8 +51,32 @@ def test_first_token_and_field_and_pad_ignored():
     pages[1, rope : rope + 2] = torch.tensor([0x80, 0x7F], dtype=torch.uint8)  # token 7: bf16 +Inf
     found = scan.scan_pages(pages, lay, 4)
     assert (found.count, found.first_token, found.first_field) == (3, 6, "scale")
+    assert found.values == 64 + 1 + 1  # the NaN scale byte spoils its whole tile of 64 values
     stats = scan.code_stats(pages, lay, 4)
-    assert (stats.e4m3_nan, stats.bf16_nan, stats.bf16_inf, stats.ue8m0[0xFF]) == (1, 0, 1, 1)
+    e4m3, bf16, ue8m0 = stats["e4m3"], stats["bf16"], stats["ue8m0"]
+    assert (e4m3.nonfinite, bf16.nonfinite - bf16.inf, bf16.inf, ue8m0.histogram[0xFF]) == (1, 0, 1, 1)
+    assert ue8m0.nonfinite == 1 and set(stats) == {"e4m3", "bf16", "ue8m0"}
+
+
+def test_v41_fp4_nan_scale_byte_is_refused_by_byte_move_convert_and_inspect(tmp_path):
+    """The regression behind the format table: E4M3 scale bytes were missing from the scan's own table."""
+    lay, n = get_layout("v41-fp4"), 100
+    x = (torch.randn(n, 512, generator=torch.Generator().manual_seed(5)) * 2).bfloat16()
+    pages = kb.encode(x, lay, page_size=64)
+    pages[1, lay.field_offset("nope_scale", 5, 64) + 2] = 0x7F  # token 69: an E4M3 NaN scale byte
+    decoded = kb.decode(pages, lay, page_size=64, num_tokens=n)
+    assert int((~torch.isfinite(decoded)).sum()) == 16  # its whole tile
+    message = r"16 non-finite value\(s\) \(decoded NaN/Inf.*token 69, field 'nope_scale'"
+    with pytest.raises(NonFiniteError, match=message):
+        kb.transcode(pages, lay, "v41-fp4-pad512", src_page_size=64, num_tokens=n)
+    src = write_dump(tmp_path / "fp4.safetensors", [DumpEntry(0, "kv", pages, "v41-fp4", 64, n)])
+    out = tmp_path / "out.safetensors"
+    result = CliRunner().invoke(cli, ["convert", str(src), str(out), "--to", "v41-fp4-pad512"])
+    assert result.exit_code == 1 and not out.exists()
+    assert "16 non-finite value(s) (decoded NaN/Inf) in the source; first at token 69" in result.output
+    result = CliRunner().invoke(cli, ["inspect", str(src), "--json"])
+    entry = json.loads(result.output)["entries"][0]
+    assert entry["nonfinite_values"] == 16 and entry["nan"] == {"e4m3-scale": 1}
 
 
 def test_value_stats_kernel_equals_torch():

@@ -21,7 +21,8 @@ import torch
 from kvbridge.backends import reference
 from kvbridge.demo.context import DemoContext
 from kvbridge.demo.decode import decode_section
-from kvbridge.dumps.dumpfile import DumpEntry, convert_dump, read_dump, write_dump
+from kvbridge.dumps.convert import convert_dump
+from kvbridge.dumps.dumpfile import DumpEntry, read_dump, write_dump
 from kvbridge.errors import InputError
 from kvbridge.layouts import get_layout
 from kvbridge.ops.pages import encode

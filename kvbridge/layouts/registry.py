@@ -4,9 +4,10 @@ A layout stores each token's 512 latent values as a fixed-size *record* (``recor
 whose fields (``Field``) sit at fixed byte offsets. A value field says which latent dims it
 holds, its element format and, when quantized per tile, the tile size and the scale field
 holding one scale per tile. The scale rule of each tile format is chosen by the layout's
-*dialect* (``numerics``). ``Layout.segments`` compiles the fields into a small table of ints
-(``Segment``) that the torch reference, the numba kernels and the Triton kernels all execute,
-so a new layout made of existing element formats runs on every backend with no new code.
+*dialect* (``numerics``). Each format is one entry of the format table (``layouts.formats``);
+``Layout.segments`` compiles the fields through it into a small table of ints (``Segment``)
+that the torch reference, the numba kernels and the Triton kernels all execute, so a new layout
+made of existing element formats runs on every backend with no new code.
 
 Records are placed in pages of ``P`` tokens by one ``PageGeometry`` (also used by migration
 pools and the indexer-key formats):
@@ -28,27 +29,18 @@ from typing import NamedTuple
 import torch
 
 from kvbridge.errors import LayoutError
+from kvbridge.layouts.formats import (  # the ops are defined beside the format table; re-exported for the backends
+    OP_BF16,  # noqa: F401
+    OP_E2M1_E4M3,  # noqa: F401
+    OP_E4M3_TENSOR,  # noqa: F401
+    OP_E4M3_UE8M0,  # noqa: F401
+    OP_ZERO,
+    PER_TENSOR_OPS,
+    all_formats,
+    get_format,
+)
 
 HEAD_DIM = 512
-
-#: Element formats of value fields, and of scale fields.
-VALUE_FORMATS = ("e4m3", "e2m1", "bf16")
-SCALE_FORMATS = ("ue8m0", "e4m3-scale")
-FORMATS = (*VALUE_FORMATS, *SCALE_FORMATS, "pad")
-
-# Segment operations (what one field does to its dims and bytes); the backends switch on these.
-#: bf16 little-endian, 2 B per value.
-OP_BF16 = 0
-#: E4M3, 1 B per value, one per-tensor scale outside the cache (dialects ``swa`` / ``compress``).
-OP_E4M3_TENSOR = 1
-#: E4M3 per tile, scaled by 2^k with the UE8M0 byte k + 127 (dialects ``flashmla``, ``amax-*``).
-OP_E4M3_UE8M0 = 2
-#: E2M1 pairs (even element in the low nibble) per tile, scaled by an E4M3 scale byte
-#: (``e4m3_rne(clamp(amax / 6, 2^-9, 448))``; codes of x / scale).
-OP_E2M1_E4M3 = 3
-#: Bytes written as zero (pad).
-OP_ZERO = 4
-
 
 class Segment(NamedTuple):
     """One field as the backends execute it (all ints).
@@ -74,16 +66,16 @@ MAX_PAGE_SIZE = 2**20
 class Field:
     """One field of a token record: ``nbytes`` bytes at byte ``offset`` of the record.
 
-    Value fields (``e4m3``, ``e2m1``, ``bf16``) give ``dims`` (latent dims ``[start, stop)``);
-    quantized ones give ``tile`` (values per scale) and ``scale`` (the name of the scale field,
-    ``ue8m0`` or ``e4m3-scale``, one byte per tile). An ``e4m3`` field without a scale field uses
-    the layout's per-tensor scale.
+    ``format`` names an entry of the format table (``layouts.formats``). Value fields (``e4m3``,
+    ``e2m1``, ``bf16``) give ``dims`` (latent dims ``[start, stop)``); quantized ones give ``tile``
+    (values per scale) and ``scale`` (the name of the scale field, ``ue8m0`` or ``e4m3-scale``, one
+    byte per tile). An ``e4m3`` field without a scale field uses the layout's per-tensor scale.
     """
 
     name: str
     offset: int
     nbytes: int
-    format: str  # one of FORMATS
+    format: str  # a name in the format table (``layouts.formats``)
     dims: tuple[int, int] | None = None
     tile: int | None = None
     scale: str | None = None
@@ -168,17 +160,20 @@ def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], sp
     dims = torch.zeros(HEAD_DIM, dtype=torch.int64)
     segments = []
     for f in fields:
-        if f.format not in FORMATS:
-            raise bad(f"field {f.name}: unknown format {f.format!r}; known: {', '.join(FORMATS)}")
+        try:
+            fmt = get_format(f.format)
+        except LayoutError:
+            known = ", ".join(x.name for x in all_formats())
+            raise bad(f"field {f.name}: unknown format {f.format!r:.40}; known: {known}") from None
         if f.offset < 0 or f.nbytes < 1 or f.offset + f.nbytes > record_bytes:
             raise bad(f"field {f.name} [{f.offset}, {f.offset + f.nbytes}) is outside the {record_bytes}-byte record")
         if split is not None and f.offset < split < f.offset + f.nbytes:
             raise bad(f"field {f.name} straddles the block-split point {split}")
         covered[f.offset : f.offset + f.nbytes] += 1
-        if f.format == "pad":
+        if fmt.kind == "pad":
             segments.append(Segment(OP_ZERO, 0, f.nbytes, f.offset, 0, 0))
             continue
-        if f.format in SCALE_FORMATS:
+        if fmt.kind == "scale":
             continue
         if f.dims is None:
             raise bad(f"value field {f.name} needs dims")
@@ -187,29 +182,29 @@ def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], sp
             raise bad(f"field {f.name}: dims {f.dims} outside [0, {HEAD_DIM})")
         dims[d0:d1] += 1
         n = d1 - d0
-        want = {"bf16": 2 * n, "e4m3": n, "e2m1": n // 2}[f.format]
-        if f.nbytes != want or (f.format == "e2m1" and (n % 2 or d0 % 2)):
-            raise bad(f"field {f.name}: {n} {f.format} values need {want} bytes (even dims for e2m1), got {f.nbytes}")
-        if f.format == "bf16":
-            if f.scale is not None:
-                raise bad(f"bf16 field {f.name} takes no scale")
-            segments.append(Segment(OP_BF16, d0, n, f.offset, 0, 0))
-            continue
+        per_byte = 8 // fmt.bits if fmt.bits < 8 else 0  # elements packed per byte (sub-byte formats)
+        want = n // per_byte if per_byte else n * fmt.bits // 8
+        if f.nbytes != want or (per_byte and (n % per_byte or d0 % per_byte)) or (fmt.bits > 8 and fmt.bits % 8):
+            raise bad(f"field {f.name}: {n} {f.format} values need {want} bytes (whole bytes per element "
+                      f"group, aligned dims), got {f.nbytes}")
+        sf = None if f.scale is None else by_name.get(f.scale)
+        op = fmt.op(None if sf is None else sf.format)
+        if f.scale is None and (op is None or (op in PER_TENSOR_OPS and not per_tensor_scale)):
+            if op is None:
+                raise bad(f"field {f.name}: a {f.format} field needs a scale field "
+                          f"({' or '.join(map(str, fmt.scale_formats()))})")
+            raise bad(f"field {f.name}: an unscaled {f.format} field needs a per-tensor layout")
         if f.scale is None:
-            if f.format != "e4m3" or not per_tensor_scale:
-                raise bad(f"field {f.name}: an unscaled {f.format} field needs a per-tensor e4m3 layout")
-            segments.append(Segment(OP_E4M3_TENSOR, d0, n, f.offset, 0, 0))
+            segments.append(Segment(op, d0, n, f.offset, 0, 0))
             continue
-        sf = by_name.get(f.scale)
-        need = "ue8m0" if f.format == "e4m3" else "e4m3-scale"
-        if sf is None or sf.format != need:
+        if op is None:
+            need = " or ".join(s for s in fmt.scale_formats() if s is not None) or "none (it takes no scale)"
             raise bad(f"field {f.name}: scale field {f.scale!r} must exist and be {need}")
         tile = f.tile or 0
-        if tile < 1 or tile & (tile - 1) or n % tile or d0 % tile or (f.format == "e2m1" and tile < 2):
+        if tile < 1 or tile & (tile - 1) or n % tile or d0 % tile or tile < max(1, per_byte):
             raise bad(f"field {f.name}: tile {f.tile} must be a power of two dividing its dims (and their start)")
         if sf.nbytes != n // tile:
             raise bad(f"scale field {sf.name} must hold {n // tile} bytes (one per tile of {f.name}), has {sf.nbytes}")
-        op = OP_E4M3_UE8M0 if f.format == "e4m3" else OP_E2M1_E4M3
         segments.append(Segment(op, d0, n, f.offset, tile, sf.offset))
     if bool((dims != 1).any()):
         d = int((dims != 1).nonzero()[0])

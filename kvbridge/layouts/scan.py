@@ -1,17 +1,17 @@
-"""Byte-level scan for non-finite codes in stored pages, driven by the layout's ``Field`` list.
+"""Byte-level scan for non-finite codes in stored pages, driven by the layout's fields and the format table.
 
 A byte move (re-paging, ``flashmla-model1`` <-> ``trtllm-fp8-ds-mla``) never decodes, so a NaN
-in the source would pass through unseen; this scan reads the stored codes instead:
-
-- ``e4m3`` bytes: NaN is ``0x7F`` / ``0xFF`` (E4M3 has no infinity);
-- ``ue8m0`` bytes: NaN is ``0xFF``;
-- ``bf16`` pairs (little-endian): exponent bits all ones (NaN or +-Inf);
-- ``pad`` bytes are ignored, and so is any other format.
+in the source would pass through unseen; this scan reads the stored codes instead. Which codes
+are non-finite is each format's ``nonfinite`` rule in the format table (``layouts.formats``):
+E4M3 values and E4M3 scale bytes ``0x7F`` / ``0xFF``, UE8M0 ``0xFF``, bf16 words with all
+exponent bits set (NaN or +-Inf); formats without non-finite codes (E2M1, pad) have none.
 
 Each field of the token record is located in the page the way ``Layout.field_offset`` does
 (token-major, or block-split data rows then footer). ``scan_pages`` counts every bad code of
-the first ``num_tokens`` tokens exactly and names the first one (token, field); CPU tensors run
-a multi-threaded numba kernel at memory speed, others the torch reference ``scan_records``.
+the first ``num_tokens`` tokens exactly and names the first one (token, field); where codes are
+found it also counts the *values* they make non-finite (a NaN scale byte spoils its whole tile),
+decoding only the blocks of tokens that hold one. CPU tensors run a multi-threaded numba kernel
+at memory speed, others the torch reference ``scan_records``.
 """
 
 from __future__ import annotations
@@ -22,48 +22,92 @@ import numpy as np
 import torch
 
 from kvbridge.errors import NonFiniteError
-from kvbridge.layouts import Layout
+from kvbridge.layouts.codec import record_codec
+from kvbridge.layouts.formats import CodeRule, Format, get_format
+from kvbridge.layouts.registry import Field, Layout
 
-#: Field format -> kernel code: 1 E4M3 byte, 2 UE8M0 byte, 3 bf16 pair.
-_KINDS = {"e4m3": 1, "ue8m0": 2, "bf16": 3}
 #: Tokens per kernel work item.
 _BLOCK = 4096
+#: A rule that never matches (``word & 0 == 1``): the kernels' stand-in for a format without that rule.
+_NEVER = CodeRule(1, 0, 1)
 
 
 @dataclass(frozen=True)
 class Scan:
-    """Result of a scan: ``count`` non-finite codes; the first one's token and field name."""
+    """Result of a scan: ``count`` non-finite codes; the first one's token and field name; ``values``:
+    the decoded values those codes make NaN or Inf (what ``kvbridge inspect`` counts as non-finite)."""
 
     count: int
     first_token: int | None = None
     first_field: str | None = None
+    values: int = 0
 
     def describe(self, what: str = "source") -> str:
-        """One line: how many codes, and where the first one is."""
+        """One line: how many non-finite values (and stored codes), and where the first one is."""
         return (
-            f"{what} holds {self.count} non-finite code(s) (NaN or Inf bytes); "
-            f"first at token {self.first_token}, field {self.first_field!r}"
+            f"{what} holds {self.values} non-finite value(s) (decoded NaN/Inf, from {self.count} NaN/Inf "
+            f"stored code(s)); first at token {self.first_token}, field {self.first_field!r}"
         )
 
+    def __add__(self, later: Scan) -> Scan:
+        """This scan followed by ``later``, a scan of later tokens (its first token already shifted)."""
+        if not later.count:
+            return self
+        if not self.count:
+            return later
+        return Scan(self.count + later.count, self.first_token, self.first_field, self.values + later.values)
 
-def _scanned_fields(layout: Layout):
-    return [f for f in layout.fields if f.format in _KINDS]
+    def shifted(self, tokens: int) -> Scan:
+        """The same scan with its first token moved by ``tokens`` (a chunk starting at token ``tokens``)."""
+        return self if not self.count else Scan(self.count, self.first_token + tokens, self.first_field, self.values)
+
+
+def _rule_fields(layout: Layout, rule: str) -> list[tuple[Field, Format]]:
+    """The fields of ``layout`` whose format has a ``rule`` (``nonfinite``, ...), with their formats."""
+    out = []
+    for f in layout.fields:
+        fmt = get_format(f.format)
+        if getattr(fmt, rule) is not None:
+            out.append((f, fmt))
+    return out
+
+
+def _rule_arrays(fields: list[tuple[Field, Format]], *rules: str) -> list[np.ndarray]:
+    """Kernel arguments: field starts, sizes, word widths, then a mask and a value array per rule."""
+    arrays = [np.array([f.offset for f, _ in fields], dtype=np.int64),
+              np.array([f.nbytes for f, _ in fields], dtype=np.int64),
+              np.array([fmt.width for _, fmt in fields], dtype=np.int64)]
+    for r in rules:
+        picked = [getattr(fmt, r) or _NEVER for _, fmt in fields]
+        arrays += [np.array([c.mask for c in picked], dtype=np.int64), np.array([c.value for c in picked], np.int64)]
+    return arrays
+
+
+def _words(raw: torch.Tensor, width: int) -> torch.Tensor:
+    """Little-endian ``width``-byte words (int32) of uint8 bytes ``raw [N, nbytes]``."""
+    w = raw.to(torch.int32)
+    return w if width == 1 else w[:, 0::2] | (w[:, 1::2] << 8)
+
+
+def _matches(words: torch.Tensor, rule: CodeRule | None) -> torch.Tensor:
+    if rule is None:
+        return torch.zeros_like(words, dtype=torch.bool)
+    return (words & rule.mask) == rule.value
+
+
+def _bad_values(records: torch.Tensor, layout: Layout) -> int:
+    """Decoded values of token records ``[N, record_bytes]`` that are NaN or Inf (reference codec)."""
+    if not records.shape[0]:
+        return 0
+    return int((~torch.isfinite(record_codec(layout).decode(records, scale=1.0))).sum())
 
 
 def scan_records(records: torch.Tensor, layout: Layout) -> Scan:
     """Torch reference: scan token records ``[N, record_bytes]`` uint8 (any device)."""
     total = 0
     firsts = []
-    for f in _scanned_fields(layout):
-        raw = records[:, f.offset : f.offset + f.nbytes]
-        if f.format == "e4m3":
-            bad = (raw & 0x7F) == 0x7F
-        elif f.format == "ue8m0":
-            bad = raw == 0xFF
-        else:
-            hi = raw[:, 1::2]
-            bad = (hi & 0x7F) == 0x7F
-            bad &= (raw[:, 0::2] & 0x80) == 0x80
+    for f, fmt in _rule_fields(layout, "nonfinite"):
+        bad = _matches(_words(records[:, f.offset : f.offset + f.nbytes], fmt.width), fmt.nonfinite)
         counts = bad.sum(dim=1)
         total += int(counts.sum())
         hit = counts.nonzero()
@@ -72,186 +116,189 @@ def scan_records(records: torch.Tensor, layout: Layout) -> Scan:
     if total == 0:
         return Scan(0)
     token, name = min(firsts, key=lambda tf: tf[0])  # min is stable: the first listed field wins a tie
-    return Scan(total, token, name)
+    return Scan(total, token, name, _bad_values(records, layout))
 
 
 def _kernel():
-    """The numba kernel, compiled on first use (imports numba only then)."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
+    """The numba kernels of the scan and of ``code_stats``, compiled on first use (imports numba only then)."""
+    global _KERNELS
+    if _KERNELS is not None:
+        return _KERNELS
     from numba import njit, prange
 
+    @njit(cache=True, inline="always")
+    def address(t, page_size, page_bytes, split, record_bytes, off):
+        page = t // page_size
+        row = t - page * page_size
+        if split < 0:
+            return page * page_bytes + row * record_bytes + off
+        if off < split:
+            return page * page_bytes + row * split + off
+        return page * page_bytes + page_size * split + row * (record_bytes - split) + off - split
+
     @njit(cache=True, parallel=True, nogil=True)
-    def scan(pages, n, page_size, page_bytes, split, record_bytes, starts, sizes, kinds, counts, firsts):
+    def scan(pages, n, page_size, page_bytes, split, record_bytes, starts, sizes, widths, masks, values, counts,
+             firsts):
         nblocks = (n + 4095) // 4096
         for b in prange(nblocks):
             c = 0
             first = -1
             for t in range(b * 4096, min(n, b * 4096 + 4096)):
-                page = t // page_size
-                row = t - page * page_size
                 for k in range(starts.shape[0]):
-                    off = starts[k]
-                    if split < 0:
-                        at = page * page_bytes + row * record_bytes + off
-                    elif off < split:
-                        at = page * page_bytes + row * split + off
-                    else:
-                        at = page * page_bytes + page_size * split + row * (record_bytes - split) + off - split
-                    kind = kinds[k]
+                    at = address(t, page_size, page_bytes, split, record_bytes, starts[k])
                     bad = 0
-                    if kind == 1:
+                    mask, value = masks[k], values[k]
+                    if widths[k] == 1:
                         for j in range(sizes[k]):
-                            bad += (pages[at + j] & 0x7F) == 0x7F
-                    elif kind == 2:
-                        for j in range(sizes[k]):
-                            bad += pages[at + j] == 0xFF
+                            bad += (pages[at + j] & mask) == value
                     else:
                         for j in range(0, sizes[k], 2):
-                            bad += ((pages[at + j + 1] & 0x7F) == 0x7F) and ((pages[at + j] & 0x80) == 0x80)
+                            bad += ((np.int64(pages[at + j]) | (np.int64(pages[at + j + 1]) << 8)) & mask) == value
                     if bad and first < 0:
                         first = t * 64 + k
                     c += bad
             counts[b] = c
             firsts[b] = first
 
-    _KERNEL = scan
-    return scan
-
-
-_KERNEL = None
-
-
-def _stats_kernel():
-    """The numba kernel of ``code_stats``, compiled on first use."""
-    global _STATS_KERNEL
-    if _STATS_KERNEL is not None:
-        return _STATS_KERNEL
-    from numba import njit, prange
-
     @njit(cache=True, parallel=True, nogil=True)
-    def stats(pages, n, page_size, page_bytes, split, record_bytes, starts, sizes, kinds, counts, hist):
+    def stats(pages, n, page_size, page_bytes, split, record_bytes, starts, sizes, widths, nf_mask, nf_value,
+              inf_mask, inf_value, max_mask, max_value, histogram, counts, hist):
         nblocks = (n + 4095) // 4096
         for b in prange(nblocks):
             for t in range(b * 4096, min(n, b * 4096 + 4096)):
-                page = t // page_size
-                row = t - page * page_size
                 for k in range(starts.shape[0]):
-                    off = starts[k]
-                    if split < 0:
-                        at = page * page_bytes + row * record_bytes + off
-                    elif off < split:
-                        at = page * page_bytes + row * split + off
-                    else:
-                        at = page * page_bytes + page_size * split + row * (record_bytes - split) + off - split
-                    kind = kinds[k]
-                    if kind == 1:
+                    at = address(t, page_size, page_bytes, split, record_bytes, starts[k])
+                    width, nfm, nfv, im, iv, mm, mv = widths[k], nf_mask[k], nf_value[k], inf_mask[k], inf_value[k], \
+                        max_mask[k], max_value[k]
+                    nf = 0
+                    inf = 0
+                    top = 0
+                    if width == 1:  # one loop per word width: no width test per element
+                        on = histogram[k]
                         for j in range(sizes[k]):
-                            m = pages[at + j] & 0x7F
-                            counts[b, 0] += m == 0x7F
-                            counts[b, 1] += m == 0x7E
-                    elif kind == 2:
-                        for j in range(sizes[k]):
-                            hist[b, pages[at + j]] += 1
-                    else:
+                            w = np.int64(pages[at + j])
+                            if (w & nfm) == nfv:
+                                nf += 1
+                                inf += (w & im) == iv
+                            top += (w & mm) == mv
+                            if on:
+                                hist[b, k, w] += 1
+                    else:  # 2-byte words (formats with an exponent bias are 1-byte scale formats)
                         for j in range(0, sizes[k], 2):
-                            lo = pages[at + j]
-                            hi = pages[at + j + 1]
-                            if (hi & 0x7F) == 0x7F and (lo & 0x80) == 0x80:
-                                if (lo & 0x7F) != 0:
-                                    counts[b, 2] += 1
-                                else:
-                                    counts[b, 3] += 1
+                            w = np.int64(pages[at + j]) | (np.int64(pages[at + j + 1]) << 8)
+                            if (w & nfm) == nfv:
+                                nf += 1
+                                inf += (w & im) == iv
+                            top += (w & mm) == mv
+                    counts[b, k, 0] += nf
+                    counts[b, k, 1] += inf
+                    counts[b, k, 2] += top
 
-    _STATS_KERNEL = stats
-    return stats
+    _KERNELS = (scan, stats)
+    return _KERNELS
 
 
-_STATS_KERNEL = None
+_KERNELS = None
 
 
 @dataclass(frozen=True)
-class CodeStats:
-    """Counts of the stored codes of some tokens, per field format (see ``code_stats``)."""
+class FormatCodes:
+    """Counts of one format's stored codes over some tokens (see ``code_stats``)."""
 
-    e4m3_nan: int  # 0x7F / 0xFF
-    e4m3_at_max: int  # 0x7E / 0xFE: +-448
-    bf16_nan: int
-    bf16_inf: int
-    ue8m0: list[int]  # histogram of the 256 scale bytes (0xFF: NaN)
+    nonfinite: int = 0  # codes matching the format's ``nonfinite`` rule (NaN, or NaN and Inf)
+    inf: int = 0  # of those, the ones the ``inf`` rule matches
+    at_max: int = 0  # codes at the largest finite magnitude (``at_max`` rule)
+    histogram: tuple[int, ...] | None = None  # counts of the 256 byte values (formats with an exponent bias)
+
+    def __add__(self, other: FormatCodes) -> FormatCodes:
+        hist = self.histogram
+        if other.histogram is not None:
+            hist = other.histogram if hist is None else tuple(a + b for a, b in zip(hist, other.histogram, strict=True))
+        return FormatCodes(self.nonfinite + other.nonfinite, self.inf + other.inf, self.at_max + other.at_max, hist)
 
 
-def code_stats(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None = None) -> CodeStats:
-    """Counts of E4M3 NaN and +-448 codes, bf16 NaN and Inf, and a histogram of the UE8M0 bytes of
-    the first ``num_tokens`` tokens (numba kernel on CPU, torch reference elsewhere)."""
+#: What ``code_stats`` counts: the fields whose format has one of these rules (or an exponent bias).
+_STATS_RULES = ("nonfinite", "inf", "at_max", "exponent_bias")
+
+
+def _stats_fields(layout: Layout) -> list[tuple[Field, Format]]:
+    with_formats = [(f, get_format(f.format)) for f in layout.fields]
+    return [(f, fmt) for f, fmt in with_formats if any(getattr(fmt, r) is not None for r in _STATS_RULES)]
+
+
+def _empty_codes(fields: list[tuple[Field, Format]]) -> dict[str, FormatCodes]:
+    return {fmt.name: FormatCodes(histogram=None if fmt.exponent_bias is None else (0,) * 256) for _, fmt in fields}
+
+
+def code_stats(pages: torch.Tensor, layout: Layout, page_size: int,
+               num_tokens: int | None = None) -> dict[str, FormatCodes]:
+    """Counts of the stored codes of the first ``num_tokens`` tokens per format name (each format of the
+    layout with a code rule or an exponent bias in the format table): non-finite, infinite and max-magnitude
+    codes, and a histogram of the bytes of exponent-bias scale formats (numba kernel on CPU, torch elsewhere)."""
     n = layout.token_count(pages, page_size, num_tokens)
-    fields = _scanned_fields(layout)
+    fields = _stats_fields(layout)
+    out = _empty_codes(fields)
     if n == 0 or not fields:
-        return CodeStats(0, 0, 0, 0, [0] * 256)
+        return out
     if pages.device.type != "cpu":
         return _code_stats_records(layout.pages_to_records(pages, page_size, n), layout)
-    starts = np.array([f.offset for f in fields], dtype=np.int64)
-    sizes = np.array([f.nbytes for f in fields], dtype=np.int64)
-    kinds = np.array([_KINDS[f.format] for f in fields], dtype=np.int64)
+    arrays = _rule_arrays(fields, "nonfinite", "inf", "at_max")
+    histogram = np.array([fmt.exponent_bias is not None for _, fmt in fields], dtype=np.int64)
     nblocks = -(-n // _BLOCK)
-    counts = np.zeros((nblocks, 4), dtype=np.int64)
-    hist = np.zeros((nblocks, 256), dtype=np.int64)
+    counts = np.zeros((nblocks, len(fields), 3), dtype=np.int64)
+    hist = np.zeros((nblocks, len(fields), 256), dtype=np.int64)
     split = -1 if layout.split is None else layout.split
-    _stats_kernel()(pages.contiguous().view(-1).numpy(), n, page_size, layout.page_bytes(page_size), split,
-                    layout.record_bytes, starts, sizes, kinds, counts, hist)
-    c = counts.sum(axis=0)
-    return CodeStats(int(c[0]), int(c[1]), int(c[2]), int(c[3]), hist.sum(axis=0).tolist())
+    _kernel()[1](pages.contiguous().view(-1).numpy(), n, page_size, layout.page_bytes(page_size), split,
+                 layout.record_bytes, *arrays, histogram, counts, hist)
+    c, h = counts.sum(axis=0), hist.sum(axis=0)
+    for k, (_, fmt) in enumerate(fields):
+        out[fmt.name] += FormatCodes(int(c[k, 0]), int(c[k, 1]), int(c[k, 2]),
+                                     None if fmt.exponent_bias is None else tuple(h[k].tolist()))
+    return out
 
 
-def _code_stats_records(records: torch.Tensor, layout: Layout) -> CodeStats:
+def _code_stats_records(records: torch.Tensor, layout: Layout) -> dict[str, FormatCodes]:
     """Torch reference of ``code_stats`` on token records ``[N, record_bytes]``."""
-    e_nan = e_max = b_nan = b_inf = 0
-    hist = torch.zeros(256, dtype=torch.int64)
-    for f in _scanned_fields(layout):
-        raw = records[:, f.offset : f.offset + f.nbytes]
-        if f.format == "e4m3":
-            mag = raw & 0x7F
-            e_nan += int((mag == 0x7F).sum())
-            e_max += int((mag == 0x7E).sum())
-        elif f.format == "ue8m0":
-            hist += torch.bincount(raw.reshape(-1).to(torch.int64).cpu(), minlength=256)
-        else:
-            lo, hi = raw[:, 0::2], raw[:, 1::2]
-            top = ((hi & 0x7F) == 0x7F) & ((lo & 0x80) == 0x80)
-            b_nan += int((top & ((lo & 0x7F) != 0)).sum())
-            b_inf += int((top & ((lo & 0x7F) == 0)).sum())
-    return CodeStats(e_nan, e_max, b_nan, b_inf, hist.tolist())
+    fields = _stats_fields(layout)
+    out = _empty_codes(fields)
+    for f, fmt in fields:
+        w = _words(records[:, f.offset : f.offset + f.nbytes], fmt.width)
+        hist = None
+        if fmt.exponent_bias is not None:
+            hist = tuple(torch.bincount((w & 0xFF).reshape(-1).to(torch.int64).cpu(), minlength=256).tolist())
+        bad = _matches(w, fmt.nonfinite)
+        out[fmt.name] += FormatCodes(int(bad.sum()), int((bad & _matches(w, fmt.inf)).sum()),
+                                     int(_matches(w, fmt.at_max).sum()), hist)
+    return out
 
 
 def scan_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None = None) -> Scan:
     """Scan the first ``num_tokens`` tokens (default: every row) of ``pages`` of ``layout``."""
     n = layout.token_count(pages, page_size, num_tokens)
-    fields = _scanned_fields(layout)
+    fields = _rule_fields(layout, "nonfinite")
     if n == 0 or not fields:
         return Scan(0)
     if pages.device.type != "cpu" or len(fields) > 64:
         return scan_records(layout.pages_to_records(pages, page_size, n), layout)
     flat = pages.contiguous().view(-1).numpy()
-    starts = np.array([f.offset for f in fields], dtype=np.int64)
-    sizes = np.array([f.nbytes for f in fields], dtype=np.int64)
-    kinds = np.array([_KINDS[f.format] for f in fields], dtype=np.int64)
     nblocks = -(-n // _BLOCK)
     counts = np.zeros(nblocks, dtype=np.int64)
     firsts = np.zeros(nblocks, dtype=np.int64)
     split = -1 if layout.split is None else layout.split
-    _kernel()(flat, n, page_size, layout.page_bytes(page_size), split, layout.record_bytes, starts, sizes, kinds,
-              counts, firsts)
+    _kernel()[0](flat, n, page_size, layout.page_bytes(page_size), split, layout.record_bytes,
+                 *_rule_arrays(fields, "nonfinite"), counts, firsts)
     total = int(counts.sum())
     if total == 0:
         return Scan(0)
     first = int(firsts[firsts >= 0][0])
-    return Scan(total, first // 64, fields[first % 64].name)
+    records = layout.geometry.pages_to_records(pages, page_size, n)
+    values = sum(_bad_values(records[b * _BLOCK : (b + 1) * _BLOCK], layout) for b in np.flatnonzero(counts))
+    return Scan(total, first // 64, fields[first % 64][0].name, values)
 
 
 def check_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None = None,
                 what: str = "source") -> None:
-    """Raise ``NonFiniteError`` (count, first token and field) when ``pages`` hold non-finite codes."""
+    """Raise ``NonFiniteError`` (values, codes, first token and field) when ``pages`` hold non-finite codes."""
     scan = scan_pages(pages, layout, page_size, num_tokens)
     if scan.count:
         raise NonFiniteError(scan.describe(what))

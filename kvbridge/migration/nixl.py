@@ -53,7 +53,8 @@ import torch.multiprocessing as tmp
 import xxhash
 
 from kvbridge._version import __version__
-from kvbridge.dumps.dumpfile import LATENT_DTYPES, Dump, DumpEntry, convert_entry, read_dump, write_dump
+from kvbridge.dumps.convert import convert_entry
+from kvbridge.dumps.dumpfile import LATENT_DTYPES, Dump, DumpEntry, read_dump, write_dump
 from kvbridge.engines.profiles import Storage
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.control import Channel, Listener

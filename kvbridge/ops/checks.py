@@ -36,3 +36,21 @@ def _check_dialect(dialect: str | None, layout: Layout) -> str | None:
             f"dialect {dialect!r} does not apply to {layout.name}; choose one of {', '.join(layout.dialects)}"
         )
     return dialect
+
+
+def _check_auto(scale: object, layout: Layout, what: str = "scale") -> bool:
+    """Whether ``scale`` is ``"auto"``; ``InputError`` when it is and ``layout`` has per-tile scales."""
+    if not isinstance(scale, str) or scale != "auto":
+        return False
+    if not layout.per_tensor_scale:
+        raise InputError(f"{what}='auto' applies only to per-tensor layouts, not {layout.name}")
+    return True
+
+
+def _check_byte_move_dialect(src: Layout, dst: Layout, dialect: str | None) -> None:
+    """``InputError`` when a ``dialect`` is given for the byte move ``src`` -> ``dst`` (nothing is re-encoded)."""
+    if dialect is not None:
+        raise InputError(
+            f"{src.name} -> {dst.name} is a byte move that keeps the source's scales; "
+            f"dialect={dialect!r} would not be applied"
+        )

@@ -73,9 +73,28 @@ def transcode_loss(pages: torch.Tensor, src: Layout, src_page_size: int, out: to
     ran with these arguments (``dst_scale`` the scale it used, never ``"auto"``): both decoded and compared,
     nothing written. ``transcode(..., report=True)`` is ``transcode`` then this; a caller may run it apart
     (``migrate_local`` does, beside its next batch)."""
+    stats = transcode_loss_stats(pages, src, src_page_size, out, dst, dst_page_size, num_tokens, src_scale,
+                                 dst_scale, dialect)
+    return loss_report(stats, src, dst, byte_move=False, dst_scale=_check_scale(dst_scale, dst, "dst_scale"))
+
+
+def transcode_loss_stats(pages: torch.Tensor, src: Layout, src_page_size: int, out: torch.Tensor, dst: Layout,
+                         dst_page_size: int, num_tokens: int, src_scale: float | None, dst_scale: float | None,
+                         dialect: str | None) -> LossStats:
+    """The ``LossStats`` behind ``transcode_loss`` (same arguments); statistics of chunks merge
+    (``LossStats.merge``) into those of the whole, which ``loss_report`` turns into the report
+    (``kvbridge convert`` does, chunk by chunk)."""
     s_in, s_out = _check_scale(src_scale, src, "src_scale"), _check_scale(dst_scale, dst, "dst_scale")
     d = _check_dialect(dialect, dst)
     mult = tensor_multiplier(d, s_out) if dst.per_tensor_scale else None
-    stats = dispatch.loss_stats(pages, src, src_page_size, out, dst, dst_page_size, num_tokens, s_in, s_out, mult)
-    return LossReport.from_stats(stats, src_layout=src.name, dst_layout=dst.name, byte_move=False,
-                                 dst_scale=s_out if dst.per_tensor_scale else None, loss_note=dst.loss_note)
+    return dispatch.loss_stats(pages, src, src_page_size, out, dst, dst_page_size, num_tokens, s_in, s_out, mult)
+
+
+def loss_report(stats: LossStats, src: Layout | None, dst: Layout, *, byte_move: bool,
+                dst_scale: float | None) -> LossReport:
+    """The ``LossReport`` of a conversion into ``dst`` with statistics ``stats`` (``src`` None: raw
+    latents encoded); the one report build of ``transcode``, ``transcode_loss`` and ``kvbridge convert``:
+    ``dst_scale`` is kept for per-tensor destinations, ``dst.loss_note`` is its note when anything was lost."""
+    return LossReport.from_stats(stats, src_layout="latents" if src is None else src.name, dst_layout=dst.name,
+                                 byte_move=byte_move, dst_scale=dst_scale if dst.per_tensor_scale else None,
+                                 loss_note=dst.loss_note)

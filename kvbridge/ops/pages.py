@@ -19,8 +19,8 @@ from kvbridge.backends.reference import check_finite
 from kvbridge.errors import InputError, NonFiniteError, OutputBufferError
 from kvbridge.layouts import Layout, get_layout, scan
 from kvbridge.layouts.codec import HEAD_DIM, reciprocal_f32
-from kvbridge.ops.checks import _check_dialect, _check_scale
-from kvbridge.ops.loss import LossReport, transcode_loss
+from kvbridge.ops.checks import _check_auto, _check_byte_move_dialect, _check_dialect, _check_scale
+from kvbridge.ops.loss import LossReport, loss_report, transcode_loss
 
 NonFinitePolicy = Literal["error", "zero", "saturate"]
 NONFINITE_POLICIES = ("error", "zero", "saturate")
@@ -126,9 +126,7 @@ def encode(
         _check_out(out, dtype=torch.uint8, shape=[lay.num_pages(x.shape[0], page_size), lay.page_bytes(page_size)],
                    source=x, what=lay.name, source_name="latents x")
     xf = _apply_nonfinite(x if x.dtype == torch.bfloat16 else x.float(), nonfinite)  # bf16: no fp32 copy
-    if scale == "auto":
-        if not lay.per_tensor_scale:
-            raise InputError(f"scale='auto' applies only to per-tensor layouts, not {lay.name}")
+    if _check_auto(scale, lay):
         scale = auto_scale(xf)
     s = _check_scale(scale, lay)
 
@@ -239,26 +237,19 @@ def transcode(
     num_tokens = _check_num_tokens(num_tokens)
     n = src.token_count(pages, src_page_size, num_tokens)
     s_in = _check_scale(src_scale, src, "src_scale")
-    auto = dst_scale == "auto"
+    auto = _check_auto(dst_scale, dst, "dst_scale")
     s_out = 1.0 if auto else _check_scale(dst_scale, dst, "dst_scale")
-    if auto and not dst.per_tensor_scale:
-        raise InputError(f"dst_scale='auto' applies only to per-tensor layouts, not {dst.name}")
     if out is not None:
         _check_out(out, dtype=torch.uint8, shape=[dst.num_pages(n, dps), dst.page_bytes(dps)], source=pages,
                    what=dst.name, source_name="pages")
 
     if not auto and is_byte_move(src, dst, s_in, s_out):
-        if dialect is not None:
-            raise InputError(
-                f"{src.name} -> {dst.name} is a byte move that keeps the source's scales; "
-                f"dialect={dialect!r} would not be applied"
-            )
+        _check_byte_move_dialect(src, dst, dialect)
         scan.check_pages(pages, src, src_page_size, n)  # nothing is decoded: scan the stored codes
         out = dispatch.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
         if not report:
             return out
-        return out, LossReport.from_stats(LossStats(num_tokens=n), src_layout=src.name, dst_layout=dst.name,
-                                          byte_move=True, dst_scale=s_out if dst.per_tensor_scale else None)
+        return out, loss_report(LossStats(num_tokens=n), src, dst, byte_move=True, dst_scale=s_out)
     d = _check_dialect(dialect, dst)
     if auto:  # the amax from codes and scale bytes (one read pass)
         amax = dispatch.amax_pages(pages, src, src_page_size, num_tokens, s_in)

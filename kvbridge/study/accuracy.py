@@ -38,6 +38,7 @@ from kvbridge.dumps.dumpfile import read_dump
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout, all_layouts, get_layout
 from kvbridge.layouts.codec import HEAD_DIM, NOPE_DIM
+from kvbridge.layouts.formats import get_format
 from kvbridge.ops.pages import auto_scale, decode, encode
 from kvbridge.study import synthetic
 
@@ -152,7 +153,8 @@ def quantize(latents: torch.Tensor, variant: Variant, page_size: int) -> Quantiz
 
 def e4m3_stats(latents: torch.Tensor, q: QuantizedKV) -> dict[str, float]:
     """Fractions of the E4M3-stored values of each field (and of all of them) that saturate, fall
-    into E4M3 subnormals, or flush to zero, read from the stored bytes.
+    into E4M3 subnormals, or flush to zero, read from the stored bytes with the format table's
+    ``at_max``, ``subnormal`` and ``zero`` code rules (every format that has all three: E4M3).
 
     A value *saturates* when its byte is the max magnitude (0x7E) and |input| exceeds the decoded
     max; it is *subnormal* when it is nonzero and its byte's exponent bits are 0 (this includes
@@ -164,18 +166,18 @@ def e4m3_stats(latents: torch.Tensor, q: QuantizedKV) -> dict[str, float]:
     stats: dict[str, float] = {}
     totals = torch.zeros(4, dtype=torch.float64)  # count, saturated, subnormal, flushed
     for f in q.layout.fields:
-        if f.format != "e4m3" or f.dims is None:
-            continue
+        fmt = get_format(f.format)
+        if f.dims is None or None in (fmt.at_max, fmt.subnormal, fmt.zero):
+            continue  # the format table gives this format no saturation / subnormal / zero codes
         d0, d1 = f.dims
-        if f.nbytes != d1 - d0:
-            raise InputError(f"field {f.name} of {q.layout.name} does not hold one E4M3 byte per dim")
+        if fmt.width != 1 or f.nbytes != d1 - d0:
+            raise InputError(f"field {f.name} of {q.layout.name} does not hold one {f.format} byte per dim")
         codes = records[:, f.offset : f.offset + f.nbytes]
-        mag = codes & 0x7F
         xin = x[:, d0:d1].abs()
         nonzero = xin != 0
-        saturated = (mag == 0x7E) & (xin > q.values[:, d0:d1].abs())
-        subnormal = nonzero & ((mag & 0x78) == 0)
-        flushed = nonzero & (mag == 0)
+        saturated = ((codes & fmt.at_max.mask) == fmt.at_max.value) & (xin > q.values[:, d0:d1].abs())
+        subnormal = nonzero & ((codes & fmt.subnormal.mask) == fmt.subnormal.value)
+        flushed = nonzero & ((codes & fmt.zero.mask) == fmt.zero.value)
         counts = torch.tensor([codes.numel(), int(saturated.sum()), int(subnormal.sum()), int(flushed.sum())],
                               dtype=torch.float64)
         totals += counts

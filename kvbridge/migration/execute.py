@@ -27,7 +27,7 @@ import torch
 import xxhash
 
 from kvbridge import numerics as nx
-from kvbridge.backends.native import state as native_state
+from kvbridge.backends import dispatch
 from kvbridge.engines.profiles import Storage
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.ape import add_ape, nan_score, remove_ape, unreachable_score
@@ -46,7 +46,7 @@ from kvbridge.migration.pools import (
 from kvbridge.ops import keys as ix
 from kvbridge.ops import pages as page_ops
 from kvbridge.ops import records as record_ops
-from kvbridge.ops.pages import LossReport
+from kvbridge.ops.loss import LossReport
 
 ConvertSide = Literal["sender", "receiver"]
 
@@ -195,13 +195,12 @@ def _convert_state_torch(t: Transfer, records: torch.Tensor, loss_report: bool, 
 
 def _convert_state_native(t: Transfer, records: torch.Tensor, loss_report: bool, first: int) -> tuple[
         torch.Tensor, None, float | None]:
-    """``_convert_batch``'s state rows on CPU: one native pass (``kvbridge.backends.native.state``), the same bytes,
-    errors and refusals as ``_convert_state_torch``."""
+    """``_convert_batch``'s state rows in one pass of the dispatcher's state kernels (``dispatch.convert_state_rows``):
+    the same bytes, errors and refusals as ``_convert_state_torch``."""
     measure = loss_report and t.src.fmt != t.dst.fmt
     pos = t.first + first
     src_bf16 = t.src.fmt.endswith("bf16")
-    res = native_state.convert_state_rows(records, src_bf16, t.dst.fmt.endswith("bf16"), t.ape, t.ape_sign, pos,
-                                          measure)
+    res = dispatch.convert_state_rows(records, src_bf16, t.dst.fmt.endswith("bf16"), t.ape, t.ape_sign, pos, measure)
     where = f"layer {t.spec.layer} {t.spec.role.value}"
     if t.ape_sign < 0 and res.nan_row is not None:
         raise nan_score(where, pos + res.nan_row)
@@ -221,7 +220,7 @@ def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first:
     first + 1, ...`` of ``t``); KV records are written into ``out`` when given; returns (records, KV loss report,
     indexer or state max abs error)."""
     if t.src.kind == "state":
-        convert = _convert_state_native if records.device.type == "cpu" else _convert_state_torch
+        convert = _convert_state_native if dispatch.state_kernels(records) else _convert_state_torch
         return convert(t, records, loss_report, first)
     if t.src.kind == "indexer":
         keys, err = record_ops.convert_key_records(records, t.src.indexer, t.dst.indexer, rule=t.dst.dialect or "",

@@ -19,7 +19,7 @@ from kvbridge.errors import InputError
 from kvbridge.layouts.registry import MAX_PAGE_SIZE, Layout
 from kvbridge.ops import keys as ix
 from kvbridge.ops import pages as page_ops
-from kvbridge.ops.pages import LossReport, transcode_loss
+from kvbridge.ops.loss import LossReport, transcode_loss
 
 
 @cache

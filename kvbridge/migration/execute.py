@@ -1,12 +1,14 @@
-"""Executing a plan: pack source entries, convert them, verify checksums, publish into destination pools.
+"""Executing a plan: gather source entries, convert them, verify checksums, publish into destination pools.
 
-The transports (``kvbridge.migration.transport``, ``kvbridge.migration.nixl``) run these steps: the
-sender packs (and converts, when it is the side that transcodes), the receiver verifies every page
-chunk's checksum, converts if it has to, and only then claims destination pages and writes them.
-Nothing is claimed when any step fails. ``migrate_local`` (one process, nothing on a wire) skips
-the checksums and runs staged batches instead: each batch of source rows is gathered into a small
-buffer, converted there and scattered from the converted pages' parts into the destination pools
-while it is still in the CPU caches; its bytes are those of the transports' steps.
+Every migration runs the same stages on records (one row per entry; ``kvbridge.ops.records`` converts them,
+on the device's backend): the transports (``kvbridge.migration.transport``, ``kvbridge.migration.nixl``) call
+``pack`` on the sender (gathering with the checksums in the same pass, converting when it is the side that
+transcodes) and ``finish`` or ``RequestAssembly`` on the receiver; ``migrate_local`` (one process, nothing
+on a wire, no checksum) runs staged batches: each batch of source rows is gathered into a small buffer,
+converted there and scattered into the destination pools while it is still in the CPU caches. ``finish``
+runs those batches straight from the payload's records, verifying each page chunk's checksum just before
+its rows are converted and published. Destination pages are claimed only once every source page was found;
+a refused conversion or checksum releases them again (nothing is published).
 
 Checksums: XXH3-64 (seed 0, the ``xxhash`` package) of the record bytes of each (transfer, source
 page) chunk, computed by the sender before anything leaves it. XXH3 runs faster than a memory
@@ -651,13 +653,18 @@ def _rows(spans: list[PartSpans], records: torch.Tensor, offset: int, count: int
     return [(records[offset : offset + count], lo) for _, lo, _, _ in spans]
 
 
+def _device(pools: EnginePools) -> torch.device:
+    return next(t.device for pool in pools.pools.values() for t in pool_tensors(pool))
+
+
 def _contiguous(*pools: EnginePools) -> bool:
     return all(t.is_contiguous() for p in pools for pool in p.pools.values() for t in pool_tensors(pool))
 
 
-def _staged(plan: MigrationPlan, source: Callable[[int, int, int, int], _Piece], converted: bool = False) -> _Staged:
+def _staged(plan: MigrationPlan, source: Callable[[int, int, int, int], _Piece], device: torch.device,
+            converted: bool = False) -> _Staged:
     """The plan's staged batches, ``source(index, first, count, offset)`` making each piece, with stage buffers
-    of the largest batch's bytes."""
+    of the largest batch's bytes on ``device`` (the pools': the same stages run on every backend)."""
     staged: list[_Batch] = []
     src_bytes = dst_bytes = 0
     for pieces in batches(plan, list(range(len(plan.transfers))), _stage_rows):
@@ -669,14 +676,14 @@ def _staged(plan: MigrationPlan, source: Callable[[int, int, int, int], _Piece],
         staged.append(b)
         src_bytes = max(src_bytes, b.rows * (t.dst if converted else t.src).record_bytes)
         dst_bytes = max(dst_bytes, b.rows * t.dst.record_bytes)
-    return _Staged(staged, torch.empty(src_bytes, dtype=torch.uint8), torch.empty(dst_bytes, dtype=torch.uint8),
-                   converted)
+    return _Staged(staged, torch.empty(src_bytes, dtype=torch.uint8, device=device),
+                   torch.empty(dst_bytes, dtype=torch.uint8, device=device), converted)
 
 
 def _stage(plan: MigrationPlan, src: EnginePools, tables: RequestTables, dst: EnginePools) -> _Staged | None:
     """Cut the plan into staged batches of records and find every source page (``InputError`` for a table that
     does not hold its entries); None when a pool tensor is not contiguous."""
-    if not _contiguous(src, dst):
+    if not _contiguous(src, dst) or _device(src) != _device(dst):
         return None
 
     def piece(i: int, lo: int, count: int, offset: int) -> _Piece:
@@ -685,17 +692,17 @@ def _stage(plan: MigrationPlan, src: EnginePools, tables: RequestTables, dst: En
         assert spans is not None  # contiguous pools, checked above
         return _Piece(i, lo, count, offset, spans)
 
-    return _staged(plan, piece)
+    return _staged(plan, piece, _device(dst))
 
 
 def _stage_payload(plan: MigrationPlan, payload: Payload, dst: EnginePools) -> _Staged | None:
     """Staged batches reading a payload's records (views, nothing copied); None for non-contiguous destination
-    pools or records off the CPU."""
-    if not _contiguous(dst) or any(r.device.type != "cpu" for r in payload.records):
+    pools or records on another device than theirs."""
+    if not _contiguous(dst) or any(r.device != _device(dst) for r in payload.records):
         return None
     records = [r.contiguous() for r in payload.records]
     return _staged(plan, lambda i, lo, count, offset: _Piece(i, lo, count, offset, records=records[i][lo : lo + count]),
-                   payload.converted)
+                   _device(dst), payload.converted)
 
 
 def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_report: bool,

@@ -446,11 +446,13 @@ def _bench_local(tokens: int, model: str, src: str, dst: str, repeat: int, loss_
     names = {"np_copyto": "np.copyto of the payload", "torch_copy_": "torch copy_ of the payload",
              "gather": "transports' path: gather",
              "checksum": "  checksum (sender, XXH3-64)", "verify": "  verify (receiver)", "convert": "  convert",
-             "publish": "  publish (claim + scatter)", "transport_path": "  whole (pack + finish)",
+             "publish": "  publish (claim + scatter)", "transport_path": "  whole, fused (pack + finish)",
+             "transport_pack": "    sender: gather + checksum, one pass",
+             "transport_finish": "    receiver: verify + convert + publish, one pass",
              "migrate_local": "migrate_local (staged, no checksum)", "local_gather": "  gather",
              "local_convert": "  convert", "local_convert_kv": "    KV transcode",
              "local_convert_indexer": "    indexer keys", "local_convert_state": "    compressor state",
-             "local_publish": "  publish (claim + scatter)"}
+             "local_publish": "  publish (claim + scatter)", "byte_move": "byte move (migrate_local, same engine)"}
     for key, name in names.items():
         row = res[key]
         table.add_row(name, f"{row['seconds']:.4f}", f"{row['x_np_copyto']:.1f}", f"{row['x_torch_copy_']:.1f}")

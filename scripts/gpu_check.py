@@ -12,7 +12,9 @@
    their error paths) against the same calls on CPU tensors.
 2. Timing (CUDA events, median of ``--iters``) at ``--tokens`` tokens (default 4M: 2-8 GiB per
    pool, many times the L2), each next to a device-to-device copy of the same number of bytes,
-   plus gather-transcode of a 2048-token top-k for 128 requests.
+   plus gather-transcode of a 2048-token top-k for 128 requests, then a 128K-token DeepSeek-V4-Flash
+   migration (TensorRT-LLM FP8 -> vLLM) with every pool on the device, stage by stage (gather, convert,
+   publish, a whole ``migrate_local``), each next to a device-to-device copy of the payload.
 3. Optional: FlashMLA's sparse decode over a TensorRT-LLM pool through the legacy (MODEL1 scratch, ``V41``)
    and the current V4.1 kernels, whichever the GPU runs (needs a usable ``flash_mla`` build; skipped with
    the reason otherwise).
@@ -476,6 +478,52 @@ class Bench:
         del trt_pool, m1_pool
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+        out += self.migration(min(n, 1 << 17))
+        return out
+
+    def migration(self, n: int) -> list[Timing]:
+        """A DeepSeek-V4-Flash request of ``n`` tokens migrated TensorRT-LLM FP8 -> vLLM with every pool on the device,
+        stage by stage (gather, convert, publish: the transports' steps; the fused one pass of ``finish``; a whole
+        ``migrate_local``), each next to a device-to-device copy of the payload; bytes count payload read + written."""
+        from kvbridge.engines.topology import FLASH
+        from kvbridge.migration import EnginePools, destination_pools, plan_migration, source_request
+        from kvbridge.migration import execute as ex
+        from kvbridge.migration.pools import gather_records, table_of
+
+        dev = self.device
+        model = FLASH if dev.type == "cuda" else FLASH.with_layers(4)  # --smoke: 4 layers
+        plan = plan_migration("trtllm:fp8:tpb=128", "vllm", model, n)
+        src_cpu, tables = source_request(plan, seed=2)
+
+        def on_device(pools: EnginePools) -> EnginePools:
+            moved = {key: tuple(t.to(dev) for t in pool) if isinstance(pool, tuple) else pool.to(dev)
+                     for key, pool in pools.pools.items()}
+            return EnginePools.wrap(pools.profile, pools.model, moved, include_mtp=pools.include_mtp)
+
+        src, dst = on_device(src_cpu), on_device(destination_pools(plan, seed=1))
+        nbytes = sum(t.src_bytes for t in plan.transfers)
+        print(f"migration stages at {n} tokens ({nbytes} payload bytes) on {dev}", flush=True)
+
+        def gather() -> list:
+            return [gather_records(src.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count)
+                    for t in plan.transfers]
+
+        payload = ex.Payload(plan.fingerprint(), False, gather(), [[t.count] for t in plan.transfers],
+                             [[0] for _ in plan.transfers])
+        converted = ex.convert_payload(plan, payload, loss_report=False)
+
+        def publish() -> None:
+            dst.release(ex.publish(plan, converted, dst))
+
+        def local() -> None:
+            got, _ = ex.migrate_local(plan, src, tables, dst, loss_report=False)
+            dst.release(got)
+
+        out = [self.time("migration: gather (pools -> records)", n, 2 * nbytes, gather),
+               self.time("migration: convert records (ops.records)", n, 2 * nbytes, ex.convert_payload, plan, payload,
+                         loss_report=False),
+               self.time("migration: publish (records -> pools)", n, 2 * nbytes, publish),
+               self.time("migration: migrate_local, whole (staged on the device)", n, 2 * nbytes, local)]
         return out
 
 

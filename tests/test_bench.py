@@ -80,7 +80,8 @@ def test_migrate_bench_local_reports_every_stage_beside_both_copies():
 
     res = bench_local(tokens=512, repeat=1)
     assert res["request"]["payload_bytes"] > 0 and res["request"]["loss_report"] is False
-    for key in ("np_copyto", "torch_copy_", "gather", "checksum", "verify", "convert", "publish", "migrate_local"):
+    for key in ("np_copyto", "torch_copy_", "gather", "checksum", "verify", "convert", "publish", "migrate_local",
+                "transport_path", "transport_pack", "transport_finish", "byte_move"):
         assert res[key]["seconds"] > 0 and res[key]["x_np_copyto"] > 0 and res[key]["x_torch_copy_"] > 0, key
     run = CliRunner().invoke(cli, ["migrate", "bench", "--local", "--tokens", "300", "--repeat", "1", "--json"])
     assert run.exit_code == 0, run.output

@@ -338,13 +338,17 @@ def bench_local(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: 
     (the receiver's), ``convert`` (every conversion, with the loss report when ``loss_report``),
     ``publish`` (claiming pages and scattering the records). ``local_gather``, ``local_convert`` and
     ``local_publish`` split ``migrate_local``'s time as its report does, and ``local_convert_kv``,
-    ``local_convert_indexer``, ``local_convert_state`` its conversion by entry kind.
+    ``local_convert_indexer``, ``local_convert_state`` its conversion by entry kind. ``transport_pack`` and
+    ``transport_finish`` split the transports' path whole: the sender's gather with its checksums in the same
+    pass, the receiver's one pass verifying, converting and publishing. ``byte_move``: a ``migrate_local`` of the
+    same request from the source engine to itself (same layout, other page ids: no conversion).
 
     ``ape``: the model's APE weights, for pairs between SGLang and vLLM / TensorRT-LLM (``plan_migration``'s
     ``ape=``), or ``"synthetic"`` (``SYNTHETIC_APE``) for ``synthetic_ape(model, seed=0)``; the result's
     ``request.ape`` says which were used and their sha256 (None when the pair needs none)."""
     say = progress or (lambda _: None)
     plan, ape_used = _plan(src, dst, model, tokens, ape)
+    same = plan_migration(plan.src, plan.src, plan.model, tokens)  # the byte move: same engine, other pages
     say("filling the source pools")
     pools, tables = source_request(plan, seed=2)
     nbytes = sum(t.src_bytes for t in plan.transfers)
@@ -356,7 +360,7 @@ def bench_local(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: 
     for r in range(repeat + 1):  # round 0 warms up (JIT cache loads, first-touch of the pools)
         say(f"round {r + 1}/{repeat + 1}")
         times = {"np_copyto": _timed(lambda: np.copyto(b, a)), "torch_copy_": _timed(lambda: tb.copy_(ta))}
-        for key, seconds in _stages(plan, pools, tables, loss_report):
+        for key, seconds in _stages(plan, same, pools, tables, loss_report):
             times[key] = seconds
         times["np_copyto"] = (times["np_copyto"] + _timed(lambda: np.copyto(b, a))) / 2
         times["torch_copy_"] = (times["torch_copy_"] + _timed(lambda: tb.copy_(ta))) / 2
@@ -372,7 +376,8 @@ def bench_local(*, tokens: int = 131072, model: str = "deepseek-v4-flash", src: 
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "repeat": repeat,
     }
-    for key in ("np_copyto", "torch_copy_", *stages, "transport_path", "migrate_local", *LOCAL_STAGES):
+    for key in ("np_copyto", "torch_copy_", *stages, "transport_path", "transport_pack", "transport_finish",
+                "migrate_local", *LOCAL_STAGES, "byte_move"):
         out[key] = {"seconds": statistics.median(t[key] for t in rounds),
                     "x_np_copyto": statistics.median(t[key] / t["np_copyto"] for t in rounds),
                     "x_torch_copy_": statistics.median(t[key] / t["torch_copy_"] for t in rounds)}
@@ -386,9 +391,10 @@ LOCAL_STAGES = ("local_gather", "local_convert", "local_publish", "local_convert
                 "local_convert_state")
 
 
-def _stages(plan, pools, tables, loss_report: bool):
-    """(row, seconds) of one migration down the transports' path taken apart, then of that path whole,
-    then of a whole ``migrate_local`` and its report's split."""
+def _stages(plan, same, pools, tables, loss_report: bool):
+    """(row, seconds) of one migration down the transports' path taken apart, then of that path whole (and its
+    two halves), then of a whole ``migrate_local`` and its report's split, then of the byte move ``same``
+    (``migrate_local`` between two pools of the source engine, other page ids)."""
     target = destination_pools(plan, seed=1)
     t0 = time.perf_counter()
     records = [gather_records(pools.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count)
@@ -412,9 +418,14 @@ def _stages(plan, pools, tables, loss_report: bool):
     del payload, converted, records, target
     target = destination_pools(plan, seed=1)
     t0 = time.perf_counter()
-    finish(plan, pack(plan, pools, tables, convert=False, loss_report=loss_report), target, converted_on="receiver",
-           pack_s=0.0, wire_s=0.0, loss_report=loss_report)
-    yield "transport_path", time.perf_counter() - t0
+    packed = pack(plan, pools, tables, convert=False, loss_report=loss_report)
+    t1 = time.perf_counter()
+    finish(plan, packed, target, converted_on="receiver", pack_s=0.0, wire_s=0.0, loss_report=loss_report)
+    t2 = time.perf_counter()
+    yield "transport_path", t2 - t0
+    yield "transport_pack", t1 - t0
+    yield "transport_finish", t2 - t1
+    del packed
     del target
     target = destination_pools(plan, seed=1)
     t0 = time.perf_counter()
@@ -425,3 +436,8 @@ def _stages(plan, pools, tables, loss_report: bool):
     yield "local_publish", report.publish_s
     for kind in ("kv", "indexer", "state"):
         yield f"local_convert_{kind}", report.convert_parts_s.get(kind, 0.0)
+    del target
+    target = destination_pools(same, seed=5)
+    t0 = time.perf_counter()
+    migrate_local(same, pools, tables, target, loss_report=False)
+    yield "byte_move", time.perf_counter() - t0

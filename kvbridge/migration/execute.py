@@ -1,12 +1,14 @@
-"""Executing a plan: pack source entries, convert them, verify checksums, publish into destination pools.
+"""Executing a plan: gather source entries, convert them, verify checksums, publish into destination pools.
 
-The transports (``kvbridge.migration.transport``, ``kvbridge.migration.nixl``) run these steps: the
-sender packs (and converts, when it is the side that transcodes), the receiver verifies every page
-chunk's checksum, converts if it has to, and only then claims destination pages and writes them.
-Nothing is claimed when any step fails. ``migrate_local`` (one process, nothing on a wire) skips
-the checksums and runs staged batches instead: each batch of source rows is gathered into a small
-buffer, converted there and scattered from the converted pages' parts into the destination pools
-while it is still in the CPU caches; its bytes are those of the transports' steps.
+Every migration runs the same stages on records (one row per entry; ``kvbridge.ops.records`` converts them,
+on the device's backend): the transports (``kvbridge.migration.transport``, ``kvbridge.migration.nixl``) call
+``pack`` on the sender (gathering with the checksums in the same pass, converting when it is the side that
+transcodes) and ``finish`` or ``RequestAssembly`` on the receiver; ``migrate_local`` (one process, nothing
+on a wire, no checksum) runs staged batches: each batch of source rows is gathered into a small buffer,
+converted there and scattered into the destination pools while it is still in the CPU caches. ``finish``
+runs those batches straight from the payload's records, verifying each page chunk's checksum just before
+its rows are converted and published. Destination pages are claimed only once every source page was found;
+a refused conversion or checksum releases them again (nothing is published).
 
 Checksums: XXH3-64 (seed 0, the ``xxhash`` package) of the record bytes of each (transfer, source
 page) chunk, computed by the sender before anything leaves it. XXH3 runs faster than a memory
@@ -17,6 +19,7 @@ guards against corruption, not against a malicious peer.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -29,7 +32,6 @@ from kvbridge import numerics as nx
 from kvbridge.backends import dispatch
 from kvbridge.engines.profiles import Storage
 from kvbridge.errors import InputError, KVBridgeError
-from kvbridge.layouts.registry import PageGeometry
 from kvbridge.migration.ape import add_ape, nan_score, remove_ape, unreachable_score
 from kvbridge.migration.plan import MigrationPlan, Transfer
 from kvbridge.migration.pools import (
@@ -38,7 +40,6 @@ from kvbridge.migration.pools import (
     RequestTables,
     gather_records,
     move_parts,
-    part_bounds,
     part_spans,
     pool_tensors,
     scatter_records,
@@ -46,7 +47,8 @@ from kvbridge.migration.pools import (
 )
 from kvbridge.ops import keys as ix
 from kvbridge.ops import pages as page_ops
-from kvbridge.ops.loss import LossReport, transcode_loss
+from kvbridge.ops import records as record_ops
+from kvbridge.ops.loss import LossReport
 
 ConvertSide = Literal["sender", "receiver"]
 
@@ -195,8 +197,8 @@ def _convert_state_torch(t: Transfer, records: torch.Tensor, loss_report: bool, 
 
 def _convert_state_native(t: Transfer, records: torch.Tensor, loss_report: bool, first: int) -> tuple[
         torch.Tensor, None, float | None]:
-    """``_convert_batch``'s state rows on CPU: one native pass (``kvbridge.backends.native.state``), the same bytes,
-    errors and refusals as ``_convert_state_torch``."""
+    """``_convert_batch``'s state rows in one pass of the dispatcher's state kernels (``dispatch.convert_state_rows``):
+    the same bytes, errors and refusals as ``_convert_state_torch``."""
     measure = loss_report and t.src.fmt != t.dst.fmt
     pos = t.first + first
     src_bf16 = t.src.fmt.endswith("bf16")
@@ -214,53 +216,77 @@ def _convert_state_native(t: Transfer, records: torch.Tensor, loss_report: bool,
     return res.rows, None, res.max_abs_error
 
 
-def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first: int = 0) -> tuple[
-        torch.Tensor, LossReport | None, float | None]:
-    """Convert records of ``t``'s kind (state rows with APE: entries ``first, first + 1, ...`` of ``t``);
-    returns (records, KV loss report, indexer or state max abs error)."""
+def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first: int = 0,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, LossReport | None, float | None]:
+    """Convert records of ``t``'s kind through the record operations (state rows with APE: entries ``first,
+    first + 1, ...`` of ``t``); KV records are written into ``out`` when given; returns (records, KV loss report,
+    indexer or state max abs error)."""
     if t.src.kind == "state":
         convert = _convert_state_native if dispatch.state_kernels(records) else _convert_state_torch
         return convert(t, records, loss_report, first)
     if t.src.kind == "indexer":
-        if loss_report or ix.native_transcode_applies(records, t.src.indexer, t.dst.indexer, t.dst.dialect or ""):
-            out, err = ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "",
-                                         t.src.dialect)
-            return out, None, err if loss_report else None
-        values = ix.decode_keys(records, t.src.indexer, t.src.dialect)
-        return ix.encode_keys(values, t.dst.indexer, t.dst.dialect or ""), None, None
-    src, dst, n = t.src.layout, t.dst.layout, records.shape[0]
-    result = page_ops.transcode(
-        _one_page(src, records), src, dst, src_page_size=n, dst_page_size=n, src_scale=t.src.scale,
-        dst_scale=t.dst.scale, dialect=t.dst.dialect, report=loss_report,
-    )
-    pages, report = result if isinstance(result, tuple) else (result, None)
-    return _page_records(dst, pages, n), report, None
+        keys, err = record_ops.convert_key_records(records, t.src.indexer, t.dst.indexer, rule=t.dst.dialect or "",
+                                                   src_rule=t.src.dialect, measure=loss_report)
+        return keys, None, err
+    converted, report = record_ops.convert_kv_records(records, t.src.layout, t.dst.layout, src_scale=t.src.scale,
+                                                      dst_scale=t.dst.scale, dialect=t.dst.dialect, out=out,
+                                                      report=loss_report)
+    return converted, report, None
 
 
-#: Rows per span when copying a page's parts into records (spans are spread over the threads).
-SPAN_ROWS = 1 << 12
+def group_key(i: int, t: Transfer) -> tuple:
+    """Transfers whose entries convert in one batch share this key: the same formats both sides (APE rows: one
+    transfer per key, the bias is per layer)."""
+    return (t.src.kind, t.src.fmt, t.src.record_bytes, t.src.scale, t.src.dialect, t.conversion, t.dst.fmt,
+            t.dst.record_bytes, t.dst.scale, t.dst.dialect, i if t.ape_sign else -1)
 
 
-def _page_records(layout, page: torch.Tensor, n: int) -> torch.Tensor:
-    """The ``n`` records ``[n, record_bytes]`` of one page of ``n`` rows (a copy): each record part's
-    rows are one run of the page, copied natively in spans of ``SPAN_ROWS`` rows (torch's copies elsewhere)."""
-    if not page.is_contiguous() or page.device.type != "cpu":
-        return layout.pages_to_records(page, n)
-    records = torch.empty(n, layout.record_bytes, dtype=torch.uint8, device=page.device)
-    for _, lo, hi in layout.geometry.page_views(page, n):
-        spans = np.array([(n * lo + first * (hi - lo), first, min(SPAN_ROWS, n - first))
-                          for first in range(0, n, SPAN_ROWS)], np.int64).reshape(-1, 3)
-        dispatch.move_rows(page, records, spans, lo, hi - lo, False)
-    return records
+#: A piece of a batch: entries ``[first, first + count)`` of transfer ``index``.
+Piece = tuple[int, int, int]
 
 
-def _one_page(layout, records: torch.Tensor) -> torch.Tensor:
-    """Records ``[N, record_bytes]`` as one page of ``N`` rows: a view when the layout is token-major
-    with no page padding (the records are then the page's bytes), else a copy."""
-    n = records.shape[0]
-    if layout.geometry.split is None and layout.page_bytes(n) == records.numel() and records.is_contiguous():
-        return records.view(1, -1)
-    return layout.records_to_pages(records, n)
+def batches(plan: MigrationPlan, indices: list[int], rows_of: Callable[[Transfer], int],
+            alone: int | None = None) -> list[list[Piece]]:
+    """Transfers ``indices`` of ``plan`` cut into batches of at most ``rows_of(t)`` entries of one ``group_key``;
+    pieces of at least ``alone`` entries make a batch of their own (converted straight from and into their
+    transfer)."""
+    groups: dict[tuple, list[Piece]] = {}
+    for i in indices:
+        t = plan.transfers[i]
+        rows = rows_of(t)
+        groups.setdefault(group_key(i, t), []).extend(
+            (i, lo, min(rows, t.count - lo)) for lo in range(0, t.count, rows))
+    out: list[list[Piece]] = []
+    for pieces in groups.values():
+        rows = rows_of(plan.transfers[pieces[0][0]])
+        size = rows  # no open batch yet
+        for piece in pieces:
+            if alone is not None and piece[2] >= alone:
+                out.append([piece])
+                continue
+            if size + piece[2] > rows:
+                out.append([])
+                size = 0
+            out[-1].append(piece)
+            size += piece[2]
+    return out
+
+
+class _Loss:
+    """What conversions measured: KV loss reports, the indexer and state max abs errors (None: not measured)."""
+
+    def __init__(self, measured: bool) -> None:
+        self.reports: list[LossReport] = []
+        self.indexer: float | None = 0.0 if measured else None
+        self.state: float | None = None  # set once a state batch changes dtype while measured
+
+    def add(self, t: Transfer, report: LossReport | None, err: float | None) -> None:
+        if report is not None:
+            self.reports.append(report)
+        if err is not None and t.src.kind == "state":
+            self.state = max(self.state or 0.0, err)
+        elif err is not None and self.indexer is not None:
+            self.indexer = max(self.indexer, err)
 
 
 def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -284,57 +310,69 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
     """Source-format records -> destination-format records (chunks follow the source pages).
 
     Transfers with the same conversion are converted together, ``BATCH_ENTRIES`` entries per
-    call (every entry is converted on its own, so batching does not change a byte). With
+    call (every entry is converted on its own, so batching does not change a byte); a piece of at least
+    ``ALONE_ENTRIES`` entries converts straight from its records into its transfer's output. With
     ``loss_report`` each KV batch gets a ``LossReport`` and indexer errors are measured.
     """
     if payload.converted:
         return payload
-    out: list[torch.Tensor | None] = [None if _needs_conversion(t) else rec
-                                      for t, rec in zip(plan.transfers, payload.records, strict=True)]
-    groups: dict[tuple, list[tuple[int, int, int]]] = {}
-    for i, t in enumerate(plan.transfers):
-        if _needs_conversion(t):
-            key = (t.src.kind, t.src.fmt, t.src.record_bytes, t.src.scale, t.src.dialect, t.conversion,
-                   i if t.ape_sign else -1)  # APE rows: one transfer per batch (the bias is per layer)
-            groups.setdefault(key, []).extend(
-                (i, lo, min(lo + BATCH_ENTRIES, t.count)) for lo in range(0, t.count, BATCH_ENTRIES))
-            if t.count > BATCH_ENTRIES:  # converted in pieces: written into one output
-                out[i] = torch.empty(t.count, t.dst.record_bytes, dtype=torch.uint8)
-    loss: list[LossReport] = []
-    idx_err: float | None = 0.0 if loss_report else None
-    state_err: float | None = None  # set once a state batch changes dtype with loss_report
-    for pieces in groups.values():
-        batches: list[list[tuple[int, int, int]]] = [[p] for p in pieces if p[2] - p[1] >= ALONE_ENTRIES]
-        batches.append([])
-        size = 0
-        for piece in pieces:
-            if piece[2] - piece[1] >= ALONE_ENTRIES:
-                continue
-            if size + piece[2] - piece[1] > BATCH_ENTRIES and batches[-1]:
-                batches.append([])
-                size = 0
-            batches[-1].append(piece)
-            size += piece[2] - piece[1]
-        for batch in filter(None, batches):
-            records = payload.records[batch[0][0]][batch[0][1] : batch[0][2]] if len(batch) == 1 else \
-                _concat([payload.records[i][lo:hi] for i, lo, hi in batch])
-            converted, report, err = _convert_batch(plan.transfers[batch[0][0]], records, loss_report, batch[0][1])
-            if report is not None:
-                loss.append(report)
-            if err is not None and plan.transfers[batch[0][0]].src.kind == "state":
-                state_err = max(state_err or 0.0, err)
-            elif err is not None and idx_err is not None:
-                idx_err = max(idx_err, err)
-            offset = 0
-            for i, lo, hi in batch:
-                if hi - lo == plan.transfers[i].count:  # the whole transfer: keep the converted rows
-                    out[i] = converted[offset : offset + hi - lo]
-                else:
-                    _copy_into(out[i][lo:hi], converted[offset : offset + hi - lo])  # type: ignore[index]
-                offset += hi - lo
+    todo = [i for i, t in enumerate(plan.transfers) if _needs_conversion(t)]
+    out: list[torch.Tensor | None] = list(payload.records)
+    for i in todo:
+        t = plan.transfers[i]
+        out[i] = torch.empty(t.count, t.dst.record_bytes, dtype=torch.uint8, device=payload.records[i].device) \
+            if t.count > BATCH_ENTRIES else None  # converted in pieces: written into one output
+    loss = _Loss(loss_report)
+    for batch in batches(plan, todo, lambda _: BATCH_ENTRIES, ALONE_ENTRIES):
+        i, lo, count = batch[0]
+        t = plan.transfers[i]
+        whole = out[i] is None and count == t.count
+        if len(batch) == 1:
+            target = None if whole or t.src.kind != "kv" else out[i][lo : lo + count]  # type: ignore[index]
+            converted, report, err = _convert_batch(t, payload.records[i][lo : lo + count], loss_report, lo, target)
+        else:
+            records = _concat([payload.records[j][a : a + n] for j, a, n in batch])
+            converted, report, err = _convert_batch(t, records, loss_report, lo)
+        loss.add(t, report, err)
+        offset = 0
+        for j, a, n in batch:
+            if out[j] is None:  # the whole transfer: keep the converted rows
+                out[j] = converted[offset : offset + n]
+            elif converted.data_ptr() != out[j][a:].data_ptr():  # type: ignore[index]
+                _copy_into(out[j][a : a + n], converted[offset : offset + n])  # type: ignore[index]
+            offset += n
     records = [r if r is not None else torch.empty(0, t.dst.record_bytes, dtype=torch.uint8)
                for t, r in zip(plan.transfers, out, strict=True)]
-    return Payload(payload.fingerprint, True, records, payload.chunks, payload.checksums, loss, idx_err, state_err)
+    return Payload(payload.fingerprint, True, records, payload.chunks, payload.checksums, loss.reports, loss.indexer,
+                   loss.state)
+
+
+def _summed_gather(pool, storage: Storage, table, first: int, count: int, rows: list[int]
+                   ) -> tuple[torch.Tensor, list[int]] | None:
+    """Records ``[count, record_bytes]`` of entries ``[first, first + count)`` and the XXH3-64 of each chunk of
+    ``rows[k]`` of them, in one pass: batches of whole chunks of about ``STAGE_BYTES`` are gathered, then
+    checksummed while they are still in the CPU caches. None for non-contiguous pools or non-CPU tensors."""
+    tensors = pool_tensors(pool)
+    if tensors[0].device.type != "cpu" or not all(x.is_contiguous() for x in tensors):
+        return None
+    rb = storage.record_bytes
+    out = torch.empty(count, rb, dtype=torch.uint8)
+    data = out.view(-1).numpy()
+    step = max(1, STAGE_BYTES // rb)
+    sums: list[int] = []
+    lo = k = 0
+    while k < len(rows):
+        n, stop = rows[k], k + 1
+        while stop < len(rows) and n + rows[stop] <= step:
+            n, stop = n + rows[stop], stop + 1
+        spans = part_spans(pool, storage, table, first + lo, n)
+        assert spans is not None  # contiguous, checked above
+        move_parts(spans, _rows(spans, out, lo, n), False)
+        for r in rows[k:stop]:
+            sums.append(xxhash.xxh3_64_intdigest(data[lo * rb : (lo + r) * rb]))
+            lo += r
+        k = stop
+    return out, sums
 
 
 def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, convert: bool,
@@ -342,25 +380,30 @@ def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, conver
     """Gather every transfer's source records, checksum them per source page, optionally convert.
 
     Checksums always cover the bytes that travel: with ``convert`` they are computed on the
-    converted records, chunked by the source pages the entries came from. ``checksum=False``
-    leaves every transfer's checksum list empty, for a sender that checksums what it stages itself
-    (NIXL's sender-converted path: the destination page runs).
+    converted records, chunked by the source pages the entries came from; without, in the gathering
+    pass (``_summed_gather``). ``checksum=False`` leaves every transfer's checksum list empty, for a
+    sender that checksums what it stages itself (NIXL's sender-converted path: the destination page runs).
     """
     check_pools(plan, src, "src")
-    records, chunks = [], []
+    records, chunks, sums = [], [], []
     for t in plan.transfers:
-        records.append(gather_records(src.pool(t.spec), t.src, table_of(tables, t.src), t.first, t.count))
-        chunks.append(_chunk_rows(t, t.src))
+        rows = _chunk_rows(t, t.src)
+        pool, table = src.pool(t.spec), table_of(tables, t.src)
+        fused = _summed_gather(pool, t.src, table, t.first, t.count, rows) if checksum and not convert else None
+        rec, summed = fused if fused is not None else (gather_records(pool, t.src, table, t.first, t.count), None)
+        records.append(rec)
+        chunks.append(rows)
+        sums.append(summed)
     payload = Payload(plan.fingerprint(), False, records, chunks, [])
     if convert:
         payload = convert_payload(plan, payload, loss_report=loss_report)
-    payload.checksums = [xxh3_chunks(r, c) if checksum else [] for r, c in zip(payload.records, payload.chunks,
-                                                                               strict=True)]
+    payload.checksums = [s if s is not None else xxh3_chunks(r, c) if checksum else []
+                         for r, c, s in zip(payload.records, payload.chunks, sums, strict=True)]
     return payload
 
 
-def verify(plan: MigrationPlan, payload: Payload) -> None:
-    """Raise ``ChecksumError`` naming the first chunk whose XXH3-64 checksum does not match."""
+def _check_payload(plan: MigrationPlan, payload: Payload) -> None:
+    """Refuse a payload packed for another plan or whose page chunks do not cover its records."""
     if payload.fingerprint != plan.fingerprint():
         raise MigrationError("payload was packed for a different plan (plan fingerprints differ)")
     n = len(plan.transfers)
@@ -369,13 +412,44 @@ def verify(plan: MigrationPlan, payload: Payload) -> None:
     for t, rec, rows, sums in zip(plan.transfers, payload.records, payload.chunks, payload.checksums, strict=True):
         if len(sums) != len(rows) or sum(rows) != rec.shape[0]:
             raise MigrationError(f"layer {t.spec.layer} {t.spec.role.value}: page chunks do not cover its records")
-        got = xxh3_chunks(rec, rows)
-        for i, (want, have) in enumerate(zip(sums, got, strict=True)):
-            if want != have:
+
+
+class _Verifier:
+    """Checks a payload's page-chunk checksums chunk by chunk, in the pass that reads the records (each chunk
+    just before its rows are first converted or published, while they are in the CPU caches)."""
+
+    def __init__(self, plan: MigrationPlan, payload: Payload) -> None:
+        self.plan, self.payload = plan, payload
+        self.data = [r.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1) for r in payload.records]
+        self.chunk = [0] * len(plan.transfers)  # the next chunk to check, per transfer
+        self.rows = [0] * len(plan.transfers)  # rows covered by the checked chunks
+
+    def upto(self, i: int, end: int) -> None:
+        """Check transfer ``i``'s chunks until its first ``end`` rows are covered; ``ChecksumError`` names the first
+        chunk that differs."""
+        rows, sums = self.payload.chunks[i], self.payload.checksums[i]
+        rb = self.payload.records[i].shape[1]
+        while self.rows[i] < end and self.chunk[i] < len(rows):
+            k, lo = self.chunk[i], self.rows[i]
+            have = xxhash.xxh3_64_intdigest(self.data[i][lo * rb : (lo + rows[k]) * rb])
+            if have != sums[k]:
+                t = self.plan.transfers[i]
                 raise ChecksumError(
-                    f"checksum mismatch in layer {t.spec.layer} {t.spec.role.value}, source page chunk {i} "
-                    f"({CHECKSUM} {have:#018x}, sender sent {want:#018x}); nothing was published"
+                    f"checksum mismatch in layer {t.spec.layer} {t.spec.role.value}, source page chunk {k} "
+                    f"({CHECKSUM} {have:#018x}, sender sent {sums[k]:#018x}); nothing was published"
                 )
+            self.chunk[i], self.rows[i] = k + 1, lo + rows[k]
+
+    def finish(self) -> None:
+        """Check every chunk not checked yet (empty chunks included)."""
+        for i, rows in enumerate(self.payload.chunks):
+            self.upto(i, sum(rows) + 1)
+
+
+def verify(plan: MigrationPlan, payload: Payload) -> None:
+    """Raise ``ChecksumError`` naming the first chunk whose XXH3-64 checksum does not match."""
+    _check_payload(plan, payload)
+    _Verifier(plan, payload).finish()
 
 
 def publish(plan: MigrationPlan, payload: Payload, dst: EnginePools) -> RequestTables:
@@ -423,33 +497,55 @@ def check_pools(plan: MigrationPlan, pools: EnginePools, side: str) -> None:
                          f"{profile.spec} / {plan.model.name}")
 
 
+def build_report(plan: MigrationPlan, *, payload_bytes: int, converted_on: str, loss: list[LossReport],
+                 indexer_err: float | None, state_err: float | None, pack_s: float, convert_s: float, wire_s: float,
+                 publish_s: float, parts: dict[str, float] | None = None) -> MigrationReport:
+    """The ``MigrationReport`` of ``plan`` (every path builds it here); the loss was measured when ``indexer_err``
+    is not None."""
+    measured = indexer_err is not None
+    return MigrationReport(
+        num_tokens=plan.num_tokens,
+        transfers=len(plan.transfers),
+        payload_bytes=payload_bytes,
+        converted_on=converted_on,
+        kv_lossless=all(r.lossless for r in loss) if measured else None,
+        kv_max_abs_error=max((r.max_abs_error for r in loss), default=0.0) if measured else None,
+        indexer_max_abs_error=indexer_err,
+        pack_s=pack_s,
+        convert_s=convert_s,
+        wire_s=wire_s,
+        publish_s=publish_s,
+        loss=list(loss),
+        state_max_abs_error=state_err,
+        convert_parts_s=dict(parts or {}),
+    )
+
+
 def finish(plan: MigrationPlan, payload: Payload, dst: EnginePools, *, converted_on: str, pack_s: float,
            wire_s: float, loss_report: bool = True) -> tuple[RequestTables, MigrationReport]:
-    """Verify, convert (if not yet), publish; the common tail of local and remote migration."""
+    """Verify, convert (if not yet), publish; the common tail of local and remote migration.
+
+    One pass over the records (the staged batches of ``migrate_local``, sourced from the payload): each page chunk's
+    checksum is verified just before its rows are converted (or, converted already, published) straight into the
+    claimed destination pages; a mismatch or a refused conversion releases every claimed page (nothing is
+    published). Pools whose tensors are not contiguous take the unfused steps (verify, convert, publish)."""
+    check_pools(plan, dst, "dst")
+    _check_payload(plan, payload)
+    staged = _stage_payload(plan, payload, dst)
+    if staged is not None:
+        done = _run_staged(plan, staged, dst, loss_report, _Verifier(plan, payload))
+        return done.tables, done.report(plan, sum(r.numel() for r in payload.records), converted_on, pack_s=pack_s,
+                                        convert_s=done.gather_s + done.convert_s, wire_s=wire_s)
     verify(plan, payload)
     t0 = time.perf_counter()
     converted = convert_payload(plan, payload, loss_report=loss_report)
     t1 = time.perf_counter()
     tables = publish(plan, converted, dst)
     t2 = time.perf_counter()
-    loss = converted.loss
-    measured = converted.indexer_max_abs_error is not None
-    report = MigrationReport(
-        num_tokens=plan.num_tokens,
-        transfers=len(plan.transfers),
-        payload_bytes=sum(r.numel() for r in payload.records),
-        converted_on=converted_on,
-        kv_lossless=all(r.lossless for r in loss) if measured else None,
-        kv_max_abs_error=max((r.max_abs_error for r in loss), default=0.0) if measured else None,
-        indexer_max_abs_error=converted.indexer_max_abs_error,
-        pack_s=pack_s,
-        convert_s=t1 - t0,
-        wire_s=wire_s,
-        publish_s=t2 - t1,
-        loss=loss,
-        state_max_abs_error=converted.state_max_abs_error,
-    )
-    return tables, report
+    return tables, build_report(plan, payload_bytes=sum(r.numel() for r in payload.records), converted_on=converted_on,
+                                loss=converted.loss, indexer_err=converted.indexer_max_abs_error,
+                                state_err=converted.state_max_abs_error, pack_s=pack_s, convert_s=t1 - t0,
+                                wire_s=wire_s, publish_s=t2 - t1)
 
 
 def migrate_local(plan: MigrationPlan, src: EnginePools, src_tables: RequestTables, dst: EnginePools, *,
@@ -458,8 +554,9 @@ def migrate_local(plan: MigrationPlan, src: EnginePools, src_tables: RequestTabl
     """Run ``plan`` in one process: returns the request's destination block tables and a report.
 
     Nothing crosses a wire, so nothing is checksummed: entries move in staged batches of about
-    ``STAGE_BYTES`` source bytes, each gathered from the source pages, converted and scattered into
-    the destination pages while it is still in the CPU caches (pools whose tensors are not contiguous
+    ``STAGE_BYTES`` source bytes, each gathered from the source pages as records, converted by the same record
+    operations as the transports' path (``_convert_batch``) and scattered into the destination pages while it is
+    still in the CPU caches (pools whose tensors are not contiguous
     take the transports' path: pack, verify, convert, publish). Destination pages are claimed once
     every source page was found; a conversion that fails (a NaN/Inf source) releases them again.
     ``convert_on`` only names the side in the report (``"sender"``: ``pack_s`` then includes the
@@ -482,15 +579,17 @@ def migrate_local(plan: MigrationPlan, src: EnginePools, src_tables: RequestTabl
         payload = pack(plan, src, src_tables, convert=convert_on == "sender", loss_report=loss_report)
         return finish(plan, payload, dst, converted_on=convert_on, pack_s=time.perf_counter() - t0, wire_s=0.0,
                       loss_report=loss_report)
-    return _run_staged(plan, staged, dst, convert_on, loss_report)
+    done = _run_staged(plan, staged, dst, loss_report)
+    sender = convert_on == "sender"
+    nbytes = sum(t.dst_bytes if sender else t.src_bytes for t in plan.transfers)
+    return done.tables, done.report(plan, nbytes, convert_on,
+                                    pack_s=done.gather_s + done.convert_s if sender else done.gather_s,
+                                    convert_s=0.0 if sender else done.convert_s, wire_s=0.0)
 
 
 #: Source bytes per staged batch of ``migrate_local`` (KV: 8,192 entries, 4 MiB in, 4.6 MiB out), small
 #: enough that a batch's gathered, converted and published rows stay in the CPU caches.
 STAGE_BYTES = 4 << 20
-
-#: A stage form: (rows ``[n, width]``, record bytes lo, hi) per part of a batch of n entries.
-Form = list[tuple[torch.Tensor, int, int]]
 
 
 @dataclass
@@ -503,139 +602,119 @@ class _Piece:
     offset: int
     src: list[PartSpans] = field(default_factory=list)
     dst: list[PartSpans] = field(default_factory=list)
+    #: The piece's source records when it comes from a payload (then ``src`` is empty).
+    records: torch.Tensor | None = None
 
 
 @dataclass
 class _Batch:
-    """Pieces converted by one call: ``rows`` entries, staged as one page of ``rows`` rows of a page geometry
-    (``src_page``/``dst_page``: the parts' rows in turn), or as records (None)."""
+    """Pieces staged and converted together: ``rows`` records of one ``group_key``."""
 
     transfer: Transfer
     rows: int
     pieces: list[_Piece]
-    src_page: PageGeometry | None
-    dst_page: PageGeometry | None
 
 
 @dataclass
 class _Staged:
+    """Batches to run; ``converted``: the source records are in the destination format already (a payload the
+    sender converted)."""
+
     batches: list[_Batch]
     src_buf: torch.Tensor
     dst_buf: torch.Tensor
+    converted: bool = False
 
 
-def _bounds(geometry: PageGeometry) -> list[tuple[int, int]]:
-    """Record byte ranges of the parts of a page of ``geometry``."""
-    return geometry.part_bounds()
+@dataclass
+class _Pass:
+    """What a staged pass did: the claimed tables, the loss it measured and its times (seconds)."""
+
+    tables: RequestTables
+    loss: _Loss
+    gather_s: float
+    convert_s: float
+    publish_s: float
+    parts: dict[str, float]
+
+    def report(self, plan: MigrationPlan, payload_bytes: int, converted_on: str, *, pack_s: float, convert_s: float,
+               wire_s: float) -> MigrationReport:
+        return build_report(plan, payload_bytes=payload_bytes, converted_on=converted_on, loss=self.loss.reports,
+                            indexer_err=self.loss.indexer, state_err=self.loss.state, pack_s=pack_s,
+                            convert_s=convert_s, wire_s=wire_s, publish_s=self.publish_s, parts=self.parts)
 
 
-def _form(buf: torch.Tensor, geometry: PageGeometry | None, n: int, record_bytes: int) -> Form:
-    """The batch's rows in ``buf``: the parts of one page of ``n`` rows of ``geometry``, or ``n`` records."""
-    if geometry is None:
-        return [(buf[: n * record_bytes].view(n, record_bytes), 0, record_bytes)]
-    page = buf[: geometry.page_bytes(n)].view(1, -1)
-    return [(view[0], lo, hi) for view, lo, hi in geometry.page_views(page, n)]
+def _stage_rows(t: Transfer) -> int:
+    return max(1, STAGE_BYTES // t.src.record_bytes)
 
 
-def _native_keys(t: Transfer) -> bool:
-    """Whether ``t``'s indexer keys are converted by the native fp4 -> fp8 kernel (straight between page parts)."""
-    probe = torch.empty(0, t.src.record_bytes, dtype=torch.uint8)
-    return t.src.kind == "indexer" and _needs_conversion(t) and ix.native_transcode_applies(
-        probe, t.src.indexer, t.dst.indexer, t.dst.dialect or "")
+def _rows(spans: list[PartSpans], records: torch.Tensor, offset: int, count: int) -> list[tuple[torch.Tensor, int]]:
+    """For each pool part: rows ``[offset, offset + count)`` of the staged records and the part's byte offset."""
+    return [(records[offset : offset + count], lo) for _, lo, _, _ in spans]
 
 
-def _fits(bounds: list[tuple[int, int]], form_bounds: list[tuple[int, int]]) -> bool:
-    """Whether every pool part lies inside one part of the stage form."""
-    return all(any(flo <= lo and hi <= fhi for flo, fhi in form_bounds) for lo, hi in bounds)
+def _device(pools: EnginePools) -> torch.device:
+    return next(t.device for pool in pools.pools.values() for t in pool_tensors(pool))
 
 
-def _rows(spans: list[PartSpans], form: Form, offset: int, count: int) -> list[tuple[torch.Tensor, int]]:
-    """For each pool part: the stage rows holding it and its byte offset in them."""
-    out = []
-    for _, lo, width, _ in spans:
-        rows, flo = next((r, flo) for r, flo, fhi in form if flo <= lo and lo + width <= fhi)
-        out.append((rows[offset : offset + count], lo - flo))
-    return out
+def _contiguous(*pools: EnginePools) -> bool:
+    return all(t.is_contiguous() for p in pools for pool in p.pools.values() for t in pool_tensors(pool))
 
 
-def _key_streams(form: Form, key_bytes: int) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]:
-    """(flat tensor, row stride) of the key codes and of the scale bytes of staged indexer keys: a page's two
-    parts, or records holding both (codes first, ``key_bytes`` of them)."""
-    if len(form) == 2:
-        return tuple((rows.view(-1), rows.shape[1]) for rows, _, _ in form)  # type: ignore[return-value]
-    rows = form[0][0]
-    flat = rows.view(-1)
-    return (flat, rows.shape[1]), (flat[key_bytes:], rows.shape[1])
-
-
-def _convert_key_parts(t: Transfer, src_form: Form, dst_form: Form, measure: bool) -> float:
-    """fp4 -> fp8 indexer keys from the source page parts (codes, scale bytes) into the destination's; the
-    max abs error (0.0 unless ``measure``). Keys that decode to NaN/Inf go to ``indexer.transcode_keys``,
-    which refuses them."""
-    dim = t.dst.indexer.dim
-    n = src_form[0][0].shape[0]
-    (src_keys, src_stride), (src_scales, src_scale_stride) = _key_streams(src_form, dim // 2)
-    (dst_keys, dst_stride), (dst_scales, dst_scale_stride) = _key_streams(dst_form, dim)
-    err = dispatch.fp4_to_fp8_key_rows(src_keys, src_stride, src_scales, src_scale_stride, n, dst_keys, dst_stride,
-                                       dst_scales, dst_scale_stride, dim, t.dst.dialect or "", measure=measure)
-    if err is None:
-        records = torch.cat([rows for rows, _, _ in src_form], dim=1)
-        ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "", t.src.dialect)
-        raise MigrationError("indexer keys the native kernel refused were accepted by the torch path")
-    return err
+def _staged(plan: MigrationPlan, source: Callable[[int, int, int, int], _Piece], device: torch.device,
+            converted: bool = False) -> _Staged:
+    """The plan's staged batches, ``source(index, first, count, offset)`` making each piece, with stage buffers
+    of the largest batch's bytes on ``device`` (the pools': the same stages run on every backend)."""
+    staged: list[_Batch] = []
+    src_bytes = dst_bytes = 0
+    for pieces in batches(plan, list(range(len(plan.transfers))), _stage_rows):
+        t = plan.transfers[pieces[0][0]]
+        b = _Batch(t, 0, [])
+        for i, lo, count in pieces:
+            b.pieces.append(source(i, lo, count, b.rows))
+            b.rows += count
+        staged.append(b)
+        src_bytes = max(src_bytes, b.rows * (t.dst if converted else t.src).record_bytes)
+        dst_bytes = max(dst_bytes, b.rows * t.dst.record_bytes)
+    return _Staged(staged, torch.empty(src_bytes, dtype=torch.uint8, device=device),
+                   torch.empty(dst_bytes, dtype=torch.uint8, device=device), converted)
 
 
 def _stage(plan: MigrationPlan, src: EnginePools, tables: RequestTables, dst: EnginePools) -> _Staged | None:
-    """Cut the plan into staged batches and find every source page (``InputError`` for a table that does not
-    hold its entries); None when a pool tensor is not contiguous or a pool part does not fit the stage form."""
-    if not all(t.is_contiguous() for pools in (src, dst) for pool in pools.pools.values() for t in pool_tensors(pool)):
+    """Cut the plan into staged batches of records and find every source page (``InputError`` for a table that
+    does not hold its entries); None when a pool tensor is not contiguous."""
+    if not _contiguous(src, dst) or _device(src) != _device(dst):
         return None
-    groups: dict[tuple, list[tuple[int, int, int]]] = {}
-    forms_of: dict[tuple, tuple] = {}
-    for i, t in enumerate(plan.transfers):
-        paged = (t.src.kind == "kv" and _needs_conversion(t)) or _native_keys(t)
-        same_pages = t.src.kind == "kv" and not paged and _bounds(t.src.geometry) == _bounds(t.dst.geometry)
-        forms = (t.src.geometry, t.dst.geometry) if paged else (t.src.geometry,) * 2 if same_pages else (None, None)
-        key = (t.src.kind, t.src.fmt, t.src.record_bytes, t.src.scale, t.src.dialect, t.conversion, t.dst.fmt,
-               t.dst.record_bytes, t.dst.scale, t.dst.dialect, *forms, i if t.ape_sign else -1)
-        for (pool, storage), form in ((src.pool(t.spec), t.src), forms[0]), ((dst.pool(t.spec), t.dst), forms[1]):
-            want = _bounds(form) if form is not None else [(0, storage.record_bytes)]
-            if not _fits(part_bounds(pool, storage), want):
-                return None
-        step = max(1, STAGE_BYTES // t.src.record_bytes)
-        groups.setdefault(key, []).extend((i, lo, min(step, t.count - lo)) for lo in range(0, t.count, step))
-        forms_of[key] = (step, *forms)
-    batches: list[_Batch] = []
-    src_bytes = dst_bytes = 0
-    for key, pieces in groups.items():
-        step, src_page, dst_page = forms_of[key]
-        current: _Batch | None = None
-        for i, lo, count in pieces:
-            if current is None or current.rows + count > step:
-                current = _Batch(plan.transfers[i], 0, [], src_page, dst_page)
-                batches.append(current)
-            t = plan.transfers[i]
-            spans = part_spans(src.pool(t.spec), t.src, table_of(tables, t.src), t.first + lo, count)
-            assert spans is not None  # contiguous pools, checked above
-            current.pieces.append(_Piece(i, lo, count, current.rows, spans))
-            current.rows += count
-    for b in batches:
-        t = b.transfer
-        src_bytes = max(src_bytes, b.src_page.page_bytes(b.rows) if b.src_page else b.rows * t.src.record_bytes)
-        dst_bytes = max(dst_bytes, b.dst_page.page_bytes(b.rows) if b.dst_page else b.rows * t.dst.record_bytes)
-    return _Staged(batches, torch.empty(src_bytes, dtype=torch.uint8), torch.empty(dst_bytes, dtype=torch.uint8))
+
+    def piece(i: int, lo: int, count: int, offset: int) -> _Piece:
+        t = plan.transfers[i]
+        spans = part_spans(src.pool(t.spec), t.src, table_of(tables, t.src), t.first + lo, count)
+        assert spans is not None  # contiguous pools, checked above
+        return _Piece(i, lo, count, offset, spans)
+
+    return _staged(plan, piece, _device(dst))
 
 
-def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_on: ConvertSide,
-                loss_report: bool) -> tuple[RequestTables, MigrationReport]:
-    """Claim the destination pages, then gather, convert and scatter batch by batch. With ``loss_report`` a
+def _stage_payload(plan: MigrationPlan, payload: Payload, dst: EnginePools) -> _Staged | None:
+    """Staged batches reading a payload's records (views, nothing copied); None for non-contiguous destination
+    pools or records on another device than theirs."""
+    if not _contiguous(dst) or any(r.device != _device(dst) for r in payload.records):
+        return None
+    records = [r.contiguous() for r in payload.records]
+    return _staged(plan, lambda i, lo, count, offset: _Piece(i, lo, count, offset, records=records[i][lo : lo + count]),
+                   _device(dst), payload.converted)
+
+
+def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_report: bool,
+                check: _Verifier | None = None) -> _Pass:
+    """Claim the destination pages, then gather, convert and scatter batch by batch (pieces read from a payload
+    are used in place when a batch is one piece; ``check`` verifies their chunks first). With ``loss_report`` a
     KV batch's loss statistics run on a worker thread (their kernels release the GIL) while the next
     batches are gathered, converted and scattered; the stage buffers alternate between two pairs so that
     a batch's are not overwritten before its statistics are done."""
     t0 = time.perf_counter()
     tables = dst.claim(plan.table_lengths("dst"), plan.released("dst"))
-    idx_err: float | None = 0.0 if loss_report else None
-    state_err: float | None = None
+    loss = _Loss(loss_report)
     gather_s = convert_s = 0.0
     parts: dict[str, float] = {}
     buffers = [(staged.src_buf, staged.dst_buf)]
@@ -659,45 +738,33 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
                     busy[k].result()
                     busy[k] = None
                 src_buf, dst_buf = buffers[k]
-                src_form = _form(src_buf, b.src_page, b.rows, t.src.record_bytes)
-                for piece in b.pieces:
-                    move_parts(piece.src, _rows(piece.src, src_form, piece.offset, piece.count), False)
+                src_rows = _gathered(b, src_buf, t.dst.record_bytes if staged.converted else t.src.record_bytes,
+                                     check)
                 t2 = time.perf_counter()
-                if not _needs_conversion(t):
-                    dst_form = src_form
-                elif b.dst_page is not None and t.src.kind == "kv":
-                    dst_form = _form(dst_buf, b.dst_page, b.rows, t.dst.record_bytes)
-                    pages = src_buf[: b.src_page.page_bytes(b.rows)].view(1, -1)
-                    out = dst_buf[: b.dst_page.page_bytes(b.rows)].view(1, -1)
-                    page_ops.transcode(pages, t.src.layout, t.dst.layout, src_page_size=b.rows,
-                                       dst_page_size=b.rows, src_scale=t.src.scale, dst_scale=t.dst.scale,
-                                       dialect=t.dst.dialect, out=out)
+                if staged.converted or not _needs_conversion(t):
+                    dst_rows = src_rows
+                elif t.src.kind == "kv":
+                    dst_rows = dst_buf[: b.rows * t.dst.record_bytes].view(b.rows, t.dst.record_bytes)
+                    _convert_batch(t, src_rows, False, b.pieces[0].first, dst_rows)
                     if loss_report:
-                        busy[k] = stats.submit(transcode_loss, pages, t.src.layout, b.rows, out, t.dst.layout, b.rows,
-                                               b.rows, t.src.scale, t.dst.scale, t.dst.dialect)
+                        busy[k] = stats.submit(record_ops.kv_loss, src_rows, dst_rows, t.src.layout, t.dst.layout,
+                                               src_scale=t.src.scale, dst_scale=t.dst.scale, dialect=t.dst.dialect)
                         reports.append(busy[k])
-                elif b.dst_page is not None:
-                    dst_form = _form(dst_buf, b.dst_page, b.rows, t.dst.record_bytes)
-                    err = _convert_key_parts(t, src_form, dst_form, loss_report)
-                    if idx_err is not None:
-                        idx_err = max(idx_err, err)
                 else:
-                    converted, _, err = _convert_batch(t, src_form[0][0], loss_report, b.pieces[0].first)
-                    dst_form = [(converted.contiguous(), 0, t.dst.record_bytes)]
-                    if err is not None and t.src.kind == "state":
-                        state_err = max(state_err or 0.0, err)
-                    elif err is not None and idx_err is not None:
-                        idx_err = max(idx_err, err)
+                    dst_rows, _, err = _convert_batch(t, src_rows, loss_report, b.pieces[0].first)
+                    loss.add(t, None, err)
                 t3 = time.perf_counter()
                 for piece in b.pieces:
-                    move_parts(piece.dst, _rows(piece.dst, dst_form, piece.offset, piece.count), True)
+                    move_parts(piece.dst, _rows(piece.dst, dst_rows, piece.offset, piece.count), True)
                 gather_s += t2 - t1
                 convert_s += t3 - t2
-                if _needs_conversion(t):
+                if not staged.converted and _needs_conversion(t):
                     parts[t.src.kind] = parts.get(t.src.kind, 0.0) + t3 - t2
                 publish_s += time.perf_counter() - t3
+            if check is not None:
+                check.finish()
             t4 = time.perf_counter()
-            loss: list[LossReport] = [f.result() for f in reports]  # in batch order
+            loss.reports = [f.result() for f in reports]  # in batch order
             if reports:  # the statistics' time not hidden behind the batches counts as KV conversion
                 waited = time.perf_counter() - t4
                 convert_s += waited
@@ -705,24 +772,25 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, convert_
     except Exception:
         dst.release(tables)
         raise
-    sender = convert_on == "sender"
-    report = MigrationReport(
-        num_tokens=plan.num_tokens,
-        transfers=len(plan.transfers),
-        payload_bytes=sum(t.dst_bytes if sender else t.src_bytes for t in plan.transfers),
-        converted_on=convert_on,
-        kv_lossless=all(r.lossless for r in loss) if loss_report else None,
-        kv_max_abs_error=max((r.max_abs_error for r in loss), default=0.0) if loss_report else None,
-        indexer_max_abs_error=idx_err,
-        pack_s=gather_s + convert_s if sender else gather_s,
-        convert_s=0.0 if sender else convert_s,
-        wire_s=0.0,
-        publish_s=publish_s,
-        loss=loss,
-        state_max_abs_error=state_err,
-        convert_parts_s=parts,
-    )
-    return tables, report
+    return _Pass(tables, loss, gather_s, convert_s, publish_s, parts)
+
+
+def _gathered(b: _Batch, buf: torch.Tensor, row_bytes: int, check: _Verifier | None) -> torch.Tensor:
+    """The batch's source records ``[rows, row_bytes]``: a payload piece's own records when the batch is that one
+    piece, else gathered (from the pools, or copied from the payload) into ``buf``; ``check`` verifies the
+    pieces' chunks before they are read."""
+    if check is not None:
+        for piece in b.pieces:
+            check.upto(piece.index, piece.first + piece.count)
+    if len(b.pieces) == 1 and b.pieces[0].records is not None:
+        return b.pieces[0].records
+    rows = buf[: b.rows * row_bytes].view(b.rows, row_bytes)
+    for piece in b.pieces:
+        if piece.records is not None:
+            _copy_into(rows[piece.offset : piece.offset + piece.count], piece.records)
+        else:
+            move_parts(piece.src, _rows(piece.src, rows, piece.offset, piece.count), False)
+    return rows
 
 
 def fill_synthetic(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, seed: int = 0) -> None:

@@ -25,6 +25,7 @@ from kvbridge.migration.execute import (
     MigrationError,
     MigrationReport,
     Payload,
+    build_report,
     check_pools,
     convert_payload,
     pack,
@@ -157,19 +158,7 @@ class RequestAssembly:
         return publish(self.plan, payload, dst)
 
     def report(self, *, wire_s: float, publish_s: float) -> MigrationReport:
-        measured = self.indexer_max_abs_error is not None
-        return MigrationReport(
-            num_tokens=self.plan.num_tokens,
-            transfers=len(self.plan.transfers),
-            payload_bytes=self.payload_bytes,
-            converted_on=self.converted_on or "receiver",
-            kv_lossless=all(r.lossless for r in self.loss) if measured else None,
-            kv_max_abs_error=max((r.max_abs_error for r in self.loss), default=0.0) if measured else None,
-            indexer_max_abs_error=self.indexer_max_abs_error if measured else None,
-            pack_s=0.0,
-            convert_s=self.convert_s,
-            wire_s=wire_s,
-            publish_s=publish_s,
-            loss=list(self.loss),
-            state_max_abs_error=self.state_max_abs_error,
-        )
+        return build_report(self.plan, payload_bytes=self.payload_bytes, converted_on=self.converted_on or "receiver",
+                            loss=self.loss, indexer_err=self.indexer_max_abs_error,
+                            state_err=self.state_max_abs_error, pack_s=0.0, convert_s=self.convert_s, wire_s=wire_s,
+                            publish_s=publish_s)

@@ -1,0 +1,70 @@
+"""Record-level conversion: N records ``[N, record_bytes]`` (uint8) of one format -> N records of another.
+
+Migration moves entries as records (one row per entry, every byte of the entry in it), never as pages:
+KV records convert through the page kernels of ``kvbridge.backends.dispatch`` run on a token-major,
+unpadded view of the layouts (``record_layout``: the same record, so the same compiled segments and the
+same accelerators), so N records are one "page" of N rows and nothing is copied into or out of a page
+form; indexer keys convert through ``kvbridge.ops.keys``. Every record converts on its own, so batching
+records of many transfers together does not change a byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+
+import torch
+
+from kvbridge.errors import InputError
+from kvbridge.layouts.registry import MAX_PAGE_SIZE, Layout
+from kvbridge.ops import keys as ix
+from kvbridge.ops import pages as page_ops
+from kvbridge.ops.loss import LossReport, transcode_loss
+
+
+@cache
+def record_layout(layout: Layout) -> Layout:
+    """``layout`` with its records stored token-major and unpadded: a page of N rows is N records ``[N, rb]``
+    (the record, hence the compiled segments and the loss note, is unchanged)."""
+    if layout.split is None and layout.page_align == 1:
+        return layout
+    return dataclasses.replace(layout, split=None, page_align=1)
+
+
+def convert_kv_records(records: torch.Tensor, src: Layout, dst: Layout, *, src_scale: float, dst_scale: float,
+                       dialect: str | None, out: torch.Tensor | None = None, report: bool = False
+                       ) -> tuple[torch.Tensor, LossReport | None]:
+    """At most ``MAX_PAGE_SIZE`` KV records of ``src`` -> records of ``dst`` (into ``out``, ``[N, dst.record_bytes]``,
+    when given), on the records' device's backend; with ``report`` their ``LossReport`` (else None). NaN/Inf in the
+    source raises ``NonFiniteError`` (``out`` may then be partly written)."""
+    n = records.shape[0]
+    if n > MAX_PAGE_SIZE:
+        raise InputError(f"{n} records in one conversion; convert at most {MAX_PAGE_SIZE} per call")
+    out = torch.empty(n, dst.record_bytes, dtype=torch.uint8, device=records.device) if out is None else out
+    if n == 0:
+        return out, None
+    pages, written = records.contiguous().view(1, -1), out.view(1, -1)
+    page_ops.transcode(pages, record_layout(src), record_layout(dst), src_page_size=n, dst_page_size=n,
+                       src_scale=src_scale, dst_scale=dst_scale, dialect=dialect, out=written)
+    if not report:
+        return out, None
+    return out, kv_loss(pages.view(n, -1), out, src, dst, src_scale=src_scale, dst_scale=dst_scale, dialect=dialect)
+
+
+def kv_loss(records: torch.Tensor, converted: torch.Tensor, src: Layout, dst: Layout, *, src_scale: float,
+            dst_scale: float, dialect: str | None) -> LossReport:
+    """The ``LossReport`` of ``convert_kv_records(records, ...) -> converted`` (records ``[N, rb]``, contiguous; both
+    decoded and compared, nothing written): the report ``kvbridge.transcode(report=True)`` gives on those entries."""
+    n = records.shape[0]
+    return transcode_loss(records.reshape(1, -1), record_layout(src), n, converted.reshape(1, -1), record_layout(dst),
+                          n, n, src_scale, dst_scale, dialect)
+
+
+def convert_key_records(records: torch.Tensor, src: ix.IndexerFormat, dst: ix.IndexerFormat, *, rule: str,
+                        src_rule: str | None, measure: bool) -> tuple[torch.Tensor, float | None]:
+    """Indexer key records of ``src`` -> records of ``dst`` written by ``rule``; the max |decoded error| with
+    ``measure`` (None without). Keys that decode to NaN/Inf are refused (``kvbridge.ops.keys``)."""
+    if measure or ix.native_transcode_applies(records, src, dst, rule):
+        out, err = ix.transcode_keys(records, src, dst, rule, src_rule)
+        return out, err if measure else None
+    return ix.encode_keys(ix.decode_keys(records, src, src_rule), dst, rule), None

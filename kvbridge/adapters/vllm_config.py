@@ -24,6 +24,13 @@ def host_port(value: str, what: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def positive_int(value: object, what: str) -> int:
+    """``value`` as a positive integer; ``InputError`` naming ``what`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{what} must be a positive integer, got {value!r:.40}")
+    return value
+
+
 def ape_paths(value: object) -> list[str]:
     """The ``ape`` key's safetensors paths (one path or a list of a checkpoint's shards) as a list."""
     paths = [value] if isinstance(value, str) else value
@@ -36,7 +43,8 @@ def ape_paths(value: object) -> list[str]:
 def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | None = None, model: str | None = None,
                        timeout: float | None = None, convert_on: str | None = None,
                        on_load_failure: str | None = None, transport: str | None = None,
-                       landing_tokens: int | None = None, ape: list[str] | None = None) -> dict[str, Any]:
+                       landing_tokens: int | None = None, ape: list[str] | None = None,
+                       max_inflight: int | None = None, hold_timeout: float | None = None) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for kvbridge's connector (``kvbridge.adapters.vllm``) in ``role``.
 
     Only the keys given go into ``kv_connector_extra_config`` (the connector's defaults apply to
@@ -82,6 +90,12 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
         extra["landing_tokens"] = landing_tokens
     if ape is not None:
         extra["ape"] = ape_paths(ape)
+    if max_inflight is not None:
+        extra["max_inflight"] = positive_int(max_inflight, "max_inflight")
+    if hold_timeout is not None:
+        if isinstance(hold_timeout, bool) or not isinstance(hold_timeout, (int, float)) or hold_timeout < 0:
+            raise InputError(f"hold_timeout must be a number of seconds >= 0, got {hold_timeout!r}")
+        extra["hold_timeout"] = hold_timeout
     config: dict[str, Any] = {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.adapters.vllm",
                               "kv_role": ROLES[role]}
     if on_load_failure is not None:

@@ -371,15 +371,18 @@ def _send(transport: str, address, plan, src, request_id: str):
         return exc
 
 
-def _landed(out: Path, name: str, plan, src) -> None:
-    """The request's records in its vLLM blocks (saved by the engine side's ``wait``) are what vLLM's writers store
-    for the producer's."""
-    got = load_file(str(out / f"{name}.safetensors"))
+def _expected(plan, src) -> list[torch.Tensor]:
+    """What vLLM's writers store for each transfer's records of the source request ``src``."""
     pools, tables = src
+    return [expected_records(t, gather_records(pools.pool(t.spec), t.src, table_of(tables, t.src), t.first,
+                                               t.count)) for t in plan.transfers]
+
+
+def _landed(out: Path, name: str, plan, want: list[torch.Tensor]) -> None:
+    """The request's records in its vLLM blocks (saved by the engine side's ``wait``) are ``want``."""
+    got = load_file(str(out / f"{name}.safetensors"))
     for i, t in enumerate(plan.transfers):
-        want = expected_records(t, gather_records(pools.pool(t.spec), t.src, table_of(tables, t.src), t.first,
-                                                  t.count))
-        assert torch.equal(got[str(i)], want), f"{name}: layer {t.spec.layer} {t.spec.role.value} differs"
+        assert torch.equal(got[str(i)], want[i]), f"{name}: layer {t.spec.layer} {t.spec.role.value} differs"
 
 
 def _die_mid_send(transport: str, host: str, port: int, config: str, request_id: str, num_tokens: int) -> None:
@@ -419,13 +422,17 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
     out = tmp_path / "out"
     model = from_hf_config(str(model_dir / "config.json"))
     plan = plan_migration(TRTLLM, VLLM, model, num_tokens, include_mtp=False)
-    sources = {}
+    # four source requests: the i-th request of every round sends the i-th (a mix-up lands the wrong bytes)
+    sources = [source_request(plan, spare_pages=2, seed=i + 1) for i in range(4)]
+    wants = [_expected(plan, src) for src in sources]
+    slot = {"early": 0, "gone": 1, "next": 2, "killed": 3, "kept": 3}
+    sent: dict = {}
 
     def source(name: str):
-        sources[name] = source_request(plan, spare_pages=2, seed=len(sources) + 1)
-        return sources[name]
+        return sources[slot.get(name) if name in slot else int(name.rsplit("-", 1)[1])]
 
-    sent: dict = {}
+    def want(name: str) -> list[torch.Tensor]:
+        return wants[slot.get(name) if name in slot else int(name.rsplit("-", 1)[1])]
 
     def producer(name: str) -> threading.Thread:
         src = source(name)
@@ -448,7 +455,7 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
             assert not state["failed"] and not state["errors"], state
             for name in names:
                 assert not isinstance(sent[name], Exception), sent[name]
-                _landed(out, name, plan, sources[name])
+                _landed(out, name, plan, want(name))
             state = eng("run")
             assert state["free"] == state["free_at_start"], state
         # a producer for a request vLLM does not know yet is held until it does
@@ -460,7 +467,7 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
         state = eng("wait early")
         thread.join(120)
         assert "early" not in state["failed"], state
-        _landed(out, "early", plan, sources["early"])
+        _landed(out, "early", plan, want("early"))
         eng("run")
         # abort while waiting: released (its blocks freed), its producer refused later, the next request lands
         eng(f"add gone {num_tokens} {TRTLLM} gone")
@@ -475,7 +482,7 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
         assert not isinstance(_send(transport, eng.address, plan, source("next"), "next"), Exception)
         state = eng("wait next")
         assert "next" not in state["failed"], state
-        _landed(out, "next", plan, sources["next"])
+        _landed(out, "next", plan, want("next"))
         eng("run")
         # a producer killed mid-transfer: that request fails, the other lands
         for name in ("killed", "kept"):
@@ -493,7 +500,7 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
         assert not isinstance(_send(transport, eng.address, plan, source("kept"), "kept"), Exception)
         state = eng("wait killed kept")
         assert state["failed"] == ["killed"] and len(state["errors"]) == 1 and "killed" in state["errors"][0], state
-        _landed(out, "kept", plan, sources["kept"])
+        _landed(out, "kept", plan, want("kept"))
         state = eng("run")
         assert state["status"]["killed"] == "FINISHED_ERROR" and state["status"]["kept"] == "FINISHED_LENGTH_CAPPED"
         assert state["free"] == state["free_at_start"], state

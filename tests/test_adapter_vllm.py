@@ -502,6 +502,15 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
         assert state["failed"] == ["killed"] and len(state["errors"]) == 1 and "killed" in state["errors"][0], state
         _landed(out, "kept", plan, want("kept"))
         state = eng("run")
+        # TP > 1 is refused when vLLM creates the connector, with one line naming the remedy
+        eng.proc.stdin.write("tp 2\n")
+        eng.proc.stdin.flush()
+        line = eng._line()
+        while not line.startswith("REFUSED "):
+            line = eng._line()
+        refused = json.loads(line[8:])
+        assert all(e and e.startswith("InputError") and "runs 2 x 1" in e and "-tp 1" in e
+                   for e in refused.values()), refused
         assert state["status"]["killed"] == "FINISHED_ERROR" and state["status"]["kept"] == "FINISHED_LENGTH_CAPPED"
         assert state["free"] == state["free_at_start"], state
         assert state["stats"]["recv_requests"] == 24 * 4 + 3 and state["stats"]["recv_failed"] == 1, state["stats"]
@@ -789,3 +798,20 @@ def test_request_table_keys_loads_by_request_id():
     quick = RequestTable(hold_s=0.05, hold_limit=4)
     with pytest.raises(InputError, match="no request z waiting"):
         quick.claim("z")
+
+
+def test_connector_profile_takes_the_gpu_family_from_the_device():
+    """SM90 and SM100 pages have the same sizes, so the family is read from the device, never guessed, and a
+    ``gpu=`` that contradicts the device is refused at start."""
+    from kvbridge.adapters.vllm_config import connector_profile, device_gpu_family
+    from kvbridge.errors import InputError
+
+    assert connector_profile(None, 256, None).spec == "vllm:block=256:idx=fp8:gpu=sm90:kv=fp8_ds_mla"
+    assert connector_profile(None, 256, "sm100").spec == "vllm:block=256:idx=fp8:gpu=sm100:kv=fp8_ds_mla"
+    assert connector_profile("vllm:block=512:idx=fp4", 256, "sm100").spec.startswith("vllm:block=512:idx=fp4:gpu=sm100")
+    assert connector_profile("vllm:gpu=sm100", 256, "sm100").spec.startswith("vllm:block=256:idx=fp8:gpu=sm100")
+    with pytest.raises(InputError, match="gpu=sm90, but this device is sm100"):
+        connector_profile("vllm:gpu=sm90", 256, "sm100")
+    with pytest.raises(InputError, match="vLLM spec"):
+        connector_profile("sglang", 256, None)
+    assert device_gpu_family() is None if not torch.cuda.is_available() else device_gpu_family().startswith("sm")

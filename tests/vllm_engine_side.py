@@ -312,6 +312,23 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
         elif cmd == "abort":
             eng.scheduler.finish_requests(args[0], RequestStatus.FINISHED_ABORTED)
             advance()
+        elif cmd == "tp":  # the connector for this vLLM at tensor parallel size N (both roles): refused or not
+            import copy
+
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+            vc = copy.copy(eng.vc)
+            vc.parallel_config = copy.copy(eng.vc.parallel_config)
+            vc.parallel_config.tensor_parallel_size = int(args[0])
+            refused = {}
+            for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+                try:
+                    KVConnectorFactory.create_connector(vc, role, eng.config).shutdown()
+                    refused[role.name] = None
+                except Exception as exc:  # reported to the test
+                    refused[role.name] = f"{type(exc).__name__}: {exc}"
+            print("REFUSED " + json.dumps(refused), flush=True)
         elif cmd == "run":
             deadline = time.monotonic() + 200
             while any(not r.is_finished() for r in reqs.values()) and time.monotonic() < deadline:

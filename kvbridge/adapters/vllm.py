@@ -54,7 +54,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
-from kvbridge.adapters.vllm_config import CONVERT_SIDES, TRANSPORTS, ape_paths, host_port, positive_int
+from kvbridge.adapters.vllm_config import (
+    CONVERT_SIDES,
+    TRANSPORTS,
+    ape_paths,
+    connector_profile,
+    device_gpu_family,
+    host_port,
+    positive_int,
+)
 from kvbridge.adapters.vllm_layout import VllmCaches
 from kvbridge.adapters.vllm_requests import Pending, RequestTable
 from kvbridge.engines.profiles import parse_engine
@@ -165,31 +173,6 @@ def connector_model(vllm_config, given: str | None):
         raise InputError(f"vLLM found no config.json for model {where!r}; give kv_connector_extra_config model "
                          "(a config.json path or a kvbridge preset)")
     return from_hf_config(data, name=str(data.get("model_type") or "deepseek_v4"))
-
-
-def device_gpu_family() -> str | None:
-    """``sm90`` / ``sm100`` / ``sm120`` of CUDA device 0 (``torch.cuda.get_device_capability``); None on a
-    machine without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    major, _ = torch.cuda.get_device_capability()
-    return f"sm{major}0"
-
-
-def connector_profile(spec: str | None, block_size: int, gpu: str | None):
-    """The connector's vLLM profile: ``spec`` (default ``vllm:block=<block_size>``), its GPU family the
-    device's (``gpu``); a ``gpu=`` option that contradicts the device is refused (SM90 and SM100 pages
-    have the same sizes: a wrong family would mis-store indexer scales silently)."""
-    profile = parse_engine(spec or f"vllm:block={block_size}")
-    if profile.engine != "vllm":
-        raise InputError(f"kv_connector_extra_config engine must be a vLLM spec, got {profile.spec!r}")
-    if gpu is None:
-        return profile
-    choice = next(c for c in profile.choices if c.option == "gpu")
-    if choice.given and choice.value != gpu:
-        raise InputError(f"kv_connector_extra_config engine says gpu={choice.value}, but this device is {gpu} "
-                         f"(torch.cuda.get_device_capability); drop gpu= or give gpu={gpu}")
-    return profile if choice.given else parse_engine(f"{spec or f'vllm:block={block_size}'}:gpu={gpu}")
 
 
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -560,5 +543,4 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._senders.clear()
 
 
-__all__ = ["KVBridgeConnector", "KVBridgeMetadata", "KVBridgeStats", "Load", "Send", "connector_model",
-           "connector_profile", "device_gpu_family"]
+__all__ = ["KVBridgeConnector", "KVBridgeMetadata", "KVBridgeStats", "Load", "Send", "connector_model"]

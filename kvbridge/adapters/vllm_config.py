@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbridge.engines.profiles import parse_engine
+import torch
+
+from kvbridge.engines.profiles import EngineProfile, parse_engine
 from kvbridge.errors import InputError
 
 #: vLLM's ``kv_role`` for each kvbridge role name.
@@ -38,6 +40,31 @@ def ape_paths(value: object) -> list[str]:
         raise InputError("kv_connector_extra_config: ape must be a safetensors path or a non-empty list of them "
                          f"(the checkpoint's shards holding layers.N.attn[.indexer].compressor.ape), got {value!r:.80}")
     return list(paths)
+
+
+def device_gpu_family() -> str | None:
+    """``sm90`` / ``sm100`` / ``sm120`` of CUDA device 0 (``torch.cuda.get_device_capability``); None on a
+    machine without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    major, _ = torch.cuda.get_device_capability()
+    return f"sm{major}0"
+
+
+def connector_profile(spec: str | None, block_size: int, gpu: str | None) -> EngineProfile:
+    """The connector's vLLM profile: ``spec`` (default ``vllm:block=<block_size>``), its GPU family the
+    device's (``gpu``); a ``gpu=`` option that contradicts the device is refused (SM90 and SM100 pages
+    have the same sizes: a wrong family would mis-store indexer scales silently)."""
+    profile = parse_engine(spec or f"vllm:block={block_size}")
+    if profile.engine != "vllm":
+        raise InputError(f"kv_connector_extra_config engine must be a vLLM spec, got {profile.spec!r}")
+    if gpu is None:
+        return profile
+    choice = next(c for c in profile.choices if c.option == "gpu")
+    if choice.given and choice.value != gpu:
+        raise InputError(f"kv_connector_extra_config engine says gpu={choice.value}, but this device is {gpu} "
+                         f"(torch.cuda.get_device_capability); drop gpu= or give gpu={gpu}")
+    return profile if choice.given else parse_engine(f"{spec or f'vllm:block={block_size}'}:gpu={gpu}")
 
 
 def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | None = None, model: str | None = None,

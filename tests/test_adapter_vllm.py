@@ -360,12 +360,12 @@ class _Commands:
         assert self.proc.returncode == 0, tail
 
 
-def _send(transport: str, address, plan, src, request_id: str):
-    """Send ``src`` under ``request_id`` (a fresh sender); the receiver's summary, or its refusal."""
+def _send(sender: NixlSender | None, address, plan, src, request_id: str):
+    """Send ``src`` under ``request_id`` (over NIXL with ``sender``, else over gloo); the receiver's summary,
+    or its refusal."""
     try:
-        if transport == "nixl":
-            with NixlSender(*address, timeout=120) as sender:
-                return sender.send_request(plan, *src, request_id=request_id)
+        if sender is not None:
+            return sender.send_request(plan, *src, request_id=request_id)
         return send_request_tcp(plan, *src, host=address[0], port=address[1], request_id=request_id, timeout=120)
     except MigrationError as exc:
         return exc
@@ -436,9 +436,11 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
 
     def producer(name: str) -> threading.Thread:
         src = source(name)
-        return threading.Thread(target=lambda: sent.update({name: _send(transport, eng.address, plan, src, name)}))
+        return threading.Thread(target=lambda: sent.update({name: _send(sender, eng.address, plan, src, name)}))
 
     eng = _Commands(python, transport, model_dir, out)
+    # over NIXL one sender (its agent process) for every request: the consumer receives one at a time anyway
+    sender = NixlSender(*eng.address, timeout=120) if transport == "nixl" else None
     try:
         for k, order in enumerate(itertools.permutations(range(4))):
             names = [f"r{k}-{i}" for i in range(4)]
@@ -475,11 +477,11 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
         state = eng("abort gone")
         assert "gone" in state["received"] and "gone" not in state["failed"], state
         assert state["status"]["gone"] == "FINISHED_ABORTED" and state["free"] == state["free_at_start"], state
-        late = _send(transport, eng.address, plan, source("gone"), "gone")
+        late = _send(sender, eng.address, plan, source("gone"), "gone")
         assert isinstance(late, MigrationError) and "was aborted" in str(late), late
         eng(f"add next {num_tokens} {TRTLLM} next")
         eng("step")
-        assert not isinstance(_send(transport, eng.address, plan, source("next"), "next"), Exception)
+        assert not isinstance(_send(sender, eng.address, plan, source("next"), "next"), Exception)
         state = eng("wait next")
         assert "next" not in state["failed"], state
         _landed(out, "next", plan, want("next"))
@@ -497,7 +499,7 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
         finally:
             child.kill()
             child.wait(30)
-        assert not isinstance(_send(transport, eng.address, plan, source("kept"), "kept"), Exception)
+        assert not isinstance(_send(sender, eng.address, plan, source("kept"), "kept"), Exception)
         state = eng("wait killed kept")
         assert state["failed"] == ["killed"] and len(state["errors"]) == 1 and "killed" in state["errors"][0], state
         _landed(out, "kept", plan, want("kept"))
@@ -515,6 +517,8 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
         assert state["free"] == state["free_at_start"], state
         assert state["stats"]["recv_requests"] == 24 * 4 + 3 and state["stats"]["recv_failed"] == 1, state["stats"]
     finally:
+        if sender is not None:
+            sender.close()
         eng.close()
 
 

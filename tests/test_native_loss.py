@@ -17,7 +17,9 @@ import torch
 
 from kvbridge.backends import dispatch, native
 from kvbridge.backends.loss_stats import LossStats, compare_values
+from kvbridge.backends.native import accel as native_accel
 from kvbridge.backends.native import loss as native_loss
+from kvbridge.backends.native import records as native_records
 from kvbridge.layouts import all_layouts, get_layout
 from kvbridge.layouts.codec import tensor_multiplier
 from kvbridge.ops import pages as page_ops
@@ -291,7 +293,7 @@ def test_c_loss_kernels_check_their_arguments():
     fp8, m1 = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
     pt = np.zeros(fp8.page_bytes(64), np.uint8)
     pool = np.zeros(m1.page_bytes(64), np.uint8)
-    ue8m0 = native._UE8M0_F32
+    ue8m0 = native_records._UE8M0_F32
     maxima, sums, counts = np.zeros((1, 4), np.uint32), np.zeros(1), np.zeros((1, 3), np.int64)
 
     def call(kernel, c1=1, n=64, src=pt, dst=pool, table=ue8m0, out=(maxima, sums, counts)):
@@ -315,7 +317,7 @@ def test_c_loss_kernels_check_their_arguments():
 
 @pytest.mark.skipif(_kernels is None, reason="kvbridge.backends.native._kernels is not built")
 def test_accelerators_run_the_c_kernels_where_native_runs_compiled_ones(latents, monkeypatch):
-    """With ``native._CK`` set (the compiled kernels in use) the accelerators call its loss functions; without
+    """With ``native_accel._CK`` set (the compiled kernels in use) the accelerators call its loss functions; without
     it, the numba kernels."""
     calls = []
 
@@ -330,11 +332,11 @@ def test_accelerators_run_the_c_kernels_where_native_runs_compiled_ones(latents,
     pages = dispatch.encode_pages(latents, fp8, 64, "swa", 0.5)
     n = latents.shape[0]
     out = native.transcode_pages(pages, fp8, 64, m1, 64, n, 0.5, 1.0, "flashmla")
-    monkeypatch.setattr(native, "_CK", Recording())
+    monkeypatch.setattr(native_accel, "_CK", Recording())
     native_loss.loss_stats(pages, fp8, 64, out, m1, 64, n, 0.5, 1.0, None)
     native_loss.loss_stats(out, m1, 64, pages, fp8, 64, n, 1.0, 0.5, 2.0)
     assert set(calls) == {"fp8_model1_loss", "model1_fp8_loss"}
-    monkeypatch.setattr(native, "_CK", None)
+    monkeypatch.setattr(native_accel, "_CK", None)
     calls.clear()
     native_loss.loss_stats(pages, fp8, 64, out, m1, 64, n, 0.5, 1.0, None)
     assert not calls

@@ -8,14 +8,19 @@ placed by its geometry; this module is also the ``reference`` backend of ``kvbri
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
+from kvbridge.backends.loss_stats import decoded_loss_stats
 from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import Layout
 from kvbridge.layouts.codec import record_codec
 
 name = "reference"
+#: No fused fp4 -> fp8 key or state-row kernels here: the torch rules of ``ops.keys`` and migration run.
+KEY_KERNELS = STATE_KERNELS = False
 #: Tokens per step of the slot operations: bounds their int64 byte-index tensors (32K x 1024 x 8 B = 256 MiB).
 CHUNK_TOKENS = 1 << 15
 FLAG_NONFINITE = 1
@@ -168,3 +173,7 @@ def gather_transcode(
 def accepts(*tensors: torch.Tensor) -> bool:
     """The reference takes tensors of any alignment."""
     return True
+
+
+#: ``dispatch.loss_stats``: both pools decoded here and compared (``loss_stats.decoded_loss_stats``).
+loss_stats = partial(decoded_loss_stats, decode_pages)

@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -155,14 +157,16 @@ def _assert_landed(plan, src_pools, src_tables, result, raw, caches) -> None:
     assert not raw[~written].any(), "bytes outside the request's blocks of its own caches were written"
 
 
-@pytest.mark.parametrize(("transport", "convert_on"), [("gloo", "receiver"), ("nixl", "receiver")])
-def test_vllm_consumer_receives_a_trtllm_request(tmp_path, transport, convert_on, num_tokens=600):
+@pytest.mark.parametrize(("transport", "convert_on", "options"), [("gloo", "receiver", ()),
+                                                                  ("nixl", "receiver", ("daemonic",))])
+def test_vllm_consumer_receives_a_trtllm_request(tmp_path, transport, convert_on, options, num_tokens=600):
     """Over NIXL the request lands in the connector's host-memory landing area first (converted there; a
     sender that converts writes pages there the same way, see the request-id test below), then goes through
-    the same block-id writes as over gloo. (``convert_on="sender"`` through vLLM passed too; it is left out
-    to keep the run short.)"""
-    summary, plan, model, src_pools, src_tables = _consumer(tmp_path, num_tokens, TRTLLM, transport=transport,
-                                                            convert_on=convert_on)
+    the same block-id writes as over gloo. The NIXL case runs the engine side in a daemonic process, as vLLM's
+    multiprocess executor runs its workers (no child process: the connector's NIXL agent runs in the worker).
+    (``convert_on="sender"`` through vLLM passed too; it is left out to keep the run short.)"""
+    summary, plan, model, src_pools, src_tables = _consumer(tmp_path, num_tokens, TRTLLM, *options,
+                                                            transport=transport, convert_on=convert_on)
     out = tmp_path / "out"
     assert summary["num_tokens"] == num_tokens
     result, raw, caches = _vllm_buffer(out, plan, model)
@@ -302,6 +306,239 @@ def test_vllm_consumer_refuses_a_request_from_other_pools(tmp_path, policy, tran
     else:
         assert result["status_after_load"] == "RUNNING" and result["scheduled_after_load"] == 600
     assert not raw.any(), "a refused request wrote bytes"
+
+
+# ---------------------------------------------------------------------------------------------
+# Several requests in one vLLM consumer (one engine process per transport, driven command by command)
+
+
+class _Commands:
+    """The engine side's ``commands`` mode: one vLLM consumer the test drives line by line."""
+
+    def __init__(self, python: str, transport: str, model_dir: Path, out: Path, *options: str):
+        self.stderr = open(out / "stderr.txt", "w+")  # noqa: SIM115 (read back when the engine side ends)
+        self.proc = subprocess.Popen([python, str(ROOT / "tests" / "vllm_engine_side.py"), "commands", transport,
+                                      str(model_dir), str(out), *options], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        line = self._line()
+        while not line.startswith("LISTEN"):
+            line = self._line()
+        _, host, port = line.split()
+        self.address = (host, int(port))
+
+    def _line(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.kill()
+            self.stderr.seek(0)
+            raise AssertionError(f"the engine side ended: {self.stderr.read()[-4000:]}")
+        return line
+
+    def __call__(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        line = self._line()
+        while not line.startswith("OK "):
+            line = self._line()
+        return json.loads(line[3:])
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(120)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.stderr.seek(0)
+            tail = self.stderr.read()[-4000:]
+            self.stderr.close()
+        assert self.proc.returncode == 0, tail
+
+
+def _send(sender: NixlSender | None, address, plan, src, request_id: str):
+    """Send ``src`` under ``request_id`` (over NIXL with ``sender``, else over gloo); the receiver's summary,
+    or its refusal."""
+    try:
+        if sender is not None:
+            return sender.send_request(plan, *src, request_id=request_id)
+        return send_request_tcp(plan, *src, host=address[0], port=address[1], request_id=request_id, timeout=120)
+    except MigrationError as exc:
+        return exc
+
+
+def _expected(plan, src) -> list[torch.Tensor]:
+    """What vLLM's writers store for each transfer's records of the source request ``src``."""
+    pools, tables = src
+    return [expected_records(t, gather_records(pools.pool(t.spec), t.src, table_of(tables, t.src), t.first,
+                                               t.count)) for t in plan.transfers]
+
+
+def _landed(out: Path, name: str, plan, want: list[torch.Tensor]) -> None:
+    """The request's records in its vLLM blocks (saved by the engine side's ``wait``) are ``want``."""
+    got = load_file(str(out / f"{name}.safetensors"))
+    for i, t in enumerate(plan.transfers):
+        assert torch.equal(got[str(i)], want[i]), f"{name}: layer {t.spec.layer} {t.spec.role.value} differs"
+
+
+def _die_mid_send(transport: str, host: str, port: int, config: str, request_id: str, num_tokens: int) -> None:
+    """Child process: start sending ``request_id`` and hang after the first data message or group (the test
+    kills the process there)."""
+    import sys
+    import time
+
+    model = from_hf_config(json.loads(config))
+    plan = plan_migration(TRTLLM, VLLM, model, num_tokens, include_mtp=False)
+    src, tables = source_request(plan, spare_pages=2, seed=99)
+
+    def hang(*_):
+        print("SENDING", flush=True)
+        time.sleep(600)
+
+    if transport == "nixl":
+        sender = NixlSender(host, port, timeout=120)
+        stream = sender.start_request(plan, src, tables, request_id=request_id)
+        stream.send_group()
+        hang()
+    send_request_tcp(plan, src, tables, host=host, port=port, request_id=request_id, timeout=120,
+                     chunk_bytes=4096, progress=hang)
+    sys.exit(1)
+
+
+@pytest.mark.parametrize("transport", ["gloo", "nixl"])
+def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=300):
+    """One vLLM consumer, requests keyed by request id: four producers in each of the 24 orders all land
+    byte-exact; a producer for a request vLLM does not know yet is held until it does; a request aborted
+    while it waits frees its blocks, its late producer is refused, the next request lands; a producer killed
+    mid-transfer fails its request (vLLM's ``fail`` policy ends it with an error) and the others land."""
+    import itertools
+
+    python = _vllm_python(transport)
+    model_dir = _model(tmp_path)
+    out = tmp_path / "out"
+    model = from_hf_config(str(model_dir / "config.json"))
+    plan = plan_migration(TRTLLM, VLLM, model, num_tokens, include_mtp=False)
+    # four source requests: the i-th request of every round sends the i-th (a mix-up lands the wrong bytes)
+    sources = [source_request(plan, spare_pages=2, seed=i + 1) for i in range(4)]
+    wants = [_expected(plan, src) for src in sources]
+    slot = {"early": 0, "gone": 1, "next": 2, "killed": 3, "kept": 3}
+    sent: dict = {}
+
+    def source(name: str):
+        return sources[slot.get(name) if name in slot else int(name.rsplit("-", 1)[1])]
+
+    def want(name: str) -> list[torch.Tensor]:
+        return wants[slot.get(name) if name in slot else int(name.rsplit("-", 1)[1])]
+
+    def producer(name: str) -> threading.Thread:
+        src = source(name)
+        return threading.Thread(target=lambda: sent.update({name: _send(sender, eng.address, plan, src, name)}))
+
+    eng = _Commands(python, transport, model_dir, out)
+    # over NIXL one sender (its agent process) for every request: the consumer receives one at a time anyway
+    sender = NixlSender(*eng.address, timeout=120) if transport == "nixl" else None
+    try:
+        for k, order in enumerate(itertools.permutations(range(4))):
+            names = [f"r{k}-{i}" for i in range(4)]
+            for name in names:
+                eng(f"add {name} {num_tokens} {TRTLLM} {name}")
+            eng("step")  # the loads go out to the worker
+            threads = [producer(names[i]) for i in order]
+            for thread in threads:  # producers connect in this round's order
+                thread.start()
+                thread.join() if transport == "nixl" else time.sleep(0.05)
+            state = eng("wait " + " ".join(names))
+            for thread in threads:
+                thread.join(120)
+            assert not state["failed"] and not state["errors"], state
+            for name in names:
+                assert not isinstance(sent[name], Exception), sent[name]
+                _landed(out, name, plan, want(name))
+            state = eng("run")
+            assert state["free"] == state["free_at_start"], state
+        # a producer for a request vLLM does not know yet is held until it does
+        thread = producer("early")
+        thread.start()
+        time.sleep(1.0)
+        eng(f"add early {num_tokens} {TRTLLM} early")
+        eng("step")
+        state = eng("wait early")
+        thread.join(120)
+        assert "early" not in state["failed"], state
+        _landed(out, "early", plan, want("early"))
+        eng("run")
+        # abort while waiting: released (its blocks freed), its producer refused later, the next request lands
+        eng(f"add gone {num_tokens} {TRTLLM} gone")
+        eng("step")
+        state = eng("abort gone")
+        assert "gone" in state["received"] and "gone" not in state["failed"], state
+        assert state["status"]["gone"] == "FINISHED_ABORTED" and state["free"] == state["free_at_start"], state
+        late = _send(sender, eng.address, plan, source("gone"), "gone")
+        assert isinstance(late, MigrationError) and "was aborted" in str(late), late
+        eng(f"add next {num_tokens} {TRTLLM} next")
+        eng("step")
+        assert not isinstance(_send(sender, eng.address, plan, source("next"), "next"), Exception)
+        state = eng("wait next")
+        assert "next" not in state["failed"], state
+        _landed(out, "next", plan, want("next"))
+        eng("run")
+        # a producer killed mid-transfer: that request fails, the other lands
+        for name in ("killed", "kept"):
+            eng(f"add {name} {num_tokens} {TRTLLM} {name}")
+        eng("step")
+        child = subprocess.Popen([sys.executable, "-c", "from tests.test_adapter_vllm import _die_mid_send; "
+                                  f"_die_mid_send({transport!r}, {eng.address[0]!r}, {eng.address[1]}, "
+                                  f"{json.dumps(CONFIG)!r}, 'killed', {num_tokens})"],
+                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            assert child.stdout.readline().startswith("SENDING")
+        finally:
+            child.kill()
+            child.wait(30)
+        assert not isinstance(_send(sender, eng.address, plan, source("kept"), "kept"), Exception)
+        state = eng("wait killed kept")
+        assert state["failed"] == ["killed"] and len(state["errors"]) == 1 and "killed" in state["errors"][0], state
+        _landed(out, "kept", plan, want("kept"))
+        state = eng("run")
+        # TP > 1 is refused when vLLM creates the connector, with one line naming the remedy
+        eng.proc.stdin.write("tp 2\n")
+        eng.proc.stdin.flush()
+        line = eng._line()
+        while not line.startswith("REFUSED "):
+            line = eng._line()
+        refused = json.loads(line[8:])
+        assert all(e and e.startswith("InputError") and "runs 2 x 1" in e and "-tp 1" in e
+                   for e in refused.values()), refused
+        assert state["status"]["killed"] == "FINISHED_ERROR" and state["status"]["kept"] == "FINISHED_LENGTH_CAPPED"
+        assert state["free"] == state["free_at_start"], state
+        assert state["stats"]["recv_requests"] == 24 * 4 + 3 and state["stats"]["recv_failed"] == 1, state["stats"]
+    finally:
+        if sender is not None:
+            sender.close()
+        eng.close()
+
+
+def test_vllm_producer_reports_a_failed_send(tmp_path, num_tokens=300):
+    """A send that fails (here: nothing listens at the peer) is logged and counted as failed, never as sent;
+    its blocks are released (vLLM has no failed-send state)."""
+    import socket
+
+    python = _vllm_python()
+    model_dir = _model(tmp_path)
+    out = tmp_path / "out"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: connecting is refused
+    _finish(_engine(python, "producer", "gloo", str(model_dir), str(out), "req-9", str(num_tokens), TRTLLM,
+                    f"127.0.0.1:{port}"))
+    result = json.loads((out / "result.json").read_text())
+    assert len(result["errors"]) == 1 and "req-9: send to 127.0.0.1" in result["errors"][0], result["errors"]
+    assert result["stats"]["send_failed"] == 1 and result["stats"]["send_requests"] == 0, result["stats"]
+    assert result["freed_after_send"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,3 +753,69 @@ def test_kv_transfer_config_ape_key(tmp_path):
     # paths are made absolute: vLLM may start in another directory
     assert json.loads(result.output)["kv_connector_extra_config"] == {
         "ape": [str(shard), str(Path("s2.safetensors").resolve())]}
+
+
+def test_request_table_keys_loads_by_request_id():
+    """The connector's worker-side table (no vLLM): a producer held until its load arrives, an aborted load
+    released at once and its late producer refused by name, a load that waits too long failed, a second
+    producer for one load refused, and a full holding area refusing at once."""
+    from types import SimpleNamespace
+
+    from kvbridge.adapters.vllm_requests import RequestTable
+    from kvbridge.errors import InputError
+
+    def load(req_id, rid):
+        return SimpleNamespace(req_id=req_id, request_id=rid)
+
+    table = RequestTable(hold_s=5.0, hold_limit=1)
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(p=table.claim("a")))
+    thread.start()
+    time.sleep(0.2)
+    with pytest.raises(InputError, match="already holds 1 producers"):
+        table.claim("x")  # the holding area (one place) is taken
+    table.add(load("va", "a"), timeout=60)
+    thread.join(5)
+    assert got["p"].state == "receiving"
+    with pytest.raises(InputError, match="already sending request a"):
+        table.claim("a")
+    table.writing(got["p"])
+    table.finish(got["p"], None)
+    assert table.results() == ({"va"}, set())
+    table.add(load("vb", "b"), timeout=60)
+    table.cancel("vb")
+    assert table.results() == ({"vb"}, set())
+    with pytest.raises(InputError, match="request b was aborted"):
+        table.claim("b")
+    table.add(load("vc", "c"), timeout=60)
+    p = table.claim("c")
+    table.cancel("vc")  # a producer is on it: the receiving thread refuses to write, then releases it
+    assert table.results() == (set(), set())
+    with pytest.raises(InputError, match="aborted on this vLLM while it was received"):
+        table.writing(p)
+    table.finish(p, "aborted")
+    assert table.results() == ({"vc"}, set())
+    table.add(load("vd", "d"), timeout=0.01)
+    time.sleep(0.05)
+    assert table.results() == ({"vd"}, {"vd"})
+    assert "no kvbridge producer connected within 0.01 s" in table.take_outcomes()[-1][2]
+    quick = RequestTable(hold_s=0.05, hold_limit=4)
+    with pytest.raises(InputError, match="no request z waiting"):
+        quick.claim("z")
+
+
+def test_connector_profile_takes_the_gpu_family_from_the_device():
+    """SM90 and SM100 pages have the same sizes, so the family is read from the device, never guessed, and a
+    ``gpu=`` that contradicts the device is refused at start."""
+    from kvbridge.adapters.vllm_config import connector_profile, device_gpu_family
+    from kvbridge.errors import InputError
+
+    assert connector_profile(None, 256, None).spec == "vllm:block=256:idx=fp8:gpu=sm90:kv=fp8_ds_mla"
+    assert connector_profile(None, 256, "sm100").spec == "vllm:block=256:idx=fp8:gpu=sm100:kv=fp8_ds_mla"
+    assert connector_profile("vllm:block=512:idx=fp4", 256, "sm100").spec.startswith("vllm:block=512:idx=fp4:gpu=sm100")
+    assert connector_profile("vllm:gpu=sm100", 256, "sm100").spec.startswith("vllm:block=256:idx=fp8:gpu=sm100")
+    with pytest.raises(InputError, match="gpu=sm90, but this device is sm100"):
+        connector_profile("vllm:gpu=sm90", 256, "sm100")
+    with pytest.raises(InputError, match="vLLM spec"):
+        connector_profile("sglang", 256, None)
+    assert device_gpu_family() is None if not torch.cuda.is_available() else device_gpu_family().startswith("sm")

@@ -1,8 +1,9 @@
 """Engine side of tests/test_adapter_vllm.py; runs in the vLLM 0.33.0 venv (never collected by pytest).
 
 Usage: python tests/vllm_engine_side.py consumer TRANSPORT MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS SRC_SPEC
-                                          [fail|recompute]
+                                          [fail|recompute] [ape=PATH] [daemonic]
        python tests/vllm_engine_side.py producer TRANSPORT MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS DST_SPEC HOST:PORT
+       python tests/vllm_engine_side.py commands TRANSPORT MODEL_DIR OUT_DIR [fail|recompute]   (see ``commands``)
 
 TRANSPORT (gloo or nixl) is the connector's ``transport`` key.
 
@@ -91,7 +92,7 @@ class Engine:
                                                    transport=transport, ape=[ape] if ape else None))
         vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
                         device_config=DeviceConfig("cpu"), kv_transfer_config=kt,
-                        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_len, max_num_seqs=4,
+                        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_len, max_num_seqs=8,
                                                          max_model_len=max_len, is_encoder_decoder=False))
         # vLLM's CPU platform turns the hybrid allocator off; a GPU platform keeps it on (DeepSeek-V4 needs it)
         vc.scheduler_config.disable_hybrid_kv_cache_manager = False
@@ -116,19 +117,20 @@ class Engine:
                                    hash_block_size=hash_block_size)
         assert type(self.scheduler.connector).__name__ == "KVBridgeConnector", type(self.scheduler.connector)
 
-    def request(self, num_tokens: int, params: dict, max_tokens: int):
+    def request(self, num_tokens: int, params: dict, max_tokens: int, request_id: str = "vllm-req-0"):
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        req = Request(request_id="vllm-req-0", prompt_token_ids=list(range(1, num_tokens + 1)),
+        req = Request(request_id=request_id, prompt_token_ids=list(range(1, num_tokens + 1)),
                       sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                                      extra_args={"kv_transfer_params": params}),
                       pooling_params=None)
         self.scheduler.add_request(req)
         return req
 
-    def step(self, out, sampled: dict[str, list[int]] | None = None):
-        """Run the worker connector over one scheduler step, then report to the scheduler."""
+    def step(self, out, sampled: dict[str, list[int]] | None = None, failed: set[str] | None = None):
+        """Run the worker connector over one scheduler step, then report to the scheduler (adding the loads
+        reported failed to ``failed``)."""
         from copy import copy
 
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
@@ -139,6 +141,8 @@ class Engine:
         self.worker.clear_connector_metadata()
         results = self.worker.get_transfer_results(set(out.finished_req_ids))  # as vLLM's model runner asks
         sent, received = results.finished_sending, results.finished_recving
+        if failed is not None:
+            failed.update(results.failed_recving)
         output = copy(EMPTY_MODEL_RUNNER_OUTPUT)
         if sampled:
             output.req_ids = list(sampled)
@@ -184,7 +188,7 @@ def consumer(transport: str, model_dir: str, out_dir: str, request_id: str, num_
              *options: str) -> None:
     """``options``: vLLM's load-failure policy and ``ape=PATH`` (the connector's APE weights), either or both."""
     ape = next((o[4:] for o in options if o.startswith("ape=")), None)
-    policy = next((o for o in options if not o.startswith("ape=")), None)
+    policy = next((o for o in options if not o.startswith("ape=") and o != "daemonic"), None)
     eng = Engine(model_dir, "consumer", transport, policy, ape)
     host, port = eng.worker.server.address
     print(f"LISTEN {host} {port}", flush=True)
@@ -235,9 +239,108 @@ def producer(transport: str, model_dir: str, out_dir: str, request_id: str, num_
     sent, _ = eng.until_done(out, "sent")
     result["sent"] = sorted(sent)
     result["errors"] = list(eng.worker.errors)
+    result["stats"] = (eng.worker.get_kv_connector_stats() or eng.worker.build_kv_connector_stats()).reduce()
     eng.scheduler.schedule()
     result["freed_after_send"] = req.request_id not in eng.scheduler.requests
     eng.dump(out_dir, result)
+    eng.worker.shutdown()
+
+
+def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> None:
+    """A consumer driven line by line from stdin (the test's several-request cases share this process):
+
+    ``add NAME NUM_TOKENS SRC RID``: a request whose KV a producer sends under RID; ``step``: one engine
+    step; ``wait NAME...``: step until each named request's load was reported (received or failed; a
+    received request's records in its vLLM blocks go to OUT_DIR/NAME.safetensors as it is reported);
+    ``abort NAME``: the client aborts it (then one step); ``run``: step until every request finished; ``quit``.
+    Each command answers one ``OK <json>`` line: reported loads, failures, errors, free blocks, statuses."""
+    from safetensors.torch import save_file
+    from vllm.v1.request import RequestStatus
+
+    from kvbridge.migration.plan import plan_migration
+    from kvbridge.migration.pools import gather_records
+
+    policy = next((o for o in options if not o.startswith("ape=")), None)
+    eng = Engine(model_dir, "consumer", transport, policy)
+    host, port = eng.worker.server.address
+    print(f"LISTEN {host} {port}", flush=True)
+    from kvbridge.adapters.vllm import KVBridgeStats
+
+    stats = KVBridgeStats()
+    reqs, srcs = {}, {}
+    received, failed = set(), set()
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    free0 = pool.get_num_free_blocks()
+
+    def save(name: str) -> None:
+        """The request's records in its vLLM blocks (still held: saved as soon as its load is reported)."""
+        req = reqs[name]
+        plan = plan_migration(srcs[name], eng.worker.profile, eng.worker.model, len(req.prompt_token_ids),
+                              include_mtp=False)
+        caches = eng.worker.caches
+        tables = caches.tables(eng.scheduler.kv_cache_manager.get_block_ids(name))
+        save_file({str(i): gather_records(caches.pools.pool(t.spec), t.dst,
+                                          tables[caches.group[(t.spec.layer, t.spec.role)]], t.first,
+                                          t.count).contiguous() for i, t in enumerate(plan.transfers)},
+                  os.path.join(out_dir, f"{name}.safetensors"))
+
+    def advance():
+        out = eng.scheduler.schedule()
+        sampled = {r: [7] for r in out.num_scheduled_tokens}
+        new = set(eng.step(out, sampled, failed)[1] or ())
+        received.update(new)
+        for name in sorted(new - failed):
+            if not reqs[name].is_finished():
+                save(name)
+
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "quit":
+            break
+        if cmd == "add":
+            name, n, src, rid = args
+            reqs[name] = eng.request(int(n), {"kvbridge_src": src, "kvbridge_request_id": rid}, max_tokens=2,
+                                     request_id=name)
+            srcs[name] = src
+        elif cmd == "step":
+            advance()
+        elif cmd == "wait":
+            deadline = time.monotonic() + 200
+            while not set(args) <= received and time.monotonic() < deadline:
+                advance()
+                time.sleep(0.02)
+        elif cmd == "abort":
+            eng.scheduler.finish_requests(args[0], RequestStatus.FINISHED_ABORTED)
+            advance()
+        elif cmd == "tp":  # the connector for this vLLM at tensor parallel size N (both roles): refused or not
+            import copy
+
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+            vc = copy.copy(eng.vc)
+            vc.parallel_config = copy.copy(eng.vc.parallel_config)
+            vc.parallel_config.tensor_parallel_size = int(args[0])
+            refused = {}
+            for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+                try:
+                    KVConnectorFactory.create_connector(vc, role, eng.config).shutdown()
+                    refused[role.name] = None
+                except Exception as exc:  # reported to the test
+                    refused[role.name] = f"{type(exc).__name__}: {exc}"
+            print("REFUSED " + json.dumps(refused), flush=True)
+        elif cmd == "run":
+            deadline = time.monotonic() + 200
+            while any(not r.is_finished() for r in reqs.values()) and time.monotonic() < deadline:
+                advance()
+            for _ in range(3):  # let delayed frees land
+                advance()
+        stats.aggregate(eng.worker.get_kv_connector_stats() or KVBridgeStats())
+        state = {"received": sorted(received), "failed": sorted(failed), "errors": list(eng.worker.errors),
+                 "stats": stats.reduce(),
+                 "free": pool.get_num_free_blocks(), "free_at_start": free0,
+                 "status": {n: r.status.name for n, r in reqs.items()}}
+        print("OK " + json.dumps(state), flush=True)
     eng.worker.shutdown()
 
 
@@ -267,10 +370,25 @@ def synthetic_records(plan, seed: int) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    mode, transport, model_dir, out_dir, request_id, num_tokens, engine, *rest = sys.argv[1:]
-    if mode == "consumer":
+    mode, transport, model_dir, out_dir, *rest = sys.argv[1:]
+    if mode == "commands":
+        commands(transport, model_dir, out_dir, *rest)
+    elif mode == "consumer" and "daemonic" in rest:
+        # as vLLM's multiprocess executor runs its workers: in a daemonic process (which cannot have children)
+        import multiprocessing
+
+        request_id, num_tokens, engine, *rest = rest
+        proc = multiprocessing.get_context("spawn").Process(
+            target=consumer, args=(transport, model_dir, out_dir, request_id, int(num_tokens), engine, *rest),
+            daemon=True)
+        proc.start()
+        proc.join()
+        assert proc.exitcode == 0, proc.exitcode
+    elif mode == "consumer":
+        request_id, num_tokens, engine, *rest = rest
         consumer(transport, model_dir, out_dir, request_id, int(num_tokens), engine, *rest)
     else:
+        request_id, num_tokens, engine, *rest = rest
         producer(transport, model_dir, out_dir, request_id, int(num_tokens), engine, *rest)
     print("DONE", flush=True)
 

@@ -6,27 +6,8 @@ vLLM loads it by module path::
                            "kv_connector_module_path": "kvbridge.adapters.vllm",
                            "kv_role": "kv_consumer", "kv_connector_extra_config": {"listen": "0.0.0.0:7300"}}'
 
-(``kvbridge vllm-config`` prints this JSON.) ``kv_connector_extra_config`` keys:
-
-- ``model``: kvbridge model (preset name or ``config.json`` path); default the served model's
-  ``config.json``;
-- ``engine``: kvbridge engine spec of this vLLM's pools; default ``vllm:block=<--block-size>``
-  (add ``:gpu=sm100`` / ``:idx=fp4`` / ``:kv=...`` to match the GPU and backend);
-- ``listen`` (consumer): ``host:port`` where kvbridge producers send requests; default
-  ``127.0.0.1:0`` (an ephemeral port, logged);
-- ``timeout``: seconds one transfer may take (default 120);
-- ``convert_on`` (producer): ``sender`` or ``receiver`` (default ``receiver``);
-- ``transport``: ``gloo`` (default: a torch.distributed gloo pair per request) or ``nixl``
-  (kvbridge's NIXL transport: one-sided writes into registered host memory, XXH3-64 checksums per
-  page chunk). Both sides of a transfer must use the same one. A NIXL consumer lands each request
-  in a host-memory area of its own (registered once, sized by ``landing_tokens``), then writes it
-  through the request's block ids;
-- ``landing_tokens`` (consumer, ``nixl``): the longest request that area holds (default the
-  model's ``max_model_len``);
-- ``ape``: a safetensors path, or a list of a checkpoint's shards, holding the model's compressor
-  APE weights (``layers.N.attn[.indexer].compressor.ape``). Needed for requests from or to SGLang
-  pools, which store compressor scores without the positional bias vLLM's include; read and
-  checked once when the worker starts, and both ends of a transfer must hold the same weights.
+(``kvbridge vllm-config`` prints this JSON; docs/adapters.md lists every ``kv_connector_extra_config``
+key and the supported matrix.)
 
 Per request, ``kv_transfer_params``:
 
@@ -40,20 +21,26 @@ Per request, ``kv_transfer_params``:
   ``kvbridge_request_id``. When the request finishes, its blocks of every group stay held until
   the worker has sent them.
 
-Transfers run on one background thread per worker, one request at a time, so vLLM keeps
-stepping its other requests meanwhile; vLLM learns of finished (and failed) transfers through
-``get_transfer_results``. A failed receive (producer gone, checksum mismatch, wrong request,
-refused plan) writes nothing and is reported failed: vLLM recomputes the prompt. Tensor
-parallel size 1 (DeepSeek-V4's latent caches are not split across ranks).
+Requests are independent: loads are keyed by kvbridge request id (``vllm_requests.RequestTable``),
+any number wait at once and producers connect in any order; over gloo up to ``max_inflight``
+requests are received at once, over NIXL one at a time in the order producers connect. Sends run
+on up to ``max_inflight`` threads. vLLM learns of finished and failed transfers through
+``get_transfer_results``: a failed receive (producer gone, checksum mismatch, refused plan,
+aborted) writes nothing and is reported in ``failed_recving``, so ``kv_load_failure_policy``
+applies (DeepSeek-V4 has several KV-cache groups, where vLLM refuses block-level load errors).
+A request aborted while it waits cancels its load; its blocks are released once no transfer
+thread can write them. A failed send is logged as failed and counted in the connector's stats;
+its blocks are released (vLLM has no failed-send state). Everything runs in threads of the
+worker process (vLLM's multiprocess executor runs daemonic workers). Tensor parallel size 1.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,11 +51,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
-from kvbridge.adapters.vllm_config import CONVERT_SIDES, TRANSPORTS, ape_paths, host_port
+from kvbridge.adapters.vllm_config import (
+    CONVERT_SIDES,
+    TRANSPORTS,
+    ape_paths,
+    connector_profile,
+    device_gpu_family,
+    host_port,
+    positive_int,
+)
 from kvbridge.adapters.vllm_layout import VllmCaches
+from kvbridge.adapters.vllm_requests import Pending, RequestTable
 from kvbridge.engines.profiles import parse_engine
-from kvbridge.engines.topology import get_model
+from kvbridge.engines.topology import from_hf_config, get_model
 from kvbridge.errors import InputError
 from kvbridge.migration.ape import ApeWeights, load_ape
 from kvbridge.migration.nixl import NixlReceiver, NixlSender
@@ -77,6 +75,9 @@ from kvbridge.migration.pools import EnginePools, gather_records, table_of
 from kvbridge.migration.transport import GlooServer, send_request_tcp
 
 log = logging.getLogger("kvbridge.vllm")
+
+#: Seconds a transfer thread waits for a producer before it looks at its stop flag again.
+ACCEPT_POLL_S = 0.5
 
 
 @dataclass
@@ -104,8 +105,74 @@ class Send:
 
 @dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
+    """One step's loads and sends, and the vLLM request ids whose loads are cancelled (aborted or finished
+    while they waited)."""
+
     loads: list[Load] = field(default_factory=list)
     sends: list[Send] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KVBridgeStats(KVConnectorStats):
+    """Per-request transfer observations of one interval (vLLM's ``KVConnectorStats``): ``data`` maps
+    ``recv`` and ``send`` to lists of ``[seconds, payload bytes, conversion seconds]`` of the requests that
+    completed, and ``recv_failed`` / ``send_failed`` to the number that failed."""
+
+    def __post_init__(self):
+        for key in ("recv", "send"):
+            self.data.setdefault(key, [])
+        for key in ("recv_failed", "send_failed"):
+            self.data.setdefault(key, 0)
+
+    def reset(self):
+        self.data = {"recv": [], "send": [], "recv_failed": 0, "send_failed": 0}
+
+    def observe(self, kind: str, seconds: float, nbytes: int, convert_s: float) -> None:
+        self.data[kind].append([seconds, nbytes, convert_s])
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key in ("recv", "send"):
+            self.data[key] = self.data[key] + list(other.data.get(key, []))
+        for key in ("recv_failed", "send_failed"):
+            self.data[key] += int(other.data.get(key, 0))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for key in ("recv", "send"):
+            rows = self.data[key]
+            secs = sum(r[0] for r in rows)
+            nbytes = sum(r[1] for r in rows)
+            out[f"{key}_requests"] = len(rows)
+            out[f"{key}_failed"] = self.data[f"{key}_failed"]
+            out[f"{key}_MB"] = round(nbytes / 1e6, 3)
+            out[f"{key}_avg_s"] = round(secs / len(rows), 4) if rows else 0.0
+            out[f"{key}_convert_s"] = round(sum(r[2] for r in rows), 4)
+            out[f"{key}_MB_per_s"] = round(nbytes / 1e6 / secs, 1) if secs > 0 else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not (self.data["recv"] or self.data["send"] or self.data["recv_failed"] or self.data["send_failed"])
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def connector_model(vllm_config, given: str | None):
+    """The kvbridge model: ``given`` (a preset name or a ``config.json`` path), else the served model's
+    ``config.json`` found the way vLLM finds it (a local directory or a Hugging Face repo id alike), named
+    after its ``model_type``: two ends are matched on its shapes, not on a directory name."""
+    if given:
+        return get_model(given)
+    mc = vllm_config.model_config
+    where = getattr(mc, "hf_config_path", None) or mc.model
+    data = get_hf_file_to_dict("config.json", where, getattr(mc, "revision", None))
+    if not isinstance(data, dict):
+        raise InputError(f"vLLM found no config.json for model {where!r}; give kv_connector_extra_config model "
+                         "(a config.json path or a kvbridge preset)")
+    return from_hf_config(data, name=str(data.get("model_type") or "deepseek_v4"))
 
 
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -114,11 +181,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        model = extra.get("model") or str(Path(vllm_config.model_config.model) / "config.json")
-        self.model = get_model(model)
-        self.profile = parse_engine(extra.get("engine") or f"vllm:block={vllm_config.cache_config.block_size}")
-        if self.profile.engine != "vllm":
-            raise InputError(f"kv_connector_extra_config engine must be a vLLM spec, got {self.profile.spec!r}")
+        parallel = vllm_config.parallel_config
+        ranks = {"tensor": parallel.tensor_parallel_size, "pipeline": parallel.pipeline_parallel_size}
+        if any(n != 1 for n in ranks.values()):
+            raise InputError(f"KVBridgeConnector supports tensor and pipeline parallel size 1, this vLLM runs "
+                             f"{ranks['tensor']} x {ranks['pipeline']}; serve with -tp 1 -pp 1 (docs/adapters.md)")
+        self.model = connector_model(vllm_config, extra.get("model"))
+        gpu = device_gpu_family() if role == KVConnectorRole.WORKER else None
+        self.profile = connector_profile(extra.get("engine"), vllm_config.cache_config.block_size, gpu)
         self.timeout = extra.get("timeout", 120.0)
         self.convert_on = extra.get("convert_on", "receiver")
         if self.convert_on not in CONVERT_SIDES or isinstance(self.timeout, bool) or \
@@ -128,6 +198,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.transport = extra.get("transport", "gloo")
         if self.transport not in TRANSPORTS:
             raise InputError(f"kv_connector_extra_config: transport must be gloo or nixl, got {self.transport!r}")
+        self.max_inflight = positive_int(extra.get("max_inflight", 4), "kv_connector_extra_config max_inflight")
+        hold = extra.get("hold_timeout", 10.0)
+        if isinstance(hold, bool) or not isinstance(hold, (int, float)) or hold < 0:
+            raise InputError(f"kv_connector_extra_config: hold_timeout must be a number of seconds >= 0, got {hold!r}")
         ape = extra.get("ape")
         paths = None if ape is None else ape_paths(ape)
         #: The model's APE weights (worker side, read once), for pairs with SGLang pools.
@@ -139,36 +213,37 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler side
         self._loads: dict[str, Load] = {}
         self._sends: dict[str, Send] = {}
+        self._cancels: list[str] = []
+        self._loading: set[str] = set()  # requests whose load is out with the worker, not reported yet
         self._offered: set[str] = set()  # requests whose tokens were offered as external once
         # worker side
         self.caches: VllmCaches | None = None
-        self._done_recv: set[str] = set()
-        self._done_send: set[str] = set()
-        self._failed_recv: set[str] = set()
+        self.table = RequestTable(float(hold), self.max_inflight)
         self._lock = threading.Lock()
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._done_send: set[str] = set()
+        self._stats = KVBridgeStats()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._local = threading.local()  # per transfer thread: the load and plan of the request it receives
+        self._send_pool: ThreadPoolExecutor | None = None
         self.errors: list[str] = []  # one line per failed transfer, also logged
         self.server = None
-        self._senders: dict[str, Any] = {}  # NIXL senders by peer (each keeps its agent process)
-        self._receiving: Load | None = None  # the load a NIXL receive is for (its plan checks the sender)
-        self._received_plan = None
+        self._senders: dict[str, Any] = {}  # NIXL senders by peer
+        self._senders_lock = threading.Lock()
         if role == KVConnectorRole.WORKER and self.is_consumer:
             host, port = host_port(extra.get("listen", "127.0.0.1:0"), "kv_connector_extra_config listen")
             if self.transport == "nixl":
                 self.server = self._nixl_receiver(extra.get("landing_tokens", vllm_config.model_config.max_model_len),
                                                   host, port)
             else:
-                self.server = GlooServer(EnginePools(self.profile, self.model, False, {}), plan=self._plan,
+                self.server = GlooServer(EnginePools(self.profile, self.model, False, {}), plan=self._plan_for,
                                          host=host, port=port)
             log.info("kvbridge connector listening on %s:%d (%s)", *self.server.address, self.transport)
 
     def _nixl_receiver(self, landing_tokens: Any, host: str, port: int):
         """A NIXL receiver whose pools are the landing area: one request of ``landing_tokens`` tokens in this
         vLLM's layout, in host memory (kvbridge's NIXL registers host memory only)."""
-        if isinstance(landing_tokens, bool) or not isinstance(landing_tokens, int) or landing_tokens < 1:
-            raise InputError(f"kv_connector_extra_config: landing_tokens must be a positive integer, "
-                             f"got {landing_tokens!r}")
+        landing_tokens = positive_int(landing_tokens, "kv_connector_extra_config landing_tokens")
         # the most pages a request of up to landing_tokens holds per table: the SWA window and the state
         # rings take more or fewer pages with the length's phase in a block, so over the last two blocks
         block = int(next(c.value for c in self.profile.choices if c.option == "block"))
@@ -179,7 +254,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 held[name] = max(held.get(name, 0), pages)
         landing = EnginePools.create(self.profile, self.model, held, include_mtp=False)
         self.landing_tokens = landing_tokens
-        return NixlReceiver(landing, plan=self._nixl_plan, host=host, port=port, loss_report=False)
+        return NixlReceiver(landing, plan=self._plan_for, host=host, port=port, loss_report=False)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -209,16 +284,22 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens <= 0 or "kvbridge_src" not in params:
             return
         self._offered.add(request.request_id)  # blocks are allocated: this request's load is under way
+        self._loading.add(request.request_id)
         n = self._num_tokens(request)
         self._loads[request.request_id] = Load(request.request_id, str(params.get("kvbridge_request_id",
                                                request.request_id)), str(params["kvbridge_src"]), n,
                                                tuple(list(ids) for ids in blocks.get_block_ids()))
 
     def build_connector_meta(self, scheduler_output) -> KVBridgeMetadata:
-        meta = KVBridgeMetadata(list(self._loads.values()), list(self._sends.values()))
+        meta = KVBridgeMetadata(list(self._loads.values()), list(self._sends.values()), self._cancels)
         self._loads.clear()
         self._sends.clear()
+        self._cancels = []
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        """A load the worker reported (received, failed or released) is no longer cancellable."""
+        self._loading.difference_update(connector_output.finished_recving or ())
 
     def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
         """A kvbridge load restores the request's blocks of every group."""
@@ -229,9 +310,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        """Producer: hand a finished request's blocks of every group to the worker for its kvbridge peer;
-        the blocks stay held until the worker reports the send done."""
+        """Consumer: a request finished or aborted while its load is out cancels the load (vLLM keeps its
+        blocks until the worker reports it). Producer: hand a finished request's blocks of every group to
+        the worker for its kvbridge peer; the blocks stay held until the worker reports the send done."""
         self._offered.discard(request.request_id)
+        if request.request_id in self._loading:
+            self._loading.discard(request.request_id)
+            self._cancels.append(request.request_id)  # after its load in the same metadata, if not out yet
+            return False, None
         params = request.kv_transfer_params or {}
         if not self.is_producer or "kvbridge_peer" not in params:
             return False, None
@@ -252,8 +338,6 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             for name in g.layer_names:
                 pages[name] = (specs[name] if specs is not None else g.kv_cache_spec).page_size_bytes
         self.caches = VllmCaches(self.profile, self.model, kv_caches, [g.layer_names for g in groups], pages)
-        if self.server is not None and self.transport == "gloo":  # gloo publishes straight into vLLM's blocks
-            self.server.dst = self.caches.pools
 
     def _plan(self, info: dict):
         return plan_migration(info["src"], self.profile, self.model, int(info["num_tokens"]),
@@ -264,27 +348,104 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             raise InputError(f"the producer sent {plan.src.spec}, {plan.num_tokens} tokens; vLLM expects "
                              f"{parse_engine(load.src).spec}, {load.num_tokens}")
 
-    def _nixl_plan(self, info: dict):
-        """The NIXL receiver's plan for a sender: refused (before anything moves) unless it is the request
-        the load waits for and every live entry has a block of the request."""
-        load, caches = self._receiving, self.caches
-        assert load is not None and caches is not None
+    def _plan_for(self, info: dict):
+        """The receiver's plan for a producer (called on its transfer thread before anything moves): the
+        load waiting under its request id (``RequestTable.claim``: held a while if none is yet), checked
+        against what the producer sends and the load's blocks; ``InputError`` refuses it."""
+        caches = self.caches
+        if caches is None:
+            raise InputError("this vLLM has not registered its KV caches yet")
+        p = self.table.claim(str(info.get("request_id", "")))
+        self._local.pending = p
         plan = self._plan(info)
-        self._check_sender(plan, load)
-        if plan.num_tokens > self.landing_tokens:
+        self._check_sender(plan, p.load)
+        if self.transport == "nixl" and plan.num_tokens > self.landing_tokens:
             raise InputError(f"{plan.num_tokens} tokens do not fit the NIXL landing area ({self.landing_tokens} "
                              "tokens: kv_connector_extra_config landing_tokens)")
-        caches.check(plan.transfers, load.block_ids)
-        self._received_plan = plan
+        caches.check(plan.transfers, p.load.block_ids)
+        self._local.plan = plan
         return plan
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        """Queue this step's loads for the transfer thread; they are reported by ``get_transfer_results``."""
+        """Hand this step's loads to the transfer threads and cancel the loads vLLM dropped; they are
+        reported by ``get_transfer_results``."""
         meta = self._get_connector_metadata()
-        if isinstance(meta, KVBridgeMetadata) and meta.loads:
-            if self.caches is None or self.server is None:
-                raise InputError("KVBridgeConnector: start_load_kv before register_kv_caches (or not a consumer)")
-            self._submit(meta.loads)
+        if not isinstance(meta, KVBridgeMetadata) or not (meta.loads or meta.cancels):
+            return
+        if self.caches is None or self.server is None:
+            raise InputError("KVBridgeConnector: start_load_kv before register_kv_caches (or not a consumer)")
+        self._start_receivers()
+        for load in meta.loads:
+            self.table.add(load, self.timeout)
+        for req_id in meta.cancels:
+            self.table.cancel(req_id)
+
+    def _start_receivers(self) -> None:
+        """The transfer threads (threads of this worker: vLLM's workers may be daemonic processes): over gloo
+        ``max_inflight`` receive at once, over NIXL one (its landing area holds one request)."""
+        if self._threads:
+            return
+        for k in range(self.max_inflight if self.transport == "gloo" else 1):
+            thread = threading.Thread(target=self._serve, name=f"kvbridge-recv-{k}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _serve(self) -> None:
+        """One transfer thread: receive whichever producer connects, into the load its request id names."""
+        while not self._stop.is_set():
+            self._local.pending = self._local.plan = None
+            t0 = time.monotonic()
+            try:
+                report = self._receive_one()
+            except Exception as exc:  # reported to vLLM through failed_recving, never raised in its step
+                self._ended(self._local.pending, _one_line(exc), None, t0)
+                continue
+            if report is not None:
+                self._ended(self._local.pending, None, report, t0)
+
+    def _ended(self, p: Pending | None, error: str | None, report, t0: float) -> None:
+        if p is None:  # refused before it named a load (unknown request, malformed, closed)
+            if error is not None and not self._stop.is_set():
+                log.warning("kvbridge: refused a producer: %s", error)
+            return
+        with self._lock:
+            if error is None and not p.cancelled:
+                self._stats.observe("recv", time.monotonic() - t0, report.payload_bytes, report.convert_s)
+            elif error is not None and not p.cancelled:
+                self._stats.data["recv_failed"] += 1
+        self.table.finish(p, error)
+
+    def _receive_one(self):
+        """Receive one request (None when no producer connected within ``ACCEPT_POLL_S``); its report."""
+        caches, server = self.caches, self.server
+        assert caches is not None and server is not None
+        if self.transport == "gloo":
+            def publish(assembly):
+                p = self._local.pending
+                if assembly.missing():
+                    raise InputError(f"{assembly.missing()} transfers never arrived")
+                self.table.writing(p)
+                caches.write(assembly.plan.transfers, assembly.records, p.load.block_ids)
+                return {}
+
+            got = server.receive(timeout=self.timeout, accept_timeout=ACCEPT_POLL_S, publish=publish)
+            if got is None:
+                return None
+            log.info("kvbridge: received request %s from %s", got[1], got[0])
+            return got[3]
+        got = server.receive(timeout=self.timeout, accept_timeout=ACCEPT_POLL_S)
+        if got is None:
+            return None
+        p, plan, landing = self._local.pending, self._local.plan, server.dst
+        try:  # verified in the landing area: write it through the request's block ids
+            self.table.writing(p)
+            records = [gather_records(landing.pool(t.spec), t.dst, table_of(got.tables, t.dst), t.first, t.count)
+                       for t in plan.transfers]
+            caches.write(plan.transfers, records, p.load.block_ids)
+        finally:
+            landing.release(got.tables)
+        log.info("kvbridge: received request %s from %s over NIXL", got.request_id, got.peer)
+        return got.report
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a request's pages are written whole, before vLLM schedules it again."""
@@ -293,99 +454,51 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """Nothing per layer: a finished request is sent whole from its blocks (``wait_for_save``)."""
 
     def wait_for_save(self):
-        """Producer: queue this step's finished requests for the transfer thread (their blocks stay held
-        until ``get_transfer_results`` reports them sent)."""
+        """Producer: hand this step's finished requests to the send threads (their blocks stay held until
+        ``get_transfer_results`` reports them)."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if isinstance(meta, KVBridgeMetadata) and meta.sends:
             if self.caches is None:
                 raise InputError("KVBridgeConnector: a send before register_kv_caches")
-            self._submit(meta.sends)
+            if self._send_pool is None:
+                self._send_pool = ThreadPoolExecutor(self.max_inflight, thread_name_prefix="kvbridge-send")
+            for send in meta.sends:
+                self._send_pool.submit(self._send_reported, send)
 
-    def _submit(self, jobs: list) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvbridge-transfers", daemon=True)
-            self._thread.start()
-        for job in jobs:
-            self._jobs.put(job)
-
-    def _run(self) -> None:
-        """The transfer thread: one request at a time, in the order vLLM scheduled them."""
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._load(job) if isinstance(job, Load) else self._send(job)
-                failed = False
-            except Exception as exc:  # reported to vLLM (a failed load is recomputed), never raised in its step
-                failed = True
-                self.errors.append(f"request {job.request_id}: {' '.join(str(exc).split())}")
-                log.error("kvbridge: %s", self.errors[-1])
+    def _send_reported(self, send: Send) -> None:
+        t0 = time.monotonic()
+        try:
+            summary = self._send(send)
+        except Exception as exc:  # a failed send: logged, counted, its blocks released (vLLM has no failed send)
+            line = f"request {send.request_id}: send to {send.peer} failed: {_one_line(exc)}"
+            log.error("kvbridge: %s", line)
             with self._lock:
-                if isinstance(job, Load):
-                    self._done_recv.add(job.req_id)
-                    if failed:
-                        self._failed_recv.add(job.req_id)
-                else:
-                    self._done_send.add(job.req_id)
+                self.errors.append(line)
+                self._stats.data["send_failed"] += 1
+                self._done_send.add(send.req_id)
+            return
+        log.info("kvbridge: sent request %s to %s over %s", send.request_id, send.peer, self.transport)
+        with self._lock:
+            self._stats.observe("send", time.monotonic() - t0, int(summary.get("payload_bytes", 0)),
+                                float(summary.get("convert_s", 0.0)))
+            self._done_send.add(send.req_id)
 
-    def _load(self, load: Load) -> None:
-        caches, server = self.caches, self.server
-        assert caches is not None and server is not None
-        if self.transport == "nixl":
-            return self._load_nixl(load)
-
-        def publish(assembly):
-            plan = assembly.plan
-            self._check_sender(plan, load)
-            if assembly.missing():
-                raise InputError(f"{assembly.missing()} transfers never arrived")
-            caches.write(plan.transfers, assembly.records, load.block_ids)
-            return {}
-
-        got = server.receive(timeout=self.timeout, accept_timeout=self.timeout, request_id=load.request_id,
-                             publish=publish)
-        if got is None:
-            raise InputError(f"no kvbridge producer connected within {self.timeout:g} s")
-        log.info("kvbridge: received request %s from %s", load.request_id, got[0])
-
-    def _load_nixl(self, load: Load) -> None:
-        """Receive into the landing area (verified there), then write through the request's block ids."""
-        caches, rx = self.caches, self.server
-        assert caches is not None and rx is not None
-        self._receiving, self._received_plan = load, None
-        try:
-            got = rx.receive(timeout=self.timeout, accept_timeout=self.timeout, request_id=load.request_id)
-        finally:
-            self._receiving = None
-        if got is None:
-            raise InputError(f"no kvbridge producer connected within {self.timeout:g} s")
-        plan, landing = self._received_plan, rx.dst
-        try:
-            records = [gather_records(landing.pool(t.spec), t.dst, table_of(got.tables, t.dst), t.first, t.count)
-                       for t in plan.transfers]
-            caches.write(plan.transfers, records, load.block_ids)
-        finally:
-            landing.release(got.tables)
-        log.info("kvbridge: received request %s from %s over NIXL", load.request_id, got.peer)
-
-    def _send(self, send: Send) -> None:
+    def _send(self, send: Send) -> dict:
         assert self.caches is not None
         plan = plan_migration(self.profile, send.dst, self.model, send.num_tokens, include_mtp=False, ape=self.ape)
         pools, tables = self.caches.request_pools(plan, send.block_ids)
         host, port = host_port(send.peer, "kvbridge_peer")
         if self.transport == "nixl":
-            sender = self._senders.get(send.peer)
-            if sender is None:
-                sender = self._senders[send.peer] = NixlSender(host, port, timeout=self.timeout)
-            sender.send_request(plan, pools, tables, convert_on=self.convert_on, loss_report=False,
-                                request_id=send.request_id)
-        else:
-            send_request_tcp(plan, pools, tables, host=host, port=port, convert_on=self.convert_on,
-                             timeout=self.timeout, request_id=send.request_id)
-        log.info("kvbridge: sent request %s to %s over %s", send.request_id, send.peer, self.transport)
+            with self._senders_lock:
+                sender = self._senders.get(send.peer)
+                if sender is None:
+                    sender = self._senders[send.peer] = NixlSender(host, port, timeout=self.timeout)
+                return sender.send_request(plan, pools, tables, convert_on=self.convert_on, loss_report=False,
+                                           request_id=send.request_id)
+        return send_request_tcp(plan, pools, tables, host=host, port=port, convert_on=self.convert_on,
+                                timeout=self.timeout, request_id=send.request_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -393,17 +506,35 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Requests sent, received and failed to receive since the last call (failed ones count as received,
-        as vLLM wants; it recomputes them: nothing of a failed request was written)."""
+        as vLLM wants: nothing of a failed request was written; cancelled ones as received only)."""
+        done, failed = self.table.results()
+        errors = [f"request {rid}: {error}" for _, rid, error, _ in self.table.take_outcomes() if error is not None]
         with self._lock:
-            out = KVConnectorTransferResults(self._done_send, self._done_recv, self._failed_recv)
-            self._done_send, self._done_recv, self._failed_recv = set(), set(), set()
+            self.errors.extend(errors)
+            sent, self._done_send = self._done_send, set()
+        return KVConnectorTransferResults(sent, done, failed)
+
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        """This interval's per-request transfer times, bytes, conversion times and failures (then reset)."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, KVBridgeStats()
         return out
 
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats | None:
+        return KVBridgeStats(data=data) if data is not None else KVBridgeStats()
+
     def shutdown(self):
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=self.timeout)
-            self._thread = None
+        self._stop.set()
+        self.table.close()
+        for thread in self._threads:
+            thread.join(timeout=self.timeout)
+        self._threads = []
+        if self._send_pool is not None:
+            self._send_pool.shutdown(wait=True)
+            self._send_pool = None
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -412,4 +543,4 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._senders.clear()
 
 
-__all__ = ["KVBridgeConnector", "KVBridgeMetadata", "Load", "Send"]
+__all__ = ["KVBridgeConnector", "KVBridgeMetadata", "KVBridgeStats", "Load", "Send", "connector_model"]

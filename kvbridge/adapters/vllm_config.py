@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbridge.engines.profiles import parse_engine
+import torch
+
+from kvbridge.engines.profiles import EngineProfile, parse_engine
 from kvbridge.errors import InputError
 
 #: vLLM's ``kv_role`` for each kvbridge role name.
@@ -24,6 +26,13 @@ def host_port(value: str, what: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def positive_int(value: object, what: str) -> int:
+    """``value`` as a positive integer; ``InputError`` naming ``what`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{what} must be a positive integer, got {value!r:.40}")
+    return value
+
+
 def ape_paths(value: object) -> list[str]:
     """The ``ape`` key's safetensors paths (one path or a list of a checkpoint's shards) as a list."""
     paths = [value] if isinstance(value, str) else value
@@ -33,10 +42,36 @@ def ape_paths(value: object) -> list[str]:
     return list(paths)
 
 
+def device_gpu_family() -> str | None:
+    """``sm90`` / ``sm100`` / ``sm120`` of CUDA device 0 (``torch.cuda.get_device_capability``); None on a
+    machine without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    major, _ = torch.cuda.get_device_capability()
+    return f"sm{major}0"
+
+
+def connector_profile(spec: str | None, block_size: int, gpu: str | None) -> EngineProfile:
+    """The connector's vLLM profile: ``spec`` (default ``vllm:block=<block_size>``), its GPU family the
+    device's (``gpu``); a ``gpu=`` option that contradicts the device is refused (SM90 and SM100 pages
+    have the same sizes: a wrong family would mis-store indexer scales silently)."""
+    profile = parse_engine(spec or f"vllm:block={block_size}")
+    if profile.engine != "vllm":
+        raise InputError(f"kv_connector_extra_config engine must be a vLLM spec, got {profile.spec!r}")
+    if gpu is None:
+        return profile
+    choice = next(c for c in profile.choices if c.option == "gpu")
+    if choice.given and choice.value != gpu:
+        raise InputError(f"kv_connector_extra_config engine says gpu={choice.value}, but this device is {gpu} "
+                         f"(torch.cuda.get_device_capability); drop gpu= or give gpu={gpu}")
+    return profile if choice.given else parse_engine(f"{spec or f'vllm:block={block_size}'}:gpu={gpu}")
+
+
 def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | None = None, model: str | None = None,
                        timeout: float | None = None, convert_on: str | None = None,
                        on_load_failure: str | None = None, transport: str | None = None,
-                       landing_tokens: int | None = None, ape: list[str] | None = None) -> dict[str, Any]:
+                       landing_tokens: int | None = None, ape: list[str] | None = None,
+                       max_inflight: int | None = None, hold_timeout: float | None = None) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for kvbridge's connector (``kvbridge.adapters.vllm``) in ``role``.
 
     Only the keys given go into ``kv_connector_extra_config`` (the connector's defaults apply to
@@ -82,6 +117,12 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
         extra["landing_tokens"] = landing_tokens
     if ape is not None:
         extra["ape"] = ape_paths(ape)
+    if max_inflight is not None:
+        extra["max_inflight"] = positive_int(max_inflight, "max_inflight")
+    if hold_timeout is not None:
+        if isinstance(hold_timeout, bool) or not isinstance(hold_timeout, (int, float)) or hold_timeout < 0:
+            raise InputError(f"hold_timeout must be a number of seconds >= 0, got {hold_timeout!r}")
+        extra["hold_timeout"] = hold_timeout
     config: dict[str, Any] = {"kv_connector": "KVBridgeConnector", "kv_connector_module_path": "kvbridge.adapters.vllm",
                               "kv_role": ROLES[role]}
     if on_load_failure is not None:

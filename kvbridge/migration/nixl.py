@@ -24,7 +24,8 @@ and the verdict:
 Guarantees: every chunk verified before anything is published; a dead sender (connection
 closed), a stalled one or a wedged agent is a ``TransferError`` within the caller's timeout;
 on any failure the claimed pages are zeroed and released (``num_free`` is as before) and the
-receiver keeps serving. Each side's NIXL agent runs in a child process that ends with
+receiver keeps serving. Each side's NIXL agent runs in a child process (in a daemonic process,
+which cannot have children, in the process itself: ``_LocalAgent``) that ends with
 ``os._exit``: NIXL's bundled libraries can crash a process at exit after its peer died, and
 after a failure the receiver replaces its agent, so a stalled sender's late writes cannot
 land in pages handed to the next request. Memory is registered once: the destination pools
@@ -40,6 +41,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -288,6 +290,64 @@ class _Agent:
         self.kill()
 
 
+class _LocalAgent:
+    """A NIXL agent in this process, for where no child process may start (a daemonic process, such as a
+    worker of vLLM's multiprocess executor): the same calls as ``_Agent``, run on the caller's thread one
+    at a time. ``kill`` releases every transfer and registration, so a stalled peer's late writes fail
+    instead of landing; the next use starts a new agent."""
+
+    def __init__(self, name: str):
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config  # deferred: nixl is an optional dependency
+
+            self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        except Exception as exc:
+            raise TransferError(f"cannot start a NIXL agent ({_first_line(exc)}); install it with "
+                                "pip install 'kvbridge[nixl]'") from None
+        self.name = name
+        self.regions: dict[str, tuple[torch.Tensor, Any]] = {}
+        self.xfers: dict[int, Any] = {}
+        self.addresses: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._alive = True
+
+    def call(self, what: str, *cmd: Any, timeout: float = AGENT_CALL_S) -> Any:
+        with self._lock:
+            if not self._alive:
+                raise TransferError(f"the NIXL agent is gone (while {what})")
+            try:
+                return _agent_op(self.agent, self.regions, self.xfers, cmd[0], cmd[1:])
+            except Exception as exc:
+                raise TransferError(f"NIXL failed while {what}: {_first_line(exc)}") from None
+
+    register = _Agent.register
+
+    def alive(self) -> bool:
+        return self._alive
+
+    def kill(self) -> None:
+        with self._lock:
+            if not self._alive:
+                return
+            self._alive = False
+            for handle in self.xfers.values():
+                with contextlib.suppress(Exception):
+                    self.agent.release_xfer_handle(handle)
+            for _, reg in self.regions.values():
+                with contextlib.suppress(Exception):
+                    self.agent.deregister_memory(reg)
+            self.xfers.clear()
+            self.regions.clear()
+
+    close = kill
+
+
+def _new_agent(name: str) -> _Agent | _LocalAgent:
+    """An agent process, or an agent in this process where this process is daemonic (it cannot have children)."""
+    return _LocalAgent(name) if tmp.current_process().daemon else _Agent(name)
+
+
 # ---------------------------------------------------------------------------------------------
 # Wire layouts: where each checksummed chunk lands
 
@@ -501,7 +561,8 @@ class NixlReceiver:
     """Decode side: listens on ``host:port`` (0: a free port) and receives one request per ``receive``.
 
     ``plan``: the plan every request must match, or a callable building it from the sender's
-    ``request_info`` (``kvbridge migrate serve`` rebuilds it with its own engine and model).
+    ``request_info`` and the request id it announced (``request_id``; ``kvbridge migrate serve``
+    rebuilds it with its own engine and model).
     ``dst``: the pools requests land in (moved into shared memory and registered once).
     ``dump_target``/``dump_dir``: accept dumps too, converted like ``kvbridge convert`` and
     written atomically into ``dump_dir``.
@@ -527,7 +588,7 @@ class NixlReceiver:
         self.dump_target, self.overwrite, self.loss_report = dump_target, overwrite, loss_report
         self.dump_dir = None if dump_dir is None else Path(dump_dir)
         self.listener = Listener(host, port)
-        self.agent: _Agent | None = None
+        self.agent: _Agent | _LocalAgent | None = None
         self.staging = torch.empty(0, dtype=torch.uint8)
         self.memory: dict[str, np.ndarray] = {}
         if dst is not None:
@@ -539,10 +600,10 @@ class NixlReceiver:
     def address(self) -> tuple[str, int]:
         return self.listener.host, self.listener.port
 
-    def _ensure_agent(self) -> _Agent:
+    def _ensure_agent(self) -> _Agent | _LocalAgent:
         if self.agent is not None and self.agent.alive():
             return self.agent
-        agent = _Agent(f"kvbridge-rx-{uuid.uuid4().hex[:12]}")
+        agent = _new_agent(f"kvbridge-rx-{uuid.uuid4().hex[:12]}")
         try:
             if self.dst is not None:
                 for (layer, role), pool in self.dst.pools.items():
@@ -706,7 +767,7 @@ class _Session:
         if rx.dst is None or rx.plan is None:
             raise self._refuse("this receiver does not take requests (no destination pools)")
         try:
-            plan = rx.plan(hello["request"]) if callable(rx.plan) else rx.plan
+            plan = rx.plan({**hello["request"], "request_id": self.request_id}) if callable(rx.plan) else rx.plan
         except KVBridgeError as exc:
             raise self._refuse(f"cannot plan it here ({_first_line(exc)})") from None
         self.plan = plan
@@ -862,12 +923,12 @@ class NixlSender:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.host, self.port, self.timeout = host, port, float(timeout)
-        self.agent: _Agent | None = None
+        self.agent: _Agent | _LocalAgent | None = None
         self.staging = torch.empty(0, dtype=torch.uint8)
 
-    def _ensure(self, nbytes: int) -> _Agent:
+    def _ensure(self, nbytes: int) -> _Agent | _LocalAgent:
         if self.agent is None or not self.agent.alive():
-            self.agent = _Agent(f"kvbridge-tx-{uuid.uuid4().hex[:12]}")
+            self.agent = _new_agent(f"kvbridge-tx-{uuid.uuid4().hex[:12]}")
             if self.staging.numel():
                 self.agent.register("staging", self.staging)
         if self.staging.numel() < nbytes:

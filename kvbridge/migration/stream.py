@@ -46,8 +46,10 @@ def request_info(plan: MigrationPlan) -> dict[str, Any]:
 
 def wire_fingerprint(plan: MigrationPlan) -> str:
     """sha256 of what ``plan`` moves, as two peers compare it: the plan's JSON without which engine
-    options were spelled out (``trtllm:fp8:tpb=128`` and its canonical ``...:idx=fp4`` are one plan)."""
+    options were spelled out (``trtllm:fp8:tpb=128`` and its canonical ``...:idx=fp4`` are one plan), nor what
+    each calls the model: a model is its shapes (two ends may read one ``config.json`` from different paths)."""
     data = plan.to_dict()
+    data["model"].pop("name", None)
     for side in ("src", "dst"):
         for choice in data.get(side, {}).get("choices", []):
             choice.pop("given", None)

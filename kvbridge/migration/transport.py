@@ -390,7 +390,8 @@ class GlooServer:
     """Decode side for ``kvbridge migrate serve --transport gloo``: listens on ``host:port``; per
     request, a kvbridge handshake over TCP (plan fingerprint), then a two-rank gloo group formed
     through a store this side hosts, then ``receive_request`` (streamed, verified, published at
-    the end). ``plan`` is the plan or a callable building it from the sender's request info."""
+    the end). ``plan`` is the plan or a callable building it from the sender's request info (with the
+    request id it announced under ``request_id``)."""
 
     def __init__(self, dst: EnginePools, *, plan: MigrationPlan | Callable[[dict], MigrationPlan],
                  host: str = "127.0.0.1", port: int = 0, loss_report: bool = True):
@@ -426,7 +427,7 @@ class GlooServer:
                 raise MigrationError(f"refused request {rid} from {chan.peer}: this receiver waits for request "
                                      f"{request_id}")
             try:
-                plan = self.plan(hello["request"]) if callable(self.plan) else self.plan
+                plan = self.plan({**hello["request"], "request_id": rid}) if callable(self.plan) else self.plan
             except KVBridgeError as exc:
                 raise MigrationError(f"refused request {rid} from {chan.peer}: cannot plan it here ({exc})") from None
             if hello.get("fingerprint") != wire_fingerprint(plan):

@@ -6,6 +6,9 @@ integer arithmetic only. This is the single source of truth for
 
 - E4M3 (``float8_e4m3fn``): round-to-nearest-even, saturating to +-448 (0x7E/0xFE),
   subnormals down to 2^-9, signed zero kept (-0.0 -> 0x80);
+- E4M3 FNUZ (``float8_e4m3fnuz``, ROCm gfx942): bias 8, round-to-nearest-even saturating to
+  +-240 (0x7F/0xFF), subnormals down to 2^-10, no negative zero (a value rounding to 0 is 0x00),
+  NaN 0x80, no infinity;
 - UE8M0 power-of-two scale exponents per dialect (docs/layouts.md);
 - E2M1 (fp4) round-to-nearest-even with signed zero and saturation, and the fp4 record's E4M3 tile scale;
 - BF16 rounding (round-to-nearest-even) of fp32 values.
@@ -16,6 +19,8 @@ from __future__ import annotations
 import torch
 
 E4M3_MAX = 448.0
+#: fp32 bit pattern of +Inf; larger magnitudes are NaN.
+_F32_INF_BITS = 0x7F800000
 #: fp32 bit pattern of 448.0 (1.75 * 2^8); |x| >= this saturates to code 0x7E.
 _F32_448_BITS = 0x43E00000
 #: biased fp32 exponent of 2^-6, the smallest normal E4M3 magnitude.
@@ -81,6 +86,84 @@ def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
     """Decode E4M3 bytes (uint8) to fp32 through the 256-entry table."""
     table = E4M3_TABLE.to(codes.device)
     return table[codes.to(torch.int64)]
+
+
+# ---------------------------------------------------------------------------------------------
+# E4M3 FNUZ (float8_e4m3fnuz: the main/SWA cache of ROCm gfx942 engines)
+# ---------------------------------------------------------------------------------------------
+
+E4M3FNUZ_MAX = 240.0
+#: The FNUZ NaN code (the bit pattern of -0 in OCP E4M3).
+E4M3FNUZ_NAN = 0x80
+#: fp32 bit pattern of 232.0, the midpoint between FNUZ 224 (0x7E) and 240 (0x7F): above it the
+#: code is 0x7F (a tie goes to the even code 0x7E), and every larger finite value saturates there.
+_F32_232_BITS = 0x43680000
+#: biased fp32 exponent of 2^-7, the smallest normal FNUZ magnitude.
+_F32_EXP_FNUZ_MIN_NORMAL = 127 - 7
+#: ROCm writers quantize FNUZ tiles to a maximum of 224 (vLLM ``get_fp8_min_max``), half of 448, so
+#: a UE8M0 tile's FNUZ exponent is the OCP rule's plus one: ceil(log2(max(amax, eps) / 224)).
+FNUZ_WRITER_MAX = 224.0
+
+
+def e4m3fnuz_encode(x: torch.Tensor) -> torch.Tensor:
+    """Encode fp32 values as E4M3 FNUZ bytes (uint8): RNE, saturating to +-240, NaN -> 0x80.
+
+    A value whose magnitude rounds to 0 (zero, -0.0, tiny values) is 0x00: FNUZ has no -0.
+    """
+    bits = f32_bits(x)
+    sign = (bits >> 31) << 7
+    mag = bits & 0x7FFFFFFF
+    exp = mag >> 23
+    # Normal range (|x| >= 2^-7): drop 20 mantissa bits with RNE, rebias 127 -> 8.
+    lsb = (mag >> 20) & 1
+    normal = ((mag + 0x7FFFF + lsb) >> 20) - ((127 - 8) << 3)
+    # Subnormal range: code = RNE(|x| * 2^10) in 0..8.
+    mant24 = (mag & 0x7FFFFF) | 0x800000
+    shift = (13 - (exp - 127)).clamp(min=1, max=40)
+    q = mant24 >> shift
+    rem = mant24 - (q << shift)
+    half = torch.ones_like(shift) << (shift - 1)
+    round_up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = q + round_up.to(torch.int64)
+    sub = torch.where(exp == 0, torch.zeros_like(sub), sub)
+    code = torch.where(exp >= _F32_EXP_FNUZ_MIN_NORMAL, normal, sub)
+    code = torch.where(mag > _F32_232_BITS, torch.full_like(code, 0x7F), code)
+    code = torch.where(code == 0, code, code | sign)
+    code = torch.where(mag > _F32_INF_BITS, torch.full_like(code, E4M3FNUZ_NAN), code)
+    return code.to(torch.uint8)
+
+
+def _e4m3fnuz_table() -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.int64)
+    sign = torch.where(codes >= 128, -1.0, 1.0).to(torch.float64)
+    e = (codes >> 3) & 0xF
+    m = (codes & 7).to(torch.float64)
+    normal = (1.0 + m / 8.0) * torch.pow(2.0, (e - 8).to(torch.float64))
+    sub = m / 8.0 * 2.0**-7
+    val = sign * torch.where(e == 0, sub, normal)
+    val[E4M3FNUZ_NAN] = float("nan")
+    return val.to(torch.float32)
+
+
+#: fp32 value of each E4M3 FNUZ code (0x80 is NaN; 0x7F / 0xFF are +-240).
+E4M3FNUZ_TABLE = _e4m3fnuz_table()
+
+
+def e4m3fnuz_decode(codes: torch.Tensor) -> torch.Tensor:
+    """Decode E4M3 FNUZ bytes (uint8) to fp32 through the 256-entry table."""
+    return E4M3FNUZ_TABLE.to(codes.device)[codes.to(torch.int64)]
+
+
+def fnuz_scale_exponent(amax: torch.Tensor, dialect: str) -> torch.Tensor:
+    """UE8M0 exponent of each FNUZ tile: ceil(log2(max(amax, eps) / 224)) for dialects ``amax-1e-4``
+    / ``amax-1e-8`` (eps 10^-4 / 10^-8), exactly the OCP rule's exponent plus one (224 = 448 / 2)."""
+    if dialect not in FNUZ_DIALECTS:
+        raise ValueError(f"dialect {dialect!r} has no FNUZ rule; FNUZ layouts take: {', '.join(FNUZ_DIALECTS)}")
+    return scale_exponent(amax, dialect) + 1
+
+
+#: The UE8M0 dialects a FNUZ tile accepts (the ``max(amax, eps) / fp8_max`` writers').
+FNUZ_DIALECTS: tuple[str, ...] = ("amax-1e-4", "amax-1e-8")
 
 
 def ceil_log2_div448(amax: torch.Tensor) -> torch.Tensor:
@@ -169,7 +252,6 @@ E2M1_THRESHOLDS: tuple[tuple[int, bool], ...] = (
     (0x40600000, True),  # 3.5
     (0x40A00000, False),  # 5.0
 )
-_F32_INF_BITS = 0x7F800000
 #: The fp4 record's scale range: amax / 6 is clamped to [2^-9, 448] before E4M3 rounding.
 FP4_SCALE_MIN_BITS = 0x3B000000  # 2^-9, the smallest E4M3 subnormal
 E4M3_NAN = 0x7F

@@ -100,9 +100,15 @@ E4M3FNUZ_NAN = 0x80
 _F32_232_BITS = 0x43680000
 #: biased fp32 exponent of 2^-7, the smallest normal FNUZ magnitude.
 _F32_EXP_FNUZ_MIN_NORMAL = 127 - 7
-#: ROCm writers quantize FNUZ tiles to a maximum of 224 (vLLM ``get_fp8_min_max``), half of 448, so
-#: a UE8M0 tile's FNUZ exponent is the OCP rule's plus one: ceil(log2(max(amax, eps) / 224)).
-FNUZ_WRITER_MAX = 224.0
+#: FNUZ UE8M0 dialects: name -> (exponent floor, the writer's fp8 max M as fp32 bits). The scale of a
+#: tile is 2^ceil(log2(max(amax, eps) / M)); the floor is ceil(log2(eps / M)).
+#: ``amax-1e-4/224``: vLLM's ROCm writer (eps 1e-4, M = 224 from ``get_fp8_min_max``);
+#: ``amax-1e-8/240``: SGLang's ROCm V4 store (eps 1e-8, M = torch.finfo(float8_e4m3fnuz).max = 240).
+FNUZ_DIALECT_RULES: dict[str, tuple[int, int]] = {
+    "amax-1e-4/224": (-21, 0x43600000),
+    "amax-1e-8/240": (-34, 0x43700000),
+}
+FNUZ_DIALECTS: tuple[str, ...] = tuple(FNUZ_DIALECT_RULES)
 
 
 def e4m3fnuz_encode(x: torch.Tensor) -> torch.Tensor:
@@ -155,22 +161,21 @@ def e4m3fnuz_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def fnuz_scale_exponent(amax: torch.Tensor, dialect: str) -> torch.Tensor:
-    """UE8M0 exponent of each FNUZ tile: ceil(log2(max(amax, eps) / 224)) for dialects ``amax-1e-4``
-    / ``amax-1e-8`` (eps 10^-4 / 10^-8), exactly the OCP rule's exponent plus one (224 = 448 / 2)."""
-    if dialect not in FNUZ_DIALECTS:
-        raise ValueError(f"dialect {dialect!r} has no FNUZ rule; FNUZ layouts take: {', '.join(FNUZ_DIALECTS)}")
-    return scale_exponent(amax, dialect) + 1
+    """UE8M0 exponent k of each FNUZ tile for a FNUZ dialect: max(ceil(log2(amax / M)), floor) (see
+    ``FNUZ_DIALECT_RULES``). At M = 224 (= 448 / 2) this is the OCP ``amax-1e-4`` exponent plus one."""
+    try:
+        floor, max_bits = FNUZ_DIALECT_RULES[dialect]
+    except KeyError:
+        raise ValueError(f"unknown FNUZ dialect {dialect!r}; known: {', '.join(FNUZ_DIALECTS)}") from None
+    return ceil_log2_div(amax, max_bits).clamp(min=floor)
 
 
-#: The UE8M0 dialects a FNUZ tile accepts (the ``max(amax, eps) / fp8_max`` writers').
-FNUZ_DIALECTS: tuple[str, ...] = ("amax-1e-4", "amax-1e-8")
+def ceil_log2_div(amax: torch.Tensor, max_bits: int) -> torch.Tensor:
+    """Exact ceil(log2(amax / M)) for fp32 amax >= 0 and M = the positive normal fp32 of bits ``max_bits``,
+    as int64; amax == 0 gives -1000.
 
-
-def ceil_log2_div448(amax: torch.Tensor) -> torch.Tensor:
-    """Exact ceil(log2(amax / 448)) for fp32 amax >= 0, as int64; amax == 0 gives -1000.
-
-    amax = M * 2^E with M in [1, 2); 448 = 1.75 * 2^8, so the result is E - 8, plus one
-    when M > 1.75 (mantissa bits above 0x600000). fp32 subnormals are normalised first.
+    amax = A * 2^E and M = B * 2^F with A, B in [1, 2): the result is E - F, plus one when A > B
+    (amax's mantissa bits above M's). fp32 subnormals are normalised first.
     """
     bits = f32_bits(amax) & 0x7FFFFFFF
     exp = bits >> 23
@@ -181,8 +186,13 @@ def ceil_log2_div448(amax: torch.Tensor) -> torch.Tensor:
     sub_frac = (mant - (torch.ones_like(lead) << lead)) << (23 - lead).clamp(min=0)
     e = torch.where(exp == 0, sub_exp, exp - 127)
     frac = torch.where(exp == 0, sub_frac, mant)
-    result = e - 8 + (frac > 0x600000).to(torch.int64)
+    result = e - ((max_bits >> 23) - 127) + (frac > (max_bits & 0x7FFFFF)).to(torch.int64)
     return torch.where(bits == 0, torch.full_like(result, -1000), result)
+
+
+def ceil_log2_div448(amax: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(amax / 448)) for fp32 amax >= 0, as int64; amax == 0 gives -1000."""
+    return ceil_log2_div(amax, _F32_448_BITS)
 
 
 def scale_exponent(amax: torch.Tensor, dialect: str) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -151,10 +152,31 @@ def test_fnuz_tile_is_the_ocp_tile_halved(values):
     x = torch.tensor(values, dtype=torch.float32).clamp(-1e30, 1e30).unsqueeze(0)
     amax = x.abs().amax(dim=-1)
     k_ocp = nx.scale_exponent(amax, "amax-1e-4")
-    k_fnuz = nx.fnuz_scale_exponent(amax, "amax-1e-4")
+    k_fnuz = nx.fnuz_scale_exponent(amax, "amax-1e-4/224")
     assert (k_fnuz == k_ocp + 1).all()
     ocp = nx.e4m3_encode(x * nx.pow2(-k_ocp).unsqueeze(-1))
     fnuz = nx.e4m3fnuz_encode(x * nx.pow2(-k_fnuz).unsqueeze(-1))
     assert torch.equal(fnuz, torch.where(ocp == 0x80, torch.zeros_like(ocp), ocp))
     decoded = nx.e4m3fnuz_decode(fnuz) * nx.pow2(k_fnuz).unsqueeze(-1)
     assert torch.equal(decoded, nx.e4m3_decode(ocp) * nx.pow2(k_ocp).unsqueeze(-1))
+
+
+@pytest.mark.parametrize("dialect", nx.FNUZ_DIALECTS)
+def test_fnuz_dialect_floor_is_the_eps_exponent(dialect):
+    floor, max_bits = nx.FNUZ_DIALECT_RULES[dialect]
+    eps = torch.tensor([float(dialect.split("-")[2].split("/")[0])], dtype=torch.float32)
+    assert int(nx.ceil_log2_div(eps, max_bits)[0]) == floor
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(min_value=0, max_value=2.0**126, width=32), st.sampled_from([224.0, 240.0, 448.0]))
+def test_ceil_log2_div_is_exact(amax, m):
+    bits = int(torch.tensor([m]).view(torch.int32)[0])
+    got = int(nx.ceil_log2_div(torch.tensor([amax], dtype=torch.float32), bits)[0])
+    if amax == 0:
+        assert got == -1000
+    else:  # exact rational comparison: 2^(got-1) < amax / m <= 2^got
+        from fractions import Fraction
+
+        q = Fraction(amax) / Fraction(m)
+        assert Fraction(2) ** (got - 1) < q <= Fraction(2) ** got

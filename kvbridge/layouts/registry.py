@@ -32,7 +32,7 @@ from kvbridge.errors import LayoutError
 HEAD_DIM = 512
 
 #: Element formats of value fields, and of scale fields.
-VALUE_FORMATS = ("e4m3", "e2m1", "bf16")
+VALUE_FORMATS = ("e4m3", "e2m1", "bf16", "e4m3fnuz")
 SCALE_FORMATS = ("ue8m0", "e4m3-scale")
 FORMATS = (*VALUE_FORMATS, *SCALE_FORMATS, "pad")
 
@@ -48,6 +48,9 @@ OP_E4M3_UE8M0 = 2
 OP_E2M1_E4M3 = 3
 #: Bytes written as zero (pad).
 OP_ZERO = 4
+#: E4M3 FNUZ (``float8_e4m3fnuz``, ROCm gfx942) per tile, scaled by 2^k with the UE8M0 byte k + 127;
+#: k = ceil(log2(max(amax, eps) / 224)), the ROCm writers' rule (``numerics.fnuz_scale_exponent``).
+OP_E4M3FNUZ_UE8M0 = 5
 
 
 class Segment(NamedTuple):
@@ -74,7 +77,7 @@ MAX_PAGE_SIZE = 2**20
 class Field:
     """One field of a token record: ``nbytes`` bytes at byte ``offset`` of the record.
 
-    Value fields (``e4m3``, ``e2m1``, ``bf16``) give ``dims`` (latent dims ``[start, stop)``);
+    Value fields (``e4m3``, ``e4m3fnuz``, ``e2m1``, ``bf16``) give ``dims`` (latent dims ``[start, stop)``);
     quantized ones give ``tile`` (values per scale) and ``scale`` (the name of the scale field,
     ``ue8m0`` or ``e4m3-scale``, one byte per tile). An ``e4m3`` field without a scale field uses
     the layout's per-tensor scale.
@@ -184,7 +187,7 @@ def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], sp
             raise bad(f"field {f.name}: dims {f.dims} outside [0, {HEAD_DIM})")
         dims[d0:d1] += 1
         n = d1 - d0
-        want = {"bf16": 2 * n, "e4m3": n, "e2m1": n // 2}[f.format]
+        want = {"bf16": 2 * n, "e4m3": n, "e4m3fnuz": n, "e2m1": n // 2}[f.format]
         if f.nbytes != want or (f.format == "e2m1" and (n % 2 or d0 % 2)):
             raise bad(f"field {f.name}: {n} {f.format} values need {want} bytes (even dims for e2m1), got {f.nbytes}")
         if f.format == "bf16":
@@ -198,7 +201,7 @@ def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], sp
             segments.append(Segment(OP_E4M3_TENSOR, d0, n, f.offset, 0, 0))
             continue
         sf = by_name.get(f.scale)
-        need = "ue8m0" if f.format == "e4m3" else "e4m3-scale"
+        need = "e4m3-scale" if f.format == "e2m1" else "ue8m0"
         if sf is None or sf.format != need:
             raise bad(f"field {f.name}: scale field {f.scale!r} must exist and be {need}")
         tile = f.tile or 0
@@ -206,7 +209,7 @@ def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], sp
             raise bad(f"field {f.name}: tile {f.tile} must be a power of two dividing its dims (and their start)")
         if sf.nbytes != n // tile:
             raise bad(f"scale field {sf.name} must hold {n // tile} bytes (one per tile of {f.name}), has {sf.nbytes}")
-        op = OP_E4M3_UE8M0 if f.format == "e4m3" else OP_E2M1_E4M3
+        op = {"e4m3": OP_E4M3_UE8M0, "e4m3fnuz": OP_E4M3FNUZ_UE8M0, "e2m1": OP_E2M1_E4M3}[f.format]
         segments.append(Segment(op, d0, n, f.offset, tile, sf.offset))
     if bool((dims != 1).any()):
         d = int((dims != 1).nonzero()[0])

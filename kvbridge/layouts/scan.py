@@ -4,6 +4,7 @@ A byte move (re-paging, ``flashmla-model1`` <-> ``trtllm-fp8-ds-mla``) never dec
 in the source would pass through unseen; this scan reads the stored codes instead:
 
 - ``e4m3`` bytes: NaN is ``0x7F`` / ``0xFF`` (E4M3 has no infinity);
+- ``e4m3fnuz`` bytes: NaN is ``0x80`` (FNUZ has no infinity and no -0);
 - ``ue8m0`` bytes: NaN is ``0xFF``;
 - ``bf16`` pairs (little-endian): exponent bits all ones (NaN or +-Inf);
 - ``pad`` bytes are ignored, and so is any other format.
@@ -24,8 +25,8 @@ import torch
 from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import Layout
 
-#: Field format -> kernel code: 1 E4M3 byte, 2 UE8M0 byte, 3 bf16 pair.
-_KINDS = {"e4m3": 1, "ue8m0": 2, "bf16": 3}
+#: Field format -> kernel code: 1 E4M3 byte, 2 UE8M0 byte, 3 bf16 pair, 4 E4M3 FNUZ byte.
+_KINDS = {"e4m3": 1, "ue8m0": 2, "bf16": 3, "e4m3fnuz": 4}
 #: Tokens per kernel work item.
 _BLOCK = 4096
 
@@ -60,6 +61,8 @@ def scan_records(records: torch.Tensor, layout: Layout) -> Scan:
             bad = (raw & 0x7F) == 0x7F
         elif f.format == "ue8m0":
             bad = raw == 0xFF
+        elif f.format == "e4m3fnuz":
+            bad = raw == 0x80
         else:
             hi = raw[:, 1::2]
             bad = (hi & 0x7F) == 0x7F
@@ -107,6 +110,9 @@ def _kernel():
                     elif kind == 2:
                         for j in range(sizes[k]):
                             bad += pages[at + j] == 0xFF
+                    elif kind == 4:
+                        for j in range(sizes[k]):
+                            bad += pages[at + j] == 0x80
                     else:
                         for j in range(0, sizes[k], 2):
                             bad += ((pages[at + j + 1] & 0x7F) == 0x7F) and ((pages[at + j] & 0x80) == 0x80)
@@ -154,6 +160,11 @@ def _stats_kernel():
                     elif kind == 2:
                         for j in range(sizes[k]):
                             hist[b, pages[at + j]] += 1
+                    elif kind == 4:
+                        for j in range(sizes[k]):
+                            c = pages[at + j]
+                            counts[b, 0] += c == 0x80
+                            counts[b, 1] += (c & 0x7F) == 0x7F
                     else:
                         for j in range(0, sizes[k], 2):
                             lo = pages[at + j]
@@ -175,8 +186,8 @@ _STATS_KERNEL = None
 class CodeStats:
     """Counts of the stored codes of some tokens, per field format (see ``code_stats``)."""
 
-    e4m3_nan: int  # 0x7F / 0xFF
-    e4m3_at_max: int  # 0x7E / 0xFE: +-448
+    e4m3_nan: int  # 0x7F / 0xFF (FNUZ: 0x80)
+    e4m3_at_max: int  # 0x7E / 0xFE: +-448 (FNUZ: 0x7F / 0xFF, +-240)
     bf16_nan: int
     bf16_inf: int
     ue8m0: list[int]  # histogram of the 256 scale bytes (0xFF: NaN)
@@ -214,6 +225,9 @@ def _code_stats_records(records: torch.Tensor, layout: Layout) -> CodeStats:
             mag = raw & 0x7F
             e_nan += int((mag == 0x7F).sum())
             e_max += int((mag == 0x7E).sum())
+        elif f.format == "e4m3fnuz":
+            e_nan += int((raw == 0x80).sum())
+            e_max += int(((raw & 0x7F) == 0x7F).sum())
         elif f.format == "ue8m0":
             hist += torch.bincount(raw.reshape(-1).to(torch.int64).cpu(), minlength=256)
         else:

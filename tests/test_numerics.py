@@ -164,7 +164,7 @@ def test_fnuz_tile_is_the_ocp_tile_halved(values):
 @pytest.mark.parametrize("dialect", nx.FNUZ_DIALECTS)
 def test_fnuz_dialect_floor_is_the_eps_exponent(dialect):
     floor, max_bits = nx.FNUZ_DIALECT_RULES[dialect]
-    eps = torch.tensor([float(dialect.split("-")[2].split("/")[0])], dtype=torch.float32)
+    eps = torch.tensor([float(dialect.removeprefix("amax-").split("/")[0])], dtype=torch.float32)
     assert int(nx.ceil_log2_div(eps, max_bits)[0]) == floor
 
 

@@ -62,7 +62,8 @@ MODEL1_FNUZ = register(
         dialects=FNUZ_DIALECTS,
         source="vLLM 0.33.0 vllm/models/deepseek_v4/common/ops/cache_utils.py "
                "quantize_and_insert_k_cache(use_fnuz=True) (the gfx942 SWA cache; dequantize_and_gather_k_cache "
-               "reads it with use_fnuz)",
+               "reads it with use_fnuz); SGLang 0.5.23 sglang/kernels/ops/kvcache/triton_store_cache.py "
+               "triton_fused_store_flashmla (HIP, float8_e4m3fnuz build)",
         loss_note=MODEL1_NOTE + "; FNUZ tiles are scaled to a maximum of 224 (half of OCP's 448), no -0",
     )
 )

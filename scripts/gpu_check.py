@@ -13,8 +13,9 @@
 2. Timing (CUDA events, median of ``--iters``) at ``--tokens`` tokens (default 4M: 2-8 GiB per
    pool, many times the L2), each next to a device-to-device copy of the same number of bytes,
    plus gather-transcode of a 2048-token top-k for 128 requests.
-3. Optional: FlashMLA's sparse decode on the gather-transcode scratch (needs ``kvbridge.sparse_decode``
-   and a usable ``flash_mla`` build; skipped with the reason otherwise).
+3. Optional: FlashMLA's sparse decode over a TensorRT-LLM pool through the legacy (MODEL1 scratch, ``V41``)
+   and the current V4.1 kernels, whichever the GPU runs (needs a usable ``flash_mla`` build; skipped with
+   the reason otherwise).
 The summary table is printed last. See docs/gpu.md.
 """
 
@@ -310,11 +311,17 @@ class Validator:
                         src_slots=src_slots, dst_slots=dst_slots, **kwargs)
         indices = torch.randint(0, cap, (4, 2, 64), generator=g, dtype=torch.int32)
         indices[1, 0, 10:] = -1
-        for lay in self.layouts:
+        for i, lay in enumerate(self.layouts):
             s = 0.5 if lay.per_tensor_scale else None
-            self.record(section, f"kb.gather_transcode {lay.name} out P=61", self.same_call,
-                        kb.gather_transcode, pools[lay.name], lay, page_size=64, indices=indices, scale=s,
-                        out_page_size=61)
+            for out in ("flashmla-model1", "v41-fp8-interleaved"):  # both FlashMLA scratch layouts
+                self.record(section, f"kb.gather_transcode {lay.name} -> {out} P=61", self.same_call,
+                            kb.gather_transcode, pools[lay.name], lay, page_size=64, indices=indices, scale=s,
+                            out_page_size=61, out_layout=out)
+            nxt = self.layouts[(i + 1) % len(self.layouts)]  # every layout on both sides of a slot transcode
+            self.record(section, f"kb.transcode_slots {lay.name} -> {nxt.name} P=64->61", self.same_call,
+                        kb.transcode_slots, pools[lay.name], lay, random_pool(nxt, 9, 61, seed=108), nxt,
+                        src_page_size=64, dst_page_size=61, src_slots=src_slots[:200], dst_slots=dst_slots[:200],
+                        src_scale=s)
         bad = pools["trtllm-fp8"].clone()
         bad[1, 5 * 512 + 77] = 0x7F  # slot 69 decodes to NaN
         for name, fn, args, kwargs in (
@@ -472,43 +479,65 @@ class Bench:
 
 
 def flashmla_section(device, checker: Validator, timings: list[Timing]) -> str:
-    """FlashMLA sparse decode on a gather-transcoded scratch: compared with kvbridge's reference decode
-    of the same scratch, and timed next to the gather. Skipped (with the reason) when unavailable."""
+    """FlashMLA sparse decode over a TensorRT-LLM pool, through each kernel set the build and GPU offer:
+    the legacy V4 kernels on the pool's MODEL1 gather scratch, the pool itself (the current V4.1 kernels
+    on sm_100, else the legacy ones) and a block-split V4.1 pool (legacy ``V41``). Each is compared with
+    kvbridge's reference decode of the same inputs and timed next to the gather. Skipped (with the
+    reason) when no usable ``flash_mla`` is installed."""
     import kvbridge as kb
 
     if not hasattr(kb, "sparse_decode"):
         return "skipped: kvbridge.sparse_decode is not present in this build"
     try:
         from kvbridge.attention import flashmla, sparse
+        from kvbridge.attention.args import validate
 
-        flashmla.import_build()
+        build = flashmla.import_build()
     except Exception as exc:  # no flash_mla module, no legacy kernels, wrong torch, ...
         return f"skipped: FlashMLA backend not usable ({type(exc).__name__}: {exc})"
     import torch
 
-    print("FlashMLA section: sparse decode over a gather-transcoded TensorRT-LLM pool", flush=True)
+    print("FlashMLA section: sparse decode over a TensorRT-LLM pool", flush=True)
     n, requests, topk, heads = 1 << 20, 128, 2048, 64
-    pool = kb.encode(torch.randn(n, 512, device=device), "trtllm-fp8", page_size=64)
+    x = torch.randn(n, 512, device=device)
+    pool = kb.encode(x, "trtllm-fp8", page_size=64)
+    v41_pool = kb.encode(x, "v41-fp8", page_size=64)
+    del x
     indices = torch.randint(0, n, (requests, 1, topk), device=device, dtype=torch.int32)
     q = torch.randn(requests, 1, heads, 512, device=device, dtype=torch.bfloat16)
     scratch, remapped = kb.gather_transcode(pool, "trtllm-fp8", page_size=64, indices=indices)
+    cases = {"MODEL1 gather scratch": (scratch, remapped, "flashmla-model1"),
+             "TensorRT-LLM pool": (pool, indices, "trtllm-fp8"), "V4.1 fp8 pool": (v41_pool, indices, "v41-fp8")}
+    bench, notes = Bench(device, iters=10), []
+    for name, (cache, idx, layout) in cases.items():
+        def decode(backend: str, cache=cache, idx=idx, layout=layout):
+            return kb.sparse_decode(q, cache, idx, layout=layout, page_size=64, backend=backend)
 
-    def decode(backend: str):
-        return kb.sparse_decode(q, scratch, remapped, layout="flashmla-model1", page_size=64, backend=backend)
+        try:
+            call = flashmla.prepare(validate(q, cache, idx, layout=layout, page_size=64, extra_k_cache=None,
+                                             extra_indices=None, extra_layout=None, extra_page_size=None,
+                                             topk_length=None, extra_topk_length=None, attn_sink=None,
+                                             softmax_scale=None, scale=None, extra_scale=None), build)
+            kernels = (f"legacy kv_format={call.kwargs['kv_format']}" if call.kwargs.get("use_legacy")
+                       else "current V4.1" if build.split_legacy else "unified")
+            kernels += f", {call.main.layout.name}{' gathered' if call.main.gathered else ''}"
+        except Exception as exc:  # this GPU / build has no kernels for the pool: reported as a failed check
+            checker.record("flashmla", f"{name}: kernel routing", lambda exc=exc: f"{type(exc).__name__}: {exc}")
+            continue
 
-    def check() -> bool | str:
-        out, lse = decode("flashmla")
-        ref_out, ref_lse = decode("reference")
-        a = sparse.compare(out, ref_out, sparse.OUT_TOLERANCE)
-        b = sparse.compare(lse, ref_lse, sparse.LSE_TOLERANCE)
-        return True if a.passed and b.passed else f"out: {a.detail}; lse: {b.detail}"
+        def check(decode=decode) -> bool | str:
+            out, lse = decode("flashmla")
+            ref_out, ref_lse = decode("reference")
+            a = sparse.compare(out, ref_out, sparse.OUT_TOLERANCE)
+            b = sparse.compare(lse, ref_lse, sparse.LSE_TOLERANCE)
+            return True if a.passed and b.passed else f"out: {a.detail}; lse: {b.detail}"
 
-    checker.record("flashmla", "sparse_decode(flashmla) on gather scratch == reference decode", check)
-    bench = Bench(device, iters=10)
-    decode_ms = bench.median_ms(decode, "flashmla")
+        checker.record("flashmla", f"sparse_decode(flashmla) {name} ({kernels}) == reference decode", check)
+        if checker.checks[-1].passed:
+            notes.append(f"{name} ({kernels}): {bench.median_ms(decode, 'flashmla'):.3f} ms")
     gather_ms = bench.median_ms(kb.gather_transcode, pool, "trtllm-fp8", page_size=64, indices=indices)
-    return (f"FlashMLA decode {requests}x{topk}, {heads} heads: {decode_ms:.3f} ms; gather-transcode feeding it: "
-            f"{gather_ms:.3f} ms ({100 * gather_ms / decode_ms:.0f}% of the decode)")
+    return (f"decode {requests}x{topk}, {heads} heads: " + "; ".join(notes) +
+            f"; gather-transcode of the TensorRT-LLM pool into MODEL1: {gather_ms:.3f} ms")
 
 
 # ----------------------------------------------------------------------------- output

@@ -17,6 +17,7 @@ import torch
 
 from kvbridge.backends import dispatch, native
 from kvbridge.backends.loss_stats import LossStats, compare_values
+from kvbridge.backends.native import accel as native_accel
 from kvbridge.backends.native import loss as native_loss
 from kvbridge.backends.native import records as native_records
 from kvbridge.layouts import all_layouts, get_layout
@@ -331,11 +332,11 @@ def test_accelerators_run_the_c_kernels_where_native_runs_compiled_ones(latents,
     pages = dispatch.encode_pages(latents, fp8, 64, "swa", 0.5)
     n = latents.shape[0]
     out = native.transcode_pages(pages, fp8, 64, m1, 64, n, 0.5, 1.0, "flashmla")
-    monkeypatch.setattr(native, "_CK", Recording())
+    monkeypatch.setattr(native_accel, "_CK", Recording())
     native_loss.loss_stats(pages, fp8, 64, out, m1, 64, n, 0.5, 1.0, None)
     native_loss.loss_stats(out, m1, 64, pages, fp8, 64, n, 1.0, 0.5, 2.0)
     assert set(calls) == {"fp8_model1_loss", "model1_fp8_loss"}
-    monkeypatch.setattr(native, "_CK", None)
+    monkeypatch.setattr(native_accel, "_CK", None)
     calls.clear()
     native_loss.loss_stats(pages, fp8, 64, out, m1, 64, n, 0.5, 1.0, None)
     assert not calls

@@ -9,6 +9,9 @@
   ``k_cache.shape[-1]``, rows ``stride(-2)`` bytes apart), and, when ``flash_mla.has_legacy()`` is
   true, *legacy* kernels reached with ``use_legacy=True, kv_format=...`` that read the 584-byte
   MODEL1 cache (``V4``) and the block-split V4.1 caches (``V41``, with a ``V41_FP4`` extra cache).
+  The current kernels run on sm_100-family GPUs only, the legacy ones on sm_90 and sm_100: on an
+  H100/H200 every pool goes to the legacy kernels (``fixtures/flashmla_interface.json`` holds the
+  wheel's interface facts a test checks these calls against).
 - Older builds read MODEL1 directly, provided they know DeepSeek-V4's sparse decode arguments
   (``extra_k_cache``, ``topk_length``, ``attn_sink``); ``kv_format="V4"`` when they take it.
 
@@ -42,8 +45,14 @@ MODEL1 = "flashmla-model1"
 CURRENT_MAIN = "v41-fp8-interleaved"
 #: Layouts the current kernels read as the extra cache.
 CURRENT_EXTRA = ("v41-fp8-interleaved", "v41-fp4-interleaved")
-#: Extra-cache layouts the legacy kernels read next to a block-split ``v41-fp8`` main cache (``kv_format="V41"``).
+#: The block-split V4.1 main cache the legacy kernels read (``kv_format="V41"``), and the extra-cache layouts
+#: they read next to it.
+LEGACY_V41_MAIN = "v41-fp8"
 LEGACY_V41_FP4_EXTRA = ("v41-fp4", "v41-fp4-pad512")
+#: Compute-capability majors each kernel set of the split wheel runs on (``sgl-flash-mla`` 1.0.0: the current
+#: sparse decode is sm_100-family only, the legacy one sm_90a or sm_100-family).
+CURRENT_MAJORS = (10,)
+LEGACY_MAJORS = (9, 10)
 KERNEL_HEADS = (64, 128)  # h_q the kernels are instantiated for
 TOPK_MULTIPLE = 64  # the kernels walk index lists in blocks of 64
 _V4_ARGUMENTS = (
@@ -80,21 +89,38 @@ class FlashMLABuild:
     takes_format: bool = False
     problem: str | None = None
 
-    def route(self, main: Layout, extra: Layout | None) -> Route:
-        """The kernels for a main pool (and an optional extra pool) of these layouts (see the module docstring)."""
+    def route(self, main: Layout, extra: Layout | None, capability: tuple[int, int] | None = None) -> Route:
+        """The kernels for a main pool (and an optional extra pool) of these layouts (see the module docstring)
+        on a GPU of compute ``capability`` (None: not known, every kernel the build has is assumed to run)."""
         if self.problem is not None:
             raise LayoutError(f"flashmla backend cannot run here: {self.problem}")
         if not self.split_legacy:  # one set of kernels, reading MODEL1
             return Route({"kv_format": "V4"} if self.takes_format else {}, MODEL1, MODEL1 if extra else None)
-        model1 = get_layout(MODEL1)
-        if self.has_legacy and main.same_record(model1):  # exact: other MODEL1 geometries are byte-moved
+        current = capability is None or capability[0] in CURRENT_MAJORS
+        legacy = self.has_legacy and (capability is None or capability[0] in LEGACY_MAJORS)
+        if not current and not legacy:
+            sm = f"sm_{capability[0]}{capability[1]}" if capability else "this GPU"
+            raise LayoutError(
+                f"flashmla backend cannot run on {sm}: this flash_mla build's current kernels need sm_100-family GPUs"
+                + ("" if self.has_legacy else " and it has no legacy kernels (has_legacy() is false)")
+                + "; the legacy kernels run on sm_90 and sm_100; use backend='reference'")
+        model1, v41 = get_layout(MODEL1), get_layout(LEGACY_V41_MAIN)
+        if legacy and main.same_record(model1):  # exact: other MODEL1 geometries are byte-moved
             return Route({"use_legacy": True, "kv_format": "V4"}, MODEL1, MODEL1 if extra else None)
-        if self.has_legacy and main.name == "v41-fp8":
+        if legacy and main.name == LEGACY_V41_MAIN:
             fp4_extra = extra is not None and extra.name in LEGACY_V41_FP4_EXTRA
             if extra is None or extra.name == main.name or fp4_extra:
                 return Route({"use_legacy": True, "kv_format": "V41"}, main.name, extra.name if extra else None)
-        extra_layout = None if extra is None else (extra.name if extra.name in CURRENT_EXTRA else CURRENT_MAIN)
-        return Route({}, CURRENT_MAIN, extra_layout)
+        if current:
+            extra_layout = None if extra is None else (extra.name if extra.name in CURRENT_EXTRA else CURRENT_MAIN)
+            return Route({}, CURRENT_MAIN, extra_layout)
+        # Legacy kernels only (sm_90): V4.1 fp8 records are byte-moved into the block-split cache, the rest
+        # gathered into MODEL1 scratch caches.
+        if main.same_record(v41):
+            fp4 = get_layout(LEGACY_V41_FP4_EXTRA[0])
+            extra_layout = None if extra is None else (fp4.name if extra.same_record(fp4) else v41.name)
+            return Route({"use_legacy": True, "kv_format": "V41"}, v41.name, extra_layout)
+        return Route({"use_legacy": True, "kv_format": "V4"}, MODEL1, MODEL1 if extra else None)
 
 
 def detect_build(module: Any) -> FlashMLABuild:
@@ -226,10 +252,15 @@ def kernel_heads(h_q: int) -> int:
     raise InputError(f"the flashmla backend supports at most {max(KERNEL_HEADS)} query heads, got h_q={h_q}")
 
 
-def prepare(args: DecodeArgs, build: FlashMLABuild) -> KernelCall:
-    """Everything the kernel call needs, checked and shaped; raises instead of letting the kernel fail."""
-    route = build.route(args.main.layout, args.extra.layout if args.extra is not None else None)
+def prepare(args: DecodeArgs, build: FlashMLABuild, capability: tuple[int, int] | None = None) -> KernelCall:
+    """Everything the kernel call needs, checked and shaped; raises instead of letting the kernel fail.
+
+    ``capability``: the GPU's compute capability the kernels are picked for (default: q's device's).
+    """
     q = args.q
+    if capability is None and q.is_cuda:
+        capability = torch.cuda.get_device_capability(q.device)
+    route = build.route(args.main.layout, args.extra.layout if args.extra is not None else None, capability)
     if q.dtype != torch.bfloat16:
         raise InputError(f"the flashmla backend needs bfloat16 q, got {q.dtype}")
     h_q = q.shape[2]

@@ -8,10 +8,12 @@ placed by its geometry; this module is also the ``reference`` backend of ``kvbri
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
-from kvbridge.backends.loss_stats import LossStats, decoded_loss_stats
+from kvbridge.backends.loss_stats import decoded_loss_stats
 from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import Layout
 from kvbridge.layouts.codec import record_codec
@@ -173,10 +175,5 @@ def accepts(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def loss_stats(
-    src_pages: torch.Tensor, src: Layout, src_page_size: int, dst_pages: torch.Tensor, dst: Layout,
-    dst_page_size: int, num_tokens: int, src_scale: float, dst_scale: float, mult: float | None,
-) -> LossStats:
-    """Loss statistics of a transcode: both pools decoded here and compared (``loss_stats.decoded_loss_stats``)."""
-    return decoded_loss_stats(decode_pages, src_pages, src, src_page_size, dst_pages, dst, dst_page_size, num_tokens,
-                              src_scale, dst_scale, mult)
+#: ``dispatch.loss_stats``: both pools decoded here and compared (``loss_stats.decoded_loss_stats``).
+loss_stats = partial(decoded_loss_stats, decode_pages)

@@ -25,12 +25,14 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import triton
 import triton.language as tl
 
-from kvbridge.backends.loss_stats import LossStats, decoded_loss_stats
+from kvbridge.backends.loss_stats import decoded_loss_stats
 from kvbridge.backends.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check_finite
 from kvbridge.backends.reference import amax_pages as reference_amax
 from kvbridge.backends.reference import decode_pages as reference_decode
@@ -56,7 +58,8 @@ _FLAG_NONFINITE = tl.constexpr(FLAG_NONFINITE)  # the same values as kernel-visi
 _FLAG_OUT_OF_RANGE = tl.constexpr(FLAG_OUT_OF_RANGE)
 
 #: Launch shape (tuning knobs; ``scripts/gpu_check.py`` times alternatives): tokens per program and warps.
-#: 8 tokens on 8 warps keeps each thread at 16 values (sm_90: 70 registers, no spills, 3 programs per SM).
+#: 8 tokens on 8 warps keeps each thread at 16 values (sm_90, TensorRT-LLM FP8 -> MODEL1: about 100 registers,
+#: no spills, 2 programs per SM; ``scripts/triton_resources.py`` reports every kernel).
 convert_block_tokens = 8
 convert_warps = 8
 #: None: one program per block of tokens; k: a persistent grid of k programs per SM looping over the blocks.
@@ -527,24 +530,75 @@ def aligned(*tensors: torch.Tensor) -> bool:
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
+@dataclass(frozen=True)
+class Side:
+    """What the kernels specialise on for one side: a layout at a page size, or dense fp32 ``[rows, 512]``.
+
+    ``program``: the record program (empty for dense); ``split``/``record``: data-row / record bytes;
+    ``page_bytes``: bytes per page (padding included); ``align``: the largest power of two <= 16
+    dividing every data row's byte offset.
+    """
+
+    program: tuple[int, ...] = ()
+    split: int = 0
+    record: int = 0
+    page_bytes: int = 0
+    align: int = 16
+
+
+def side(layout: Layout | None, page_size: int = 1) -> Side:
+    """The kernels' view of ``layout`` at ``page_size`` (``None``: dense fp32); ``LayoutError`` if unsupported."""
+    if layout is None:
+        return Side()
+    if not supports(layout):
+        raise LayoutError(f"layout {layout.name} has no Triton kernel (its rows are not 8-byte multiples)")
+    split = layout.split if layout.split is not None else layout.record_bytes
+    page_bytes = layout.page_bytes(page_size)
+    return Side(program(layout), split, layout.record_bytes, page_bytes, math.gcd(page_bytes, split, 16))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch's compile-time configuration: the constexpr arguments and ``num_warps``."""
+
+    constexprs: dict
+    num_warps: int
+
+
+def convert_launch(src: Side, dst: Side, *, src_slots: bool, dst_slots: bool, check: bool, write: bool,
+                   hw_fp8: bool) -> Launch:
+    """The ``_convert_kernel`` specialisation of a launch from ``src`` to ``dst`` (what every launch site uses)."""
+    return Launch(dict(
+        SRC_PROG=src.program, SRC_NF=len(src.program) // 6, SRC_S=src.split, SRC_R=src.record,
+        SRC_ALIGN=src.align, SRC_HAS_SLOTS=src_slots,
+        DST_PROG=dst.program, DST_NF=len(dst.program) // 6, DST_S=dst.split, DST_R=dst.record,
+        DST_ALIGN=dst.align, DST_HAS_SLOTS=dst_slots,
+        CHECK=check, WRITE=write, HW_FP8=hw_fp8,
+        BLOCK_T=convert_block_tokens, PERSISTENT=convert_programs_per_sm is not None,
+    ), convert_warps)
+
+
+def copy_launches(src: Side, dst: Side, *, src_slots: bool, dst_slots: bool, check: bool) -> list[Launch]:
+    """The ``_copy_kernel`` launches of one byte move: one per word range on one side of both layouts' splits."""
+    if src.record != dst.record:
+        raise LayoutError("a byte move needs records of the same size on both sides")
+    rw, ssw, dsw = src.record // 8, src.split // 8, dst.split // 8
+    cuts = sorted({0, ssw, dsw, rw})
+    return [Launch(dict(
+        LO=lo, HI=hi, W_BLOCK=triton.next_power_of_2(hi - lo), SRC_SW=ssw, DST_SW=dsw, RW=rw,
+        SRC_WA=math.gcd(src.align // 8, 2), DST_WA=math.gcd(dst.align // 8, 2),
+        SRC_HAS_SLOTS=src_slots, DST_HAS_SLOTS=dst_slots, CHECK=check and k == 0, BLOCK_T=copy_block_tokens,
+    ), copy_warps) for k, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:], strict=True))]
+
+
 class _Pool:
     """Kernel arguments describing one side: a paged pool of a layout, or dense fp32 ``[rows, 512]``."""
 
     def __init__(self, tensor: torch.Tensor, layout: Layout | None = None, page_size: int = 1):
         self.tensor = tensor
         self.page_size = page_size
-        if layout is None:
-            self.program, self.split, self.record, self.page_bytes, self.align = (), 0, 0, 0, 16
-            self.half = tensor
-            return
-        if not supports(layout):
-            raise LayoutError(f"layout {layout.name} has no Triton kernel (its rows are not 8-byte multiples)")
-        self.program = program(layout)
-        self.record = layout.record_bytes
-        self.split = layout.split if layout.split is not None else layout.record_bytes
-        self.page_bytes = layout.page_bytes(page_size)
-        self.align = math.gcd(self.page_bytes, self.split, 16)
-        self.half = tensor.view(torch.int16)
+        self.side = side(layout, page_size)
+        self.half = tensor if layout is None else tensor.view(torch.int16)
 
     @property
     def capacity(self) -> int:
@@ -579,19 +633,17 @@ def _launch_convert(
     dummy = src.tensor
     n_blocks = triton.cdiv(rows, convert_block_tokens)
     grid = (n_blocks if convert_programs_per_sm is None else min(n_blocks, convert_programs_per_sm * _sm_count(src)),)
+    launch = convert_launch(src.side, dst.side, src_slots=src_slots is not None, dst_slots=dst_slots is not None,
+                            check=flags is not None, write=write,
+                            hw_fp8=fp8_hardware and hardware_fp8_available(src.tensor.device))
     with _device_guard(src.tensor):
         _convert_kernel[grid](
             src.tensor, src.half, dummy if src_slots is None else src_slots, src.capacity, src.page_size,
-            src.page_bytes, src_scale,
-            dst.tensor, dst.half, dummy if dst_slots is None else dst_slots, dst.page_size, dst.page_bytes, dst_mult,
-            min_exp,
+            src.side.page_bytes, src_scale,
+            dst.tensor, dst.half, dummy if dst_slots is None else dst_slots, dst.page_size, dst.side.page_bytes,
+            dst_mult, min_exp,
             dummy if flags is None else flags, n_tokens, n_rows, n_blocks,
-            SRC_PROG=src.program, SRC_NF=len(src.program) // 6, SRC_S=src.split, SRC_R=src.record,
-            SRC_ALIGN=src.align, SRC_HAS_SLOTS=src_slots is not None,
-            DST_PROG=dst.program, DST_NF=len(dst.program) // 6, DST_S=dst.split, DST_R=dst.record,
-            DST_ALIGN=dst.align, DST_HAS_SLOTS=dst_slots is not None,
-            CHECK=flags is not None, WRITE=write, HW_FP8=fp8_hardware and hardware_fp8_available(src.tensor.device),
-            BLOCK_T=convert_block_tokens, PERSISTENT=convert_programs_per_sm is not None, num_warps=convert_warps,
+            **launch.constexprs, num_warps=launch.num_warps,
         )
 
 
@@ -601,22 +653,17 @@ def _launch_copy(
 ) -> None:
     if n_rows == 0:
         return
-    if src.record != dst.record:
-        raise LayoutError("a byte move needs records of the same size on both sides")
     words = src.tensor.view(torch.int64)
-    rw, ssw, dsw = src.record // 8, src.split // 8, dst.split // 8
-    cuts = sorted({0, ssw, dsw, rw})  # word ranges on one side of both splits
+    launches = copy_launches(src.side, dst.side, src_slots=src_slots is not None, dst_slots=dst_slots is not None,
+                             check=flags is not None)
     grid = (triton.cdiv(n_rows, copy_block_tokens),)
     with _device_guard(src.tensor):
-        for k, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
+        for launch in launches:
             _copy_kernel[grid](
-                words, words if src_slots is None else src_slots, src.capacity, src.page_size, src.page_bytes // 8,
-                dst.tensor.view(torch.int64), words if dst_slots is None else dst_slots, dst.page_size,
-                dst.page_bytes // 8, words if flags is None else flags, n_tokens, n_rows,
-                LO=lo, HI=hi, W_BLOCK=triton.next_power_of_2(hi - lo), SRC_SW=ssw, DST_SW=dsw, RW=rw,
-                SRC_WA=math.gcd(src.align // 8, 2), DST_WA=math.gcd(dst.align // 8, 2),
-                SRC_HAS_SLOTS=src_slots is not None, DST_HAS_SLOTS=dst_slots is not None,
-                CHECK=flags is not None and k == 0, BLOCK_T=copy_block_tokens, num_warps=copy_warps,
+                words, words if src_slots is None else src_slots, src.capacity, src.page_size,
+                src.side.page_bytes // 8, dst.tensor.view(torch.int64), words if dst_slots is None else dst_slots,
+                dst.page_size, dst.side.page_bytes // 8, words if flags is None else flags, n_tokens, n_rows,
+                **launch.constexprs, num_warps=launch.num_warps,
             )
 
 
@@ -770,10 +817,5 @@ def gather_transcode(
     return scratch, flags
 
 
-def loss_stats(
-    src_pages: torch.Tensor, src: Layout, src_page_size: int, dst_pages: torch.Tensor, dst: Layout,
-    dst_page_size: int, num_tokens: int, src_scale: float, dst_scale: float, mult: float | None,
-) -> LossStats:
-    """Loss statistics of a transcode: both pools decoded here and compared (``loss_stats.decoded_loss_stats``)."""
-    return decoded_loss_stats(decode_pages, src_pages, src, src_page_size, dst_pages, dst, dst_page_size, num_tokens,
-                              src_scale, dst_scale, mult)
+#: ``dispatch.loss_stats``: both pools decoded by the Triton decoder and compared (``loss_stats.decoded_loss_stats``).
+loss_stats = partial(decoded_loss_stats, decode_pages)

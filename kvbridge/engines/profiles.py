@@ -18,6 +18,7 @@ Options a profile cannot honour raise ``InputError`` with a one-line reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 from kvbridge.engines.topology import CacheSpec, Role
@@ -129,6 +130,11 @@ class EngineProfile:
     score_has_ape: bool = True
     compress_layout: str | None = None
 
+    @cached_property
+    def layout(self) -> Layout:
+        """The KV layout ``kv_layout`` names (resolved once)."""
+        return get_layout(self.kv_layout)
+
     @property
     def source(self) -> str:
         return "; ".join(f"{k}: {v}" for k, v in self.sources.items())
@@ -150,8 +156,8 @@ class EngineProfile:
         """Storage of one layer's cache."""
         table = self.table_name(spec)
         if spec.role in (Role.SWA, Role.COMPRESS):
-            lay = get_layout(self.compress_layout if spec.role == Role.COMPRESS and self.compress_layout
-                             else self.kv_layout)
+            lay = get_layout(self.compress_layout) if spec.role == Role.COMPRESS and self.compress_layout \
+                else self.layout
             p = self.swa_page if spec.role == Role.SWA else self.compressed_tokens_per_page // spec.ratio
             dialect = self.swa_dialect if spec.role == Role.SWA else self.compress_dialect
             return Storage("kv", lay.name, lay.record_bytes, lay.split, p, self._align(lay.page_bytes(p)), table,

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from kvbridge.backends import reference
-from kvbridge.backends.native import accel, state
+from kvbridge.backends.native import accel
 from kvbridge.backends.native import keys as key_kernels
 from kvbridge.backends.native.accel import LATENTS, accelerator
+from kvbridge.backends.native.keys import fp4_to_fp8_keys as fp4_to_fp8_keys
 from kvbridge.backends.native.loss import loss_stats as loss_stats
 from kvbridge.backends.native.pool import CHUNK_TOKENS, _empty_output, _flat, _new_pages, _page_chunks, _run_chunks
 from kvbridge.backends.native.records import (
@@ -41,6 +42,7 @@ from kvbridge.backends.native.records import (
     _x_arrays,
     program,
 )
+from kvbridge.backends.native.state import convert_state_rows as convert_state_rows
 from kvbridge.layouts import Layout
 
 name = "native"
@@ -225,12 +227,6 @@ def gather_transcode(*args) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.gather_transcode(*args)
 
 
-def fp4_to_fp8_keys(records: torch.Tensor, dim: int, rule: str) -> tuple[torch.Tensor, float] | None:
-    """fp4 indexer records ``[N, dim / 2 + dim / 32]`` -> fp8 records ``[N, dim + 4]`` by ``rule`` and the max
-    abs error (``keys.fp4_to_fp8_keys``); None when a value decodes to NaN/Inf."""
-    return key_kernels.fp4_to_fp8_keys(records, dim, rule)
-
-
 def fp4_to_fp8_key_rows(src_keys: torch.Tensor, src_stride: int, src_scales: torch.Tensor, src_scale_stride: int,
                         n: int, dst_keys: torch.Tensor, dst_stride: int, dst_scales: torch.Tensor,
                         dst_scale_stride: int, dim: int, rule: str, *, measure: bool) -> float | None:
@@ -240,10 +236,3 @@ def fp4_to_fp8_key_rows(src_keys: torch.Tensor, src_stride: int, src_scales: tor
     return key_kernels.fp4_to_fp8_key_rows(src_keys.numpy(), src_stride, src_scales.numpy(), src_scale_stride, n,
                                            dst_keys.numpy(), dst_stride, dst_scales.numpy(), dst_scale_stride, dim,
                                            rule, measure=measure)
-
-
-def convert_state_rows(records: torch.Tensor, src_bf16: bool, dst_bf16: bool, ape: torch.Tensor | None, sign: int,
-                       first: int, measure: bool) -> state.StateResult:
-    """Compressor-state rows -> the destination dtype with APE added or removed, in one pass
-    (``state.convert_state_rows``)."""
-    return state.convert_state_rows(records, src_bf16, dst_bf16, ape, sign, first, measure)

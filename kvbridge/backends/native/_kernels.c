@@ -2,7 +2,7 @@
  *
  * Four kernels, byte-identical to the numba accelerators of kvbridge/backends/native/__init__.py, with the same
  * chunking (CHUNK_TOKENS destination tokens of whole pages per chunk, or source tokens for the
- * decoder) and the same arguments, so that native._run_chunks runs them on its thread pool
+ * decoder) and the same arguments, so that native.pool._run_chunks runs them on its thread pool
  * (every kernel releases the GIL):
  *
  *   fp8_to_model1   per-tensor E4M3 records (512 B) -> MODEL1 records (584 B), code domain:
@@ -15,7 +15,7 @@
  *   model1_decode   MODEL1 records -> fp32 latents [N, 512];
  *
  * and the code-domain amax of a MODEL1 or per-tensor E4M3 pool (model1_amax, fp8_amax: dst_scale="auto",
- * as native._amax_kernel, chunks of CHUNK_TOKENS source tokens).
+ * as native.records._amax_kernel, chunks of CHUNK_TOKENS source tokens).
  *
  * The tables are built in Python (kvbridge.numerics) and passed in. MODEL1 record: bytes [0, 448)
  * 7 E4M3 tiles of 64, [448, 576) 64 bf16 rope values, [576, 583) the tiles' UE8M0 scale bytes,
@@ -44,7 +44,7 @@
 
 #define CHUNK_TOKENS 256
 /* The entry points' interface: bumped whenever a function is added or its arguments change, so that
- * kvbridge.native refuses a stale build (native.KERNELS_INTERFACE). */
+ * kvbridge.backends.native.accel refuses a stale build (accel.KERNELS_INTERFACE). */
 #define KV_INTERFACE 2
 #define HEAD_DIM 512
 #define M1_DATA 576
@@ -148,7 +148,7 @@ typedef struct {
     float mult; /* the per-tensor multiplier the tables were built for (the AVX-512 code computes the rope's codes) */
 } m2f_tables;
 
-/* E4M3 code of an fp32 (RNE, saturating to +-448, NaN too), as native._e4m3_byte: normal magnitudes
+/* E4M3 code of an fp32 (RNE, saturating to +-448, NaN too), as native.accel._e4m3_byte: normal magnitudes
  * drop 20 mantissa bits with ties to even and rebias, subnormal ones are the low bits of |y| + 2^14. */
 static inline uint8_t e4m3_byte(float y) {
     uint32_t b, sb;
@@ -164,7 +164,7 @@ static inline uint8_t e4m3_byte(float y) {
     return (uint8_t)(code | ((b >> 24) & 0x80u));
 }
 
-/* UE8M0 exponent of a tile whose largest |value| has fp32 bits amax_bits (native._tile_exponent). */
+/* UE8M0 exponent of a tile whose largest |value| has fp32 bits amax_bits (native.accel._tile_exponent). */
 static inline int tile_exponent(uint32_t amax_bits, int min_exp) {
     int exp = (int)(amax_bits >> 23);
     if (exp == 0)
@@ -279,7 +279,7 @@ static void encode_token_scalar(const float *x32, const uint16_t *x16, uint8_t *
     foot[7] = 0;
 }
 
-/* fp32 value of E4M3 code c, as native._e4m3_value (NaN codes: 0x7FC00000), branch-free. */
+/* fp32 value of E4M3 code c, as native.accel._e4m3_value (NaN codes: 0x7FC00000), branch-free. */
 static inline float e4m3_value(uint32_t c) {
     uint32_t a = c & 0x7F, sub;
     float sub_value = (float)(int32_t)a * 0.001953125f;
@@ -414,7 +414,7 @@ static inline void note_mask(uint64_t k, Py_ssize_t base, int64_t *count, int64_
     *count += __builtin_popcountll(k);
 }
 
-/* 16 E4M3 magnitude codes (sign bit clear) of the fp32 lanes of y, as native._e4m3_byte computes them:
+/* 16 E4M3 magnitude codes (sign bit clear) of the fp32 lanes of y, as native.accel._e4m3_byte computes them:
  * normal ones from the bits (the rebias folded into the rounding add; unsigned min saturates at 0x7E,
  * Inf and NaN included), subnormal ones the low byte of the bits of |y| + 2^14. */
 KV_AVX512 static inline __m128i e4m3_magnitudes(__m512 y) {
@@ -831,7 +831,7 @@ KV_VARIANTS(decode, DEC_PARAMS, DEC_ARGS)
 /* Code-domain amax (dst_scale="auto"): one read pass over the codes and scale bytes            */
 /* ------------------------------------------------------------------------------------------- */
 
-/* Per chunk of CHUNK_TOKENS source tokens, as native._amax_kernel: amax[chunk] the largest |decoded value|
+/* Per chunk of CHUNK_TOKENS source tokens, as native.records._amax_kernel: amax[chunk] the largest |decoded value|
  * (an fp32), bad[chunk] 1 when a value would decode to NaN/Inf (amax[chunk] is then not a result).
  * Decoding is a monotone product with one positive factor per tile or tensor, so the amax is the
  * decoded value of each tile's largest code magnitude m (one fp32 product per tile):
@@ -839,7 +839,7 @@ KV_VARIANTS(decode, DEC_PARAMS, DEC_ARGS)
  *           product is bad), the rope's largest |bf16| (exponent 0xFF is bad);
  *   per-tensor E4M3: |e4m3(M) * scale| of the largest magnitude M over every code of the chunk. */
 
-/* fp32 2^(b - 127) of a UE8M0 byte (0xFF: NaN), as native._UE8M0_F32. */
+/* fp32 2^(b - 127) of a UE8M0 byte (0xFF: NaN), as native.records._UE8M0_F32. */
 static inline float ue8m0_value(uint32_t b) {
     return bits_f32(b == 0 ? 0x00400000u : b == 255 ? 0x7FC00000u : b << 23);
 }

@@ -236,7 +236,7 @@ def _model1_fp8_loss_kernel(c0, c1, src, sp, spb, ssplit, srb, s_in, dst, dp, dp
 
 
 def _fp8_model1_loss(nchunks: int, *args) -> None:
-    """Per-tensor E4M3 source against a MODEL1 destination: the C kernel where ``native`` runs the compiled
+    """Per-tensor E4M3 source against a MODEL1 destination: the C kernel where ``accel._CK`` holds the compiled
     kernels (``accel.kernel_implementation()``), else numba."""
     kernel = _fp8_model1_loss_kernel if accel._CK is None else accel._CK.fp8_model1_loss
     _run_chunks(kernel, nchunks, *args)

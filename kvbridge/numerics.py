@@ -6,6 +6,9 @@ integer arithmetic only. This is the single source of truth for
 
 - E4M3 (``float8_e4m3fn``): round-to-nearest-even, saturating to +-448 (0x7E/0xFE),
   subnormals down to 2^-9, signed zero kept (-0.0 -> 0x80);
+- E4M3 FNUZ (``float8_e4m3fnuz``, ROCm gfx942): bias 8, round-to-nearest-even saturating to
+  +-240 (0x7F/0xFF), subnormals down to 2^-10, no negative zero (a value rounding to 0 is 0x00),
+  NaN 0x80, no infinity;
 - UE8M0 power-of-two scale exponents per dialect (docs/layouts.md);
 - E2M1 (fp4) round-to-nearest-even with signed zero and saturation, and the fp4 record's E4M3 tile scale;
 - BF16 rounding (round-to-nearest-even) of fp32 values.
@@ -16,6 +19,8 @@ from __future__ import annotations
 import torch
 
 E4M3_MAX = 448.0
+#: fp32 bit pattern of +Inf; larger magnitudes are NaN.
+_F32_INF_BITS = 0x7F800000
 #: fp32 bit pattern of 448.0 (1.75 * 2^8); |x| >= this saturates to code 0x7E.
 _F32_448_BITS = 0x43E00000
 #: biased fp32 exponent of 2^-6, the smallest normal E4M3 magnitude.
@@ -83,11 +88,94 @@ def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
     return table[codes.to(torch.int64)]
 
 
-def ceil_log2_div448(amax: torch.Tensor) -> torch.Tensor:
-    """Exact ceil(log2(amax / 448)) for fp32 amax >= 0, as int64; amax == 0 gives -1000.
+# ---------------------------------------------------------------------------------------------
+# E4M3 FNUZ (float8_e4m3fnuz: the main/SWA cache of ROCm gfx942 engines)
+# ---------------------------------------------------------------------------------------------
 
-    amax = M * 2^E with M in [1, 2); 448 = 1.75 * 2^8, so the result is E - 8, plus one
-    when M > 1.75 (mantissa bits above 0x600000). fp32 subnormals are normalised first.
+E4M3FNUZ_MAX = 240.0
+#: The FNUZ NaN code (the bit pattern of -0 in OCP E4M3).
+E4M3FNUZ_NAN = 0x80
+#: fp32 bit pattern of 232.0, the midpoint between FNUZ 224 (0x7E) and 240 (0x7F): above it the
+#: code is 0x7F (a tie goes to the even code 0x7E), and every larger finite value saturates there.
+_F32_232_BITS = 0x43680000
+#: biased fp32 exponent of 2^-7, the smallest normal FNUZ magnitude.
+_F32_EXP_FNUZ_MIN_NORMAL = 127 - 7
+#: FNUZ UE8M0 dialects: name -> (exponent floor, the writer's fp8 max M as fp32 bits). The scale of a
+#: tile is 2^ceil(log2(max(amax, eps) / M)); the floor is ceil(log2(eps / M)).
+#: ``amax-1e-4/224``: vLLM's ROCm writer (eps 1e-4, M = 224 from ``get_fp8_min_max``);
+#: ``amax-1e-8/240``: SGLang's ROCm V4 store (eps 1e-8, M = torch.finfo(float8_e4m3fnuz).max = 240).
+FNUZ_DIALECT_RULES: dict[str, tuple[int, int]] = {
+    "amax-1e-4/224": (-21, 0x43600000),
+    "amax-1e-8/240": (-34, 0x43700000),
+}
+FNUZ_DIALECTS: tuple[str, ...] = tuple(FNUZ_DIALECT_RULES)
+
+
+def e4m3fnuz_encode(x: torch.Tensor) -> torch.Tensor:
+    """Encode fp32 values as E4M3 FNUZ bytes (uint8): RNE, saturating to +-240, NaN -> 0x80.
+
+    A value whose magnitude rounds to 0 (zero, -0.0, tiny values) is 0x00: FNUZ has no -0.
+    """
+    bits = f32_bits(x)
+    sign = (bits >> 31) << 7
+    mag = bits & 0x7FFFFFFF
+    exp = mag >> 23
+    # Normal range (|x| >= 2^-7): drop 20 mantissa bits with RNE, rebias 127 -> 8.
+    lsb = (mag >> 20) & 1
+    normal = ((mag + 0x7FFFF + lsb) >> 20) - ((127 - 8) << 3)
+    # Subnormal range: code = RNE(|x| * 2^10) in 0..8.
+    mant24 = (mag & 0x7FFFFF) | 0x800000
+    shift = (13 - (exp - 127)).clamp(min=1, max=40)
+    q = mant24 >> shift
+    rem = mant24 - (q << shift)
+    half = torch.ones_like(shift) << (shift - 1)
+    round_up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = q + round_up.to(torch.int64)
+    sub = torch.where(exp == 0, torch.zeros_like(sub), sub)
+    code = torch.where(exp >= _F32_EXP_FNUZ_MIN_NORMAL, normal, sub)
+    code = torch.where(mag > _F32_232_BITS, torch.full_like(code, 0x7F), code)
+    code = torch.where(code == 0, code, code | sign)
+    code = torch.where(mag > _F32_INF_BITS, torch.full_like(code, E4M3FNUZ_NAN), code)
+    return code.to(torch.uint8)
+
+
+def _e4m3fnuz_table() -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.int64)
+    sign = torch.where(codes >= 128, -1.0, 1.0).to(torch.float64)
+    e = (codes >> 3) & 0xF
+    m = (codes & 7).to(torch.float64)
+    normal = (1.0 + m / 8.0) * torch.pow(2.0, (e - 8).to(torch.float64))
+    sub = m / 8.0 * 2.0**-7
+    val = sign * torch.where(e == 0, sub, normal)
+    val[E4M3FNUZ_NAN] = float("nan")
+    return val.to(torch.float32)
+
+
+#: fp32 value of each E4M3 FNUZ code (0x80 is NaN; 0x7F / 0xFF are +-240).
+E4M3FNUZ_TABLE = _e4m3fnuz_table()
+
+
+def e4m3fnuz_decode(codes: torch.Tensor) -> torch.Tensor:
+    """Decode E4M3 FNUZ bytes (uint8) to fp32 through the 256-entry table."""
+    return E4M3FNUZ_TABLE.to(codes.device)[codes.to(torch.int64)]
+
+
+def fnuz_scale_exponent(amax: torch.Tensor, dialect: str) -> torch.Tensor:
+    """UE8M0 exponent k of each FNUZ tile for a FNUZ dialect: max(ceil(log2(amax / M)), floor) (see
+    ``FNUZ_DIALECT_RULES``). At M = 224 (= 448 / 2) this is the OCP ``amax-1e-4`` exponent plus one."""
+    try:
+        floor, max_bits = FNUZ_DIALECT_RULES[dialect]
+    except KeyError:
+        raise ValueError(f"unknown FNUZ dialect {dialect!r}; known: {', '.join(FNUZ_DIALECTS)}") from None
+    return ceil_log2_div(amax, max_bits).clamp(min=floor)
+
+
+def ceil_log2_div(amax: torch.Tensor, max_bits: int) -> torch.Tensor:
+    """Exact ceil(log2(amax / M)) for fp32 amax >= 0 and M = the positive normal fp32 of bits ``max_bits``,
+    as int64; amax == 0 gives -1000.
+
+    amax = A * 2^E and M = B * 2^F with A, B in [1, 2): the result is E - F, plus one when A > B
+    (amax's mantissa bits above M's). fp32 subnormals are normalised first.
     """
     bits = f32_bits(amax) & 0x7FFFFFFF
     exp = bits >> 23
@@ -98,8 +186,13 @@ def ceil_log2_div448(amax: torch.Tensor) -> torch.Tensor:
     sub_frac = (mant - (torch.ones_like(lead) << lead)) << (23 - lead).clamp(min=0)
     e = torch.where(exp == 0, sub_exp, exp - 127)
     frac = torch.where(exp == 0, sub_frac, mant)
-    result = e - 8 + (frac > 0x600000).to(torch.int64)
+    result = e - ((max_bits >> 23) - 127) + (frac > (max_bits & 0x7FFFFF)).to(torch.int64)
     return torch.where(bits == 0, torch.full_like(result, -1000), result)
+
+
+def ceil_log2_div448(amax: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(amax / 448)) for fp32 amax >= 0, as int64; amax == 0 gives -1000."""
+    return ceil_log2_div(amax, _F32_448_BITS)
 
 
 def scale_exponent(amax: torch.Tensor, dialect: str) -> torch.Tensor:
@@ -169,7 +262,6 @@ E2M1_THRESHOLDS: tuple[tuple[int, bool], ...] = (
     (0x40600000, True),  # 3.5
     (0x40A00000, False),  # 5.0
 )
-_F32_INF_BITS = 0x7F800000
 #: The fp4 record's scale range: amax / 6 is clamped to [2^-9, 448] before E4M3 rounding.
 FP4_SCALE_MIN_BITS = 0x3B000000  # 2^-9, the smallest E4M3 subnormal
 E4M3_NAN = 0x7F

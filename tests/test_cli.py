@@ -49,6 +49,8 @@ def test_layouts_table_and_json():
     model1 = next(r for r in records if r["name"] == "flashmla-model1")
     assert model1["page_bytes"] == {"2": 1728, "64": 37440, "256": 149760}
     assert model1["aliases"] == ["model1", "sglang-v4", "vllm-fp8-ds-mla"]
+    fnuz = next(r for r in records if r["name"] == "model1-fnuz")  # ROCm gfx942's MODEL1 with FNUZ nope
+    assert fnuz["page_bytes"] == model1["page_bytes"] and "amax-1e-8/240" in json.dumps(fnuz)
 
 
 def test_inspect_table_and_json(trtllm_dump: Path, tmp_path: Path):

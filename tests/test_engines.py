@@ -92,6 +92,9 @@ def test_trtllm_keeps_kv_and_score_in_separate_pools():
 @pytest.mark.parametrize(("spec", "message"), [
     ("sglang:e4m3=fnuz", r"float8_e4m3fnuz pools \(ROCm gfx942"),
     ("vllm:e4m3=fnuz", "float8_e4m3fnuz"),
+    ("vllm:gpu=mi300:e4m3=fn", "gfx942 pools are always FNUZ"),
+    ("sglang:gpu=mi300", "fp8 indexer keys in float8_e4m3fnuz"),
+    ("sglang:gpu=mi355:idx=fp4", "aiter's layout"),
     ("vllm:kv=v41", "DeepSeek-V4.1 528-B MXFP8 records are not supported"),
     ("vllm:kv=flashinfer", "kv=flashinfer on sm100, sm120 only, not sm90"),
     ("vllm:block=100", "block must be a multiple of 64"),
@@ -159,3 +162,18 @@ def test_no_state_error_is_reported_when_no_state_row_changes_dtype():
     src, src_tables = source_request(plan, seed=3)
     _, report = migrate_local(plan, src, src_tables, destination_pools(plan))
     assert report.state_max_abs_error is None and report.indexer_max_abs_error is not None
+
+
+def test_rocm_profiles_name_each_cache_format_and_its_source():
+    mi300 = parse_engine("vllm:gpu=mi300")
+    swa = next(c for c in MODEL.caches(0) if c.role == Role.SWA)
+    comp = next(c for c in MODEL.caches(2) if c.role == Role.COMPRESS)
+    assert (mi300.storage(swa).fmt, mi300.storage(swa).dialect) == ("model1-fnuz", "amax-1e-4/224")
+    assert (mi300.storage(comp).fmt, mi300.storage(comp).dialect) == ("flashmla-model1", "amax-1e-4")
+    assert mi300.storage(swa).page_bytes == mi300.storage(swa).layout.page_bytes(64)
+    assert {c.option: c.value for c in mi300.choices}["e4m3"] == "fnuz" and "use_fnuz" in mi300.source
+    for spec in ("vllm:gpu=mi355", "sglang:gpu=mi355"):
+        p = parse_engine(spec)
+        assert p.kv_layout == "flashmla-model1" and p.compress_layout is None
+    sg = parse_engine("sglang:gpu=mi355")
+    assert (sg.swa_dialect, sg.indexer_rule) == ("amax-1e-8", "sglang-rocm") and "triton_store_cache" in sg.source

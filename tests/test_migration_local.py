@@ -64,6 +64,10 @@ PAIRS = [
     ("trtllm:fp8:tpb=256:state=bf16:draft=1", "vllm:gpu=sm100"),
     ("vllm:kv=flashinfer:gpu=sm100:block=512", "trtllm:fp8-ds-mla:tpb=128:idx=fp8"),
     ("sglang:online=1", "sglang:online=1:idx=fp4"),
+    # ROCm: gfx942 vLLM (FNUZ SWA, OCP compressed) to and from vLLM on H100/H200 and SGLang on MI355
+    ("vllm:gpu=mi300", "vllm:gpu=sm90"),
+    ("vllm:gpu=sm90:idx=fp4", "vllm:gpu=mi300:idx=fp4"),
+    ("sglang:gpu=mi355", "sglang"),
 ]
 
 
@@ -79,6 +83,26 @@ def test_local_migration_bytes_match_reference(src_spec, dst_spec):
     converted_kv = [t for t in plan.transfers if t.src.kind == "kv" and t.conversion != "byte move"]
     # one loss report per conversion batch, covering every converted KV entry once
     assert sum(r.num_tokens for r in report.loss) == sum(t.count for t in converted_kv)
+
+
+def test_rocm_fnuz_round_trip_reports_the_fnuz_loss():
+    """gfx942 vLLM -> vLLM on H100/H200 -> back: each leg's bytes are the destination writer's, the SWA
+    transcodes are reported (into FNUZ with its note: tiles scaled to 224), the compressed cache moves as bytes."""
+    there = plan_migration("vllm:gpu=mi300", "vllm:gpu=sm90", MODEL, TOKENS)
+    src, src_tables = source_request(there, seed=5)
+    mid = destination_pools(there)
+    mid_tables, report = migrate_local(there, src, src_tables, mid)
+    _check(there, src, src_tables, mid, mid_tables)
+    swa = [t for t in there.transfers if t.spec.role == Role.SWA]
+    assert swa and all(t.src.fmt == "model1-fnuz" and t.dst.fmt == "flashmla-model1" for t in swa)
+    assert all(t.conversion == "byte move" for t in there.transfers if t.spec.role == Role.COMPRESS)
+    assert report.loss and {r.src_layout for r in report.loss} == {"model1-fnuz"}
+    back = plan_migration("vllm:gpu=sm90", "vllm:gpu=mi300", MODEL, TOKENS)
+    home = destination_pools(back)
+    home_tables, report_back = migrate_local(back, mid, mid_tables, home)
+    _check(back, mid, mid_tables, home, home_tables)
+    fnuz = [r for r in report_back.loss if r.dst_layout == "model1-fnuz"]
+    assert fnuz and all("224" in r.note for r in fnuz if not r.lossless)
 
 
 def test_sender_side_conversion_gives_the_same_bytes():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -96,3 +97,86 @@ def test_bf16_round_trip_bytes():
     x = torch.randn(1000) * 100
     got = nx.bf16_from_bytes(nx.bf16_bytes(x))
     assert torch.equal(got, x.to(torch.bfloat16).float())
+
+
+# ---------------------------------------------------------------------------------------------
+# E4M3 FNUZ (float8_e4m3fnuz), checked against torch's own cast
+# ---------------------------------------------------------------------------------------------
+
+
+def torch_e4m3fnuz(x: torch.Tensor) -> torch.Tensor:
+    """torch's RNE cast to float8_e4m3fnuz after an explicit clamp to +-240 (NaN stays NaN: 0x80)."""
+    return x.clamp(-240, 240).to(torch.float8_e4m3fnuz).view(torch.uint8)
+
+
+def fp32_bit_sample(step: int) -> torch.Tensor:
+    """Every ``step``-th fp32 bit pattern (NaNs, infinities, -0 and subnormals included)."""
+    bits = torch.arange(0, 2**32, step, dtype=torch.int64)
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def test_e4m3fnuz_table_matches_torch_decode_on_all_256_codes():
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fnuz).float()
+    got = nx.e4m3fnuz_decode(codes)
+    assert torch.equal(torch.nan_to_num(got, nan=12345.0), torch.nan_to_num(want, nan=12345.0))
+    assert torch.isnan(got).nonzero().flatten().tolist() == [nx.E4M3FNUZ_NAN]
+    assert got[0x7F] == nx.E4M3FNUZ_MAX and got[0xFF] == -nx.E4M3FNUZ_MAX
+
+
+def test_e4m3fnuz_matches_torch_cast_on_every_bf16_value():
+    x = torch.arange(0, 65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()  # NaN, Inf too
+    assert torch.equal(nx.e4m3fnuz_encode(x), torch_e4m3fnuz(x))
+
+
+def test_e4m3fnuz_matches_torch_cast_on_a_dense_fp32_bit_sample():
+    x = fp32_bit_sample(997)  # 4.3 M patterns spread over every exponent, sign and special value
+    assert torch.equal(nx.e4m3fnuz_encode(x), torch_e4m3fnuz(x))
+
+
+def test_e4m3fnuz_edge_cases():
+    cases = [
+        (0.0, 0x00), (-0.0, 0x00), (-(2.0**-12), 0x00), (240.0, 0x7F), (-240.0, 0xFF), (232.0, 0x7E),
+        (232.01, 0x7F), (224.0, 0x7E), (1e30, 0x7F), (-math.inf, 0xFF), (math.nan, 0x80), (2.0**-10, 0x01),
+        (2.0**-11, 0x00), (3 * 2.0**-11, 0x02), (2.0**-7, 0x08), (1.0, 0x40),
+    ]
+    x = torch.tensor([v for v, _ in cases], dtype=torch.float32)
+    assert nx.e4m3fnuz_encode(x).tolist() == [c for _, c in cases]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64))
+def test_fnuz_tile_is_the_ocp_tile_halved(values):
+    """At the ROCm writers' max of 224 a FNUZ tile's exponent is the OCP rule's plus one and its value
+    codes are the OCP codes of the same tile, -0 (0x80, the FNUZ NaN) written as 0x00."""
+    x = torch.tensor(values, dtype=torch.float32).clamp(-1e30, 1e30).unsqueeze(0)
+    amax = x.abs().amax(dim=-1)
+    k_ocp = nx.scale_exponent(amax, "amax-1e-4")
+    k_fnuz = nx.fnuz_scale_exponent(amax, "amax-1e-4/224")
+    assert (k_fnuz == k_ocp + 1).all()
+    ocp = nx.e4m3_encode(x * nx.pow2(-k_ocp).unsqueeze(-1))
+    fnuz = nx.e4m3fnuz_encode(x * nx.pow2(-k_fnuz).unsqueeze(-1))
+    assert torch.equal(fnuz, torch.where(ocp == 0x80, torch.zeros_like(ocp), ocp))
+    decoded = nx.e4m3fnuz_decode(fnuz) * nx.pow2(k_fnuz).unsqueeze(-1)
+    assert torch.equal(decoded, nx.e4m3_decode(ocp) * nx.pow2(k_ocp).unsqueeze(-1))
+
+
+@pytest.mark.parametrize("dialect", nx.FNUZ_DIALECTS)
+def test_fnuz_dialect_floor_is_the_eps_exponent(dialect):
+    floor, max_bits = nx.FNUZ_DIALECT_RULES[dialect]
+    eps = torch.tensor([float(dialect.removeprefix("amax-").split("/")[0])], dtype=torch.float32)
+    assert int(nx.ceil_log2_div(eps, max_bits)[0]) == floor
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(min_value=0, max_value=2.0**126, width=32), st.sampled_from([224.0, 240.0, 448.0]))
+def test_ceil_log2_div_is_exact(amax, m):
+    bits = int(torch.tensor([m]).view(torch.int32)[0])
+    got = int(nx.ceil_log2_div(torch.tensor([amax], dtype=torch.float32), bits)[0])
+    if amax == 0:
+        assert got == -1000
+    else:  # exact rational comparison: 2^(got-1) < amax / m <= 2^got
+        from fractions import Fraction
+
+        q = Fraction(amax) / Fraction(m)
+        assert Fraction(2) ** (got - 1) < q <= Fraction(2) ** got

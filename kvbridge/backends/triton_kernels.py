@@ -41,7 +41,7 @@ from kvbridge.errors import LayoutError
 from kvbridge.layouts import Layout
 from kvbridge.layouts.codec import HEAD_DIM, tensor_multiplier, ue8m0_dialect
 from kvbridge.layouts.registry import OP_BF16, OP_ZERO
-from kvbridge.numerics import DIALECT_MIN_EXPONENT
+from kvbridge.numerics import DIALECT_MIN_EXPONENT, FNUZ_DIALECT_RULES
 
 #: True when the kernels below were decorated under ``TRITON_INTERPRET=1`` (CPU tensors then work).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -69,6 +69,12 @@ copy_warps = 4
 
 
 # ----------------------------------------------------------------------------- number formats
+
+#: The two FNUZ dialects' exponent floors and writer-max mantissa bits (see ``_fnuz_exponent``).
+(_A_FLOOR, _A_MAX), (_B_FLOOR, _B_MAX) = FNUZ_DIALECT_RULES.values()
+FNUZ_A_FRAC = tl.constexpr(_A_MAX & 0x7FFFFF)
+FNUZ_B_FLOOR = tl.constexpr(_B_FLOOR)
+FNUZ_B_FRAC = tl.constexpr(_B_MAX & 0x7FFFFF)
 
 
 @triton.jit
@@ -114,6 +120,51 @@ def _e4m3_decode(code, HW_FP8: tl.constexpr):
         mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
         mag = tl.where((code & 0x7F) == 0x7F, float("nan"), mag)
         return tl.where(code >= 128, -mag, mag)
+
+
+@triton.jit
+def _e4m3fnuz_bits_from_f32(x):
+    """fp32 -> E4M3 FNUZ code (int32 0..255): ``numerics.e4m3fnuz_encode`` in Triton ops (RNE, saturating
+    at 240, NaN 0x80, a value rounding to 0 is 0x00)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    exp = mag >> 23
+    lsb = (mag >> 20) & 1
+    normal = ((mag + 0x7FFFF + lsb) >> 20) - (119 << 3)
+    mant24 = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(140 - exp, 1), 25)  # 13 - (exp - 127); >= 25 always rounds to 0
+    q = mant24 >> shift
+    rem = mant24 - (q << shift)
+    half = 1 << (shift - 1)
+    round_up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    sub = tl.where(exp == 0, 0, q + round_up.to(tl.int32))
+    code = tl.where(exp >= 120, normal, sub)  # 120 = biased fp32 exponent of 2^-7
+    code = tl.where(mag > 0x43680000, 0x7F, code)  # above 232 saturates to 240
+    code = tl.where(code == 0, 0, code | sign)
+    return tl.where(mag > 0x7F800000, 0x80, code)
+
+
+@triton.jit
+def _fnuz_exponent(amax, min_exp):
+    """max(ceil(log2(amax / M)), min_exp) of the FNUZ dialect whose floor is ``min_exp``
+    (``numerics.fnuz_scale_exponent``): M = B * 2^7, so E - 7, plus one when amax's mantissa exceeds B's."""
+    bits = amax.to(tl.int32, bitcast=True)
+    exp = bits >> 23
+    max_frac = tl.where(min_exp == FNUZ_B_FLOOR, FNUZ_B_FRAC, FNUZ_A_FRAC)
+    k = exp - 134 + ((bits & 0x7FFFFF) > max_frac).to(tl.int32)
+    return tl.where(exp == 0, min_exp, tl.maximum(k, min_exp))
+
+
+@triton.jit
+def _e4m3fnuz_decode(code):
+    """E4M3 FNUZ code (int32 0..255) -> fp32, exact (bias 8, subnormals m * 2^-10); 0x80 gives NaN."""
+    e = (code >> 3) & 0xF
+    m = code & 7
+    normal = (((e + 119) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.0009765625, normal)
+    mag = tl.where(code >= 128, -mag, mag)
+    return tl.where(code == 0x80, float("nan"), mag)
 
 
 @triton.jit
@@ -233,6 +284,10 @@ def _decode_field(x, d, src, src16, data, foot, valid, scale, HW_FP8: tl.constex
         s_at = _field_at(data, foot, SOFF, S)
         sb = tl.load(src + s_at + j // TILE, mask=m, other=127).to(tl.int32)
         v = _e4m3_decode(tl.load(src + at + j, mask=m, other=0).to(tl.int32), HW_FP8) * _ue8m0_decode(sb)
+    elif OP == 5:  # E4M3 FNUZ tiles with UE8M0 scales
+        s_at = _field_at(data, foot, SOFF, S)
+        sb = tl.load(src + s_at + j // TILE, mask=m, other=127).to(tl.int32)
+        v = _e4m3fnuz_decode(tl.load(src + at + j, mask=m, other=0).to(tl.int32)) * _ue8m0_decode(sb)
     elif OP == 3:  # E2M1 pairs with E4M3 scales
         s_at = _field_at(data, foot, SOFF, S)
         sb = tl.load(src + s_at + j // TILE, mask=m, other=0x38).to(tl.int32)
@@ -276,6 +331,11 @@ def _encode_field(x, d, dst, dst16, data, foot, row, valid, mult, min_exp, HW_FP
             inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # exact 2^-k
             tl.store(dst + at + j, _e4m3_encode(x * inv, HW_FP8).to(tl.uint8), mask=m)
             sb = tl.where(valid, _scale_exponent(tile_amax, min_exp) + 127, 0)
+        elif OP == 5:  # E4M3 FNUZ tiles with UE8M0 scales 2^k
+            k = _fnuz_exponent(amax, min_exp)
+            inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # exact 2^-k
+            tl.store(dst + at + j, _e4m3fnuz_bits_from_f32(x * inv).to(tl.uint8), mask=m)
+            sb = tl.where(valid, _fnuz_exponent(tile_amax, min_exp) + 127, 0)
         else:  # E2M1 pairs with E4M3 scales e4m3(clamp(amax / 6, 2^-9, 448)), codes of x / scale
             q = tl.minimum(tl.maximum(tl.math.div_rn(tile_amax, 6.0), 0.001953125), 448.0)
             sb = _e4m3_encode(q, HW_FP8)
@@ -629,6 +689,8 @@ def _output_pages(out: torch.Tensor | None, layout: Layout, num_tokens: int, pag
 
 def _encode_args(layout: Layout, dialect: str | None, scale: float) -> dict:
     """Runtime encoder arguments: the per-tensor multiplier and the UE8M0 rule's exponent floor."""
+    if dialect in FNUZ_DIALECT_RULES:  # a FNUZ destination: its dialect's floor also names its rule
+        return {"min_exp": FNUZ_DIALECT_RULES[dialect][0], "dst_mult": 1.0}
     floor = DIALECT_MIN_EXPONENT[ue8m0_dialect(dialect)]
     if floor <= -135:  # _scale_exponent sends zero / fp32-subnormal amax (k <= -135) straight to the floor
         raise LayoutError(f"dialect {dialect!r}: scale floor 2^{floor} is below what the kernel handles")

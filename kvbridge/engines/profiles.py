@@ -94,7 +94,8 @@ class Choice:
 class EngineProfile:
     """One engine version's storage of DeepSeek-V4 caches.
 
-    ``swa_page``: tokens per SWA page. ``compressed_tokens_per_page``: full tokens one
+    ``compress_layout``: the compressed cache's layout when it differs from ``kv_layout`` (ROCm gfx942
+    vLLM: FNUZ SWA, OCP compressed). ``swa_page``: tokens per SWA page. ``compressed_tokens_per_page``: full tokens one
     compressed page covers (a ratio-r page holds that / r entries). ``state``: per ratio, the
     addressing, rows per page (ring or block) and table of the compressor state.
     ``page_align``: block strides are rounded up to a multiple of this many bytes (vLLM).
@@ -127,6 +128,7 @@ class EngineProfile:
     swa_send_page: bool = False
     online_c128: bool = False
     score_has_ape: bool = True
+    compress_layout: str | None = None
 
     @cached_property
     def layout(self) -> Layout:
@@ -154,7 +156,8 @@ class EngineProfile:
         """Storage of one layer's cache."""
         table = self.table_name(spec)
         if spec.role in (Role.SWA, Role.COMPRESS):
-            lay = self.layout
+            lay = get_layout(self.compress_layout) if spec.role == Role.COMPRESS and self.compress_layout \
+                else self.layout
             p = self.swa_page if spec.role == Role.SWA else self.compressed_tokens_per_page // spec.ratio
             dialect = self.swa_dialect if spec.role == Role.SWA else self.compress_dialect
             return Storage("kv", lay.name, lay.record_bytes, lay.split, p, self._align(lay.page_bytes(p)), table,
@@ -186,6 +189,7 @@ class EngineProfile:
             "version": self.version,
             "spec": self.spec,
             "kv_layout": self.kv_layout,
+            "compress_layout": self.compress_layout or self.kv_layout,
             "swa_page": self.swa_page,
             "compressed_tokens_per_page": self.compressed_tokens_per_page,
             "indexer": f"{self.indexer_fmt} ({self.indexer_rule})",
@@ -241,11 +245,20 @@ class _Options:
         return int(raw)
 
 
-def _refuse_fnuz(opts: _Options, engine: str) -> None:
-    flavour = opts.pick("e4m3", "fn", ("fn", "fnuz"), "E4M3 flavour of the KV and indexer pools")
-    if flavour == "fnuz":
-        raise InputError(f"{engine} with float8_e4m3fnuz pools (ROCm gfx942: max 240, other exponent bias) is not "
-                         "supported: kvbridge's layouts store OCP float8_e4m3fn bytes, which those pools misread")
+#: ROCm GPU families: gfx942 (MI300X / MI325X) keeps FP8 in float8_e4m3fnuz, gfx950 (MI355X) in OCP E4M3.
+ROCM_GPUS = {"mi300": "gfx942", "mi355": "gfx950"}
+
+
+def _e4m3_flavour(opts: _Options, engine: str, gpu: str, source: str) -> str:
+    """The ``e4m3`` option: ``fnuz`` on gfx942 (where the engine writes it), ``fn`` elsewhere; the other refused."""
+    native = "fnuz" if gpu == "mi300" else "fn"
+    flavour = opts.pick("e4m3", native, ("fn", "fnuz"), source)
+    if flavour != native:
+        where = f"on {gpu} ({ROCM_GPUS.get(gpu, 'CUDA')})"
+        raise InputError(f"engine spec {opts.spec!r}: {engine} {where} writes float8_e4m3{native} pools, not "
+                         f"e4m3={flavour}; " + ("float8_e4m3fnuz pools (ROCm gfx942) need gpu=mi300"
+                                                 if flavour == "fnuz" else "gfx942 pools are always FNUZ"))
+    return flavour
 
 
 _SG = "sglang/"
@@ -261,7 +274,7 @@ def sglang(spec: str = "sglang") -> EngineProfile:
     (``SGLANG_OPT_USE_ONLINE_COMPRESS``), ``e4m3=fn`` (``fnuz`` refused).
     """
     _, *parts = spec.split(":")
-    opts = _Options(parts, ("swa", "idx", "draft", "state", "online", "e4m3"), spec)
+    opts = _Options(parts, ("swa", "idx", "draft", "state", "online", "e4m3", "gpu"), spec)
     page = int(opts.pick("swa", "256", ("256", "128", "64"), "page size (DSV4PoolConfigurator forces 256; NPU 128)"))
     if page < 128:
         raise InputError(f"engine spec {spec!r}: swa={page} gives ratio-128 pages of {page / 128:g} entries; "
@@ -270,27 +283,36 @@ def sglang(spec: str = "sglang") -> EngineProfile:
     draft = opts.integer("draft", 0, 0, 64, "speculative num_draft_tokens (0: no speculative decoding)")
     dtype = opts.pick("state", "fp32", ("fp32", "bf16"), "SGLANG_DSV4_COMPRESS_STATE_DTYPE")
     online = opts.pick("online", "0", ("0", "1"), "SGLANG_OPT_USE_ONLINE_COMPRESS") == "1"
-    _refuse_fnuz(opts, "SGLang")
+    gpu = opts.pick("gpu", "cuda", ("cuda", *ROCM_GPUS), "GPU (ROCm: srt/utils is_hip, is_gfx95_supported)")
+    _e4m3_flavour(opts, "SGLang", gpu, f"{_SG}kernels/ops/quantization/fp8_kernel.py is_fp8_fnuz (fp8 KV dtype)")
+    rocm = gpu in ROCM_GPUS
+    if rocm:
+        _sglang_rocm(spec, gpu, idx, online)
     if online and draft:
         raise InputError(f"engine spec {spec!r}: SGLang's online ratio-128 compressor does not support "
                          "speculative decoding (draft > 0) without SGLANG_EXPERIMENTAL_ONLINE_C128_MTP")
     ring4, ring128 = (16, 256) if draft else (8, 128)
     mem = _SG + "srt/mem_cache/deepseek_v4_memory_pool.py"
+    swa_d = "amax-1e-8" if rocm else "amax-1e-4"
+    kv_source = (f"{_SG}kernels/ops/attention/dsv4/attn.py fused_store_cache -> {_SG}kernels/ops/kvcache/"
+                 "triton_store_cache.py triton_fused_store_flashmla (HIP, V4 layout: SWA and compressed pools)"
+                 if rocm else f"{_SG}kernels/jit/csrc/deepseek_v4/store.cuh FusedStoreCacheFlashMLAKernel")
+    idx_source = (f"{_SG}kernels/ops/kvcache/triton_store_cache.py triton_fused_store_indexer (HIP)" if rocm else
+                  f"{_SG}kernels/jit/csrc/deepseek_v4/fused_norm_rope_v2.cuh FusedNormRopeKernel::"
+                  + ("forward" if idx == "fp8" else "forward_fp4")
+                  + f" (via {_SG}srt/layers/attention/dsv4/compressor_v2.py compress_norm_rope_store)")
     return EngineProfile(
         engine="sglang", version=SGLANG_VERSION,
-        spec=f"sglang:swa={page}:idx={idx}" + (f":draft={draft}" if draft else "")
+        spec=f"sglang:swa={page}:idx={idx}" + (f":gpu={gpu}" if rocm else "") + (f":draft={draft}" if draft else "")
         + (f":state={dtype}" if dtype != "fp32" else "") + (":online=1" if online else ""),
         kv_layout="flashmla-model1", swa_page=page, compressed_tokens_per_page=page,
-        indexer_fmt=idx, indexer_rule="sglang",
-        swa_dialect="amax-1e-4", compress_dialect="amax-1e-4", kv_scale=None, state_dtype=dtype,
+        indexer_fmt=idx, indexer_rule="sglang-rocm" if rocm else "sglang",
+        swa_dialect=swa_d, compress_dialect=swa_d, kv_scale=None, state_dtype=dtype,
         state={4: ("page-ring", ring4, "swa"), 128: ("ring", 1 if online else ring128, "state")},
         tables={Role.SWA: "swa", Role.COMPRESS: "full", Role.INDEXER: "full"},
         sources={
-            "kv": f"{mem} DeepSeekV4TokenToKVPool; "
-                  f"{_SG}kernels/jit/csrc/deepseek_v4/store.cuh FusedStoreCacheFlashMLAKernel",
-            "indexer": f"{_SG}kernels/jit/csrc/deepseek_v4/fused_norm_rope_v2.cuh FusedNormRopeKernel::"
-                       + ("forward" if idx == "fp8" else "forward_fp4")
-                       + f" (via {_SG}srt/layers/attention/dsv4/compressor_v2.py compress_norm_rope_store)",
+            "kv": f"{mem} DeepSeekV4TokenToKVPool; {kv_source}",
+            "indexer": idx_source,
             "state": f"{_SG}srt/mem_cache/deepseek_v4_compress_state.py CompressStatePool "
                      "(ratio 4 page-scoped: translate_from_swa_loc_to_state_loc; ratio 128 request-scoped); "
                      f"{mem} get_compress_state_ring_size; raw scores, APE added when compressing "
@@ -302,13 +324,26 @@ def sglang(spec: str = "sglang") -> EngineProfile:
     )
 
 
+def _sglang_rocm(spec: str, gpu: str, idx: str, online: bool) -> None:
+    """Refuse the SGLang ROCm builds kvbridge cannot reproduce, each with its reason."""
+    if gpu == "mi300":
+        raise InputError(f"engine spec {spec!r}: SGLang on gfx942 writes its KV (layout model1-fnuz, dialect "
+                         "amax-1e-8/240) and its fp8 indexer keys in float8_e4m3fnuz (triton_store_cache.py, "
+                         "FP8_MAX=240); kvbridge's indexer formats are OCP E4M3 only, so this pool is not supported")
+    if idx == "fp4":
+        raise InputError(f"engine spec {spec!r}: SGLang on ROCm stores fp4 indexer keys in aiter's layout "
+                         "(uses_aiter_fp4_layout), which kvbridge does not read; use idx=fp8")
+    if online:
+        raise InputError(f"engine spec {spec!r}: SGLang disables the online ratio-128 compressor on HIP (ONLINE_C128)")
+
+
 _VL = "vllm/"
 _VLLM_KV = {
     # kv option -> (layout, SWA dialect, COMPRESS dialect, page alignment, GPU families that run it).
     # FlashInfer's per-tensor FP8 compressed rows are e4m3(clamp(bf16(x) * (1 / 1.0))) (its cutedsl
     # compressor): the ``swa`` dialect at scale 1. Its SWA rows come from a compiled op whose source
     # is not in the wheel; kvbridge assumes the same rule there.
-    "fp8_ds_mla": ("flashmla-model1", "amax-1e-4", "amax-1e-4", 576, ("sm90", "sm100", "sm120")),
+    "fp8_ds_mla": ("flashmla-model1", "amax-1e-4", "amax-1e-4", 576, ("sm90", "sm100", "sm120", "mi300", "mi355")),
     "flashinfer": ("trtllm-fp8", "swa", "swa", 512, ("sm100", "sm120")),
     "flashinfer-bf16": ("bf16", None, None, 512, ("sm100",)),
 }
@@ -321,7 +356,9 @@ def vllm(spec: str = "vllm") -> EngineProfile:
     block / r entries), ``idx=fp8|fp4``, ``gpu=sm90|sm100|sm120``,
     ``kv=fp8_ds_mla|flashinfer|flashinfer-bf16|v41`` (``flashinfer``: 512-B per-tensor FP8 rows of
     ``FLASHINFER_MLA_SPARSE_DSV4`` on SM10x / SM120, ``flashinfer-bf16`` its bf16 rows on SM10x;
-    ``v41`` refused), ``draft=N`` (recorded; no storage change was found for it), ``e4m3=fn``.
+    ``v41`` refused), ``draft=N`` (recorded; no storage change was found for it), ``gpu=mi300|mi355``
+    (ROCm: gfx942 keeps the SWA cache in ``model1-fnuz``, dialect ``amax-1e-4/224``, and the compressed
+    cache in OCP ``flashmla-model1``; gfx950 is OCP throughout), ``e4m3=fn|fnuz`` (``fnuz`` on mi300 only).
     SWA blocks of 64 tokens; compressor state fp32 in
     position-paged blocks of 4 (ratio 4) / 8 (ratio 128) positions; blocks aligned to 576 B
     (``fp8_ds_mla``) or 512 B.
@@ -332,10 +369,12 @@ def vllm(spec: str = "vllm") -> EngineProfile:
     if block % 64:
         raise InputError(f"engine spec {spec!r}: block must be a multiple of 64, got {block}")
     idx = opts.pick("idx", "fp8", ("fp8", "fp4"), "indexer cache dtype")
-    gpu = opts.pick("gpu", "sm90", ("sm90", "sm100", "sm120"), "GPU family (mqa_logits_use_mx_scales on sm100)")
+    gpu = opts.pick("gpu", "sm90", ("sm90", "sm100", "sm120", *ROCM_GPUS),
+                    "GPU family (mqa_logits_use_mx_scales on sm100; ROCm: platforms is_fp8_fnuz on mi300)")
     kv = opts.pick("kv", "fp8_ds_mla", (*_VLLM_KV, "v41"), "attention backend / cache layout")
     draft = opts.integer("draft", 0, 0, 64, "num_speculative_tokens (0: none)")
-    _refuse_fnuz(opts, "vLLM")
+    fnuz = _e4m3_flavour(opts, "vLLM", gpu, f"{_VL}models/deepseek_v4/common/ops/cache_utils.py "
+                         "quantize_and_insert_k_cache(use_fnuz=current_platform.is_fp8_fnuz())") == "fnuz"
     if kv == "v41":
         raise InputError(f"engine spec {spec!r}: vLLM's DeepSeek-V4.1 528-B MXFP8 records are not supported by "
                          "kvbridge yet")
@@ -343,6 +382,9 @@ def vllm(spec: str = "vllm") -> EngineProfile:
     if gpu not in gpus:
         raise InputError(f"engine spec {spec!r}: vLLM runs kv={kv} on {', '.join(gpus)} only, not {gpu}")
     rule = ("vllm-ue8m0" if gpu == "sm100" else "vllm") if idx == "fp8" else "vllm"
+    compress_layout = None
+    if fnuz:  # gfx942: the SWA cache follows the platform's FNUZ, the compressed cache stays OCP
+        layout, swa_d, compress_layout = "model1-fnuz", "amax-1e-4/224", "flashmla-model1"
     return EngineProfile(
         engine="vllm", version=VLLM_VERSION,
         spec=f"vllm:block={block}:idx={idx}:gpu={gpu}:kv={kv}" + (f":draft={draft}" if draft else ""),
@@ -353,7 +395,10 @@ def vllm(spec: str = "vllm") -> EngineProfile:
         state={4: ("paged", 4, "state"), 128: ("paged", 8, "state")},
         tables={Role.SWA: "swa", Role.COMPRESS: "compress", Role.INDEXER: "compress"},
         sources={
-            "kv": f"{_VL}models/deepseek_v4/attention.py (MLAAttentionSpec, alignment 576 / 512)",
+            "kv": f"{_VL}models/deepseek_v4/attention.py (MLAAttentionSpec, alignment 576 / 512)"
+                  + (f"; gfx942 SWA FNUZ, compressed OCP: {_VL}models/deepseek_v4/amd/rocm.py "
+                     "dequantize_and_gather_k_cache(use_fnuz=...) and common/ops/cache_utils.py "
+                     "quantize_and_insert_k_cache (fp8_max 224)" if fnuz else ""),
             "indexer": f"{_VL}models/deepseek_v4/common/ops/fused_compress_quant_cache.py "
                        + ("_fused_kv_compress_norm_rope_insert_indexer_attn" if idx == "fp8" else
                           "_fused_kv_compress_norm_rope_insert_indexer_mxfp4_attn")
@@ -362,7 +407,7 @@ def vllm(spec: str = "vllm") -> EngineProfile:
                      "SlidingWindowMLASpec); score + ape[position % ratio] saved "
                      f"({_VL}models/deepseek_v4/common/ops/save_partial_states.py)",
         },
-        choices=tuple(opts.choices), page_align=align, draft_tokens=draft,
+        choices=tuple(opts.choices), page_align=align, draft_tokens=draft, compress_layout=compress_layout,
     )
 
 

@@ -19,6 +19,7 @@ from kvbridge.layouts.registry import (
     OP_E2M1_E4M3,
     OP_E4M3_TENSOR,
     OP_E4M3_UE8M0,
+    OP_E4M3FNUZ_UE8M0,
     OP_ZERO,
     Layout,
 )
@@ -50,6 +51,11 @@ def ue8m0_dialect(dialect: str | None) -> str:
     return dialect if dialect in nx.DIALECT_MIN_EXPONENT else "flashmla"
 
 
+def fnuz_dialect(dialect: str | None) -> str:
+    """The FNUZ UE8M0 scale rule a dialect names (``amax-1e-4/224``, vLLM's ROCm writer, when None)."""
+    return dialect if dialect in nx.FNUZ_DIALECTS else nx.FNUZ_DIALECTS[0]
+
+
 @functools.cache
 def record_codec(layout: Layout) -> RecordCodec:
     """The reference record codec of ``layout`` (one per layout, built on first use)."""
@@ -62,7 +68,8 @@ class RecordCodec:
     Per field (``Segment``): bf16 is rounded to nearest even; per-tensor E4M3 is
     ``e4m3(x * m)`` with ``m = tensor_multiplier(dialect, scale)``, decoded ``e4m3 * scale``;
     UE8M0-scaled E4M3 tiles get scale 2^k with k from the dialect's rule
-    (``numerics.scale_exponent``) and value bytes ``e4m3(x / 2^k)`` (exact division);
+    (``numerics.scale_exponent``) and value bytes ``e4m3(x / 2^k)`` (exact division); FNUZ tiles
+    likewise with ``numerics.fnuz_scale_exponent`` and ``e4m3fnuz``;
     E4M3-scaled E2M1 tiles get ``numerics.fp4_tile_scale`` and codes of ``x / scale``.
     Pad bytes are 0.
     """
@@ -83,10 +90,14 @@ class RecordCodec:
             elif op == OP_E4M3_TENSOR:
                 m = torch.tensor(tensor_multiplier(dialect, scale), dtype=torch.float32, device=x.device)
                 rec[:, off : off + nd] = nx.e4m3_encode(v if dialect == "compress" else v * m)
-            elif op == OP_E4M3_UE8M0:
+            elif op in (OP_E4M3_UE8M0, OP_E4M3FNUZ_UE8M0):
                 tiles = v.reshape(n, nd // tile, tile)
-                exp = nx.scale_exponent(tiles.abs().amax(dim=-1), ue8m0_dialect(dialect))
-                rec[:, off : off + nd] = nx.e4m3_encode(tiles * nx.pow2(-exp).unsqueeze(-1)).reshape(n, nd)
+                amax = tiles.abs().amax(dim=-1)
+                fnuz = op == OP_E4M3FNUZ_UE8M0
+                exp = nx.fnuz_scale_exponent(amax, fnuz_dialect(dialect)) if fnuz else \
+                    nx.scale_exponent(amax, ue8m0_dialect(dialect))
+                encode = nx.e4m3fnuz_encode if fnuz else nx.e4m3_encode
+                rec[:, off : off + nd] = encode(tiles * nx.pow2(-exp).unsqueeze(-1)).reshape(n, nd)
                 rec[:, soff : soff + nd // tile] = nx.ue8m0_byte(exp)
             elif op == OP_E2M1_E4M3:
                 tiles = v.reshape(n, nd // tile, tile)
@@ -105,8 +116,9 @@ class RecordCodec:
             elif op == OP_E4M3_TENSOR:
                 s = torch.tensor(scale, dtype=torch.float32, device=records.device)
                 out[:, d0 : d0 + nd] = nx.e4m3_decode(records[:, off : off + nd]) * s
-            elif op == OP_E4M3_UE8M0:
-                values = nx.e4m3_decode(records[:, off : off + nd]).reshape(n, nd // tile, tile)
+            elif op in (OP_E4M3_UE8M0, OP_E4M3FNUZ_UE8M0):
+                decode = nx.e4m3fnuz_decode if op == OP_E4M3FNUZ_UE8M0 else nx.e4m3_decode
+                values = decode(records[:, off : off + nd]).reshape(n, nd // tile, tile)
                 exp = records[:, soff : soff + nd // tile].to(torch.int64) - 127
                 tile_scale = torch.where(exp == 128, torch.nan, nx.pow2(exp))  # UE8M0 0xFF is NaN
                 out[:, d0 : d0 + nd] = (values * tile_scale.unsqueeze(-1)).reshape(n, nd)

@@ -40,8 +40,11 @@ OP_E4M3_UE8M0 = 2
 OP_E2M1_E4M3 = 3
 #: Bytes written as zero (pad).
 OP_ZERO = 4
+#: E4M3 FNUZ (``float8_e4m3fnuz``, ROCm gfx942) per tile, scaled by 2^k with the UE8M0 byte k + 127;
+#: k = ceil(log2(max(amax, eps) / 224)), the ROCm writers' rule (``numerics.fnuz_scale_exponent``).
+OP_E4M3FNUZ_UE8M0 = 5
 #: Every op the backends (reference codec, numba, C, Triton) execute.
-SEGMENT_OPS = (OP_BF16, OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_E2M1_E4M3, OP_ZERO)
+SEGMENT_OPS = (OP_BF16, OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_E2M1_E4M3, OP_ZERO, OP_E4M3FNUZ_UE8M0)
 #: Ops that use the layout's per-tensor scale (a field compiling to one needs a per-tensor layout).
 PER_TENSOR_OPS = (OP_E4M3_TENSOR,)
 KINDS = ("value", "scale", "pad")
@@ -147,6 +150,10 @@ register_format(Format("pad", "pad", 8, nonfinite=None))
 register_format(Format(
     "e4m3", "value", 8, nonfinite=E4M3_NAN, ops=((None, OP_E4M3_TENSOR), ("ue8m0", OP_E4M3_UE8M0)),
     at_max=CodeRule(1, 0x7F, 0x7E), subnormal=CodeRule(1, 0x78, 0x00), zero=CodeRule(1, 0x7F, 0x00),
+))
+register_format(Format(  # float8_e4m3fnuz: bias 8, max 240 (0x7F / 0xFF), NaN 0x80 only, no -0, no Inf
+    "e4m3fnuz", "value", 8, nonfinite=CodeRule(1, 0xFF, 0x80), ops=(("ue8m0", OP_E4M3FNUZ_UE8M0),),
+    at_max=CodeRule(1, 0x7F, 0x7F), subnormal=CodeRule(1, 0x78, 0x00), zero=CodeRule(1, 0xFF, 0x00),
 ))
 register_format(Format("e2m1", "value", 4, nonfinite=None, ops=(("e4m3-scale", OP_E2M1_E4M3),)))
 register_format(Format(

@@ -34,6 +34,7 @@ from kvbridge.layouts.formats import (  # the ops are defined beside the format 
     OP_E2M1_E4M3,  # noqa: F401
     OP_E4M3_TENSOR,  # noqa: F401
     OP_E4M3_UE8M0,  # noqa: F401
+    OP_E4M3FNUZ_UE8M0,  # noqa: F401
     OP_ZERO,
     PER_TENSOR_OPS,
     all_formats,

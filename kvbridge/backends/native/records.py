@@ -30,7 +30,14 @@ from kvbridge.backends.native.pool import CHUNK_TOKENS, _flat
 from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import Layout
 from kvbridge.layouts.codec import tensor_multiplier, ue8m0_dialect
-from kvbridge.layouts.registry import OP_BF16, OP_E2M1_E4M3, OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_ZERO
+from kvbridge.layouts.registry import (
+    OP_BF16,
+    OP_E2M1_E4M3,
+    OP_E4M3_TENSOR,
+    OP_E4M3_UE8M0,
+    OP_E4M3FNUZ_UE8M0,
+    OP_ZERO,
+)
 
 HEAD_DIM = 512
 
@@ -41,6 +48,13 @@ _TMP = 2 * HEAD_DIM
 
 #: fp32 value of each E4M3 code (0x7F/0xFF NaN), from ``kvbridge.numerics``.
 _E4M3_F32 = nx.E4M3_TABLE.numpy().copy()
+#: fp32 value of each E4M3 FNUZ code (0x80 NaN), frozen into the kernels as a constant.
+_E4M3FNUZ_F32 = nx.E4M3FNUZ_TABLE.numpy().copy()
+_E4M3FNUZ_NAN = nx.E4M3FNUZ_NAN
+#: The two FNUZ dialects' (exponent floor, writer max M as fp32 bits), frozen into the kernels. A FNUZ
+#: tile's rule is told by the floor the kernels receive as ``min_exp`` (the floors differ).
+(_FNUZ_A_FLOOR, _FNUZ_A_MAX), (_FNUZ_B_FLOOR, _FNUZ_B_MAX) = nx.FNUZ_DIALECT_RULES.values()
+assert _FNUZ_A_FLOOR != _FNUZ_B_FLOOR and _FNUZ_A_MAX >> 23 == _FNUZ_B_MAX >> 23
 #: fp32 2^(b - 127) of each UE8M0 byte b (0xFF is NaN), as the reference MODEL1 decoder builds it.
 _UE8M0_F32 = torch.where(
     torch.arange(256) == 255, torch.tensor(float("nan")), nx.pow2(torch.arange(256) - 127)
@@ -195,6 +209,13 @@ def _decode_record(prog, rec, scale, e4m3, ue8m0, e2m1, vals, bits) -> None:
                 dst = vals[d0 + t * tile : d0 + (t + 1) * tile]
                 for i in range(tile):
                     dst[i] = e4m3[src[i]] * s
+        elif op == OP_E4M3FNUZ_UE8M0:
+            for t in range(nd // tile):
+                s = ue8m0[rec[soff + t]]
+                src = rec[off + t * tile : off + (t + 1) * tile]
+                dst = vals[d0 + t * tile : d0 + (t + 1) * tile]
+                for i in range(tile):
+                    dst[i] = _E4M3FNUZ_F32[src[i]] * s
         elif op == OP_E2M1_E4M3:
             half = tile // 2
             for t in range(nd // tile):
@@ -251,6 +272,53 @@ def _ue8m0_e4m3_tiles(src, src_bits, tile: int, min_exp: int, pow2, tmp, tmp_bit
 
 
 @njit(cache=True, inline="always")
+def _e4m3fnuz_code(b: int) -> int:
+    """E4M3 FNUZ code of the fp32 with bit pattern ``b`` (``numerics.e4m3fnuz_encode``): RNE, saturating
+    at 240, NaN 0x80, a value rounding to 0 is 0x00."""
+    mag = b & 0x7FFFFFFF
+    if mag > 0x7F800000:
+        return _E4M3FNUZ_NAN
+    if mag > 0x43680000:  # above 232, the midpoint of 224 and 240
+        code = 0x7F
+    elif mag >= 0x3C000000:  # normal FNUZ (|x| >= 2^-7): drop 20 mantissa bits with RNE, rebias 127 -> 8
+        code = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 952
+    else:
+        e = mag >> 23
+        shift = 13 - (e - 127)
+        if e == 0 or shift > 40:
+            return 0
+        mant = (mag & 0x7FFFFF) | 0x800000
+        code = mant >> shift
+        rem = mant - (code << shift)
+        half = np.int64(1) << (shift - 1)
+        if rem > half or (rem == half and (code & 1) == 1):
+            code += 1
+    return 0 if code == 0 else code | ((b >> 24) & 0x80)
+
+
+@njit(cache=True, inline="always")
+def _fnuz_tiles(src, src_bits, tile: int, min_exp: int, pow2, tmp, tmp_bits, out, scales) -> None:
+    """E4M3 FNUZ tiles with UE8M0 scales 2^k, k = max(ceil(log2(amax / M)), min_exp) for the FNUZ dialect
+    whose floor is ``min_exp`` (``numerics.fnuz_scale_exponent``); value codes of x / 2^k (exact)."""
+    max_frac = (_FNUZ_B_MAX if min_exp == _FNUZ_B_FLOOR else _FNUZ_A_MAX) & 0x7FFFFF
+    for t in range(src.shape[0] // tile):
+        vbits = src_bits[t * tile : (t + 1) * tile]
+        amax_bits = 0
+        for i in range(tile):
+            amax_bits = max(amax_bits, np.int64(vbits[i]) & 0x7FFFFFFF)
+        exp = amax_bits >> 23
+        e = min_exp
+        if exp > 0:  # amax = A * 2^E, M = B * 2^7: E - 7 (+1 when A > B)
+            e = max(min_exp, exp - 134 + (1 if (amax_bits & 0x7FFFFF) > max_frac else 0))
+        m = pow2[149 - e]
+        vals = src[t * tile : (t + 1) * tile]
+        for i in range(tile):
+            tmp[0] = vals[i] * m
+            out[t * tile + i] = _e4m3fnuz_code(np.int64(tmp_bits[0]))
+        scales[t] = e + 127
+
+
+@njit(cache=True, inline="always")
 def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, rec) -> None:
     """512 fp32 values -> record bytes, field by field. ``mult``: per-tensor E4M3 multiplier;
     ``min_exp``: the UE8M0 rule's exponent floor."""
@@ -279,6 +347,9 @@ def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, r
                 _ue8m0_e4m3_tiles(src, src_bits, 16, min_exp, pow2, tmp, tmp_bits, out, scales)
             else:
                 _ue8m0_e4m3_tiles(src, src_bits, tile, min_exp, pow2, tmp, tmp_bits, out, scales)
+        elif op == OP_E4M3FNUZ_UE8M0:
+            _fnuz_tiles(vals[d0 : d0 + nd], bits[d0 : d0 + nd], tile, min_exp, pow2, tmp, tmp_bits,
+                        rec[off : off + nd], rec[soff : soff + nd // tile])
         elif op == OP_E2M1_E4M3:
             half = tile // 2
             for t in range(nd // tile):
@@ -464,6 +535,17 @@ def _amax_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, e4m3, ue8m0,
                             flag = 1
                         else:
                             best = max(best, v)
+                elif op == OP_E4M3FNUZ_UE8M0:  # 0x80 is NaN, 0x7F is 240
+                    for j in range(nd // tile):
+                        codes = rec[off + j * tile : off + (j + 1) * tile]
+                        m = _tile_max_magnitude(codes, 0, tile)
+                        v = _E4M3FNUZ_F32[m] * ue8m0[rec[soff + j]]
+                        for i in range(tile):
+                            flag = 1 if codes[i] == _E4M3FNUZ_NAN else flag
+                        if not np.isfinite(v):
+                            flag = 1
+                        else:
+                            best = max(best, v)
                 elif op == OP_E2M1_E4M3:
                     h = tile // 2
                     for j in range(nd // tile):
@@ -540,6 +622,8 @@ def _nonfinite_kernel(c0, c1, words, exp_mask, counts):
 
 def _encode_params(dialect: str | None, scale: float) -> tuple[np.float32, int]:
     """(per-tensor E4M3 multiplier, UE8M0 exponent floor) as the reference codec applies them."""
+    if dialect in nx.FNUZ_DIALECT_RULES:
+        return np.float32(1.0), nx.FNUZ_DIALECT_RULES[dialect][0]
     return np.float32(tensor_multiplier(dialect, scale)), nx.DIALECT_MIN_EXPONENT[ue8m0_dialect(dialect)]
 
 

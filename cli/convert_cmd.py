@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -70,7 +71,7 @@ def command(
     exists (the source's own scale, s = 1, or another scale that reproduces every value), and otherwise picks
     per entry the smallest scale that does not saturate. A source holding NaN or Inf is refused, byte moves included.
     """
-    if not force and dst.exists():
+    if not force and os.path.lexists(dst) and dst.is_file() and not dst.is_symlink():
         raise InputError(f"{dst} exists; pass --force to overwrite it")
     with open_dump(src) as fh:
         try:

@@ -1023,10 +1023,11 @@ class _Connection:
     def __init__(self, sender: NixlSender, hello: dict, nbytes: int, progress: Progress | None,
                  request_id: str | None = None):
         self.deadline = time.monotonic() + sender.timeout
-        self.chan = Channel.connect(sender.host, sender.port, self.deadline)  # fail fast when nobody listens
+        # the agent first (its start takes seconds): the receiver drops a peer slower than its handshake bound
+        self.agent = sender._ensure(nbytes)
+        self.chan = Channel.connect(sender.host, sender.port, self.deadline)
         self.remote: str | None = None
         try:
-            self.agent = sender._ensure(nbytes)
             self.staged = sender.staging.numpy()
             self.base = self.agent.addresses["staging"]
             self.total, self.sent, self.progress = nbytes, 0, progress

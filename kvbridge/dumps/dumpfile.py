@@ -1288,7 +1288,7 @@ class _Converter:
         bad: scan.Scan | None = None
         for t0, k, rows in self._chunks():
             if p.byte_move:
-                found = scan.scan_pages(rows, p.src, p.src_page_size, k)
+                found = scan.scan_pages(rows, p.src, p.src_page_size, k, p.src_scale)  # at the actual scale
                 if found.count and bad is None:
                     bad = scan.Scan(found.count, t0 + found.first_token, found.first_field)
                 elif found.count:

@@ -20,6 +20,7 @@ from kvbridge.backends.reference import check_finite
 from kvbridge.errors import InputError, NonFiniteError, OutputBufferError
 from kvbridge.layouts import Layout, get_layout, scan
 from kvbridge.layouts.codec import HEAD_DIM, reciprocal_f32, tensor_multiplier
+from kvbridge.layouts.registry import check_device
 
 NonFinitePolicy = Literal["error", "zero", "saturate"]
 NONFINITE_POLICIES = ("error", "zero", "saturate")
@@ -42,6 +43,7 @@ def _check_latents(x: torch.Tensor) -> None:
         raise InputError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] != HEAD_DIM:
         raise InputError(f"x must have shape [num_tokens, {HEAD_DIM}], got {list(x.shape)}")
+    check_device(x, "latents x")
 
 
 def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
@@ -326,7 +328,7 @@ def transcode(
                 f"{src.name} -> {dst.name} is a byte move that keeps the source's scales; "
                 f"dialect={dialect!r} would not be applied"
             )
-        scan.check_pages(pages, src, src_page_size, n)  # nothing is decoded: scan the stored codes
+        scan.check_pages(pages, src, src_page_size, n, scale=s_in)  # the stored codes, at the actual scale
         out = dispatch.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
         if not report:
             return out

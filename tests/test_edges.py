@@ -1,0 +1,56 @@
+"""Sharp edges of issue 24: a byte move scans at the actual per-tensor scale, meta tensors are refused
+with a ``KVBridgeError``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import kvbridge as kb
+from kvbridge.dumps.dumpfile import DumpEntry, write_dump
+from kvbridge.errors import KVBridgeError, NonFiniteError
+
+SCALE = 3e38  # finite, but most e4m3 codes times it overflow fp32
+
+
+def _pages(n: int = 100) -> torch.Tensor:
+    x = torch.randn(n, 512, generator=torch.Generator().manual_seed(2))
+    return kb.encode(x, "trtllm-fp8", page_size=64, scale=1.0)
+
+
+def test_same_scale_repage_at_an_overflowing_scale_is_refused():
+    pages = _pages()
+    values = kb.decode(pages, "trtllm-fp8", page_size=64, num_tokens=100, scale=SCALE)
+    bad = int((~torch.isfinite(values)).sum())
+    assert bad > 0
+    with pytest.raises(NonFiniteError, match=f"holds {bad} non-finite"):
+        kb.transcode(pages, "trtllm-fp8", "trtllm-fp8", src_page_size=64, dst_page_size=32, num_tokens=100,
+                     src_scale=SCALE, dst_scale=SCALE)
+    same = kb.transcode(pages, "trtllm-fp8", "trtllm-fp8", src_page_size=64, dst_page_size=32, num_tokens=100,
+                        src_scale=2.0, dst_scale=2.0)  # a scale that cannot overflow: still a byte move
+    assert torch.equal(kb.decode(same, "trtllm-fp8", page_size=32, num_tokens=100, scale=2.0),
+                       kb.decode(pages, "trtllm-fp8", page_size=64, num_tokens=100, scale=2.0))
+
+
+@pytest.mark.parametrize("to", [["--to", "trtllm-fp8", "--page-size", "32", "--scale", "auto"], ["--to", "model1"]])
+def test_convert_refuses_a_dump_that_decodes_to_inf_byte_move_included(tmp_path, to):
+    from cli.main import cli
+
+    src = write_dump(tmp_path / "in.safetensors", [DumpEntry(0, "swa", _pages(), "trtllm-fp8", 64, 100, SCALE)])
+    ran = CliRunner().invoke(cli, ["convert", str(src), str(tmp_path / "out.safetensors"), *to])
+    assert ran.exit_code == 1, ran.output
+    assert "non-finite" in ran.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors"]
+
+
+def test_meta_tensors_raise_a_kvbridge_error():
+    page_bytes = kb.get_layout("trtllm-fp8").page_bytes(64)
+    meta_pages = torch.empty(1, page_bytes, dtype=torch.uint8, device="meta")
+    calls = [lambda: kb.encode(torch.empty(4, 512, device="meta"), "model1", page_size=64),
+             lambda: kb.transcode(meta_pages, "trtllm-fp8", "model1", src_page_size=64),
+             lambda: kb.transcode(meta_pages, "trtllm-fp8", "trtllm-fp8", src_page_size=64, dst_page_size=32),
+             lambda: kb.decode(meta_pages, "trtllm-fp8", page_size=64)]
+    for call in calls:
+        with pytest.raises(KVBridgeError, match="on meta"):
+            call()

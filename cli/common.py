@@ -38,6 +38,11 @@ debug_log_option = click.option(
     help="Append the raw log lines of torch, gloo, NIXL and UCX here (default: discarded).")
 
 
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``n`` and the noun agreeing with it: "1 entry", "2 entries", "1 byte move"."""
+    return f"{n:,} {word if n == 1 else words or word + 's'}"
+
+
 @contextlib.contextmanager
 def native_logs(path: Path | None) -> Iterator[None]:
     """Native libraries' raw log lines (torch's c10 logging, gloo, UCX, NIXL: whatever writes to file

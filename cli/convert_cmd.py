@@ -21,6 +21,7 @@ from .common import (
     json_option,
     parse_layout,
     parse_scale,
+    plural,
     print_json,
 )
 
@@ -108,7 +109,8 @@ def command(
         return
     console.print(f"wrote {dst}")
     n = len(converted)
-    console.print(f"{n} entries as {to_layout.name}: {moved} byte moves, {n - moved} re-encoded")
+    console.print(f"{plural(n, 'entry', 'entries')} as {to_layout.name}: {plural(moved, 'byte move')}, "
+                  f"{n - moved} re-encoded")
     if moved == len(plans) or (not no_report and lossless):
         console.print("[green]lossless[/green]: every decoded value equals the source's")
         return

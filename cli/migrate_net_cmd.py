@@ -31,6 +31,7 @@ from .common import (
     native_logs,
     parse_layout,
     parse_scale,
+    plural,
 )
 
 DEFAULT_PORT = 7654
@@ -77,9 +78,8 @@ def _describe(received) -> list[tuple[str, str]]:
     """One received request or dump as (key, value) lines."""
     if received.kind == "dump":
         loss = "lossless" if all(r.lossless for r in received.loss) else "lossy (see --json)"
-        n = len(received.loss)
         return [("dump", f"from {received.peer}"), ("wrote", str(received.path)),
-                ("converted", f"{n} {'entry' if n == 1 else 'entries'}, {loss}"),
+                ("converted", f"{plural(len(received.loss), 'entry', 'entries')}, {loss}"),
                 ("payload", f"{received.payload_bytes:,} B in {received.wire_s:.3f} s")]
     r = received.report
     if r.kv_lossless is None:
@@ -326,9 +326,8 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
             if as_json:
                 click.echo(json.dumps(summary, indent=2))
             else:
-                n = summary.get("entries", 0)
                 _print_fields([("wrote", f"{summary.get('path')} on {peer[0]}:{peer[1]}"),
-                               ("entries", f"{n:,} {'entry' if n == 1 else 'entries'}, "
+                               ("entries", f"{plural(summary.get('entries', 0), 'entry', 'entries')}, "
                                            f"{'lossless' if summary.get('lossless') else 'lossy'}")])
             return
         missing = [flag for flag, v in (("--from", src), ("--to", to), ("--tokens", tokens)) if v is None]

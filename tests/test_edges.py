@@ -3,6 +3,11 @@ with a ``KVBridgeError``."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -54,3 +59,20 @@ def test_meta_tensors_raise_a_kvbridge_error():
     for call in calls:
         with pytest.raises(KVBridgeError, match="on meta"):
             call()
+
+
+def test_without_the_c_extension_one_warning_line():
+    """No C compiler at install time: the fallback to numba is one warning line, not Python's two."""
+    child = ("import sys, importlib.abc\n"
+             "class Hide(importlib.abc.MetaPathFinder):\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name == 'kvbridge.backends.native._kernels':\n"
+             "            raise ImportError(name)\n"
+             "sys.meta_path.insert(0, Hide())\n"
+             "import kvbridge.backends.native\n")
+    env = {k: v for k, v in os.environ.items() if k != "KVBRIDGE_NO_CKERNELS"}
+    ran = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert ran.returncode == 0, ran.stderr
+    lines = ran.stderr.strip().splitlines()
+    assert len(lines) == 1 and "compiled kernels" in lines[0] and "not built" in lines[0], ran.stderr

@@ -38,6 +38,24 @@ debug_log_option = click.option(
     help="Append the raw log lines of torch, gloo, NIXL and UCX here (default: discarded).")
 
 
+#: ``--ape`` value standing for seeded stand-in weights of the model's shapes (no checkpoint needed).
+SYNTHETIC_APE = "synthetic"
+APE_HELP = ("The model's compressor APE weights, needed between SGLang and vLLM / TensorRT-LLM for compressed "
+            "layers: safetensors file(s) holding layers.N.attn[.indexer].compressor.ape (repeat for shards), or "
+            "'synthetic' for seeded stand-in weights of the model's shapes (no checkpoint; not the model's values).")
+
+
+def ape_weights(ape: tuple[str, ...], topo: Any) -> object:
+    """What ``plan_migration(ape=...)`` gets for ``--ape`` values: None, the files, or synthetic weights."""
+    if SYNTHETIC_APE in ape:
+        if len(ape) > 1:
+            raise click.UsageError(f"--ape {SYNTHETIC_APE} stands alone; it cannot be combined with files")
+        from kvbridge.migration.ape import synthetic_ape
+
+        return synthetic_ape(topo, seed=0)
+    return [Path(p) for p in ape] or None
+
+
 def plural(n: int, word: str, words: str | None = None) -> str:
     """``n`` and the noun agreeing with it: "1 entry", "2 entries", "1 byte move"."""
     return f"{n:,} {word if n == 1 else words or word + 's'}"

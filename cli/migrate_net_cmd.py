@@ -23,6 +23,8 @@ from kvbridge.migration import EnginePools, plan_migration, source_request
 from kvbridge.migration.control import parse_address
 
 from .common import (
+    APE_HELP,
+    ape_weights,
     debug_log_option,
     engine_spec_option,
     err_console,
@@ -131,15 +133,14 @@ def _print_fields(fields: list[tuple[str, str]]) -> None:
 @debug_log_option
 @click.option("--loss-report/--no-loss-report", default=True, show_default=True,
               help="Measure the conversion loss of requests converted here.")
-@click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Request: the model's safetensors file(s) with its compressor APE weights, needed between SGLang "
-                   "and vLLM / TensorRT-LLM for compressed layers (both ends pass the same; repeat for shards).")
+@click.option("--ape", "ape", multiple=True, metavar="FILE|synthetic",
+              help=f"Request (both ends pass the same): {APE_HELP}")
 @json_option
 def serve_command(listen: tuple[str, int], transport: str, engine: str | None, model: str, layers: int | None,
                   max_tokens: int, to_layout: Layout | None, page_size: int | None, dialect: str | None,
                   scale: float | str | None, out_dir: Path | None, force: bool, timeout: float,
                   max_requests: int | None, handshake_timeout: float, max_connections: int,
-                  debug_log: Path | None, loss_report: bool, ape: tuple[Path, ...], as_json: bool) -> None:
+                  debug_log: Path | None, loss_report: bool, ape: tuple[str, ...], as_json: bool) -> None:
     """Receive requests (--engine) or dumps (--to, --out) from `kvbridge migrate send`.
 
     Connections are served concurrently (up to --max-connections; NIXL transfers one at a
@@ -166,11 +167,12 @@ def serve_command(listen: tuple[str, int], transport: str, engine: str | None, m
     dst = None
     if engine is not None:
         dst = EnginePools.create(engine, topo, _capacity(engine, topo, max_tokens))
+    weights = ape_weights(ape, topo)
 
     def plan_for(info: dict):
         return plan_migration(info["src"], engine, topo, int(info["num_tokens"]),
                               draft_tokens=int(info.get("draft_tokens", 0)),
-                              include_mtp=bool(info.get("include_mtp", True)), ape=list(ape) or None)
+                              include_mtp=bool(info.get("include_mtp", True)), ape=weights)
 
     if transport == "gloo":
         assert dst is not None
@@ -287,15 +289,14 @@ def _release(dst: EnginePools, tables: dict) -> None:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds the whole transfer may take, the receiver's verdict included.")
 @click.option("--loss-report/--no-loss-report", default=True, show_default=True)
-@click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Request: the model's safetensors file(s) with its compressor APE weights, needed between SGLang "
-                   "and vLLM / TensorRT-LLM for compressed layers (both ends pass the same; repeat for shards).")
+@click.option("--ape", "ape", multiple=True, metavar="FILE|synthetic",
+              help=f"Request (both ends pass the same): {APE_HELP}")
 @debug_log_option
 @json_option
 def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, src: str | None, to: str | None,
                  model: str, layers: int | None, tokens: int | None, draft_tokens: int, mtp: bool, seed: int,
                  page_size: int | None, dialect: str | None, scale: float | str | None, name: str | None,
-                 convert_on: str, layers_per_group: int, timeout: float, loss_report: bool, ape: tuple[Path, ...],
+                 convert_on: str, layers_per_group: int, timeout: float, loss_report: bool, ape: tuple[str, ...],
                  debug_log: Path | None, as_json: bool) -> None:
     """Send a synthetic request (--from, --to, --tokens) or a dump file (DUMP) to a serving peer.
 
@@ -335,7 +336,8 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
             raise click.UsageError(f"a request needs {', '.join(missing)} (or give a DUMP file)")
         engine_spec_option(click.get_current_context(), None, to)
         topo = _topology(model, layers)
-        plan = plan_migration(src, to, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp, ape=list(ape) or None)
+        plan = plan_migration(src, to, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp,
+                              ape=ape_weights(ape, topo))
         pools, tables = source_request(plan, seed=seed)
         total = sum(t.dst_bytes if convert_on == "sender" else t.src_bytes for t in plan.transfers)
         start = time.perf_counter()

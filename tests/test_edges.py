@@ -3,6 +3,7 @@ with a ``KVBridgeError``."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -76,3 +77,19 @@ def test_without_the_c_extension_one_warning_line():
     assert ran.returncode == 0, ran.stderr
     lines = ran.stderr.strip().splitlines()
     assert len(lines) == 1 and "compiled kernels" in lines[0] and "not built" in lines[0], ran.stderr
+
+
+def test_migrate_plan_without_ape_weights_shows_sizes_and_says_what_is_missing():
+    from cli.main import cli
+
+    args = ["migrate", "plan", "--from", "sglang", "--to", "vllm", "--tokens", "1000"]
+    bare = CliRunner().invoke(cli, args)
+    assert bare.exit_code == 0, bare.output
+    assert "needs the model's APE weights" in " ".join(bare.output.split())
+    synthetic = CliRunner().invoke(cli, [*args, "--ape", "synthetic", "--json"])
+    assert synthetic.exit_code == 0, synthetic.output
+    sized = CliRunner().invoke(cli, [*args, "--json"])
+    with_weights, without = json.loads(synthetic.output), json.loads(sized.output)
+    assert without["totals"] == with_weights["totals"] and "ape_sha256" in with_weights and "ape_sha256" not in without
+    mixed = CliRunner().invoke(cli, [*args, "--ape", "synthetic", "--ape", "x.safetensors"])
+    assert mixed.exit_code == 2 and "stands alone" in mixed.output

@@ -649,7 +649,7 @@ class _Session:
         failure is told to the sender and undone (``fail``), then raised as one line."""
         try:
             hello, meta = hello_of()
-            check = self._check(hello)
+            check = self._prepare(hello)
             if not self.rx.lock.acquire(timeout=max(0.0, self.deadline - time.monotonic())):
                 raise TransferError(f"timed out waiting for the transfer before request {self.request_id} from "
                                     f"{self.chan.peer}; nothing was published")
@@ -674,7 +674,7 @@ class _Session:
             self.fail(error)
             raise error from None
 
-    def _check(self, hello: dict) -> Any:
+    def _prepare(self, hello: dict) -> Any:
         """What can be refused before anything moves (name, kind, plan, fingerprint, room): a plan, or a
         dump's output path."""
         self.request_id = check_name(hello.get("request_id"), f"the request id from {self.chan.peer}")

@@ -18,7 +18,7 @@ jitcache.configure()
 
 #: Public name -> module that defines it.
 _EXPORTS = {
-    "LossReport": "kvbridge.ops.pages",
+    "LossReport": "kvbridge.ops.loss",
     "auto_scale": "kvbridge.ops.pages",
     "decode": "kvbridge.ops.pages",
     "encode": "kvbridge.ops.pages",
@@ -63,7 +63,8 @@ if TYPE_CHECKING:
     )
     from kvbridge.layouts import Field, Layout, all_layouts, get_layout, register  # noqa: F401
     from kvbridge.migration import migrate_local, plan_migration  # noqa: F401
-    from kvbridge.ops.pages import LossReport, auto_scale, decode, encode, transcode  # noqa: F401
+    from kvbridge.ops.loss import LossReport  # noqa: F401
+    from kvbridge.ops.pages import auto_scale, decode, encode, transcode  # noqa: F401
     from kvbridge.ops.slots import gather_transcode, transcode_slots  # noqa: F401
 
 

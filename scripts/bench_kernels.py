@@ -6,7 +6,7 @@ bf16 -> MODEL1, decode MODEL1 -> fp32) and each thread count, calls of the kerne
 alternate with ``np.copyto`` (one thread) and ``torch.Tensor.copy_`` (the case's threads) of a
 buffer half the size of the bytes the call reads plus writes (so the copy reads and writes the
 same total); ``x copy`` / ``x copy_`` = best copy time / best kernel time (best of ``--repeat``). Cases
-with a fresh output also time its first touch alone (``native._empty_output`` of the output's bytes + ``fill_``
+with a fresh output also time its first touch alone (``native_pool._empty_output`` of the output's bytes + ``fill_``
 on the case's threads): ``x touch`` = that / the kernel time, the share of a fresh call the operating system's
 zeroing of new pages costs on its own (1.0: the kernel is at that ceiling).
 Also prints the one-thread CPU time (``time.process_time``, best of ``--repeat``) of each case at
@@ -35,7 +35,9 @@ import numpy as np
 import torch
 
 import kvbridge
-from kvbridge.backends import dispatch, native
+from kvbridge.backends import dispatch
+from kvbridge.backends.native import accel as native_accel
+from kvbridge.backends.native import pool as native_pool
 from kvbridge.layouts import get_layout
 
 P = 64
@@ -93,19 +95,20 @@ def _wall(fn) -> float:
 
 
 def _implementations(choice: str) -> dict[str, object]:
-    """Name -> value of ``native._CK`` (the compiled kernels module, or None for numba) for ``--impl``."""
-    compiled = native._CK
+    """Name -> value of ``native_accel._CK`` (the compiled kernels module, or None for numba) for ``--impl``."""
+    compiled = native_accel._CK
     if choice == "auto":
-        return {native.kernel_implementation(): compiled}
+        return {native_accel.kernel_implementation(): compiled}
     if choice != "numba" and compiled is None:
-        raise SystemExit(f"--impl {choice}: the compiled kernels are not in use ({native.kernel_implementation()})")
+        raise SystemExit(f"--impl {choice}: the compiled kernels are not in use "
+                         f"({native_accel.kernel_implementation()})")
     impls = {"c": {f"C ({compiled.isa()})" if compiled else "": compiled}, "numba": {"numba": None}}
     return {**impls["c"], **impls["numba"]} if choice == "both" else impls[choice]
 
 
 def paired(cases: dict[str, tuple], threads: list[int], repeat: int, impls: dict[str, object]) -> list[dict]:
     rows = []
-    saved = native._CK
+    saved = native_accel._CK
     try:
         for name, (fn, read, written) in cases.items():
             half = (read + written) // 2
@@ -115,16 +118,16 @@ def paired(cases: dict[str, tuple], threads: list[int], repeat: int, impls: dict
             fresh = any(word in name for word in FRESH)
 
             def touch(nbytes=written):
-                native._empty_output(1, nbytes).fill_(0)
+                native_pool._empty_output(1, nbytes).fill_(0)
 
             for th in threads:
                 times: dict[str, tuple[list[float], ...]] = {impl: ([], [], [], []) for impl in impls}
                 for module in impls.values():  # warm-up (compile or cache load, first touch)
-                    native._CK = module
+                    native_accel._CK = module
                     fn()
                 for _ in range(repeat):
                     for impl, module in impls.items():  # alternate the implementations call by call
-                        native._CK = module
+                        native_accel._CK = module
                         torch.set_num_threads(th)
                         times[impl][0].append(_wall(fn))
                         times[impl][2].append(_wall(torch_copy))  # torch copy_, th threads
@@ -140,7 +143,7 @@ def paired(cases: dict[str, tuple], threads: list[int], repeat: int, impls: dict
                                  "x_torch_copy": tc / k, "first_touch_s": touch_s,
                                  "x_touch": None if touch_s is None else touch_s / k})
     finally:
-        native._CK = saved
+        native_accel._CK = saved
     return rows
 
 
@@ -173,7 +176,7 @@ def main() -> None:
     impls = _implementations(args.impl)
     header = {"cpu": _cpu_model(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "tokens": args.tokens, "page_size": P, "repeat": args.repeat, "load_average": os.getloadavg(),
-              "native_kernels": native.kernel_implementation()}
+              "native_kernels": native_accel.kernel_implementation()}
     sel = lambda cs: {k: v for k, v in cs.items() if args.only in k}  # noqa: E731
     rows = paired(sel(_cases(args.tokens)), args.threads, args.repeat, impls)
     cpu = {} if args.no_cpu_time else cpu_times(sel(_cases(args.cpu_tokens)), args.repeat)

@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 from kvbridge.backends import native
+from kvbridge.backends.native import accel as native_accel
 from kvbridge.backends.native import loss as native_loss
+from kvbridge.backends.native import pool as native_pool
 from kvbridge.layouts import get_layout
 from kvbridge.layouts.codec import tensor_multiplier
 
@@ -36,16 +38,16 @@ P = 64
 
 @contextlib.contextmanager
 def _implementation(name: str):
-    """Run ``loss_stats`` with ``name``'s kernels (``numba`` or ``c`` switch ``native._CK``)."""
-    saved = native._CK
+    """Run ``loss_stats`` with ``name``'s kernels (``numba`` or ``c`` switch ``native_accel._CK``)."""
+    saved = native_accel._CK
     if name == "c" and saved is None:
-        raise SystemExit(f"no compiled kernels here: {native.kernel_implementation()}")
+        raise SystemExit(f"no compiled kernels here: {native_accel.kernel_implementation()}")
     if name == "numba":
-        native._CK = None
+        native_accel._CK = None
     try:
         yield
     finally:
-        native._CK = saved
+        native_accel._CK = saved
 
 
 def _timed(fn) -> float:
@@ -75,7 +77,7 @@ def main() -> None:
         "MODEL1 -> trtllm-fp8, saturation count": (m1_pages, m1, P, back, fp8, P, n, 1.0, 0.01,
                                                    tensor_multiplier("swa", 0.01)),
     }
-    a = np.concatenate([native._flat(fp8_pages), native._flat(m1_pages)])
+    a = np.concatenate([native_pool._flat(fp8_pages), native_pool._flat(m1_pages)])
     b = np.empty_like(a)
     np.copyto(b, a)  # first touch
     rows = []
@@ -96,7 +98,7 @@ def main() -> None:
                          "x_np_copyto_all": [round(r, 3) for r in ratios], "best_ns_per_token": min(seconds) / n * 1e9,
                          "best_x_best_np_copyto": min(seconds) / min(copies)})
     head = {"tokens": n, "threads": args.threads, "bytes_copied": int(a.nbytes),
-            "kernels": native.kernel_implementation(), "load_average": list(os.getloadavg()),
+            "kernels": native_accel.kernel_implementation(), "load_average": list(os.getloadavg()),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     if args.json:
         print(json.dumps({**head, "rows": rows}, indent=2))

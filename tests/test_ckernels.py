@@ -24,6 +24,9 @@ import torch
 
 from kvbridge import numerics as nx
 from kvbridge.backends import native, reference
+from kvbridge.backends.native import accel as native_accel
+from kvbridge.backends.native import pool as native_pool
+from kvbridge.backends.native import records as native_records
 from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import Field, Layout, get_layout
 from tests.test_native import SPLIT_FP8, TOKEN_MAJOR_MODEL1, edge_latents
@@ -67,18 +70,18 @@ def implementations() -> list[str]:
 @contextlib.contextmanager
 def implementation(name: str):
     """Run native's MODEL1 accelerators with ``name`` (see ``implementations``)."""
-    saved = native._CK
+    saved = native_accel._CK
     isa = nt_min = None
     try:
         if name == "numba":
-            native._CK = None
+            native_accel._CK = None
         else:
-            native._CK = _kernels
+            native_accel._CK = _kernels
             isa = _kernels.set_isa(name.split("-")[1])
             nt_min = _kernels.set_nt_min(0 if name.endswith("-nt") else 1 << 62)
         yield
     finally:
-        native._CK = saved
+        native_accel._CK = saved
         if isa is not None:
             _kernels.set_isa(isa)
             _kernels.set_nt_min(nt_min)
@@ -87,10 +90,11 @@ def implementation(name: str):
 def run_transcode(pages, src, sp, dst, dp, n, s_in, s_out, dialect):
     """The registered accelerator into a garbage-filled pool: (pages, bad_count, bad_first)."""
     out = torch.full((dst.num_pages(n, dp), dst.page_bytes(dp)), GARBAGE, dtype=torch.uint8)
-    nchunks = native._page_chunks(out.shape[0], dp)
+    nchunks = native_pool._page_chunks(out.shape[0], dp)
     bad_count, bad_first = np.zeros(nchunks, np.int64), np.full(nchunks, -1, np.int64)
-    geometry = (native._flat(pages), *native._geometry(src, sp)[:4], n, native._flat(out), *native._geometry(dst, dp))
-    native.accelerator(src, dst)(pages, s_in, s_out, dialect, geometry, bad_count, bad_first)
+    geometry = (native_pool._flat(pages), *native_records._geometry(src, sp)[:4], n, native_pool._flat(out),
+                *native_records._geometry(dst, dp))
+    native_accel.accelerator(src, dst)(pages, s_in, s_out, dialect, geometry, bad_count, bad_first)
     return out, bad_count, bad_first
 
 
@@ -131,29 +135,30 @@ def test_extension_is_built_under_ci():
     if os.environ.get("CI", "").strip().lower() != "true":
         pytest.skip("not CI: kvbridge.backends.native._kernels is optional")
     assert _kernels is not None, "the compiled kernels were not built (see the pip install log for the compiler error)"
-    assert native.kernel_implementation().startswith("C ") or native._CK_WHY_NOT, native.kernel_implementation()
+    implementation = native_accel.kernel_implementation()
+    assert implementation.startswith("C ") or native_accel._CK_WHY_NOT, implementation
 
 
 @pytest.mark.skipif(_kernels is None, reason="kvbridge.backends.native._kernels is not built")
 def test_a_stale_build_is_refused_with_the_remedy(monkeypatch):
     """A ``.so`` built from other sources (an editable install not rebuilt) could lack an entry point or take
     other arguments: kvbridge warns once, names the remedy and runs numba."""
-    monkeypatch.delenv(native.NO_CKERNELS_ENV, raising=False)
-    assert _kernels.INTERFACE == native.KERNELS_INTERFACE
-    monkeypatch.setattr(_kernels, "INTERFACE", native.KERNELS_INTERFACE - 1)
+    monkeypatch.delenv(native_accel.NO_CKERNELS_ENV, raising=False)
+    assert _kernels.INTERFACE == native_accel.KERNELS_INTERFACE
+    monkeypatch.setattr(_kernels, "INTERFACE", native_accel.KERNELS_INTERFACE - 1)
     with pytest.warns(RuntimeWarning, match="built from other sources .*build_ext --inplace"):
-        assert native._compiled_kernels() == (None, "kvbridge.backends.native._kernels is a stale build")
+        assert native_accel._compiled_kernels() == (None, "kvbridge.backends.native._kernels is a stale build")
 
 
 @pytest.mark.skipif(_kernels is None, reason="kvbridge.backends.native._kernels is not built")
 def test_dispatch_and_env_var():
     """The extension is used when present and the CPU has the ISA; KVBRIDGE_NO_CKERNELS=1 forces numba."""
-    if _kernels.cpu_isa() != "scalar" and not os.environ.get(native.NO_CKERNELS_ENV):
-        assert native._CK is _kernels and native.kernel_implementation() == f"C ({_kernels.isa()})"
-    env = {**os.environ, native.NO_CKERNELS_ENV: "1"}
-    code = "from kvbridge.backends import native; print(native.kernel_implementation())"
+    if _kernels.cpu_isa() != "scalar" and not os.environ.get(native_accel.NO_CKERNELS_ENV):
+        assert native_accel._CK is _kernels and native_accel.kernel_implementation() == f"C ({_kernels.isa()})"
+    env = {**os.environ, native_accel.NO_CKERNELS_ENV: "1"}
+    code = "from kvbridge.backends.native import accel; print(accel.kernel_implementation())"
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert got.stdout.strip() == f"numba ({native.NO_CKERNELS_ENV} is set)"
+    assert got.stdout.strip() == f"numba ({native_accel.NO_CKERNELS_ENV} is set)"
     with pytest.raises(ValueError, match="not available|ISA"):
         _kernels.set_isa("avx9000")
 
@@ -163,7 +168,7 @@ def test_bad_arguments_raise_instead_of_overrunning():
     """The C entry points check buffer sizes and geometry against the token count."""
     src = np.zeros(FP8.page_bytes(64), np.uint8)
     small = np.zeros(MODEL1.page_bytes(64) - 1, np.uint8)
-    tables = native._fp8_to_model1_tables(1.0, "flashmla")
+    tables = native_accel._fp8_to_model1_tables(1.0, "flashmla")
     lut = [tables[k] for k in ("scale_lut", "bad_mag", "code_lut", "rope_lut")]
     counts = np.zeros(1, np.int64)
     with pytest.raises(ValueError, match="geometry"):
@@ -171,11 +176,11 @@ def test_bad_arguments_raise_instead_of_overrunning():
                                584, *lut, counts, counts.copy())
     with pytest.raises(ValueError, match="short"):
         _kernels.model1_decode(0, 1, np.zeros(MODEL1.page_bytes(64), np.uint8), 64, MODEL1.page_bytes(64), 576, 584,
-                               64, np.zeros(64 * 512 - 1, np.float32), native._UE8M0_F32)
+                               64, np.zeros(64 * 512 - 1, np.float32), native_records._UE8M0_F32)
     with pytest.raises(ValueError, match="exponent floor"):  # 2^-e for e < -127 is past the pow2 table
         _kernels.model1_encode(0, 1, np.zeros(64 * 512, np.float32), np.empty(0, np.uint16), False, 64,
                                np.zeros(MODEL1.page_bytes(64), np.uint8), 64, MODEL1.page_bytes(64), 576, 584, -128,
-                               native._POW2_F32)
+                               native_records._POW2_F32)
 
 
 def fp8_sources(g: torch.Generator):
@@ -260,12 +265,12 @@ def test_model1_encode_every_implementation():
             continue
         n = values.shape[0]
         want = native.encode_pages(values, lay, p, dialect, 1.0, accelerated=False)
-        x32, x16, from_bf16 = native._x_arrays(values)
+        x32, x16, from_bf16 = native_records._x_arrays(values)
         for name in implementations():
             with implementation(name):
                 out = torch.full_like(want, GARBAGE)
-                native.accelerator(native.LATENTS, lay)(x32, x16, from_bf16, n, dialect, 1.0,
-                                                        (native._flat(out), *native._geometry(lay, p)))
+                native_accel.accelerator(native_accel.LATENTS, lay)(x32, x16, from_bf16, n, dialect, 1.0,
+                                                        (native_pool._flat(out), *native_records._geometry(lay, p)))
                 assert torch.equal(out, want), (name, lay.name, dialect, p, values.dtype)
                 assert torch.equal(native.encode_pages(values, lay, p, dialect, 1.0), want), (name, lay.name)
 
@@ -281,9 +286,9 @@ def test_model1_decode_every_implementation():
             for name in implementations():
                 with implementation(name):
                     out = torch.full((n, 512), 0x7FA5A5A5, dtype=torch.int32)
-                    native.accelerator(lay, native.LATENTS)(n, np.float32(1.0), (native._flat(pages),
-                                                                                *native._geometry(lay, p)),
-                                                            native._flat(out.view(torch.float32)))
+                    native_accel.accelerator(lay, native_accel.LATENTS)(n, np.float32(1.0), (native_pool._flat(pages),
+                                                                                *native_records._geometry(lay, p)),
+                                                            native_pool._flat(out.view(torch.float32)))
                     assert torch.equal(out, want), (name, lay.name, p, n)
                     got = native.decode_pages(pages, lay, p, n, 1.0).view(torch.int32)
                     assert torch.equal(got, want), (name, lay.name, p, n)
@@ -313,8 +318,8 @@ def test_bench_header_names_the_kernels():
 
     run = CliRunner().invoke(cli, ["bench", "--tokens", "64", "--repeat", "1", "--threads", "1"])
     assert run.exit_code == 0, run.output
-    assert f"native MODEL1 kernels: {native.kernel_implementation()}" in run.output
-    assert native.kernel_implementation().startswith(("C (", "numba ("))
+    assert f"native MODEL1 kernels: {native_accel.kernel_implementation()}" in run.output
+    assert native_accel.kernel_implementation().startswith(("C (", "numba ("))
 
 
 def test_every_code_and_rope_word_once():

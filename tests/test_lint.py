@@ -17,7 +17,6 @@ PACKAGE = ROOT / "kvbridge"
 #: The package modules that may be imported inside a function: each loads an optional dependency.
 DEFERRED = {
     "kvbridge.backends.native": "numba",
-    "kvbridge.backends.native.loss": "numba",
     "kvbridge.backends.native._kernels": "the C extension",
     "kvbridge.backends.triton_kernels": "triton",
 }

@@ -14,7 +14,7 @@ import torch
 from test_migration_local import MODEL, PAIRS, TOKENS
 
 import kvbridge.migration.execute as ex
-from kvbridge.backends import native
+from kvbridge.backends import dispatch, native
 from kvbridge.engines.topology import Role
 from kvbridge.errors import InputError, KVBridgeError, NonFiniteError
 from kvbridge.migration import EnginePools, destination_pools, migrate_local, pack, plan_migration, source_request
@@ -158,15 +158,15 @@ def test_fp4_to_fp8_keys_between_page_parts_equal_the_torch_path(monkeypatch, ru
     keys, key_scales = records[:, : src.split].contiguous(), records[:, src.split :].contiguous()
     out_keys = torch.empty(n, dim, dtype=torch.uint8)
     out_scales = torch.empty(n, 4, dtype=torch.uint8)
-    flat = [native._flat(x) for x in (keys, key_scales, out_keys, out_scales)]
+    flat = [x.view(-1) for x in (keys, key_scales, out_keys, out_scales)]
     for measure in (True, False):
-        err = native.fp4_to_fp8_key_rows(flat[0], src.split, flat[1], key_scales.shape[1], n, flat[2], dim, flat[3], 4,
-                                         dim, rule, measure=measure)
+        err = dispatch.fp4_to_fp8_key_rows(flat[0], src.split, flat[1], key_scales.shape[1], n, flat[2], dim, flat[3],
+                                           4, dim, rule, measure=measure)
         assert torch.equal(torch.cat([out_keys, out_scales], dim=1), want)
         assert err == (want_err if measure else 0.0)
     key_scales[4321, 0] = 0xFF
-    assert native.fp4_to_fp8_key_rows(flat[0], src.split, flat[1], key_scales.shape[1], n, flat[2], dim, flat[3], 4,
-                                      dim, rule, measure=False) is None
+    assert dispatch.fp4_to_fp8_key_rows(flat[0], src.split, flat[1], key_scales.shape[1], n, flat[2], dim, flat[3],
+                                        4, dim, rule, measure=False) is None
 
 
 @pytest.mark.parametrize("spec", ["vllm", "trtllm:fp8:tpb=128", "sglang:draft=3", "vllm:gpu=sm100"])

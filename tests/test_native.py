@@ -20,6 +20,8 @@ import kvbridge as kb
 from cli.main import cli
 from kvbridge import numerics as nx
 from kvbridge.backends import dispatch, native, reference
+from kvbridge.backends.native import accel as native_accel
+from kvbridge.backends.native import pool as native_pool
 from kvbridge.errors import InputError, NonFiniteError
 from kvbridge.layouts import Field, Layout, all_layouts, get_layout
 from kvbridge.study import bench
@@ -330,9 +332,9 @@ def test_code_domain_kernels_on_other_geometries(latents):
 def test_accelerators_equal_the_generic_kernel(latents):
     """Each registered accelerator writes the bytes the generic record-program kernel writes."""
     x = latents.repeat(3, 1)[:200].clamp(-1e30, 1e30)
-    assert native.ACCELERATORS
+    assert native_accel.ACCELERATORS
     for src, dst in itertools.product(all_layouts() + [TOKEN_MAJOR_MODEL1, SPLIT_FP8], repeat=2):
-        if native.accelerator(src, dst) is None:
+        if native_accel.accelerator(src, dst) is None:
             continue
         for s_in, dialect in itertools.product(src.per_tensor_scale and (1.0, 0.037) or (1.0,), dst.dialects):
             s_out = 0.5 if dst.per_tensor_scale else 1.0
@@ -346,8 +348,8 @@ def test_encode_decode_accelerators_equal_the_generic_kernel(latents):
     """Each registered encoder and decoder writes the bytes (decoded bits) the generic kernel writes:
     every dialect, fp32 and bf16 input with NaN/Inf among the values, arbitrary page bytes, other geometries."""
     layouts = all_layouts() + [TOKEN_MAJOR_MODEL1, SPLIT_FP8]
-    encoders = [lay for lay in layouts if native.accelerator(native.LATENTS, lay) is not None]
-    decoders = [lay for lay in layouts if native.accelerator(lay, native.LATENTS) is not None]
+    encoders = [lay for lay in layouts if native_accel.accelerator(native_accel.LATENTS, lay) is not None]
+    decoders = [lay for lay in layouts if native_accel.accelerator(lay, native_accel.LATENTS) is not None]
     assert get_layout("flashmla-model1") in encoders and get_layout("flashmla-model1") in decoders
     assert TOKEN_MAJOR_MODEL1 in encoders and TOKEN_MAJOR_MODEL1 in decoders  # records, not layout names
     x = latents.repeat(3, 1)[:200].clone()
@@ -476,7 +478,7 @@ def test_large_outputs_on_huge_pages(latents):
     built piecewise on ordinary memory, and intact after other large outputs come and go."""
     fp8, model1 = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
     n = 8192  # 8192 * 585 B of MODEL1 pages > 4 MiB
-    assert model1.page_bytes(64) * n // 64 >= native.HUGE_PAGE_OUTPUT
+    assert model1.page_bytes(64) * n // 64 >= native_pool.HUGE_PAGE_OUTPUT
     pages = native.encode_pages(latents.repeat(-(-n // latents.shape[0]), 1)[:n], fp8, 64, "swa", 1.0)
     big = native.transcode_pages(pages, fp8, 64, model1, 64, None, 1.0, 1.0, "flashmla")
     values = native.decode_pages(big, model1, 64, None, 1.0)

@@ -18,6 +18,7 @@ import torch
 from kvbridge.backends import dispatch, native
 from kvbridge.backends.loss_stats import LossStats, compare_values
 from kvbridge.backends.native import loss as native_loss
+from kvbridge.backends.native import records as native_records
 from kvbridge.layouts import all_layouts, get_layout
 from kvbridge.layouts.codec import tensor_multiplier
 from kvbridge.ops import pages as page_ops
@@ -291,7 +292,7 @@ def test_c_loss_kernels_check_their_arguments():
     fp8, m1 = get_layout("trtllm-fp8"), get_layout("flashmla-model1")
     pt = np.zeros(fp8.page_bytes(64), np.uint8)
     pool = np.zeros(m1.page_bytes(64), np.uint8)
-    ue8m0 = native._UE8M0_F32
+    ue8m0 = native_records._UE8M0_F32
     maxima, sums, counts = np.zeros((1, 4), np.uint32), np.zeros(1), np.zeros((1, 3), np.int64)
 
     def call(kernel, c1=1, n=64, src=pt, dst=pool, table=ue8m0, out=(maxima, sums, counts)):
@@ -315,7 +316,7 @@ def test_c_loss_kernels_check_their_arguments():
 
 @pytest.mark.skipif(_kernels is None, reason="kvbridge.backends.native._kernels is not built")
 def test_accelerators_run_the_c_kernels_where_native_runs_compiled_ones(latents, monkeypatch):
-    """With ``native._CK`` set (the compiled kernels in use) the accelerators call its loss functions; without
+    """With ``native_accel._CK`` set (the compiled kernels in use) the accelerators call its loss functions; without
     it, the numba kernels."""
     calls = []
 

@@ -275,8 +275,8 @@ def test_library_compare_agrees_with_flashmla_rules():
 
 
 def test_demo_decode_section(tmp_path):
-    from kvbridge.demo.decode import decode_section
     from kvbridge.demo.context import DemoContext
+    from kvbridge.demo.decode import decode_section
     from kvbridge.demo.run import build_request, convert_to_model1
 
     ctx = DemoContext(tokens=256, workdir=tmp_path)

@@ -4,9 +4,10 @@ Every backend is a module with the same interface, byte-identical to ``kvbridge.
 ``name``, ``supports(*layouts)``, ``all_finite``, ``amax_pages``, ``move_rows``, ``encode_pages(..., out=)``,
 ``decode_pages(..., out=)``, ``repage(..., out=)``, ``transcode_pages(..., out=)``, ``nonfinite_flags``,
 ``transcode_slots`` and ``gather_transcode`` (a backend whose kernel cannot write into ``out`` builds a temporary and
-copies it in: the reference does); ``loss_stats`` runs ``kvbridge.backends.native.loss`` on CPU and compares decoded
-values (``kvbridge.backends.loss_stats``) elsewhere. All of them execute the layouts' own record descriptions, so every
-registered layout runs on every backend.
+copies it in: the reference does) and ``loss_stats`` (one native pass on CPU, ``kvbridge.backends.native.loss``;
+decoded values compared elsewhere). Backends with ``KEY_KERNELS`` / ``STATE_KERNELS`` also convert fp4 indexer keys
+(``fp4_to_fp8_keys``, ``fp4_to_fp8_key_rows``) and compressor-state rows (``convert_state_rows``). All of them
+execute the layouts' own record descriptions, so every registered layout runs on every backend.
 
 - CPU tensors: the native numba kernels (``kvbridge.backends.native``, imported on first use);
 - CUDA tensors: the Triton kernels (``kvbridge.backends.triton_kernels``, imported only then) when Triton
@@ -24,13 +25,14 @@ import numpy as np
 import torch
 
 from kvbridge.backends import reference
-from kvbridge.backends.loss_stats import LossStats, compare_values
+from kvbridge.backends.loss_stats import LossStats
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 
 __all__ = [
-    "BACKEND_ENV", "all_finite", "amax_pages", "backend", "backend_name", "decode_pages", "encode_pages",
-    "gather_transcode", "loss_stats", "move_rows", "nonfinite_flags", "repage", "transcode_pages", "transcode_slots",
+    "BACKEND_ENV", "all_finite", "amax_pages", "backend", "backend_name", "convert_state_rows", "decode_pages",
+    "encode_pages", "fp4_to_fp8_key_rows", "fp4_to_fp8_keys", "gather_transcode", "key_kernels", "loss_stats",
+    "move_rows", "nonfinite_flags", "repage", "state_kernels", "transcode_pages", "transcode_slots",
 ]
 
 #: Environment variable selecting the implementation: ``auto`` (default) or ``reference``.
@@ -161,11 +163,46 @@ def loss_stats(
 ) -> LossStats:
     """Loss statistics of the first ``num_tokens`` tokens of ``dst_pages`` against ``src_pages`` (both
     finite; ``mult``: the destination's per-tensor E4M3 multiplier, None for per-tile scales)."""
-    if backend((src_pages, dst_pages), src, dst).name == "native":
-        from kvbridge.backends.native import loss as native_loss  # optional dependency: numba
+    return backend((src_pages, dst_pages), src, dst).loss_stats(
+        src_pages, src, src_page_size, dst_pages, dst, dst_page_size, num_tokens, src_scale, dst_scale, mult
+    )
 
-        return native_loss.loss_stats(src_pages, src, src_page_size, dst_pages, dst, dst_page_size, num_tokens,
-                                      src_scale, dst_scale, mult)
-    a = decode_pages(src_pages, src, src_page_size, num_tokens, src_scale)
-    b = decode_pages(dst_pages, dst, dst_page_size, num_tokens, dst_scale)
-    return compare_values(a, b, mult)
+
+def key_kernels(records: torch.Tensor) -> bool:
+    """Whether the backend for ``records`` converts fp4 indexer keys to fp8 itself (``fp4_to_fp8_keys``,
+    ``fp4_to_fp8_key_rows``); elsewhere ``kvbridge.ops.keys`` runs its torch codec."""
+    return backend(records).KEY_KERNELS
+
+
+def fp4_to_fp8_keys(records: torch.Tensor, dim: int, rule: str) -> tuple[torch.Tensor, float] | None:
+    """fp4 indexer records ``[N, dim / 2 + dim / 32]`` -> fp8 records ``[N, dim + 4]`` written by fp8 ``rule``, and
+    the max |decoded fp8 - decoded fp4|, by the backend's kernel (``key_kernels(records)`` must hold); None when a
+    value decodes to NaN/Inf (the torch codec then refuses the keys)."""
+    return backend(records).fp4_to_fp8_keys(records, dim, rule)
+
+
+def fp4_to_fp8_key_rows(src_keys: torch.Tensor, src_stride: int, src_scales: torch.Tensor, src_scale_stride: int,
+                        n: int, dst_keys: torch.Tensor, dst_stride: int, dst_scales: torch.Tensor,
+                        dst_scale_stride: int, dim: int, rule: str, *, measure: bool) -> float | None:
+    """``n`` fp4 keys -> fp8 keys by ``rule`` between strided rows of flat uint8 tensors (key ``k``'s codes at
+    ``keys[k * stride]``, its scale bytes at ``scales[k * scale_stride]``: records or a page's two parts), by the
+    backend's kernel (``key_kernels(src_keys)`` must hold); the max abs error (0.0 unless ``measure``), None when a
+    value decodes to NaN/Inf."""
+    return backend((src_keys, dst_keys)).fp4_to_fp8_key_rows(
+        src_keys, src_stride, src_scales, src_scale_stride, n, dst_keys, dst_stride, dst_scales, dst_scale_stride, dim,
+        rule, measure=measure,
+    )
+
+
+def state_kernels(records: torch.Tensor) -> bool:
+    """Whether the backend for ``records`` converts compressor-state rows itself (``convert_state_rows``);
+    elsewhere migration runs the torch rules (``migration.ape``)."""
+    return backend(records).STATE_KERNELS
+
+
+def convert_state_rows(records: torch.Tensor, src_bf16: bool, dst_bf16: bool, ape: torch.Tensor | None, sign: int,
+                       first: int, measure: bool):
+    """State rows uint8 ``[n, row_bytes]`` -> rows in the destination dtype, APE ``[r, w / 2]`` added (``sign`` +1)
+    or removed (-1) for positions ``first, ...``, in one pass by the backend's kernel (``state_kernels(records)``
+    must hold); returns its ``StateResult`` (``kvbridge.backends.native.state``: rows, error, what it refused)."""
+    return backend(records).convert_state_rows(records, src_bf16, dst_bf16, ape, sign, first, measure)

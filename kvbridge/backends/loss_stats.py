@@ -128,3 +128,14 @@ def lossless_scale_candidates(amax: float, sample: torch.Tensor, dialect: str | 
             if len(kept) == MAX_LOSSLESS_CANDIDATES:
                 break
     return kept
+
+
+def decoded_loss_stats(decode, src_pages: torch.Tensor, src, src_page_size: int, dst_pages: torch.Tensor, dst,
+                       dst_page_size: int, num_tokens: int, src_scale: float, dst_scale: float,
+                       mult: float | None) -> LossStats:
+    """``LossStats`` of the first ``num_tokens`` tokens of both pools, decoded by ``decode`` (a backend's
+    ``decode_pages``) and compared (``compare_values``): the ``loss_stats`` of the backends without a fused kernel."""
+    a = decode(src_pages, src, src_page_size, num_tokens, src_scale)
+    b = decode(dst_pages, dst, dst_page_size, num_tokens, dst_scale)
+    return compare_values(a, b, mult)
+

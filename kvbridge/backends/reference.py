@@ -11,11 +11,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvbridge.backends.loss_stats import LossStats, decoded_loss_stats
 from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import Layout
 from kvbridge.layouts.codec import record_codec
 
 name = "reference"
+#: No fused fp4 -> fp8 key or state-row kernels here: the torch rules of ``ops.keys`` and migration run.
+KEY_KERNELS = STATE_KERNELS = False
 #: Tokens per step of the slot operations: bounds their int64 byte-index tensors (32K x 1024 x 8 B = 256 MiB).
 CHUNK_TOKENS = 1 << 15
 FLAG_NONFINITE = 1
@@ -168,3 +171,12 @@ def gather_transcode(
 def accepts(*tensors: torch.Tensor) -> bool:
     """The reference takes tensors of any alignment."""
     return True
+
+
+def loss_stats(
+    src_pages: torch.Tensor, src: Layout, src_page_size: int, dst_pages: torch.Tensor, dst: Layout,
+    dst_page_size: int, num_tokens: int, src_scale: float, dst_scale: float, mult: float | None,
+) -> LossStats:
+    """Loss statistics of a transcode: both pools decoded here and compared (``loss_stats.decoded_loss_stats``)."""
+    return decoded_loss_stats(decode_pages, src_pages, src, src_page_size, dst_pages, dst, dst_page_size, num_tokens,
+                              src_scale, dst_scale, mult)

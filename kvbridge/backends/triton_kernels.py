@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvbridge.backends.loss_stats import LossStats, decoded_loss_stats
 from kvbridge.backends.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check_finite
 from kvbridge.backends.reference import amax_pages as reference_amax
 from kvbridge.backends.reference import decode_pages as reference_decode
@@ -47,6 +48,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 fp8_hardware = not INTERPRETED and os.environ.get("KVBRIDGE_TRITON_INT_E4M3") != "1"
 
 name = "triton"
+#: No fused fp4 -> fp8 key or state-row kernels here: the torch rules of ``ops.keys`` and migration run.
+KEY_KERNELS = STATE_KERNELS = False
 #: Flag values of the per-token flag array (``reference.FLAG_*``): the decoded source is not finite /
 #: the slot is out of range.
 _FLAG_NONFINITE = tl.constexpr(FLAG_NONFINITE)  # the same values as kernel-visible globals
@@ -703,3 +706,12 @@ def gather_transcode(
         _launch_convert(src, dst, n_tokens=n, n_rows=rows, src_slots=indices, src_scale=scale, flags=flags,
                         **_encode_args(scratch_layout, dialect, 1.0))
     return scratch, flags
+
+
+def loss_stats(
+    src_pages: torch.Tensor, src: Layout, src_page_size: int, dst_pages: torch.Tensor, dst: Layout,
+    dst_page_size: int, num_tokens: int, src_scale: float, dst_scale: float, mult: float | None,
+) -> LossStats:
+    """Loss statistics of a transcode: both pools decoded here and compared (``loss_stats.decoded_loss_stats``)."""
+    return decoded_loss_stats(decode_pages, src_pages, src, src_page_size, dst_pages, dst, dst_page_size, num_tokens,
+                              src_scale, dst_scale, mult)

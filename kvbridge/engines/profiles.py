@@ -57,10 +57,14 @@ class Storage:
     span: int | None = None
     separate_pools: bool = False
     score_table: str | None = None
+    #: The KV layout (kind ``kv``: resolved from ``fmt`` once when not given; None for other kinds).
+    layout: Layout | None = field(default=None, compare=False, repr=False)
 
-    @property
-    def layout(self) -> Layout:
-        return get_layout(self.fmt)
+    def __post_init__(self) -> None:
+        if self.kind == "kv" and self.layout is None:
+            object.__setattr__(self, "layout", get_layout(self.fmt))
+        if self.layout is not None and self.layout.name != self.fmt:
+            raise InputError(f"storage format {self.fmt!r} is not its layout {self.layout.name!r}")
 
     @property
     def geometry(self) -> PageGeometry:
@@ -148,7 +152,7 @@ class EngineProfile:
             p = self.swa_page if spec.role == Role.SWA else self.compressed_tokens_per_page // spec.ratio
             dialect = self.swa_dialect if spec.role == Role.SWA else self.compress_dialect
             return Storage("kv", lay.name, lay.record_bytes, lay.split, p, self._align(lay.page_bytes(p)), table,
-                           "paged", dialect, self.kv_scale if lay.per_tensor_scale else None)
+                           "paged", dialect, self.kv_scale if lay.per_tensor_scale else None, layout=lay)
         if spec.role == Role.INDEXER:
             fmt = indexer_format(self.indexer_fmt, spec.width)
             p = self.compressed_tokens_per_page // spec.ratio

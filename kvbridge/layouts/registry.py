@@ -123,13 +123,16 @@ class PageGeometry(NamedTuple):
         d = self.data_bytes
         return torch.where(j < d, base + row * d + j, base + page_size * d + row * (self.record_bytes - d) + (j - d))
 
+    def part_bounds(self) -> list[tuple[int, int]]:
+        """Record byte ranges ``[lo, hi)`` of the page parts, in page order: ``[(0, record_bytes)]`` token-major,
+        ``[(0, split), (split, record_bytes)]`` block-split (part ``[lo, hi)`` starts at byte ``P * lo`` of a page)."""
+        d = self.data_bytes
+        return [(0, d)] if d == self.record_bytes else [(0, d), (d, self.record_bytes)]
+
     def page_views(self, pages: torch.Tensor, page_size: int) -> list[tuple[torch.Tensor, int, int]]:
         """Views ``[num_pages, P, width]`` of uint8 ``pages`` with the record byte range ``[lo, hi)`` each holds."""
-        n, p, rec, d = pages.shape[0], page_size, self.record_bytes, self.data_bytes
-        views = [(pages[:, : p * d].view(n, p, d), 0, d)]
-        if d < rec:
-            views.append((pages[:, p * d : p * rec].view(n, p, rec - d), d, rec))
-        return views
+        n, p = pages.shape[0], page_size
+        return [(pages[:, p * lo : p * hi].view(n, p, hi - lo), lo, hi) for lo, hi in self.part_bounds()]
 
     def records_to_pages(self, records: torch.Tensor, page_size: int) -> torch.Tensor:
         """Records ``[N, record_bytes]`` uint8 -> pages ``[ceil(N/P), page_bytes]``; rows past N and tails are 0."""

@@ -26,8 +26,7 @@ import torch
 import xxhash
 
 from kvbridge import numerics as nx
-from kvbridge.backends import dispatch, native
-from kvbridge.backends.native import state as native_state
+from kvbridge.backends import dispatch
 from kvbridge.engines.profiles import Storage
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.layouts.registry import PageGeometry
@@ -47,7 +46,7 @@ from kvbridge.migration.pools import (
 )
 from kvbridge.ops import keys as ix
 from kvbridge.ops import pages as page_ops
-from kvbridge.ops.pages import LossReport, transcode_loss
+from kvbridge.ops.loss import LossReport, transcode_loss
 
 ConvertSide = Literal["sender", "receiver"]
 
@@ -201,8 +200,7 @@ def _convert_state_native(t: Transfer, records: torch.Tensor, loss_report: bool,
     measure = loss_report and t.src.fmt != t.dst.fmt
     pos = t.first + first
     src_bf16 = t.src.fmt.endswith("bf16")
-    res = native_state.convert_state_rows(records, src_bf16, t.dst.fmt.endswith("bf16"), t.ape, t.ape_sign, pos,
-                                          measure)
+    res = dispatch.convert_state_rows(records, src_bf16, t.dst.fmt.endswith("bf16"), t.ape, t.ape_sign, pos, measure)
     where = f"layer {t.spec.layer} {t.spec.role.value}"
     if t.ape_sign < 0 and res.nan_row is not None:
         raise nan_score(where, pos + res.nan_row)
@@ -221,7 +219,7 @@ def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first:
     """Convert records of ``t``'s kind (state rows with APE: entries ``first, first + 1, ...`` of ``t``);
     returns (records, KV loss report, indexer or state max abs error)."""
     if t.src.kind == "state":
-        convert = _convert_state_native if records.device.type == "cpu" else _convert_state_torch
+        convert = _convert_state_native if dispatch.state_kernels(records) else _convert_state_torch
         return convert(t, records, loss_report, first)
     if t.src.kind == "indexer":
         if loss_report or ix.native_transcode_applies(records, t.src.indexer, t.dst.indexer, t.dst.dialect or ""):
@@ -528,8 +526,7 @@ class _Staged:
 
 def _bounds(geometry: PageGeometry) -> list[tuple[int, int]]:
     """Record byte ranges of the parts of a page of ``geometry``."""
-    probe = torch.empty(1, geometry.page_bytes(1), dtype=torch.uint8)
-    return [(lo, hi) for _, lo, hi in geometry.page_views(probe, 1)]
+    return geometry.part_bounds()
 
 
 def _form(buf: torch.Tensor, geometry: PageGeometry | None, n: int, record_bytes: int) -> Form:
@@ -561,13 +558,13 @@ def _rows(spans: list[PartSpans], form: Form, offset: int, count: int) -> list[t
     return out
 
 
-def _key_streams(form: Form, key_bytes: int) -> tuple[tuple[np.ndarray, int], tuple[np.ndarray, int]]:
-    """(flat array, row stride) of the key codes and of the scale bytes of staged indexer keys: a page's two
+def _key_streams(form: Form, key_bytes: int) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]:
+    """(flat tensor, row stride) of the key codes and of the scale bytes of staged indexer keys: a page's two
     parts, or records holding both (codes first, ``key_bytes`` of them)."""
     if len(form) == 2:
-        return tuple((rows.view(-1).numpy(), rows.shape[1]) for rows, _, _ in form)  # type: ignore[return-value]
+        return tuple((rows.view(-1), rows.shape[1]) for rows, _, _ in form)  # type: ignore[return-value]
     rows = form[0][0]
-    flat = rows.view(-1).numpy()
+    flat = rows.view(-1)
     return (flat, rows.shape[1]), (flat[key_bytes:], rows.shape[1])
 
 
@@ -579,8 +576,8 @@ def _convert_key_parts(t: Transfer, src_form: Form, dst_form: Form, measure: boo
     n = src_form[0][0].shape[0]
     (src_keys, src_stride), (src_scales, src_scale_stride) = _key_streams(src_form, dim // 2)
     (dst_keys, dst_stride), (dst_scales, dst_scale_stride) = _key_streams(dst_form, dim)
-    err = native.fp4_to_fp8_key_rows(src_keys, src_stride, src_scales, src_scale_stride, n, dst_keys, dst_stride,
-                                     dst_scales, dst_scale_stride, dim, t.dst.dialect or "", measure=measure)
+    err = dispatch.fp4_to_fp8_key_rows(src_keys, src_stride, src_scales, src_scale_stride, n, dst_keys, dst_stride,
+                                       dst_scales, dst_scale_stride, dim, t.dst.dialect or "", measure=measure)
     if err is None:
         records = torch.cat([rows for rows, _, _ in src_form], dim=1)
         ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "", t.src.dialect)

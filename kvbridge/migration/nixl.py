@@ -90,7 +90,7 @@ from kvbridge.migration.stream import (
     request_info,
     wire_fingerprint,
 )
-from kvbridge.ops.pages import LossReport
+from kvbridge.ops.loss import LossReport
 
 #: Seconds an agent process gets to start (spawn + imports + UCX backend), and to answer a call.
 AGENT_START_S = 60.0

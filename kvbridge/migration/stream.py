@@ -33,7 +33,7 @@ from kvbridge.migration.execute import (
 )
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables
-from kvbridge.ops.pages import LossReport
+from kvbridge.ops.loss import LossReport
 
 
 def request_info(plan: MigrationPlan) -> dict[str, Any]:

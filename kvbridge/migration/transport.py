@@ -64,7 +64,7 @@ from kvbridge.migration.stream import (
     request_info,
     wire_fingerprint,
 )
-from kvbridge.ops.pages import LossReport
+from kvbridge.ops.loss import LossReport
 
 MAGIC = 0x4B5642_4D494733  # "KVB" "MIG3": the layer-group protocol, XXH3-64 checksums
 #: Magics of earlier versions of this protocol, refused with a line naming what changed.

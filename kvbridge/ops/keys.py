@@ -244,13 +244,14 @@ def decode_keys(records: torch.Tensor, fmt: IndexerFormat, rule: str | None = No
 
 
 def native_transcode_applies(records: torch.Tensor, src: IndexerFormat, dst: IndexerFormat, dst_rule: str) -> bool:
-    """Whether ``transcode_keys`` runs the native fp4 -> fp8 kernel (CPU records, a native backend, every
-    fp8 rule; keys that decode to NaN/Inf are handed to the torch path, which refuses them)."""
+    """Whether ``transcode_keys`` runs the backend's fp4 -> fp8 kernel (``dispatch.key_kernels``: the native
+    backend, CPU records; every fp8 rule; keys that decode to NaN/Inf are handed to the torch path, which refuses
+    them)."""
     return (src.name == "fp4" and dst.name == "fp8" and src.dim == dst.dim and dst_rule in dst.rules
             and isinstance(records, torch.Tensor) and records.device.type == "cpu" and records.dtype == torch.uint8
             and records.dim() == 2 and records.shape[1] == src.record_bytes
             and not (dst_rule in UE8M0_SCALE_RULES and dst.dim != 128)
-            and dispatch.backend(records).name == "native")
+            and dispatch.key_kernels(records))
 
 
 def transcode_keys(
@@ -265,9 +266,7 @@ def transcode_keys(
     if native_transcode_applies(records, src, dst, dst_rule):
         if src_rule is not None:
             _check_rule(src, src_rule)
-        from kvbridge.backends import native  # optional dependency: numba
-
-        done = native.fp4_to_fp8_keys(records.contiguous(), dst.dim, dst_rule)
+        done = dispatch.fp4_to_fp8_keys(records.contiguous(), dst.dim, dst_rule)
         if done is not None:
             return done
     values = decode_keys(records, src, src_rule)

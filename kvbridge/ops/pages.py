@@ -8,7 +8,6 @@ Every function returns on the device of its input.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
@@ -19,8 +18,10 @@ from kvbridge.backends.loss_stats import LossStats
 from kvbridge.backends.reference import check_finite
 from kvbridge.errors import InputError, NonFiniteError, OutputBufferError
 from kvbridge.layouts import Layout, get_layout, scan
-from kvbridge.layouts.codec import HEAD_DIM, reciprocal_f32, tensor_multiplier
+from kvbridge.layouts.codec import HEAD_DIM, reciprocal_f32
 from kvbridge.layouts.registry import check_device
+from kvbridge.ops.checks import _check_dialect, _check_scale
+from kvbridge.ops.loss import LossReport, transcode_loss
 
 NonFinitePolicy = Literal["error", "zero", "saturate"]
 NONFINITE_POLICIES = ("error", "zero", "saturate")
@@ -68,31 +69,6 @@ def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
         return torch.where(torch.isinf(x), torch.zeros_like(x), x)
     big = torch.finfo(torch.float32).max
     return x.clamp(min=-big, max=big)
-
-
-def _check_scale(scale: float | None, layout: Layout, what: str = "scale") -> float:
-    if scale is None:
-        return 1.0
-    if not layout.per_tensor_scale:
-        raise InputError(f"{what} applies only to per-tensor layouts; {layout.name} has per-tile scales")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise InputError(f"{what} must be a positive finite number, got {scale!r}")
-    s = float(torch.tensor(float(scale), dtype=torch.float32))
-    if not (math.isfinite(s) and s > 0):
-        raise InputError(f"{what} must be a positive finite number (as fp32), got {scale!r}")
-    return s
-
-
-def _check_dialect(dialect: str | None, layout: Layout) -> str | None:
-    if dialect is None:
-        return layout.default_dialect
-    if not isinstance(dialect, str) or dialect not in layout.dialects:
-        if not layout.dialects:
-            raise InputError(f"layout {layout.name} has no encoder dialects; got dialect={dialect!r}")
-        raise InputError(
-            f"dialect {dialect!r} does not apply to {layout.name}; choose one of {', '.join(layout.dialects)}"
-        )
-    return dialect
 
 
 def auto_scale(x: torch.Tensor) -> float:
@@ -188,55 +164,6 @@ def decode(
                    source=pages, what="decoded latents", source_name="pages")
 
     return dispatch.decode_pages(pages, lay, page_size, num_tokens, s, out=out)
-
-
-@dataclass
-class LossReport:
-    """What a transcode lost, measured against the decoded source values.
-
-    ``max_abs_error`` and ``rms_error`` are in latent units; ``max_rel_error`` divides the
-    max abs error by the source's max |value|; ``saturated`` counts values clipped at the
-    destination format's max; ``flushed_to_zero`` counts nonzero source values stored as 0.
-    """
-
-    src_layout: str
-    dst_layout: str
-    num_tokens: int
-    lossless: bool
-    byte_move: bool
-    dst_scale: float | None
-    max_abs_error: float
-    max_rel_error: float
-    rms_error: float
-    saturated: int
-    flushed_to_zero: int
-    nope_max_abs_error: float
-    rope_max_abs_error: float
-    note: str = ""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_stats(cls, stats: LossStats, *, src_layout: str, dst_layout: str, byte_move: bool,
-                   dst_scale: float | None, loss_note: str = "") -> LossReport:
-        """The report of ``stats``; ``loss_note`` (the destination layout's) becomes ``note`` when anything was lost."""
-        return cls(
-            src_layout=src_layout,
-            dst_layout=dst_layout,
-            num_tokens=stats.num_tokens,
-            lossless=stats.lossless,
-            byte_move=byte_move,
-            dst_scale=dst_scale,
-            max_abs_error=stats.max_abs,
-            max_rel_error=stats.max_rel_error,
-            rms_error=stats.rms_error,
-            saturated=stats.saturated,
-            flushed_to_zero=stats.flushed,
-            nope_max_abs_error=stats.nope_max,
-            rope_max_abs_error=stats.rope_max,
-            note="" if stats.lossless else loss_note,
-        )
 
 
 def is_byte_move(src: Layout, dst: Layout, src_scale: float, dst_scale: float) -> bool:
@@ -347,18 +274,3 @@ def transcode(
         return out
     return out, transcode_loss(pages, src, src_page_size, out, dst, dps, n, src_scale, s_out if auto else dst_scale,
                                dialect)
-
-
-def transcode_loss(pages: torch.Tensor, src: Layout, src_page_size: int, out: torch.Tensor, dst: Layout,
-                   dst_page_size: int, num_tokens: int, src_scale: float | None, dst_scale: float | None,
-                   dialect: str | None) -> LossReport:
-    """The ``LossReport`` of a code-domain transcode ``pages`` -> ``out`` (not a byte move) that ``transcode``
-    ran with these arguments (``dst_scale`` the scale it used, never ``"auto"``): both decoded and compared,
-    nothing written. ``transcode(..., report=True)`` is ``transcode`` then this; a caller may run it apart
-    (``migrate_local`` does, beside its next batch)."""
-    s_in, s_out = _check_scale(src_scale, src, "src_scale"), _check_scale(dst_scale, dst, "dst_scale")
-    d = _check_dialect(dialect, dst)
-    mult = tensor_multiplier(d, s_out) if dst.per_tensor_scale else None
-    stats = dispatch.loss_stats(pages, src, src_page_size, out, dst, dst_page_size, num_tokens, s_in, s_out, mult)
-    return LossReport.from_stats(stats, src_layout=src.name, dst_layout=dst.name, byte_move=False,
-                                 dst_scale=s_out if dst.per_tensor_scale else None, loss_note=dst.loss_note)

@@ -40,7 +40,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvbridge.backends import dispatch, native, reference
+from kvbridge.backends import dispatch, reference
+from kvbridge.backends.native import accel as native_accel
 from kvbridge.layouts import get_layout
 from kvbridge.ops import pages as page_ops
 
@@ -361,7 +362,7 @@ def run_bench(
 
 def machine() -> dict:
     """The CPU model (``/proc/cpuinfo``) with its vector extensions, cores, threads, GPU and torch, and
-    which code runs the native MODEL1 kernels (``native.kernel_implementation``: the compiled C
+    which code runs the native MODEL1 kernels (``native_accel.kernel_implementation``: the compiled C
     kernels and their ISA, or numba and why)."""
     fields: dict[str, str] = {}
     try:
@@ -376,7 +377,7 @@ def machine() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": model, "cpu_vector": vector, "cpu_cores": cores, "cpu_threads": torch.get_num_threads(),
-            "native_kernels": native.kernel_implementation(), "gpu": gpu, "torch": torch.__version__,
+            "native_kernels": native_accel.kernel_implementation(), "gpu": gpu, "torch": torch.__version__,
             "numpy": np.__version__, "python": platform.python_version()}
 
 

@@ -1,21 +1,21 @@
 """Native CPU loss statistics of a transcode: both pools decoded token by token and compared in one pass.
 
-The kernel runs the source's and the destination's record programs (``kvbridge.backends.native.program``,
+The kernel runs the source's and the destination's record programs (``kvbridge.backends.native.records.program``,
 the layouts' own descriptions), so it serves every pair of layouts: per token it gathers the
 source record and the destination record, decodes each into a 512-value fp32 buffer with the
 native decoder and accumulates the ``kvbridge.backends.loss_stats.LossStats`` of the pair; no fp32 copy of
 either pool is built. The numbers are those of ``loss.compare_values`` on the decoded tensors:
 maxima and counts identical, the float64 sum of squares up to its summation order (per chunk of
-``native.CHUNK_TOKENS`` tokens, then over chunks). Work is split over ``native.num_threads()``
+``pool.CHUNK_TOKENS`` tokens, then over chunks). Work is split over ``pool.num_threads()``
 threads like the transcode kernels.
 
-Accelerators (``LOSS_ACCELERATORS``, keyed like ``native.ACCELERATORS`` by the pair of records'
+Accelerators (``LOSS_ACCELERATORS``, keyed like ``accel.ACCELERATORS`` by the pair of records'
 ``Layout.segments``): per-tensor E4M3 (TensorRT-LLM FP8) against MODEL1, both directions, with
 the records' constants compiled in. They read token-major records (and MODEL1's block-split data
 and footer parts) in place and take every statistic of a 64-value tile in one fused loop: the C
 kernels of ``kvbridge.backends.native._kernels`` (AVX-512: E4M3 values through exact fp16 conversions, 16 values per
-instruction) where ``native`` runs the compiled kernels, else numba (E4M3 values in branch-free 32-bit
-arithmetic, ``native._e4m3_value``). The numbers equal the generic kernel's (maxima and counts
+instruction) where ``accel._CK`` is in use, else numba (E4M3 values in branch-free 32-bit
+arithmetic, ``accel._e4m3_value``). The numbers equal the generic kernel's (maxima and counts
 identical, the float64 sum of squares per token summed in another order within the token).
 """
 
@@ -25,20 +25,19 @@ import numpy as np
 import torch
 from numba import njit
 
-from kvbridge.backends import native
 from kvbridge.backends.loss_stats import LossStats
-from kvbridge.backends.native import (
+from kvbridge.backends.native import accel
+from kvbridge.backends.native.accel import MODEL1_DATA_BYTES
+from kvbridge.backends.native.pool import CHUNK_TOKENS, _flat, _run_chunks
+from kvbridge.backends.native.records import (
     _E2M1_F32,
     _E4M3_F32,
     _UE8M0_F32,
-    CHUNK_TOKENS,
-    MODEL1_DATA_BYTES,
     _decode_record,
-    _flat,
     _gather,
     _geometry,
     _locate,
-    _run_chunks,
+    program,
 )
 from kvbridge.layouts import Layout, get_layout
 from kvbridge.layouts.codec import HEAD_DIM, NOPE_DIM
@@ -115,7 +114,7 @@ def _loss_kernel(
 def _e4m3_finite(c, s):
     """fp32 ``e4m3(c) * s`` of the E4M3 code ``c`` (uint32 0..255, not a NaN code) and a positive fp32
     ``s``, bit-identical to the table product (the magnitude's product, then the sign bit: IEEE
-    products are sign-symmetric), in branch-free 32-bit steps as ``native._e4m3_value``."""
+    products are sign-symmetric), in branch-free 32-bit steps as ``accel._e4m3_value``."""
     u32 = np.uint32
     a = u32(c & u32(0x7F))
     normal = u32(u32(a << u32(20)) + u32(0x3C000000)).view(np.float32)
@@ -238,14 +237,14 @@ def _model1_fp8_loss_kernel(c0, c1, src, sp, spb, ssplit, srb, s_in, dst, dp, dp
 
 def _fp8_model1_loss(nchunks: int, *args) -> None:
     """Per-tensor E4M3 source against a MODEL1 destination: the C kernel where ``native`` runs the compiled
-    kernels (``native.kernel_implementation()``), else numba."""
-    kernel = _fp8_model1_loss_kernel if native._CK is None else native._CK.fp8_model1_loss
+    kernels (``accel.kernel_implementation()``), else numba."""
+    kernel = _fp8_model1_loss_kernel if accel._CK is None else accel._CK.fp8_model1_loss
     _run_chunks(kernel, nchunks, *args)
 
 
 def _model1_fp8_loss(nchunks: int, *args) -> None:
     """MODEL1 source against a per-tensor E4M3 destination (C or numba, as ``_fp8_model1_loss``)."""
-    kernel = _model1_fp8_loss_kernel if native._CK is None else native._CK.model1_fp8_loss
+    kernel = _model1_fp8_loss_kernel if accel._CK is None else accel._CK.model1_fp8_loss
     _run_chunks(kernel, nchunks, *args)
 
 
@@ -287,8 +286,8 @@ def loss_stats(
         )
     else:
         _run_chunks(
-            _loss_kernel, nchunks, _flat(src_pages), native.program(src), sp, spb, ssplit, srb,
-            np.float32(src_scale), _flat(dst_pages), native.program(dst), dp, dpb, dsplit, drb, np.float32(dst_scale),
+            _loss_kernel, nchunks, _flat(src_pages), program(src), sp, spb, ssplit, srb,
+            np.float32(src_scale), _flat(dst_pages), program(dst), dp, dpb, dsplit, drb, np.float32(dst_scale),
             n, per_tensor, m, _E4M3_F32, _UE8M0_F32, _E2M1_F32, maxima, sums, counts,
         )
     top = maxima.max(axis=0).view(np.float32)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import struct
+import sys
 import textwrap
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import click
@@ -28,6 +33,64 @@ console = Console()
 err_console = Console(stderr=True)
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
+debug_log_option = click.option(
+    "--debug-log", type=click.Path(dir_okay=False, path_type=Path), default=None,
+    help="Append the raw log lines of torch, gloo, NIXL and UCX here (default: discarded).")
+
+
+#: ``--ape`` value standing for seeded stand-in weights of the model's shapes (no checkpoint needed).
+SYNTHETIC_APE = "synthetic"
+APE_HELP = ("The model's compressor APE weights, needed between SGLang and vLLM / TensorRT-LLM for compressed "
+            "layers: safetensors file(s) holding layers.N.attn[.indexer].compressor.ape (repeat for shards), or "
+            "'synthetic' for seeded stand-in weights of the model's shapes (no checkpoint; not the model's values).")
+
+
+def ape_weights(ape: tuple[str, ...], topo: Any) -> object:
+    """What ``plan_migration(ape=...)`` gets for ``--ape`` values: None, the files, or synthetic weights."""
+    if SYNTHETIC_APE in ape:
+        if len(ape) > 1:
+            raise click.UsageError(f"--ape {SYNTHETIC_APE} stands alone; it cannot be combined with files")
+        from kvbridge.migration.ape import synthetic_ape
+
+        return synthetic_ape(topo, seed=0)
+    return [Path(p) for p in ape] or None
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``n`` and the noun agreeing with it: "1 entry", "2 entries", "1 byte move"."""
+    return f"{n:,} {word if n == 1 else words or word + 's'}"
+
+
+@contextlib.contextmanager
+def native_logs(path: Path | None) -> Iterator[None]:
+    """Native libraries' raw log lines (torch's c10 logging, gloo, UCX, NIXL: whatever writes to file
+    descriptor 2, child processes included) go to ``path`` (default: discarded) while Python's
+    ``sys.stderr`` stays the terminal. Does nothing when stderr is not file descriptor 2 (a test
+    runner capturing it)."""
+    try:
+        real = sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):
+        real = False
+    if not real:
+        yield
+        return
+    sys.stderr.flush()
+    try:
+        target = os.open(path if path is not None else os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot open {path} ({exc.strerror})", param_hint="--debug-log") from None
+    saved, old = os.dup(2), sys.stderr
+    os.dup2(target, 2)
+    os.close(target)
+    sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1, encoding=old.encoding, errors="backslashreplace")
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        sys.stderr.close()
+        sys.stderr = old
+        os.dup2(saved, 2)
+        os.close(saved)
 
 #: Continuation lines of ``print_wrapped`` start this many columns deeper than the line's own indent.
 HANGING_INDENT = 4

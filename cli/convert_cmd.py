@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -21,6 +22,7 @@ from .common import (
     json_option,
     parse_layout,
     parse_scale,
+    plural,
     print_json,
 )
 
@@ -71,7 +73,7 @@ def command(
     exists (the source's own scale, s = 1, or another scale that reproduces every value), and otherwise picks
     per entry the smallest scale that does not saturate. A source holding NaN or Inf is refused, byte moves included.
     """
-    if not force and dst.exists():
+    if not force and os.path.lexists(dst) and dst.is_file() and not dst.is_symlink():
         raise InputError(f"{dst} exists; pass --force to overwrite it")
     with open_dump(src) as fh:
         try:
@@ -108,7 +110,8 @@ def command(
         return
     console.print(f"wrote {dst}")
     n = len(converted)
-    console.print(f"{n} entries as {to_layout.name}: {moved} byte moves, {n - moved} re-encoded")
+    console.print(f"{plural(n, 'entry', 'entries')} as {to_layout.name}: {plural(moved, 'byte move')}, "
+                  f"{n - moved} re-encoded")
     if moved == len(plans) or (not no_report and lossless):
         console.print("[green]lossless[/green]: every decoded value equals the source's")
         return

@@ -2,7 +2,8 @@
 
 Exit codes, for every command: 0 ok, 1 validation or verification failure (a bad or corrupted
 file, a failed check, a write that could not be done), 2 usage (a bad option or argument),
-130 interrupted (Ctrl-C). Every error is one line on stderr (``--debug`` adds the traceback).
+130 interrupted (Ctrl-C), 143 / 129 terminated by SIGTERM / SIGHUP (cleaned up like Ctrl-C).
+Every error is one line on stderr (``--debug`` adds the traceback).
 Command modules are imported only when their command runs, so ``kvbridge --help`` needs
 neither torch nor numba.
 """
@@ -10,6 +11,7 @@ neither torch nor numba.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 import click
@@ -33,6 +35,19 @@ COMMANDS = {
 }
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, docker, systemd) or SIGHUP (a closed terminal), raised where the command
+    is, so it cleans up (temp files, connections, agents) exactly as after Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminate(signum: int, frame) -> None:
+    raise Terminated(signum)
 
 
 class Failure(click.ClickException):
@@ -84,6 +99,8 @@ class KVBridgeGroup(click.Group):
         """Run the command; errors print one line and exit with the scheme's code."""
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _terminate)
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.exceptions.Exit as exc:
@@ -94,7 +111,11 @@ class KVBridgeGroup(click.Group):
         except click.ClickException as exc:
             click.echo(f"Error: {' '.join(exc.format_message().split())}", err=True)
             sys.exit(exc.exit_code)
-        except (click.Abort, KeyboardInterrupt):
+        except (click.Abort, KeyboardInterrupt) as exc:
+            cause = exc if isinstance(exc, Terminated) else exc.__cause__  # click wraps it in Abort
+            if isinstance(cause, Terminated):
+                click.echo(f"Error: terminated ({cause})", err=True)
+                sys.exit(128 + cause.signum)
             click.echo("Error: interrupted", err=True)
             sys.exit(EXIT_INTERRUPTED)
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)

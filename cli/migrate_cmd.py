@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import click
 from rich import box
 from rich.table import Table
 
+from kvbridge.engines.profiles import parse_engine
 from kvbridge.engines.topology import get_model
 from kvbridge.migration import (
     ConvertSide,
@@ -18,9 +18,19 @@ from kvbridge.migration import (
     plan_migration,
     source_request,
 )
-from kvbridge.migration.plan import MAX_TOKENS
+from kvbridge.migration.ape import synthetic_ape
+from kvbridge.migration.plan import MAX_TOKENS, ape_needed
 
-from .common import console, engine_spec_option, json_option, model_option, print_json, print_wrapped
+from .common import (
+    APE_HELP,
+    ape_weights,
+    console,
+    engine_spec_option,
+    json_option,
+    model_option,
+    print_json,
+    print_wrapped,
+)
 
 DEFAULT_LINK_GBPS = 40.0
 
@@ -49,10 +59,7 @@ def _plan_options(fn):
         help="MTP draft slots kept beyond the SWA window.",
     )(fn)
     fn = click.option("--mtp/--no-mtp", default=True, show_default=True, help="Move the MTP layers' caches too.")(fn)
-    fn = click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
-                      help="The model's safetensors file(s) holding its compressor APE weights "
-                           "(layers.N.attn[.indexer].compressor.ape); needed between SGLang and vLLM / "
-                           "TensorRT-LLM for compressed layers. Repeat for several shards.")(fn)
+    fn = click.option("--ape", "ape", multiple=True, metavar="FILE|synthetic", help=APE_HELP)(fn)
     return fn
 
 
@@ -141,16 +148,26 @@ def plan_command(
     tokens: int,
     draft_tokens: int,
     mtp: bool,
-    ape: tuple[Path, ...],
+    ape: tuple[str, ...],
     link_gbps: float,
     show_transfers: bool,
     as_json: bool,
 ) -> None:
-    """Which entries move, from which pages to which, with which conversion, and the byte totals."""
-    plan = plan_migration(src, dst, get_model(model), tokens, draft_tokens=draft_tokens, include_mtp=mtp,
-                          ape=list(ape) or None)
+    """Which entries move, from which pages to which, with which conversion, and the byte totals.
+
+    Between SGLang and vLLM / TensorRT-LLM without --ape the plan is shown (its sizes do not depend
+    on the weights' values) with a note that converting the compressor state needs them."""
+    topo = get_model(model)
+    missing = not ape and ape_needed(parse_engine(src), parse_engine(dst), topo, mtp)
+    weights = ape_weights(ape, topo) if not missing else synthetic_ape(topo, seed=0)
+    plan = plan_migration(src, dst, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp, ape=weights)
+    note = ("sizes only: converting the compressor state between these engines needs the model's APE weights "
+            "(--ape FILE, or --ape synthetic for stand-in weights)") if missing else None
     if as_json:
         data = plan.to_dict(transfers=show_transfers)
+        if note is not None:
+            data.pop("ape_sha256", None)
+            data["ape"] = note
         total = data["totals"]["all"]
         data["wire_seconds"] = {
             "link_gbps": link_gbps,
@@ -160,6 +177,8 @@ def plan_command(
         print_json(data)
         return
     _print_plan(plan, link_gbps, show_transfers)
+    if note is not None:
+        print_wrapped(note, head="note: ")
 
 
 @command.command("run")
@@ -186,7 +205,7 @@ def run_command(
     tokens: int,
     draft_tokens: int,
     mtp: bool,
-    ape: tuple[Path, ...],
+    ape: tuple[str, ...],
     layers: int | None,
     convert_on: str,
     seed: int,
@@ -197,7 +216,8 @@ def run_command(
     topo = get_model(model)
     if layers is not None:
         topo = topo.with_layers(layers)
-    plan = plan_migration(src, dst, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp, ape=list(ape) or None)
+    plan = plan_migration(src, dst, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp,
+                          ape=ape_weights(ape, topo))
     src_pools, src_tables = source_request(plan, seed=seed)
     dst_pools = destination_pools(plan)
     start = time.perf_counter()

@@ -22,7 +22,19 @@ from kvbridge.layouts import Layout
 from kvbridge.migration import EnginePools, plan_migration, source_request
 from kvbridge.migration.control import parse_address
 
-from .common import engine_spec_option, err_console, json_option, model_option, parse_layout, parse_scale
+from .common import (
+    APE_HELP,
+    ape_weights,
+    debug_log_option,
+    engine_spec_option,
+    err_console,
+    json_option,
+    model_option,
+    native_logs,
+    parse_layout,
+    parse_scale,
+    plural,
+)
 
 DEFAULT_PORT = 7654
 #: Requests at least this large (payload bytes) get a progress bar on a terminal.
@@ -64,19 +76,31 @@ def _require_nixl() -> None:
         raise Failure("the nixl package is not installed: pip install 'kvbridge[nixl]' (after a CPU or CUDA torch)")
 
 
-def _describe(received) -> str:
+def _describe(received) -> list[tuple[str, str]]:
+    """One received request or dump as (key, value) lines."""
     if received.kind == "dump":
         loss = "lossless" if all(r.lossless for r in received.loss) else "lossy (see --json)"
-        return (f"dump from {received.peer}: wrote {received.path} ({len(received.loss)} entries converted, {loss}; "
-                f"{received.payload_bytes:,} B in {received.wire_s:.3f} s)")
+        return [("dump", f"from {received.peer}"), ("wrote", str(received.path)),
+                ("converted", f"{plural(len(received.loss), 'entry', 'entries')}, {loss}"),
+                ("payload", f"{received.payload_bytes:,} B in {received.wire_s:.3f} s")]
     r = received.report
     if r.kv_lossless is None:
         loss = "loss not measured"
     else:
         loss = "KV lossless" if r.kv_lossless else f"KV max abs error {r.kv_max_abs_error:g}"
-    return (f"request {received.request_id} from {received.peer}: {r.num_tokens:,} tokens, {r.payload_bytes:,} B in "
-            f"{r.transfers} transfers, converted on the {r.converted_on}; wire {r.wire_s:.3f} s, convert "
-            f"{r.convert_s:.3f} s, publish {r.publish_s:.3f} s; {loss}")
+    return [("request", f"{received.request_id} from {received.peer}"),
+            ("tokens", f"{r.num_tokens:,}"), ("payload", f"{r.payload_bytes:,} B in {r.transfers} transfers"),
+            ("converted", f"on the {r.converted_on}; {loss}"),
+            ("seconds", f"wire {r.wire_s:.3f}, convert {r.convert_s:.3f}, publish {r.publish_s:.3f}")]
+
+
+def _print_fields(fields: list[tuple[str, str]]) -> None:
+    """Key/value lines, the first unindented, the others under it (each well within 80 columns
+    unless a value, e.g. a path, is longer itself)."""
+    (key, value), rest = fields[0], fields[1:]
+    click.echo(f"{key} {value}")
+    for key, value in rest:
+        click.echo(f"  {key + ':':<11}{value}")
 
 
 @click.command("serve")
@@ -102,23 +126,29 @@ def _describe(received) -> str:
               help="Seconds one request may take from connection to verdict.")
 @click.option("--max-requests", type=click.IntRange(min=1), default=None,
               help="Exit after this many requests (default: serve until interrupted).")
+@click.option("--handshake-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Seconds a connection has for the kvbridge handshake before it is dropped.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Connections served at once; one more is refused as busy.")
+@debug_log_option
 @click.option("--loss-report/--no-loss-report", default=True, show_default=True,
               help="Measure the conversion loss of requests converted here.")
-@click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Request: the model's safetensors file(s) with its compressor APE weights, needed between SGLang "
-                   "and vLLM / TensorRT-LLM for compressed layers (both ends pass the same; repeat for shards).")
+@click.option("--ape", "ape", multiple=True, metavar="FILE|synthetic",
+              help=f"Request (both ends pass the same): {APE_HELP}")
 @json_option
 def serve_command(listen: tuple[str, int], transport: str, engine: str | None, model: str, layers: int | None,
                   max_tokens: int, to_layout: Layout | None, page_size: int | None, dialect: str | None,
                   scale: float | str | None, out_dir: Path | None, force: bool, timeout: float,
-                  max_requests: int | None, loss_report: bool, ape: tuple[Path, ...], as_json: bool) -> None:
-    """Receive requests (--engine) or dumps (--to, --out) from `kvbridge migrate send`, one at a time.
+                  max_requests: int | None, handshake_timeout: float, max_connections: int,
+                  debug_log: Path | None, loss_report: bool, ape: tuple[str, ...], as_json: bool) -> None:
+    """Receive requests (--engine) or dumps (--to, --out) from `kvbridge migrate send`.
 
-    Each request is verified chunk by chunk before anything is published, then reported (one
-    line, or one JSON object per line with --json) and released, and the next one is served. A
-    failed request (dead or stalled sender, corrupted page, different plan, foreign peer) is one
-    line on stderr and claims nothing. Exit status with --max-requests: 0 if every request
-    succeeded, 1 otherwise; 130 when interrupted.
+    Connections are served concurrently (up to --max-connections; NIXL transfers one at a
+    time). Each request is verified chunk by chunk before anything is published, then reported
+    (one line, or one JSON object per line with --json) and released. A failed request (dead,
+    stalled or silent sender, bad name, over capacity, corrupted page, different plan, foreign
+    peer) is one line on stderr, claims nothing, and the server goes on. Exit status with
+    --max-requests: 0 if every request succeeded, 1 otherwise; 130 when interrupted.
     """
     if engine is None and to_layout is None:
         raise click.UsageError("give --engine (receive requests) and/or --to with --out (receive dumps)")
@@ -137,57 +167,63 @@ def serve_command(listen: tuple[str, int], transport: str, engine: str | None, m
     dst = None
     if engine is not None:
         dst = EnginePools.create(engine, topo, _capacity(engine, topo, max_tokens))
+    weights = ape_weights(ape, topo)
 
     def plan_for(info: dict):
         return plan_migration(info["src"], engine, topo, int(info["num_tokens"]),
                               draft_tokens=int(info.get("draft_tokens", 0)),
-                              include_mtp=bool(info.get("include_mtp", True)), ape=list(ape) or None)
+                              include_mtp=bool(info.get("include_mtp", True)), ape=weights)
 
     if transport == "gloo":
         assert dst is not None
-        server = GlooServer(dst, plan=plan_for, host=listen[0], port=listen[1], loss_report=loss_report)
-
-        def receive() -> Received | None:
-            got = server.receive(timeout=timeout, accept_timeout=1.0)
-            if got is None:
-                return None
-            peer, rid, tables, report = got
-            return Received("request", peer, rid, report=report, tables=tables, payload_bytes=report.payload_bytes,
-                            wire_s=report.wire_s)
+        server = GlooServer(dst, plan=plan_for, host=listen[0], port=listen[1], loss_report=loss_report,
+                            handshake_s=handshake_timeout)
     else:
         target = None if to_layout is None else DumpTarget(to_layout.name, page_size, dialect, scale)
         server = NixlReceiver(dst, plan=plan_for if engine else None, host=listen[0], port=listen[1],
-                              dump_target=target, dump_dir=out_dir, overwrite=force, loss_report=loss_report)
+                              dump_target=target, dump_dir=out_dir, overwrite=force, loss_report=loss_report,
+                              handshake_s=handshake_timeout)
 
-        def receive() -> Received | None:
-            return server.receive(timeout=timeout, accept_timeout=1.0)
+    def received_of(got) -> Received:
+        if isinstance(got, Received):
+            return got
+        peer, rid, tables, report = got  # a GlooServer's result
+        return Received("request", peer, rid, report=report, tables=tables, payload_bytes=report.payload_bytes,
+                        wire_s=report.wire_s)
 
     failures = served = 0
+    connections = None
     try:
-        host, port = server.address
-        err_console.print(f"kvbridge migrate serve: listening on {host}:{port} ({transport})", highlight=False)
-        while max_requests is None or served < max_requests:
-            try:
-                received = receive()
-            except KVBridgeError as exc:
+        with native_logs(debug_log):
+            connections = server.serve(timeout=timeout, max_connections=max_connections)
+            host, port = server.address
+            err_console.print(f"kvbridge migrate serve: listening on {host}:{port} ({transport})", highlight=False)
+            while max_requests is None or served < max_requests:
+                try:
+                    got = connections.next(1.0)
+                except KVBridgeError as exc:
+                    served += 1
+                    failures += 1
+                    _report_failure(exc, as_json)
+                    continue
+                if got is None:
+                    continue
                 served += 1
-                failures += 1
-                _report_failure(exc, as_json)
-                continue
-            if received is None:
-                continue
-            served += 1
-            if as_json:
-                click.echo(json.dumps(received.to_dict()))
-            else:
-                click.echo(_describe(received))
-            sys.stdout.flush()
-            if received.tables is not None and dst is not None:
-                _release(dst, received.tables)
+                received = received_of(got)
+                if as_json:
+                    click.echo(json.dumps(received.to_dict()))
+                else:
+                    _print_fields(_describe(received))
+                sys.stdout.flush()
+                if received.tables is not None and dst is not None:
+                    with server.lock:
+                        _release(dst, received.tables)
     except KeyboardInterrupt:
         err_console.print("interrupted", highlight=False)
         sys.exit(130)
     finally:
+        if connections is not None:
+            connections.close()
         server.close()
     if failures:
         raise Failure(f"{failures} of {served} requests failed")
@@ -253,82 +289,87 @@ def _release(dst: EnginePools, tables: dict) -> None:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds the whole transfer may take, the receiver's verdict included.")
 @click.option("--loss-report/--no-loss-report", default=True, show_default=True)
-@click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Request: the model's safetensors file(s) with its compressor APE weights, needed between SGLang "
-                   "and vLLM / TensorRT-LLM for compressed layers (both ends pass the same; repeat for shards).")
+@click.option("--ape", "ape", multiple=True, metavar="FILE|synthetic",
+              help=f"Request (both ends pass the same): {APE_HELP}")
+@debug_log_option
 @json_option
 def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, src: str | None, to: str | None,
                  model: str, layers: int | None, tokens: int | None, draft_tokens: int, mtp: bool, seed: int,
                  page_size: int | None, dialect: str | None, scale: float | str | None, name: str | None,
-                 convert_on: str, layers_per_group: int, timeout: float, loss_report: bool, ape: tuple[Path, ...],
-                 as_json: bool) -> None:
+                 convert_on: str, layers_per_group: int, timeout: float, loss_report: bool, ape: tuple[str, ...],
+                 debug_log: Path | None, as_json: bool) -> None:
     """Send a synthetic request (--from, --to, --tokens) or a dump file (DUMP) to a serving peer.
 
     Prints the receiver's verdict (its report, or --json). Exit status 0 when the receiver
     published the request, 1 when the transfer or its verification failed, 2 for bad usage.
     """
-    visible = err_console.is_terminal and not as_json
-    if dump_path is not None:
-        if src is not None or tokens is not None:
-            raise click.UsageError("give either DUMP or a request (--from, --to, --tokens), not both")
-        layout = None
-        if to is not None:
-            layout = parse_layout(click.get_current_context(), None, to)
-        elif convert_on == "sender":
-            raise click.UsageError("--convert-on sender needs --to LAYOUT for a dump")
-        if transport == "gloo":
-            raise click.UsageError("dumps travel over --transport nixl")
-        _require_nixl()
-        from kvbridge.migration.nixl import DumpTarget, NixlSender
-
-        target = None if layout is None else DumpTarget(layout.name, page_size, dialect, scale)
-        with _bytes_progress(visible and dump_path.stat().st_size >= LARGE_REQUEST_BYTES) as bar, \
-                NixlSender(*peer, timeout=timeout) as sender:
-            task = bar.add_task(f"sending {dump_path.name}", total=None)
-            summary = sender.send_dump(dump_path, name=name, target=target, convert_on=convert_on,
-                                       progress=lambda done, total: bar.update(task, completed=done, total=total))
-        if as_json:
-            click.echo(json.dumps(summary, indent=2))
-        else:
-            click.echo(f"{peer[0]}:{peer[1]} wrote {summary.get('path')} ({summary.get('entries')} entries, "
-                       f"{'lossless' if summary.get('lossless') else 'lossy'})")
-        return
-    missing = [flag for flag, v in (("--from", src), ("--to", to), ("--tokens", tokens)) if v is None]
-    if missing:
-        raise click.UsageError(f"a request needs {', '.join(missing)} (or give a DUMP file)")
-    engine_spec_option(click.get_current_context(), None, to)
-    topo = _topology(model, layers)
-    plan = plan_migration(src, to, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp, ape=list(ape) or None)
-    pools, tables = source_request(plan, seed=seed)
-    total = sum(t.dst_bytes if convert_on == "sender" else t.src_bytes for t in plan.transfers)
-    start = time.perf_counter()
-    with _bytes_progress(visible and total >= LARGE_REQUEST_BYTES) as bar:
-        task = bar.add_task(f"sending {tokens:,} tokens", total=total)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        if transport == "gloo":
-            from kvbridge.migration.transport import send_request_tcp
-
-            summary = send_request_tcp(plan, pools, tables, host=peer[0], port=peer[1], convert_on=convert_on,
-                                       layers_per_group=layers_per_group, timeout=timeout, progress=progress,
-                                       loss_report=loss_report)
-        else:
+    with native_logs(debug_log):
+        visible = err_console.is_terminal and not as_json
+        if dump_path is not None:
+            if src is not None or tokens is not None:
+                raise click.UsageError("give either DUMP or a request (--from, --to, --tokens), not both")
+            layout = None
+            if to is not None:
+                layout = parse_layout(click.get_current_context(), None, to)
+            elif convert_on == "sender":
+                raise click.UsageError("--convert-on sender needs --to LAYOUT for a dump")
+            if transport == "gloo":
+                raise click.UsageError("dumps travel over --transport nixl")
             _require_nixl()
-            from kvbridge.migration.nixl import NixlSender
+            from kvbridge.migration.nixl import DumpTarget, NixlSender
 
-            with NixlSender(*peer, timeout=timeout) as sender:
-                summary = sender.send_request(plan, pools, tables, convert_on=convert_on,
-                                              layers_per_group=layers_per_group, loss_report=loss_report,
-                                              progress=progress)
-    elapsed = time.perf_counter() - start
-    if as_json:
-        click.echo(json.dumps({"elapsed_s": elapsed, "receiver": summary}, indent=2))
-        return
-    click.echo(f"sent {tokens:,} tokens {plan.src.spec} -> {plan.dst.spec} to {peer[0]}:{peer[1]} in {elapsed:.3f} s: "
-               f"the receiver published {summary.get('payload_bytes', 0):,} B (converted on the "
-               f"{summary.get('converted_on')}; wire {summary.get('wire_s', 0.0):.3f} s)")
+            target = None if layout is None else DumpTarget(layout.name, page_size, dialect, scale)
+            with _bytes_progress(visible and dump_path.stat().st_size >= LARGE_REQUEST_BYTES) as bar, \
+                    NixlSender(*peer, timeout=timeout) as sender:
+                task = bar.add_task(f"sending {dump_path.name}", total=None)
+                summary = sender.send_dump(dump_path, name=name, target=target, convert_on=convert_on,
+                                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+            if as_json:
+                click.echo(json.dumps(summary, indent=2))
+            else:
+                _print_fields([("wrote", f"{summary.get('path')} on {peer[0]}:{peer[1]}"),
+                               ("entries", f"{plural(summary.get('entries', 0), 'entry', 'entries')}, "
+                                           f"{'lossless' if summary.get('lossless') else 'lossy'}")])
+            return
+        missing = [flag for flag, v in (("--from", src), ("--to", to), ("--tokens", tokens)) if v is None]
+        if missing:
+            raise click.UsageError(f"a request needs {', '.join(missing)} (or give a DUMP file)")
+        engine_spec_option(click.get_current_context(), None, to)
+        topo = _topology(model, layers)
+        plan = plan_migration(src, to, topo, tokens, draft_tokens=draft_tokens, include_mtp=mtp,
+                              ape=ape_weights(ape, topo))
+        pools, tables = source_request(plan, seed=seed)
+        total = sum(t.dst_bytes if convert_on == "sender" else t.src_bytes for t in plan.transfers)
+        start = time.perf_counter()
+        with _bytes_progress(visible and total >= LARGE_REQUEST_BYTES) as bar:
+            task = bar.add_task(f"sending {tokens:,} tokens", total=total)
+
+            def progress(done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total)
+
+            if transport == "gloo":
+                from kvbridge.migration.transport import send_request_tcp
+
+                summary = send_request_tcp(plan, pools, tables, host=peer[0], port=peer[1], convert_on=convert_on,
+                                           layers_per_group=layers_per_group, timeout=timeout, progress=progress,
+                                           loss_report=loss_report)
+            else:
+                _require_nixl()
+                from kvbridge.migration.nixl import NixlSender
+
+                with NixlSender(*peer, timeout=timeout) as sender:
+                    summary = sender.send_request(plan, pools, tables, convert_on=convert_on,
+                                                  layers_per_group=layers_per_group, loss_report=loss_report,
+                                                  progress=progress)
+        elapsed = time.perf_counter() - start
+        if as_json:
+            click.echo(json.dumps({"elapsed_s": elapsed, "receiver": summary}, indent=2))
+            return
+        _print_fields([("sent", f"{tokens:,} tokens {plan.src.spec} -> {plan.dst.spec}"),
+                       ("to", f"{peer[0]}:{peer[1]} in {elapsed:.3f} s"),
+                       ("published", f"{summary.get('payload_bytes', 0):,} B by the receiver"),
+                       ("converted", f"on the {summary.get('converted_on')}"),
+                       ("wire", f"{summary.get('wire_s', 0.0):.3f} s")])
 
 
 @click.command("bench")

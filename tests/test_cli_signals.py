@@ -106,3 +106,56 @@ def test_an_interrupt_before_the_with_block_leaves_nothing_behind(tmp_path: Path
     with pytest.raises(KeyboardInterrupt):
         write_dump(tmp_path / "o.safetensors", [entry])
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_mid_convert_clean_up_like_sigint(dump: Path, tmp_path: Path, sig: int):
+    """What ``timeout``, docker and systemd send (SIGTERM), and a closed terminal (SIGHUP): the hidden
+    temp file is removed, one line, exit 128 + the signal's number."""
+    out = tmp_path / "o.safetensors"
+    proc = convert(dump, out)
+    deadline = time.monotonic() + 120
+    while not partial_path(out).exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert partial_path(out).exists(), f"the convert never wrote its temp file (rc {proc.poll()})"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err
+    assert err.strip().splitlines() == [f"Error: terminated ({signal.Signals(sig).name})"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_force_replaces_only_a_regular_file(dump: Path, tmp_path: Path):
+    """``--force`` onto a FIFO (or a device node, where this user may make one) is refused and the
+    node stays what it was."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    nodes = [tmp_path / "fifo"]
+    os.mkfifo(nodes[0])
+    try:
+        os.mknod(tmp_path / "null", 0o600 | 0o020000, os.makedev(1, 3))  # S_IFCHR: a copy of /dev/null
+        nodes.append(tmp_path / "null")
+    except (PermissionError, OSError):
+        pass
+    for node in nodes:
+        mode = os.lstat(node).st_mode
+        ran = CliRunner().invoke(cli, ["convert", str(dump), str(node), "--to", "model1", "--force"])
+        assert ran.exit_code == 1 and "only a regular file is ever replaced" in ran.output, ran.output
+        assert os.lstat(node).st_mode == mode
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n.name for n in nodes)  # no temp file either
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_a_fifo_as_input_is_refused_at_once(tmp_path: Path, command: str):
+    """A named pipe with no writer used to hang ``inspect`` and ``convert`` forever."""
+    fifo = tmp_path / "in.safetensors"
+    os.mkfifo(fifo)
+    args = [str(fifo)] if command == "inspect" else [str(fifo), str(tmp_path / "out.safetensors"), "--to", "model1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ran = subprocess.run([sys.executable, "-m", "cli.main", command, *args], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert ran.returncode == 1, ran.stderr
+    assert ran.stderr.strip().splitlines() == [f"Error: {fifo}: is a named pipe (FIFO), not a regular file; a dump "
+                                               "is read from a regular file (copy it to one first)"]

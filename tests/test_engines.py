@@ -98,6 +98,8 @@ def test_trtllm_keeps_kv_and_score_in_separate_pools():
     ("vllm:kv=v41", "DeepSeek-V4.1 528-B MXFP8 records are not supported"),
     ("vllm:kv=flashinfer", "kv=flashinfer on sm100, sm120 only, not sm90"),
     ("vllm:block=100", "block must be a multiple of 64"),
+    ("vllm:block=64", "ratio-128 layers cannot page"),
+    ("vllm:block=192", "ratio-128 layers cannot page"),
     ("sglang:swa=64", "ratio-128 pages of 0.5 entries"),
     ("sglang:online=1:draft=2", "does not support speculative decoding"),
     ("sglang:state=fp16", "state must be one of fp32, bf16"),

@@ -122,6 +122,7 @@ def test_cli_plan_table_and_transfers():
         (["--from", "trtllm:tpb=64", "--to", "sglang", "--tokens", "8"], 2, "tpb must be one of 128, 256"),
         (["--from", "sglang:e4m3=fnuz", "--to", "vllm", "--tokens", "8"], 2, "float8_e4m3fnuz"),
         (["--from", "vllm:kv=v41", "--to", "sglang", "--tokens", "8"], 2, "528-B MXFP8"),
+        (["--from", "trtllm", "--to", "vllm:block=64", "--tokens", "8"], 2, "ratio-128 layers cannot page"),
         (["--from", "sglang", "--to", "tgi", "--tokens", "8"], 2, "unknown engine 'tgi'"),
         (["--from", "sglang", "--to", "vllm", "--tokens", "8", "--model", "v5"], 2, "unknown model 'v5'"),
         (["--from", "sglang", "--to", "vllm", "--tokens", "0"], 2, "0 is not in the range"),

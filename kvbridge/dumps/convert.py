@@ -236,7 +236,7 @@ class _Converter:
         bad = scan.Scan(0)
         for t0, k, rows in self._chunks():
             if p.byte_move:
-                bad += scan.scan_pages(rows, p.src, p.src_page_size, k).shifted(t0)
+                bad += scan.scan_pages(rows, p.src, p.src_page_size, k, p.src_scale).shifted(t0)  # at the actual scale
                 if bad.count:
                     continue  # keep scanning for the exact count; nothing more is written
                 pages = transcode(rows, p.src, p.dst, src_page_size=p.src_page_size, dst_page_size=p.dst_page_size,

@@ -365,7 +365,8 @@ class DumpFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         try:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO or a tty does not wait for a writer; only regular files pass below
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             raise DumpFormatError(f"{self.path}: no such file") from None
         except IsADirectoryError:
@@ -376,6 +377,10 @@ class DumpFile:
             st = os.fstat(self._fd)
             if stat.S_ISDIR(st.st_mode):
                 raise DumpFormatError(f"{self.path}: is a directory, not a dump file")
+            if not stat.S_ISREG(st.st_mode):
+                raise DumpFormatError(f"{self.path}: is {_file_kind(st.st_mode)}, not a regular file; a dump is "
+                                      "read from a regular file (copy it to one first)")
+            os.set_blocking(self._fd, True)
             self._stamp = (st.st_size, st.st_mtime_ns)
             self._parse(st.st_size)
         except BaseException:
@@ -592,6 +597,16 @@ def read_dump(path: str | os.PathLike) -> Dump:
 # ------------------------------------------------------------------------------------ writing
 
 
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, in words (for refusals)."""
+    for test, name in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 def _new_file_mode() -> int:
     """Permission bits a newly created file gets under the process umask (0o666 & ~umask)."""
     umask = os.umask(0o022)
@@ -599,23 +614,32 @@ def _new_file_mode() -> int:
     return 0o666 & ~umask
 
 
+#: Signals held while a temp file is created: Ctrl-C, and what ``timeout``, docker or systemd (SIGTERM)
+#: and a closed terminal (SIGHUP) send; the CLI turns the latter two into a clean exit like Ctrl-C.
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @contextmanager
 def _interrupts_held() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) until the block ends, then deliver it: an interrupt arriving between the
+    """Hold Ctrl-C (SIGINT), SIGTERM and SIGHUP until the block ends, then deliver it: an interrupt arriving between the
     creation of a temp file and the recording of its descriptor would otherwise leave the file behind.
     Main thread only (signal handlers live there); elsewhere the block runs unchanged."""
-    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if previous is None:
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
+    previous = {sig: signal.getsignal(sig) for sig in HELD_SIGNALS}
     held: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    for sig, handler in previous.items():
+        if handler is not None:
+            signal.signal(sig, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if held:
-        signal.raise_signal(signal.SIGINT)  # now handled as the caller asked (KeyboardInterrupt by default)
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+    for sig in dict.fromkeys(held):
+        signal.raise_signal(sig)  # now handled as the caller asked (KeyboardInterrupt for SIGINT by default)
 
 
 def partial_path(path: str | os.PathLike) -> Path:
@@ -692,7 +716,16 @@ class DumpWriter:
         self._left = 0
 
     def _check_exists(self) -> None:
-        if not self.overwrite and os.path.lexists(self.path):
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise self._io_error(exc, "check") from None
+        if not stat.S_ISREG(mode):
+            raise InputError(f"output {self.path} is {_file_kind(mode)}; only a regular file is ever replaced "
+                             "(choose another output path)")
+        if not self.overwrite:
             raise InputError(f"output {self.path} exists; pass overwrite=True (CLI: --force) to replace it")
 
     def _io_error(self, exc: OSError, doing: str = "write") -> DumpWriteError:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
-from kvbridge.engines.topology import CacheSpec, Role
+from kvbridge.engines.topology import COMPRESS_RATIOS, CacheSpec, Role
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout, PageGeometry, get_layout
 from kvbridge.ops.keys import IndexerFormat, indexer_format
@@ -473,4 +473,17 @@ def parse_engine(spec: str | EngineProfile) -> EngineProfile:
     builders = {"trtllm": trtllm, "sglang": sglang, "vllm": vllm}
     if engine not in builders:
         raise InputError(f"unknown engine {engine!r} in spec {spec!r}; engines: {', '.join(ENGINES)}")
-    return builders[engine](spec)
+    profile = builders[engine](spec)
+    _check_pages(profile, spec)
+    return profile
+
+
+def _check_pages(profile: EngineProfile, spec: str) -> None:
+    """Every layer's page holds a whole number (>= 1) of records: a compressed page of ``T`` tokens
+    holds ``T / r`` entries of a ratio-``r`` layer, for each ratio DeepSeek-V4 uses."""
+    tokens = profile.compressed_tokens_per_page
+    for r in (r for r in COMPRESS_RATIOS if r):  # 0: a layer without compression
+        if tokens % r:
+            raise InputError(f"engine spec {spec!r}: a compressed page covers {tokens} tokens, which ratio-{r} layers "
+                             f"cannot page ({tokens} / {r} entries); use a multiple of {max(COMPRESS_RATIOS)} tokens "
+                             "(e.g. vllm:block=256)")

@@ -324,12 +324,24 @@ class Layout:
             raise LayoutError(f"pages must be a torch.Tensor, got {type(pages).__name__}")
         if pages.dtype != torch.uint8:
             raise LayoutError(f"pages must be uint8, got {pages.dtype}")
+        check_device(pages, "pages")
         want = self.page_bytes(page_size)
         if pages.dim() != 2 or pages.shape[1] != want:
             raise LayoutError(
                 f"{self.name} pages of {page_size} tokens must have shape [num_pages, {want}], "
                 f"got {list(pages.shape)}"
             )
+
+
+#: Devices kvbridge encodes, decodes and transcodes on (meta tensors hold no bytes to convert).
+DEVICES = ("cpu", "cuda")
+
+
+def check_device(tensor: torch.Tensor, name: str) -> None:
+    """Raise ``LayoutError`` unless ``tensor`` lives on a device kvbridge converts on (``DEVICES``)."""
+    if tensor.device.type not in DEVICES:
+        raise LayoutError(f"{name} are on {tensor.device}, which kvbridge does not convert on; move them to "
+                          f"{' or '.join(DEVICES)} first")
 
 
 _REGISTRY: dict[str, Layout] = {}

@@ -272,8 +272,34 @@ def _code_stats_records(records: torch.Tensor, layout: Layout) -> dict[str, Form
     return out
 
 
-def scan_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None = None) -> Scan:
-    """Scan the first ``num_tokens`` tokens (default: every row) of ``pages`` of ``layout``."""
+#: A per-tensor scale above this can turn the largest finite e4m3 code (448) into Inf in fp32.
+OVERFLOW_SCALE = float(torch.finfo(torch.float32).max) / 448.0
+#: Tokens decoded at a time when a scale can overflow (``scan_pages``).
+_DECODE_TOKENS = 1 << 14
+
+
+def scan_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None = None,
+               scale: float | None = None) -> Scan:
+    """Scan the first ``num_tokens`` tokens (default: every row) of ``pages`` of ``layout``.
+
+    ``scale``: the per-tensor scale the pages decode at; one large enough to overflow a finite
+    code (above ``OVERFLOW_SCALE``) makes those values non-finite too (found by decoding)."""
+    found = _scan_codes(pages, layout, page_size, num_tokens)
+    if found.count or scale is None or not layout.per_tensor_scale or not abs(scale) > OVERFLOW_SCALE:
+        return found
+    n = layout.token_count(pages, page_size, num_tokens)
+    records = layout.pages_to_records(pages, page_size, n)
+    codec, count, first = record_codec(layout), 0, -1
+    for t0 in range(0, n, _DECODE_TOKENS):
+        bad = ~torch.isfinite(codec.decode(records[t0 : t0 + _DECODE_TOKENS], scale=scale))
+        hits = int(bad.sum())
+        if hits and first < 0:
+            first = t0 + int(bad.any(dim=1).nonzero()[0, 0])
+        count += hits
+    return Scan(count, max(first, 0), f"a code times the scale {scale:g}", count) if count else Scan(0)
+
+
+def _scan_codes(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None) -> Scan:
     n = layout.token_count(pages, page_size, num_tokens)
     fields = _rule_fields(layout, "nonfinite")
     if n == 0 or not fields:
@@ -297,9 +323,10 @@ def scan_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: 
 
 
 def check_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None = None,
-                what: str = "source") -> None:
-    """Raise ``NonFiniteError`` (values, codes, first token and field) when ``pages`` hold non-finite codes."""
-    scan = scan_pages(pages, layout, page_size, num_tokens)
+                what: str = "source", scale: float | None = None) -> None:
+    """Raise ``NonFiniteError`` (values, codes, first token and field) when ``pages`` hold non-finite
+    codes, or values that overflow at ``scale`` (see ``scan_pages``)."""
+    scan = scan_pages(pages, layout, page_size, num_tokens, scale)
     if scan.count:
         raise NonFiniteError(scan.describe(what))
 

@@ -11,11 +11,16 @@ caller's deadline, and a closed or reset connection is a ``TransferError``.
 from __future__ import annotations
 
 import json
+import queue
 import select
 import socket
 import struct
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
+from kvbridge.errors import KVBridgeError
 from kvbridge.migration.execute import MigrationError, TransferError
 
 MAGIC = b"KVBRIDGE-MIGRATE"
@@ -26,6 +31,26 @@ OLD_VERSIONS = {1: "CRC-32 page-chunk checksums"}
 #: JSON bodies larger than this are refused (a 128K request's largest message is about 1 MB).
 MAX_JSON_BYTES = 64 << 20
 MAX_BLOB_BYTES = 64 << 20
+#: Longest name a sender may give (a request id, a dump's file name), in UTF-8 bytes (a file name's limit).
+MAX_NAME_BYTES = 255
+#: Seconds a connecting peer has to complete the handshake (magic, version, hello) before it is dropped.
+DEFAULT_HANDSHAKE_S = 5.0
+#: Connections a ``ConnectionServer`` serves at once; one more is refused with a one-line "busy" error.
+DEFAULT_MAX_CONNECTIONS = 32
+
+
+def check_name(value: object, what: str) -> str:
+    """A name a peer supplies, checked before any use: a string of 1 to ``MAX_NAME_BYTES`` UTF-8 bytes,
+    printable characters, no path component (no ``/``, ``\\``, NUL, no leading dot)."""
+    if not isinstance(value, str) or not value:
+        raise MigrationError(f"{what} must be a non-empty string, got {repr(value)[:40]}")
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME_BYTES:
+        raise MigrationError(f"{what} is {size} bytes long, at most {MAX_NAME_BYTES} are allowed")
+    if not value.isprintable() or any(c in value for c in "/\\") or value.startswith("."):
+        raise MigrationError(f"{what} {value[:40]!r} is not a plain name (printable characters, no path separator, "
+                             "no leading dot)")
+    return value
 
 
 class Channel:
@@ -101,6 +126,14 @@ class Channel:
             raise MigrationError(f"{self.peer} sent {message['type']!r} where {what} ({kind!r}) was due")
         return message, blob
 
+    def peer_gone(self) -> bool:
+        """Whether the peer closed or reset the connection (checked without blocking or consuming data)."""
+        try:
+            ready, _, _ = select.select([self.sock], [], [], 0.0)
+            return bool(ready) and not self.sock.recv(1, socket.MSG_PEEK)  # readable: EOF, or a message waits
+        except (OSError, ValueError):
+            return True
+
     def readable(self, timeout: float) -> bool:
         """Whether a message (or the peer's close) is waiting, after at most ``timeout`` seconds."""
         try:
@@ -163,7 +196,7 @@ class Listener:
         except OSError as exc:
             self.sock.close()
             raise TransferError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
-        self.sock.listen(8)
+        self.sock.listen(128)
         self.host, self.port = host, self.sock.getsockname()[1]
 
     def accept(self, timeout: float | None = None) -> Channel | None:
@@ -177,6 +210,119 @@ class Listener:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def handshake(chan: Channel, deadline: float, handshake_s: float) -> tuple[dict, bytes]:
+    """Server side: the magic, the version and the sender's ``hello`` (JSON, blob), all within
+    ``handshake_s`` seconds (and before ``deadline``); a peer that is slower is dropped."""
+    bound = min(deadline, time.monotonic() + handshake_s)
+    try:
+        chan.accept_handshake(bound)
+        return chan.expect("hello", bound, "the sender's hello")
+    except TransferError:
+        if time.monotonic() < bound:
+            raise
+        raise TransferError(f"dropped {chan.peer}: no kvbridge handshake within {handshake_s:g} s") from None
+
+
+#: Serves one connection after its handshake: (channel, hello, hello blob, deadline) -> a result.
+Handler = Callable[[Channel, dict, bytes, float], Any]
+
+
+class ConnectionServer:
+    """Serves a ``Listener``'s connections, each on its own thread, up to ``max_connections`` at once.
+
+    Every connection gets ``timeout`` seconds from accept to verdict and ``handshake_s`` of them
+    for the handshake; a connection beyond the limit is refused at once with a one-line "busy"
+    error. ``next`` hands out each connection's outcome in completion order: the handler's
+    result, or raises its one-line ``KVBridgeError`` (any other exception is turned into a
+    ``MigrationError``); the server goes on serving either way. ``close`` stops accepting.
+    """
+
+    def __init__(self, listener: Listener, handle: Handler, *, timeout: float,
+                 handshake_s: float = DEFAULT_HANDSHAKE_S, max_connections: int = DEFAULT_MAX_CONNECTIONS):
+        for name, v in (("timeout", timeout), ("handshake_s", handshake_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise MigrationError(f"{name} must be a positive number of seconds, got {v!r}")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise MigrationError(f"max_connections must be a positive integer, got {max_connections!r}")
+        self.listener, self.handle = listener, handle
+        self.timeout, self.handshake_s, self.max_connections = float(timeout), float(handshake_s), max_connections
+        self.outcomes: queue.Queue = queue.Queue()
+        self.active = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="kvbridge-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                chan = self.listener.accept(0.1)
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            if chan is None:
+                continue
+            with self._lock:
+                busy = self.active >= self.max_connections
+                self.active += 0 if busy else 1
+            if busy:
+                send_error(chan, f"receiver busy: {self.max_connections} connections in progress; retry later")
+                chan.close()
+                self.outcomes.put(TransferError(f"refused {chan.peer}: {self.max_connections} connections in "
+                                                "progress (the limit)"))
+                continue
+            threading.Thread(target=self._serve, args=(chan,), name=f"kvbridge-conn-{chan.peer}", daemon=True).start()
+
+    def _serve(self, chan: Channel) -> None:
+        deadline = time.monotonic() + self.timeout
+        outcome: Any
+        try:
+            hello, blob = handshake(chan, deadline, self.handshake_s)
+            outcome = self.handle(chan, hello, blob, deadline)
+        except KVBridgeError as exc:
+            send_error(chan, first_line(exc))
+            outcome = exc
+        except Exception as exc:  # one request's bug or OS error must not stop the server
+            outcome = MigrationError(f"request from {chan.peer} failed in the receiver ({type(exc).__name__}: "
+                                     f"{first_line(exc)}); nothing was published")
+            send_error(chan, first_line(outcome))
+        finally:
+            chan.close()
+            with self._lock:
+                self.active -= 1
+        self.outcomes.put(outcome)
+
+    def next(self, wait: float | None = None) -> Any:
+        """The next connection's result (raises its error), or None after ``wait`` seconds without one."""
+        try:
+            outcome = self.outcomes.get(timeout=wait)
+        except queue.Empty:
+            return None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.listener.close()
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's text (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def send_error(chan: Channel, text: str) -> None:
+    """Tell the peer (if it still listens, for at most 1 s) why its request failed."""
+    try:
+        chan.send({"type": "error", "error": text}, deadline=time.monotonic() + 1.0)
+    except KVBridgeError:
+        pass
 
 
 def parse_address(text: str, default_port: int | None = None, *, listen: bool = False) -> tuple[str, int]:
@@ -193,3 +339,16 @@ def parse_address(text: str, default_port: int | None = None, *, listen: bool = 
     if not port.isdigit() or not low <= int(port) < 65536:
         raise ValueError(f"expected HOST:PORT with a port in {low}..65535, got {text!r}")
     return host, int(port)
+
+
+def check_room(plan: Any, dst: Any, refuse: Callable[[str], KVBridgeError]) -> None:
+    """Refuse a request whose destination pages do not fit ``dst``'s free pages now, before anything moves.
+
+    ``plan``: a ``MigrationPlan``; ``dst``: its ``EnginePools``; ``refuse`` builds the error from a reason."""
+    lengths, released = plan.table_lengths("dst"), plan.released("dst")
+    free = dst.num_free()
+    for name, n in lengths.items():
+        need = n - min(released.get(name, 0), n)
+        if need > free.get(name, 0):
+            raise refuse(f"it needs {need} pages of block table {name!r}, this receiver has {free.get(name, 0)} free "
+                         "(serve with a larger --max-tokens)")

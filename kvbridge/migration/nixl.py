@@ -59,7 +59,18 @@ from kvbridge.dumps.convert import convert_entry
 from kvbridge.dumps.dumpfile import LATENT_DTYPES, Dump, DumpEntry, read_dump, write_dump
 from kvbridge.engines.profiles import Storage
 from kvbridge.errors import InputError, KVBridgeError
-from kvbridge.migration.control import Channel, Listener
+from kvbridge.migration.control import (
+    DEFAULT_HANDSHAKE_S,
+    DEFAULT_MAX_CONNECTIONS,
+    Channel,
+    ConnectionServer,
+    Listener,
+    check_name,
+    check_room,
+    first_line,
+    handshake,
+    send_error,
+)
 from kvbridge.migration.execute import (
     CHECKSUM,
     ChecksumError,
@@ -102,11 +113,6 @@ def nixl_available() -> bool:
     return True
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 # ---------------------------------------------------------------------------------------------
 # The agent process
 
@@ -121,7 +127,7 @@ def _agent_main(conn, name: str) -> None:
 
             agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         except Exception as exc:
-            conn.send(("err", f"cannot start a NIXL agent ({_first_line(exc)}); install it with "
+            conn.send(("err", f"cannot start a NIXL agent ({first_line(exc)}); install it with "
                               "pip install 'kvbridge[nixl]'"))
             return
         conn.send(("ok", None))
@@ -139,7 +145,7 @@ def _agent_main(conn, name: str) -> None:
                     return
                 conn.send(("ok", _agent_op(agent, regions, xfers, op, args)))
             except Exception as exc:
-                conn.send(("err", _first_line(exc)))
+                conn.send(("err", first_line(exc)))
     finally:
         os._exit(0)
 
@@ -303,7 +309,7 @@ class _LocalAgent:
 
             self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         except Exception as exc:
-            raise TransferError(f"cannot start a NIXL agent ({_first_line(exc)}); install it with "
+            raise TransferError(f"cannot start a NIXL agent ({first_line(exc)}); install it with "
                                 "pip install 'kvbridge[nixl]'") from None
         self.name = name
         self.regions: dict[str, tuple[torch.Tensor, Any]] = {}
@@ -319,7 +325,7 @@ class _LocalAgent:
             try:
                 return _agent_op(self.agent, self.regions, self.xfers, cmd[0], cmd[1:])
             except Exception as exc:
-                raise TransferError(f"NIXL failed while {what}: {_first_line(exc)}") from None
+                raise TransferError(f"NIXL failed while {what}: {first_line(exc)}") from None
 
     register = _Agent.register
 
@@ -570,7 +576,8 @@ class NixlReceiver:
 
     def __init__(self, dst: EnginePools | None = None, *, plan: MigrationPlan | PlanFor | None = None,
                  host: str = "127.0.0.1", port: int = 0, dump_target: DumpTarget | None = None,
-                 dump_dir: str | os.PathLike | None = None, overwrite: bool = False, loss_report: bool = True):
+                 dump_dir: str | os.PathLike | None = None, overwrite: bool = False, loss_report: bool = True,
+                 handshake_s: float = DEFAULT_HANDSHAKE_S):
         if dst is None and dump_target is None:
             raise InputError("a receiver needs destination pools (requests), a dump target (dumps), or both")
         if dump_target is not None and dump_dir is None:
@@ -588,6 +595,9 @@ class NixlReceiver:
         self.dump_target, self.overwrite, self.loss_report = dump_target, overwrite, loss_report
         self.dump_dir = None if dump_dir is None else Path(dump_dir)
         self.listener = Listener(host, port)
+        self.handshake_s = handshake_s
+        #: Held while a connection uses the agent, the staging buffer or the pools' free lists.
+        self.lock = threading.Lock()
         self.agent: _Agent | _LocalAgent | None = None
         self.staging = torch.empty(0, dtype=torch.uint8)
         self.memory: dict[str, np.ndarray] = {}
@@ -645,27 +655,30 @@ class NixlReceiver:
         Raises ``MigrationError``/``TransferError`` with one line; the receiver stays usable."""
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self._ensure_agent()
+        with self.lock:
+            self._ensure_agent()
         chan = self.listener.accept(accept_timeout)
         if chan is None:
             return None
         deadline = time.monotonic() + timeout
         session = _Session(self, chan, deadline, on_group, request_id)
         try:
-            return session.run()
-        except KVBridgeError as exc:
-            session.fail(exc)
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a malformed message
-            error = MigrationError(f"refused request {session.request_id} from {chan.peer}: malformed control "
-                                   f"message ({type(exc).__name__}: {_first_line(exc)})")
-            session.fail(error)
-            raise error from None
-        except BaseException as exc:
-            session.fail(exc)
-            raise
+            return session.serve(lambda: handshake(chan, deadline, self.handshake_s))
         finally:
             chan.close()
+
+    def serve(self, *, timeout: float = 60.0, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> ConnectionServer:
+        """Serve connections concurrently: handshakes and refusals in parallel, transfers one at a time
+        (they share the agent and the staging buffer; a waiting connection's ``timeout`` keeps running).
+        ``next`` on the result yields each ``Received`` or raises each connection's error."""
+        with self.lock:
+            self._ensure_agent()
+
+        def handle(chan: Channel, hello: dict, meta: bytes, deadline: float) -> Received:
+            return _Session(self, chan, deadline, None).serve(lambda: (hello, meta))
+
+        return ConnectionServer(self.listener, handle, timeout=timeout, handshake_s=self.handshake_s,
+                                max_connections=max_connections)
 
 
 class _Session:
@@ -679,14 +692,16 @@ class _Session:
         self.notifs: set[bytes] = set()
         self.plan: MigrationPlan | None = None
         self.request_id = "?"
+        self.failed = False
 
     def fail(self, exc: BaseException) -> None:
-        """Tell the sender (if it still listens), stop the agent if a peer could still write, undo any claim."""
-        msg = _first_line(exc) if isinstance(exc, KVBridgeError) else f"receiver failed: {_first_line(exc)}"
-        try:
-            self.chan.send({"type": "error", "error": msg}, deadline=time.monotonic() + 1.0)
-        except KVBridgeError:
-            pass
+        """Tell the sender (if it still listens), stop the agent if a peer could still write, undo any claim
+        (once; the caller holds the receiver's lock when anything was connected or claimed)."""
+        if self.failed:
+            return
+        self.failed = True
+        msg = first_line(exc) if isinstance(exc, KVBridgeError) else f"receiver failed: {first_line(exc)}"
+        send_error(self.chan, msg)
         if self.remote is not None and self.rx.agent is not None:
             self.rx.agent.kill()  # late writes from a stalled sender end here; the next receive starts a new agent
             self.rx.agent = None
@@ -698,19 +713,54 @@ class _Session:
             dst.release(self.claimed)
             self.claimed = None
 
-    def run(self) -> Received:
-        chan, deadline = self.chan, self.deadline
-        chan.accept_handshake(deadline)
-        hello, meta = chan.expect("hello", deadline, "the sender's hello")
-        self.request_id = str(hello.get("request_id", "?"))[:64]
+    def serve(self, hello_of: Callable[[], tuple[dict, bytes]]) -> Received:
+        """Check the hello (``hello_of``: the handshake) without the lock, then transfer under it; any
+        failure is told to the sender and undone (``fail``), then raised as one line."""
+        try:
+            hello, meta = hello_of()
+            check = self._prepare(hello)
+            if not self.rx.lock.acquire(timeout=max(0.0, self.deadline - time.monotonic())):
+                raise TransferError(f"timed out waiting for the transfer before request {self.request_id} from "
+                                    f"{self.chan.peer}; nothing was published")
+            try:
+                return self._run(check, hello, meta)
+            except BaseException as exc:
+                self.fail(exc)
+                raise
+            finally:
+                self.rx.lock.release()
+        except KVBridgeError as exc:
+            self.fail(exc)
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a malformed message
+            error = MigrationError(f"refused request {self.request_id} from {self.chan.peer}: malformed control "
+                                   f"message ({type(exc).__name__}: {first_line(exc)})")
+            self.fail(error)
+            raise error from None
+        except OSError as exc:  # e.g. the dump directory went away
+            error = MigrationError(f"request {self.request_id} from {self.chan.peer} failed on the receiver "
+                                   f"({exc.strerror or exc}); nothing was published")
+            self.fail(error)
+            raise error from None
+
+    def _prepare(self, hello: dict) -> Any:
+        """What can be refused before anything moves (name, kind, plan, fingerprint, room): a plan, or a
+        dump's output path."""
+        self.request_id = check_name(hello.get("request_id"), f"the request id from {self.chan.peer}")
         if self.expect_id is not None and self.request_id != self.expect_id:
             raise self._refuse(f"this receiver waits for request {self.expect_id}")
         kind = hello.get("kind")
         if kind == "request":
-            return self._request(hello, meta)
+            return self._plan(hello)
         if kind == "dump":
-            return self._dump(hello, meta)
-        raise MigrationError(f"refused {chan.peer}: unknown transfer kind {kind!r}")
+            return self._dump_path(hello)
+        raise MigrationError(f"refused {self.chan.peer}: unknown transfer kind {kind!r}")
+
+    def _run(self, check: Any, hello: dict, meta: bytes) -> Received:
+        self.rx._ensure_agent()
+        if hello["kind"] == "request":
+            return self._request(check, hello, meta)
+        return self._dump(check, hello, meta)
 
     def _refuse(self, text: str) -> MigrationError:
         return MigrationError(f"refused request {self.request_id} from {self.chan.peer}: {text}")
@@ -762,21 +812,28 @@ class _Session:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def _request(self, hello: dict, meta: bytes) -> Received:
-        rx, chan = self.rx, self.chan
+    def _plan(self, hello: dict) -> MigrationPlan:
+        rx = self.rx
         if rx.dst is None or rx.plan is None:
             raise self._refuse("this receiver does not take requests (no destination pools)")
         try:
             plan = rx.plan({**hello["request"], "request_id": self.request_id}) if callable(rx.plan) else rx.plan
         except KVBridgeError as exc:
-            raise self._refuse(f"cannot plan it here ({_first_line(exc)})") from None
-        self.plan = plan
+            raise self._refuse(f"cannot plan it here ({first_line(exc)})") from None
         if hello.get("fingerprint") != wire_fingerprint(plan):
             req = hello.get("request", {})
             raise self._refuse(f"the sender's plan ({req.get('src')} -> {req.get('dst')}, {req.get('model')}, "
                                f"{req.get('num_tokens')} tokens) differs from this receiver's ({plan.src.spec} -> "
                                f"{plan.dst.spec}, {plan.model.name}); plan fingerprints differ")
         check_pools(plan, rx.dst, "dst")
+        check_groups(plan, hello["groups"])
+        check_room(plan, rx.dst, self._refuse)  # before anything moves; the claim itself is under the lock
+        return plan
+
+    def _request(self, plan: MigrationPlan, hello: dict, meta: bytes) -> Received:
+        rx, chan = self.rx, self.chan
+        assert rx.dst is not None
+        self.plan = plan
         groups = check_groups(plan, hello["groups"])
         converted = hello.get("convert_on") == "sender"
         t0 = time.perf_counter()
@@ -785,7 +842,7 @@ class _Session:
             try:
                 self.claimed = rx.dst.claim(plan.table_lengths("dst"), plan.released("dst"))
             except InputError as exc:
-                raise self._refuse(_first_line(exc)) from None
+                raise self._refuse(first_line(exc)) from None
             regions = sorted({key for t in plan.transfers for key in _pool_keys(t)})
             self._connect(meta, regions, {"tables": self.claimed})
             layouts = [[c for c, _ in _pool_chunks(t, self.claimed,
@@ -847,17 +904,23 @@ class _Session:
 
     # -- dumps ----------------------------------------------------------------------------------
 
-    def _dump(self, hello: dict, meta: bytes) -> Received:
+    def _dump_path(self, hello: dict) -> Path:
         rx = self.rx
         if rx.dump_target is None or rx.dump_dir is None:
             raise self._refuse("this receiver does not take dumps (no dump target)")
-        self.plan = None
-        name = str(hello.get("name", ""))
-        if not name or Path(name).name != name or name.startswith("."):
-            raise self._refuse(f"bad dump name {name!r}")
+        try:
+            name = check_name(hello.get("name"), "the dump name")
+        except MigrationError as exc:
+            raise self._refuse(str(exc)) from None
         out = rx.dump_dir / name
         if out.exists() and not rx.overwrite:
             raise self._refuse(f"{out} exists (serve with --force to overwrite)")
+        return out
+
+    def _dump(self, out: Path, hello: dict, meta: bytes) -> Received:
+        rx = self.rx
+        assert rx.dump_target is not None
+        self.plan = None
         source, wire = hello["source"], hello["wire"]
         target = rx.dump_target.to_dict()
         sent_target = hello.get("target")
@@ -902,7 +965,7 @@ class _Session:
                     loss.append(rep)
                 entries.append(entry)
         except InputError as exc:
-            raise self._refuse(f"entry does not convert ({_first_line(exc)})") from None
+            raise self._refuse(f"entry does not convert ({first_line(exc)})") from None
         path = write_dump(out, Dump(entries, attrs=dict(hello.get("attrs", {}))), overwrite=rx.overwrite)
         self._finish({"path": str(path), "entries": len(entries), "lossless": all(r.lossless for r in loss)})
         return Received("dump", self.chan.peer, self.request_id, path=path, loss=loss,
@@ -1029,10 +1092,11 @@ class _Connection:
     def __init__(self, sender: NixlSender, hello: dict, nbytes: int, progress: Progress | None,
                  request_id: str | None = None):
         self.deadline = time.monotonic() + sender.timeout
-        self.chan = Channel.connect(sender.host, sender.port, self.deadline)  # fail fast when nobody listens
+        # the agent first (its start takes seconds): the receiver drops a peer slower than its handshake bound
+        self.agent = sender._ensure(nbytes)
+        self.chan = Channel.connect(sender.host, sender.port, self.deadline)
         self.remote: str | None = None
         try:
-            self.agent = sender._ensure(nbytes)
             self.staged = sender.staging.numpy()
             self.base = self.agent.addresses["staging"]
             self.total, self.sent, self.progress = nbytes, 0, progress

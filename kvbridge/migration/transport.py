@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,7 +34,18 @@ import torch.distributed as dist
 
 from kvbridge._version import __version__
 from kvbridge.errors import InputError, KVBridgeError
-from kvbridge.migration.control import Channel, Listener
+from kvbridge.migration.control import (
+    DEFAULT_HANDSHAKE_S,
+    DEFAULT_MAX_CONNECTIONS,
+    Channel,
+    ConnectionServer,
+    Listener,
+    check_name,
+    check_room,
+    first_line,
+    handshake,
+    send_error,
+)
 from kvbridge.migration.execute import (
     ConvertSide,
     MigrationError,
@@ -70,18 +82,49 @@ def _reason(exc: BaseException) -> str:
     return text.split(". ")[0].rstrip(".")
 
 
-def _wait(work: dist.Work, what: str, peer: int, deadline: float) -> None:
+#: Called while a transfer waits; True when the peer is known gone (e.g. its control connection closed).
+Watch = Callable[[], bool]
+
+
+def _wait(work: dist.Work, what: str, peer: int, deadline: float, watch: Watch | None = None) -> None:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TransferError(f"timed out before {what} from rank {peer}; nothing was published")
     try:
-        work.wait(timeout=timedelta(seconds=remaining))
+        if watch is None:
+            work.wait(timeout=timedelta(seconds=remaining))
+        else:
+            _watched(work, what, peer, remaining, watch)
     except RuntimeError as exc:
         reason = _reason(exc)
         raise TransferError(
             f"{what} from rank {peer} failed ({reason}); the peer died, the link broke or the timeout passed; "
             "nothing was published"
         ) from None
+
+
+def _watched(work: dist.Work, what: str, peer: int, remaining: float, watch: Watch) -> None:
+    """Wait for ``work`` on a helper thread (a gloo wait can be neither polled nor cut short: a timed-out
+    wait breaks the pair) while checking ``watch`` every 20 ms: a dead peer is noticed as soon as
+    its control connection closes, not at the timeout. An abandoned wait ends at its own timeout."""
+    done = threading.Event()
+    failed: list[RuntimeError] = []
+
+    def wait() -> None:
+        try:
+            work.wait(timeout=timedelta(seconds=remaining))
+        except RuntimeError as exc:
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="kvbridge-gloo-wait", daemon=True).start()
+    while not done.wait(0.02):
+        if watch():
+            raise TransferError(f"{what} from rank {peer} failed: the peer closed its control connection (it died "
+                                "or gave up); nothing was published")
+    if failed:
+        raise failed[0]
 
 
 def _check_timeout(timeout: float) -> float:
@@ -107,23 +150,31 @@ class _Link:
     ``GlooServer`` makes one per request); ``peer`` is then its rank in that group.
     """
 
-    def __init__(self, peer: int, group: dist.ProcessGroup | None, deadline: float, device: torch.device | str):
-        self.peer, self.group, self.deadline, self.device = peer, group, deadline, device
+    def __init__(self, peer: int, group: dist.ProcessGroup | None, deadline: float, device: torch.device | str,
+                 watch: Watch | None = None):
+        self.peer, self.group, self.deadline, self.device, self.watch = peer, group, deadline, device, watch
         self.direct = group is not None and not _registered(group)
 
     def send(self, tensor: torch.Tensor, what: str) -> None:
         if self.direct:
-            work = self.group.send([tensor], self.peer, 0)
+            self._wait(lambda: self.group.send([tensor], self.peer, 0), what)
         else:
-            work = dist.isend(tensor, self.peer, group=self.group)
-        _wait(work, what, self.peer, self.deadline)
+            self._wait(lambda: dist.isend(tensor, self.peer, group=self.group), what)
 
     def recv(self, tensor: torch.Tensor, what: str) -> None:
         if self.direct:
-            work = self.group.recv([tensor], self.peer, 0)
+            self._wait(lambda: self.group.recv([tensor], self.peer, 0), what)
         else:
-            work = dist.irecv(tensor, self.peer, group=self.group)
-        _wait(work, what, self.peer, self.deadline)
+            self._wait(lambda: dist.irecv(tensor, self.peer, group=self.group), what)
+
+    def _wait(self, post: Callable[[], dist.Work], what: str) -> None:
+        """Post an operation and wait for it; posting on a broken pair fails like the wait would."""
+        try:
+            work = post()
+        except RuntimeError as exc:
+            raise TransferError(f"{what} from rank {self.peer} failed ({_reason(exc)}); the peer died or the link "
+                                "broke; nothing was published") from None
+        _wait(work, what, self.peer, self.deadline, self.watch)
 
 
 def _registered(group: dist.ProcessGroup) -> bool:
@@ -356,15 +407,16 @@ Publish = Callable[[RequestAssembly], RequestTables]
 
 def receive_request(plan: MigrationPlan, dst: EnginePools, *, src_rank: int, group: dist.ProcessGroup | None = None,
                     timeout: float = 60.0, device: torch.device | str = "cpu", loss_report: bool = True,
-                    on_group: GroupDone | None = None, publish: Publish | None = None
+                    on_group: GroupDone | None = None, publish: Publish | None = None, watch: Watch | None = None
                     ) -> tuple[RequestTables, MigrationReport]:
     """Decode side: receive each layer group, verify its checksums and convert it (if the sender did
     not) as it lands; after the last group, claim and fill destination pages. Returns the
     request's block tables and a report. ``publish`` replaces the claim-and-fill step (an engine
-    that allocated the request's blocks itself writes them through its own block ids)."""
+    that allocated the request's blocks itself writes them through its own block ids). ``watch``:
+    polled while waiting; True (the peer is gone) fails the request at once."""
     check_pools(plan, dst, "dst")
     t0 = time.perf_counter()
-    rx = _Receiver(plan, _Link(src_rank, group, time.monotonic() + _check_timeout(timeout), device))
+    rx = _Receiver(plan, _Link(src_rank, group, time.monotonic() + _check_timeout(timeout), device, watch))
     assembly = RequestAssembly(plan, loss_report=loss_report)
     for g, indices in enumerate(rx.groups):
         assembly.add(indices, rx.group(g))
@@ -391,12 +443,20 @@ class GlooServer:
     request, a kvbridge handshake over TCP (plan fingerprint), then a two-rank gloo group formed
     through a store this side hosts, then ``receive_request`` (streamed, verified, published at
     the end). ``plan`` is the plan or a callable building it from the sender's request info (with the
-    request id it announced under ``request_id``)."""
+    request id it announced under ``request_id``).
+
+    ``receive`` serves one connection; ``serve`` serves connections concurrently (each request
+    its own gloo pair; publishing and releasing pages hold ``lock``). While data flows the
+    control connection is watched: a sender that dies is noticed when its socket closes."""
 
     def __init__(self, dst: EnginePools, *, plan: MigrationPlan | Callable[[dict], MigrationPlan],
-                 host: str = "127.0.0.1", port: int = 0, loss_report: bool = True):
-        self.dst, self.plan, self.loss_report = dst, plan, loss_report
+                 host: str = "127.0.0.1", port: int = 0, loss_report: bool = True,
+                 handshake_s: float = DEFAULT_HANDSHAKE_S):
+        self.dst, self.plan, self.loss_report, self.handshake_s = dst, plan, loss_report, handshake_s
         self.listener = Listener(host, port)
+        self.lock = threading.Lock()
+        self.expect_id: str | None = None
+        self.publish: Publish | None = None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -404,6 +464,11 @@ class GlooServer:
 
     def close(self) -> None:
         self.listener.close()
+
+    def serve(self, *, timeout: float = 60.0, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> ConnectionServer:
+        """Serve connections concurrently; ``next`` on the result yields (peer, request id, tables, report)."""
+        return ConnectionServer(self.listener, self._handle, timeout=_check_timeout(timeout),
+                                handshake_s=self.handshake_s, max_connections=max_connections)
 
     def receive(self, *, timeout: float = 60.0, accept_timeout: float | None = None, request_id: str | None = None,
                 publish: Publish | None = None) -> tuple[str, str, RequestTables, MigrationReport] | None:
@@ -416,51 +481,65 @@ class GlooServer:
         if chan is None:
             return None
         deadline = time.monotonic() + timeout
+        self.expect_id, self.publish = request_id, publish
         try:
-            chan.accept_handshake(deadline)
-            hello, _ = chan.expect("hello", deadline, "the sender's hello")
-            rid = str(hello.get("request_id", "?"))[:64]
-            if hello.get("kind") != "request" or hello.get("transport") != "gloo":
-                raise MigrationError(f"refused request {rid} from {chan.peer}: this receiver takes requests over "
-                                     f"gloo, the sender offers a {hello.get('kind')} over {hello.get('transport')}")
-            if request_id is not None and rid != request_id:
-                raise MigrationError(f"refused request {rid} from {chan.peer}: this receiver waits for request "
-                                     f"{request_id}")
-            try:
-                plan = self.plan({**hello["request"], "request_id": rid}) if callable(self.plan) else self.plan
-            except KVBridgeError as exc:
-                raise MigrationError(f"refused request {rid} from {chan.peer}: cannot plan it here ({exc})") from None
-            if hello.get("fingerprint") != wire_fingerprint(plan):
-                req = hello.get("request", {})
-                raise MigrationError(
-                    f"refused request {rid} from {chan.peer}: the sender's plan ({req.get('src')} -> "
-                    f"{req.get('dst')}, {req.get('model')}) differs from this receiver's ({plan.src.spec} -> "
-                    f"{plan.dst.spec}, {plan.model.name}); plan fingerprints differ")
-            remaining = max(1.0, deadline - time.monotonic())
-            store = dist.TCPStore(self.listener.host, 0, 2, True, timedelta(seconds=remaining), wait_for_workers=False)
-            chan.send({"type": "accept", "store_port": store.port}, deadline=deadline)
-            group = _pair_group(store, rid, 1, remaining)
-            tables, report = receive_request(plan, self.dst, src_rank=0, group=group,
-                                             timeout=max(0.01, deadline - time.monotonic()),
-                                             loss_report=self.loss_report, publish=publish)
-            try:
-                chan.send({"type": "result", "ok": True, "summary": report.to_dict()}, deadline=deadline)
-            except TransferError:
-                pass  # published; the sender went away before hearing it
-            return chan.peer, rid, tables, report
+            hello, blob = handshake(chan, deadline, self.handshake_s)
+            return self._handle(chan, hello, blob, deadline)
         except KVBridgeError as exc:
-            try:
-                chan.send({"type": "error", "error": str(exc).splitlines()[0]}, deadline=time.monotonic() + 1.0)
-            except KVBridgeError:
-                pass
+            send_error(chan, first_line(exc))
             raise
+        finally:
+            chan.close()
+
+    def _handle(self, chan: Channel, hello: dict, blob: bytes, deadline: float
+                ) -> tuple[str, str, RequestTables, MigrationReport]:
+        try:
+            return self._request(chan, hello, deadline)
         except RuntimeError as exc:  # gloo failing to form the group (peer gone, timeout)
             raise TransferError(f"could not form a gloo group with {chan.peer} ({_reason(exc)}); "
                                 "nothing was published") from None
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:  # a malformed message
             raise MigrationError(f"refused {chan.peer}: malformed control message ({type(exc).__name__})") from None
-        finally:
-            chan.close()
+
+    def _request(self, chan: Channel, hello: dict, deadline: float) -> tuple[str, str, RequestTables, MigrationReport]:
+        rid = check_name(hello.get("request_id"), f"the request id from {chan.peer}")
+        if hello.get("kind") != "request" or hello.get("transport") != "gloo":
+            raise MigrationError(f"refused request {rid} from {chan.peer}: this receiver takes requests over "
+                                 f"gloo, the sender offers a {hello.get('kind')} over {hello.get('transport')}")
+        if self.expect_id is not None and rid != self.expect_id:
+            raise MigrationError(f"refused request {rid} from {chan.peer}: this receiver waits for request "
+                                 f"{self.expect_id}")
+        try:
+            plan = self.plan({**hello["request"], "request_id": rid}) if callable(self.plan) else self.plan
+        except KVBridgeError as exc:
+            raise MigrationError(f"refused request {rid} from {chan.peer}: cannot plan it here ({exc})") from None
+        if hello.get("fingerprint") != wire_fingerprint(plan):
+            req = hello.get("request", {})
+            raise MigrationError(
+                f"refused request {rid} from {chan.peer}: the sender's plan ({req.get('src')} -> "
+                f"{req.get('dst')}, {req.get('model')}) differs from this receiver's ({plan.src.spec} -> "
+                f"{plan.dst.spec}, {plan.model.name}); plan fingerprints differ")
+        if self.publish is None:
+            with self.lock:
+                check_room(plan, self.dst, lambda why: MigrationError(f"refused request {rid} from {chan.peer}: "
+                                                                      f"{why}"))
+        remaining = max(1.0, deadline - time.monotonic())
+        store = dist.TCPStore(self.listener.host, 0, 2, True, timedelta(seconds=remaining), wait_for_workers=False)
+        chan.send({"type": "accept", "store_port": store.port}, deadline=deadline)
+        group = _pair_group(store, rid, 1, remaining)
+        publish = self.publish or self._publish
+        tables, report = receive_request(plan, self.dst, src_rank=0, group=group,
+                                         timeout=max(0.01, deadline - time.monotonic()),
+                                         loss_report=self.loss_report, publish=publish, watch=chan.peer_gone)
+        try:
+            chan.send({"type": "result", "ok": True, "summary": report.to_dict()}, deadline=deadline)
+        except TransferError:
+            pass  # published; the sender went away before hearing it
+        return chan.peer, rid, tables, report
+
+    def _publish(self, assembly: RequestAssembly) -> RequestTables:
+        with self.lock:
+            return assembly.publish(self.dst)
 
 
 def send_request_tcp(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, host: str, port: int,

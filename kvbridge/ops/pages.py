@@ -19,6 +19,7 @@ from kvbridge.backends.reference import check_finite
 from kvbridge.errors import InputError, NonFiniteError, OutputBufferError
 from kvbridge.layouts import Layout, get_layout, scan
 from kvbridge.layouts.codec import HEAD_DIM, reciprocal_f32
+from kvbridge.layouts.registry import check_device
 from kvbridge.ops.checks import _check_auto, _check_byte_move_dialect, _check_dialect, _check_scale
 from kvbridge.ops.loss import LossReport, loss_report, transcode_loss
 
@@ -43,6 +44,7 @@ def _check_latents(x: torch.Tensor) -> None:
         raise InputError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] != HEAD_DIM:
         raise InputError(f"x must have shape [num_tokens, {HEAD_DIM}], got {list(x.shape)}")
+    check_device(x, "latents x")
 
 
 def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
@@ -245,7 +247,7 @@ def transcode(
 
     if not auto and is_byte_move(src, dst, s_in, s_out):
         _check_byte_move_dialect(src, dst, dialect)
-        scan.check_pages(pages, src, src_page_size, n)  # nothing is decoded: scan the stored codes
+        scan.check_pages(pages, src, src_page_size, n, scale=s_in)  # the stored codes, at the actual scale
         out = dispatch.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
         if not report:
             return out

@@ -481,6 +481,12 @@ NO_CKERNELS_ENV = "KVBRIDGE_NO_CKERNELS"
 KERNELS_INTERFACE = 2
 
 
+def _warn_line(message: str) -> None:
+    """A ``RuntimeWarning`` that prints as one line (``kvbridge:0: RuntimeWarning: ...``): attributed to no
+    source file, so the warnings module shows no source line under it."""
+    warnings.warn_explicit(message, RuntimeWarning, "kvbridge", 0, module="kvbridge")
+
+
 def _compiled_kernels() -> tuple[ModuleType | None, str]:
     """(``kvbridge.backends.native._kernels`` or None, why not): the optional C extension of the MODEL1 accelerators,
     used when it is built, the CPU has its vector ISA (AVX-512 F/BW/VL/DQ/VBMI) and ``NO_CKERNELS_ENV``
@@ -490,16 +496,12 @@ def _compiled_kernels() -> tuple[ModuleType | None, str]:
     try:
         from kvbridge.backends.native import _kernels  # optional: the C extension (not built without a compiler)
     except ImportError:
-        warnings.warn("kvbridge: the compiled kernels (backends/native/_kernels.c) are not built "
-                      "(no C compiler when kvbridge was installed?); running the slower numba kernels. "
-                      f"{NO_CKERNELS_ENV}=1 silences this.",
-                      RuntimeWarning, stacklevel=2)
+        _warn_line("the compiled kernels (backends/native/_kernels.c) are not built (no C compiler when kvbridge "
+                   f"was installed?); running the slower numba kernels. {NO_CKERNELS_ENV}=1 silences this.")
         return None, "the C extension kvbridge.backends.native._kernels is not built"
     if getattr(_kernels, "INTERFACE", 1) != KERNELS_INTERFACE or _kernels.CHUNK_TOKENS != CHUNK_TOKENS:
-        warnings.warn("kvbridge: the compiled kernels (backends/native/_kernels.c) were built from other sources "
-                      "(rebuild them: pip install -e . or python setup.py build_ext --inplace); "
-                      "running the slower numba kernels.",
-                      RuntimeWarning, stacklevel=2)
+        _warn_line("the compiled kernels (backends/native/_kernels.c) were built from other sources (rebuild them: "
+                   "pip install -e . or python setup.py build_ext --inplace); running the slower numba kernels.")
         return None, "kvbridge.backends.native._kernels is a stale build"
     if _kernels.cpu_isa() == "scalar":
         return None, "the CPU lacks AVX-512 VBMI"

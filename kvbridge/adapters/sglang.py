@@ -63,7 +63,8 @@ from urllib.parse import parse_qs, urlparse
 import numpy as np
 import torch
 
-from kvbridge.dumps.dumpfile import Dump, DumpEntry, convert_entry, entry_name
+from kvbridge.dumps.convert import convert_entry
+from kvbridge.dumps.dumpfile import Dump, DumpEntry, entry_name
 from kvbridge.engines.topology import CacheSpec, Role
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.execute import TransferError, migrate_local

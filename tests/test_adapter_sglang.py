@@ -314,7 +314,8 @@ def test_a_dump_loads_into_the_peer_pools_as_its_request(tmp_path):
     ``convert_entry`` does; a model with compressed layers (state a dump does not hold) and a dump
     of another length are refused with the remedy, before any page is taken."""
     from kvbridge.adapters.sglang import SGLangPrefillPeer, request_dump
-    from kvbridge.dumps.dumpfile import convert_entry, read_dump, write_dump
+    from kvbridge.dumps.convert import convert_entry
+    from kvbridge.dumps.dumpfile import read_dump, write_dump
     from kvbridge.errors import InputError
     from kvbridge.migration import destination_pools
     from kvbridge.migration.pools import gather_records, table_of

@@ -23,8 +23,6 @@ E4M3_MAX = 448.0
 _F32_INF_BITS = 0x7F800000
 #: fp32 bit pattern of 448.0 (1.75 * 2^8); |x| >= this saturates to code 0x7E.
 _F32_448_BITS = 0x43E00000
-#: biased fp32 exponent of 2^-6, the smallest normal E4M3 magnitude.
-_F32_EXP_E4M3_MIN_NORMAL = 127 - 6
 
 #: Lower bound of the scale exponent per MODEL1 dialect: ceil(log2(floor)) of the clamp.
 #: flashmla: max(amax/448, 1e-4) -> 2^-13; amax-1e-4: max(amax,1e-4)/448 -> 2^-22;
@@ -40,41 +38,52 @@ def f32_bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
-def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
-    """Encode fp32 values as E4M3 bytes (uint8), RNE with saturation to +-448.
-
-    NaN inputs must be rejected by the caller; here they would saturate.
-    """
+def _e4m3_rne(x: torch.Tensor, bias: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sign bit << 7, fp32 magnitude bits, unsaturated E4M3 magnitude code) of fp32 ``x``, rounded to
+    nearest even, for exponent ``bias`` 7 (OCP E4M3) or 8 (FNUZ): normal magnitudes (>= 2^(1 - bias))
+    drop 20 mantissa bits and rebias (carries roll into the exponent); smaller ones are
+    RNE(|x| * 2^(bias + 2)) in 0..8; fp32 zeros and subnormals give 0. The callers saturate."""
     bits = f32_bits(x)
     sign = (bits >> 31) << 7
     mag = bits & 0x7FFFFFFF
     exp = mag >> 23
-    # Normal E4M3 range: drop 20 mantissa bits with RNE; carries roll into the exponent.
     lsb = (mag >> 20) & 1
-    normal = ((mag + 0x7FFFF + lsb) >> 20) - ((127 - 7) << 3)
-    # Subnormal range (|x| < 2^-6): code = RNE(|x| * 2^9) as an integer in 0..8.
+    normal = ((mag + 0x7FFFF + lsb) >> 20) - ((127 - bias) << 3)
     mant24 = (mag & 0x7FFFFF) | 0x800000
-    shift = (14 - (exp - 127)).clamp(min=1, max=40)
+    shift = ((21 - bias) - (exp - 127)).clamp(min=1, max=40)
     q = mant24 >> shift
     rem = mant24 - (q << shift)
     half = torch.ones_like(shift) << (shift - 1)
     round_up = (rem > half) | ((rem == half) & ((q & 1) == 1))
     sub = q + round_up.to(torch.int64)
-    sub = torch.where(exp == 0, torch.zeros_like(sub), sub)  # fp32 zero/subnormal -> 0
-    code = torch.where(exp >= _F32_EXP_E4M3_MIN_NORMAL, normal, sub)
+    sub = torch.where(exp == 0, torch.zeros_like(sub), sub)
+    return sign, mag, torch.where(exp >= 127 + 1 - bias, normal, sub)
+
+
+def _e4m3_values(bias: int) -> torch.Tensor:
+    """float64 value of each of the 256 E4M3-shaped codes with exponent ``bias`` (no NaN marked)."""
+    codes = torch.arange(256, dtype=torch.int64)
+    sign = torch.where(codes >= 128, -1.0, 1.0).to(torch.float64)
+    e = (codes >> 3) & 0xF
+    m = (codes & 7).to(torch.float64)
+    normal = (1.0 + m / 8.0) * torch.pow(2.0, (e - bias).to(torch.float64))
+    sub = m / 8.0 * 2.0 ** (1 - bias)
+    return sign * torch.where(e == 0, sub, normal)
+
+
+def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+    """Encode fp32 values as E4M3 bytes (uint8), RNE with saturation to +-448.
+
+    NaN inputs must be rejected by the caller; here they would saturate.
+    """
+    sign, mag, code = _e4m3_rne(x, bias=7)
     code = torch.where(mag >= _F32_448_BITS, torch.full_like(code, 0x7E), code)
     return (code | sign).to(torch.uint8)
 
 
 def _e4m3_table() -> torch.Tensor:
-    codes = torch.arange(256, dtype=torch.int64)
-    sign = torch.where(codes >= 128, -1.0, 1.0).to(torch.float64)
-    e = (codes >> 3) & 0xF
-    m = (codes & 7).to(torch.float64)
-    normal = (1.0 + m / 8.0) * torch.pow(2.0, (e - 7).to(torch.float64))
-    sub = m / 8.0 * 2.0**-6
-    val = sign * torch.where(e == 0, sub, normal)
-    val[(codes & 0x7F) == 0x7F] = float("nan")
+    val = _e4m3_values(7)
+    val[0x7F] = val[0xFF] = float("nan")
     return val.to(torch.float32)
 
 
@@ -98,8 +107,6 @@ E4M3FNUZ_NAN = 0x80
 #: fp32 bit pattern of 232.0, the midpoint between FNUZ 224 (0x7E) and 240 (0x7F): above it the
 #: code is 0x7F (a tie goes to the even code 0x7E), and every larger finite value saturates there.
 _F32_232_BITS = 0x43680000
-#: biased fp32 exponent of 2^-7, the smallest normal FNUZ magnitude.
-_F32_EXP_FNUZ_MIN_NORMAL = 127 - 7
 #: FNUZ UE8M0 dialects: name -> (exponent floor, the writer's fp8 max M as fp32 bits). The scale of a
 #: tile is 2^ceil(log2(max(amax, eps) / M)); the floor is ceil(log2(eps / M)).
 #: ``amax-1e-4/224``: vLLM's ROCm writer (eps 1e-4, M = 224 from ``get_fp8_min_max``);
@@ -116,23 +123,7 @@ def e4m3fnuz_encode(x: torch.Tensor) -> torch.Tensor:
 
     A value whose magnitude rounds to 0 (zero, -0.0, tiny values) is 0x00: FNUZ has no -0.
     """
-    bits = f32_bits(x)
-    sign = (bits >> 31) << 7
-    mag = bits & 0x7FFFFFFF
-    exp = mag >> 23
-    # Normal range (|x| >= 2^-7): drop 20 mantissa bits with RNE, rebias 127 -> 8.
-    lsb = (mag >> 20) & 1
-    normal = ((mag + 0x7FFFF + lsb) >> 20) - ((127 - 8) << 3)
-    # Subnormal range: code = RNE(|x| * 2^10) in 0..8.
-    mant24 = (mag & 0x7FFFFF) | 0x800000
-    shift = (13 - (exp - 127)).clamp(min=1, max=40)
-    q = mant24 >> shift
-    rem = mant24 - (q << shift)
-    half = torch.ones_like(shift) << (shift - 1)
-    round_up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-    sub = q + round_up.to(torch.int64)
-    sub = torch.where(exp == 0, torch.zeros_like(sub), sub)
-    code = torch.where(exp >= _F32_EXP_FNUZ_MIN_NORMAL, normal, sub)
+    sign, mag, code = _e4m3_rne(x, bias=8)
     code = torch.where(mag > _F32_232_BITS, torch.full_like(code, 0x7F), code)
     code = torch.where(code == 0, code, code | sign)
     code = torch.where(mag > _F32_INF_BITS, torch.full_like(code, E4M3FNUZ_NAN), code)
@@ -140,13 +131,7 @@ def e4m3fnuz_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def _e4m3fnuz_table() -> torch.Tensor:
-    codes = torch.arange(256, dtype=torch.int64)
-    sign = torch.where(codes >= 128, -1.0, 1.0).to(torch.float64)
-    e = (codes >> 3) & 0xF
-    m = (codes & 7).to(torch.float64)
-    normal = (1.0 + m / 8.0) * torch.pow(2.0, (e - 8).to(torch.float64))
-    sub = m / 8.0 * 2.0**-7
-    val = sign * torch.where(e == 0, sub, normal)
+    val = _e4m3_values(8)
     val[E4M3FNUZ_NAN] = float("nan")
     return val.to(torch.float32)
 

@@ -6,7 +6,11 @@ writable directory of
 1. ``$KVBRIDGE_JIT_CACHE`` when set (an empty value, or ``off``, skips the on-disk cache);
 2. ``$XDG_CACHE_HOME/kvbridge/numba``, else ``~/.cache/kvbridge/numba``;
 
-and points numba at it (``NUMBA_CACHE_DIR``, also set on an already imported numba). A user's
+and points numba at its subdirectory ``kernels-<fingerprint>`` (``NUMBA_CACHE_DIR``, also set on an
+already imported numba). The fingerprint hashes the package's kernel sources (``KERNEL_SOURCES``):
+numba checks a cached kernel only against the time stamp of its own file, not of the modules whose
+functions it inlines (``native.loss`` inlines ``native.records``' decoder), so a cache written by other
+sources is never read: an upgrade or an edit compiles afresh. A user's
 own ``NUMBA_CACHE_DIR`` is respected when writable. When none of these can be written, the
 kernels go to a fresh temporary directory for this process only (they compile on each run,
 about 10-20 s), and when not even that can be written, numba's caching is turned off: an
@@ -15,6 +19,7 @@ unwritable cache costs a compile, never an error.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import tempfile
@@ -26,6 +31,21 @@ CACHE_ENV = "KVBRIDGE_JIT_CACHE"
 #: The directory in use after ``configure()``, or None when kernels are not cached on disk.
 cache_dir: Path | None = None
 _configured = False
+#: The package's files whose code the numba kernels run or inline (relative to the package).
+KERNEL_SOURCES = ("numerics.py", "layouts", "backends")
+
+
+def sources_fingerprint(root: Path | None = None) -> str:
+    """12 hex digits of sha256 over ``KERNEL_SOURCES`` of the package at ``root`` (default: this one),
+    each file's relative path and bytes, in name order."""
+    root = Path(__file__).resolve().parent if root is None else root
+    digest = hashlib.sha256()
+    for entry in KERNEL_SOURCES:
+        base = root / entry
+        for path in sorted(base.rglob("*.py")) if base.is_dir() else [base]:
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def default_cache_dir() -> Path:
@@ -81,7 +101,8 @@ def configure() -> Path | None:
         return cache_dir
     _configured = True
     off = os.environ.get(CACHE_ENV, "x").strip().lower() in ("", "off")
-    found = next((p for p in _candidates() if _writable(p)), None)
+    kernels = f"kernels-{sources_fingerprint()}"
+    found = next((p / kernels for p in _candidates() if _writable(p / kernels)), None)
     if found is None and not off:
         try:
             found = Path(tempfile.mkdtemp(prefix="kvbridge-numba-"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -21,6 +22,7 @@ import kvbridge as kb
 from cli import convert_cmd
 from cli.common import keep_numbers_whole
 from cli.main import cli
+from kvbridge import jitcache
 from kvbridge.dumps.dumpfile import DumpEntry, write_dump
 from kvbridge.engines.topology import FLASH
 from kvbridge.errors import InputError
@@ -100,9 +102,10 @@ def test_jit_cache_goes_to_a_per_user_dir_and_unwritable_costs_only_a_compile(tm
     clean = {k: v for k, v in os.environ.items() if k not in ("KVBRIDGE_JIT_CACHE", "NUMBA_CACHE_DIR")}
     out = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, timeout=120,
                          env={**clean, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(tmp_path / "xdg")}).stdout
-    assert out.split() == [str(tmp_path / "xdg/kvbridge/numba")] * 2
+    kernels = f"kernels-{jitcache.sources_fingerprint()}"  # one subdirectory per version of the kernel sources
+    assert out.split() == [str(tmp_path / "xdg/kvbridge/numba" / kernels)] * 2
     chosen = python(show, KVBRIDGE_JIT_CACHE=str(tmp_path / "mine")).split()
-    assert chosen == [str(tmp_path / "mine")] * 2
+    assert chosen == [str(tmp_path / "mine" / kernels)] * 2
     unwritable = python(show, KVBRIDGE_JIT_CACHE="/proc/kvbridge-cache").split()
     assert unwritable[0] == unwritable[1] and "kvbridge-numba-" in unwritable[0]  # a temporary dir instead
     scan = (
@@ -111,6 +114,25 @@ def test_jit_cache_goes_to_a_per_user_dir_and_unwritable_costs_only_a_compile(tm
         "print(jitcache.cache_dir, scan.scan_pages(pages, kvbridge.get_layout('bf16'), 4).count)"
     )
     assert python(scan, KVBRIDGE_JIT_CACHE="off", KVBRIDGE_BACKEND="reference").split() == ["None", "0"]
+
+
+def test_jit_cache_of_other_kernel_sources_is_never_read(tmp_path: Path):
+    """numba checks a cached kernel against its own file's time stamp only, not against the modules whose
+    functions it inlines: an edit of any kernel source must move the cache to another subdirectory."""
+    package = Path(jitcache.__file__).resolve().parent
+    copy = tmp_path / "kvbridge"
+    for entry in jitcache.KERNEL_SOURCES:
+        src = package / entry
+        if src.is_dir():
+            shutil.copytree(src, copy / entry, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        else:
+            copy.mkdir(exist_ok=True)
+            shutil.copy2(src, copy / entry)
+    before = jitcache.sources_fingerprint(copy)
+    assert before == jitcache.sources_fingerprint()
+    with open(copy / "backends/native/records.py", "a") as fh:  # the decoder native.loss inlines
+        fh.write("\n")
+    assert jitcache.sources_fingerprint(copy) != before
 
 
 # ---------------------------------------------------------------- exit codes and messages

@@ -7,32 +7,40 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
 
-from kvbridge.attention.sparse import BACKENDS
-from kvbridge.study import accuracy as acc
-from kvbridge.study.synthetic import LAYERS
+from kvbridge.attention.backends import BACKENDS
+from kvbridge.study import params
 
 from .common import console, err_console, fmt, json_option, keep_numbers_whole, print_json
 
-#: Variants shown in sweep tables and figures (the headline comparison).
-KEY_VARIANTS: tuple[acc.Variant, ...] = (
-    acc.FP8_UNIT, acc.FP8_CALIBRATED, acc.FP8_CALIBRATED_POW2, *acc.MODEL1_DIALECTS,
-)
+if TYPE_CHECKING:
+    from kvbridge.study.accuracy import Variant
+
+# kvbridge.study.accuracy (torch) is imported inside the functions that use it, so that --help runs
+# without torch; the options are made of kvbridge.study.params (no torch).
+
+
+def key_variants() -> tuple[Variant, ...]:
+    """Variants shown in sweep tables and figures (the headline comparison)."""
+    from kvbridge.study import accuracy as acc
+
+    return (acc.FP8_UNIT, acc.FP8_CALIBRATED, acc.FP8_CALIBRATED_POW2, *acc.MODEL1_DIALECTS)
+
 #: Tables are drawn at least this wide (characters), also when stdout is not a terminal.
 TABLE_WIDTH = 120
 
 
 def _param_options(func):
     """One ``--name`` option per ``SyntheticParams`` field, defaults and help from the library."""
-    for f in reversed(dataclasses.fields(acc.SyntheticParams)):
+    for f in reversed(dataclasses.fields(params.SyntheticParams)):
         flag = "--" + f.name.replace("_", "-")
-        kind = click.Choice(LAYERS) if f.name == "layer" else type(f.default)
+        kind = click.Choice(params.LAYERS) if f.name == "layer" else type(f.default)
         func = click.option(flag, f.name, type=kind, default=f.default, show_default=True,
-                            help=acc.PARAM_HELP[f.name])(func)
+                            help=params.PARAM_HELP[f.name])(func)
     return func
 
 
@@ -55,7 +63,7 @@ def _sweeps(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) 
     """``--sweep NAME`` or ``--sweep NAME=V1,V2`` (repeatable) -> {field: values}; None if not given."""
     if not value:
         return None
-    types = {f.name: type(f.default) for f in dataclasses.fields(acc.SyntheticParams)}
+    types = {f.name: type(f.default) for f in dataclasses.fields(params.SyntheticParams)}
     out: dict[str, tuple] = {}
     for item in value:
         name, _, values = item.partition("=")
@@ -63,9 +71,9 @@ def _sweeps(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) 
         if name not in types:
             raise click.BadParameter(f"unknown parameter {name!r}; choose from {', '.join(types)}")
         if not values:
-            if name not in acc.DEFAULT_SWEEPS:
+            if name not in params.DEFAULT_SWEEPS:
                 raise click.BadParameter(f"{name} has no default sweep; give values: --sweep {name}=V1,V2")
-            out[name] = acc.DEFAULT_SWEEPS[name]
+            out[name] = params.DEFAULT_SWEEPS[name]
             continue
         try:
             out[name] = tuple(types[name](v.strip()) for v in values.split(","))
@@ -96,10 +104,13 @@ def run_tables(run: dict, title: str) -> tuple[Table, Table]:
 
 def sweep_table(study: dict, sweep: str) -> Table:
     """Output relative L2 error of the key variants along one sweep, with FP8 s=1's E4M3 range use."""
+    from kvbridge.study import accuracy as acc
+
+    variants = key_variants()
     table = Table(title=f"sweep over {sweep}: attention-output relative L2 error vs bf16", box=None,
                   header_style="bold")
     table.add_column(sweep, justify="right")
-    for v in KEY_VARIANTS:
+    for v in variants:
         table.add_column(v.label, justify="right")
     table.add_column(f"{acc.FP8_UNIT.label} sat % / subn %", justify="right")
     for run in study["runs"]:
@@ -107,7 +118,7 @@ def sweep_table(study: dict, sweep: str) -> Table:
             continue
         by = {r["variant"]: r for r in run["rows"]}
         unit = by[acc.FP8_UNIT.label]
-        table.add_row(str(run["value"]), *(fmt(by[v.label]["out_rel_l2"]) for v in KEY_VARIANTS),
+        table.add_row(str(run["value"]), *(fmt(by[v.label]["out_rel_l2"]) for v in variants),
                       f"{fmt(100 * unit['saturated_frac'])} / {fmt(100 * unit['subnormal_frac'])}")
     return keep_numbers_whole(table)
 
@@ -143,7 +154,7 @@ def _atomic_savefig(fig: Any, path: Path) -> None:
         raise
 
 
-def _series(study: dict, sweep: str, variant: acc.Variant, key: str) -> tuple[list, list]:
+def _series(study: dict, sweep: str, variant: Variant, key: str) -> tuple[list, list]:
     xs, ys = [], []
     for run in study["runs"]:
         if run["sweep"] == sweep:
@@ -175,14 +186,17 @@ def _value_ticks(ax: Any, values: list) -> None:
 def write_plots(study: dict, directory: Path, plt: Any) -> list[Path]:
     """PNG figures of a synthetic study's sweeps into ``directory`` (created) with ``plt``
     (``load_pyplot()``); returns the paths."""
+    from kvbridge.study import accuracy as acc
+
+    variants = key_variants()
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     styles = {v.label: {"marker": "o^sDvx"[i % 6], "linestyle": "-" if i < 3 else "--"}
-              for i, v in enumerate(KEY_VARIANTS)}
+              for i, v in enumerate(variants)}
     numeric = [s for s in study["sweeps"] if s != "layer"]
     for sweep in numeric:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for v in KEY_VARIANTS:
+        for v in variants:
             xs, ys = _series(study, sweep, v, "out_rel_l2")
             ax.plot(xs, ys, label=v.label, **styles[v.label])
         if sweep == "rope_ratio":
@@ -235,9 +249,9 @@ def write_plots(study: dict, directory: Path, plt: Any) -> list[Path]:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random draw.")
 @click.option("--sweep", "sweep", multiple=True, callback=_sweeps, metavar="NAME[=V1,V2,...]",
               help="Run this sweep (repeatable; default values unless given). Default: "
-                   + ", ".join(acc.DEFAULT_SWEEPS) + ".")
+                   + ", ".join(params.DEFAULT_SWEEPS) + ".")
 @click.option("--no-sweeps", is_flag=True, help="Only the nominal point.")
-@click.option("--pow2-scales", default=",".join(acc.scale_label(s) for s in acc.DEFAULT_POW2_SCALES),
+@click.option("--pow2-scales", default=",".join(params.scale_label(s) for s in params.DEFAULT_POW2_SCALES),
               show_default=True, callback=_pow2_list, help="Fixed per-tensor scales tried besides 1 and amax/448.")
 @click.option("--overlap-k", type=int, default=16, show_default=True,
               help="Highest-weight tokens compared by the top-k overlap metric.")
@@ -262,7 +276,9 @@ def command(seed: int, sweep: dict | None, no_sweeps: bool, pow2_scales: tuple[f
         raise click.UsageError("--sweep/--no-sweeps apply to the synthetic study, not --from-dump")
     if plot_dir is not None and (no_sweeps or from_dump is not None):
         raise click.UsageError("--plot draws the synthetic sweeps; it cannot go with --no-sweeps or --from-dump")
-    params = acc.SyntheticParams(**param_values)
+    from kvbridge.study import accuracy as acc
+
+    synthetic = params.SyntheticParams(**param_values)
     plt = None if plot_dir is None else load_pyplot()
     show = err_console.is_terminal and not as_json
 
@@ -270,7 +286,7 @@ def command(seed: int, sweep: dict | None, no_sweeps: bool, pow2_scales: tuple[f
         if show:
             err_console.print(f"[dim]accuracy: {label}[/dim]")
 
-    common = {"params": params, "seed": seed, "pow2_scales": pow2_scales, "overlap_k": overlap_k,
+    common = {"params": synthetic, "seed": seed, "pow2_scales": pow2_scales, "overlap_k": overlap_k,
               "backend": backend, "progress": progress}
     if from_dump is not None:
         study = acc.run_dump_study(from_dump, entries=entries, **common)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
-import torch
 from rich.table import Table
 
-from kvbridge.study import bench
-
 from .common import console, json_option, print_json
+
+if TYPE_CHECKING:
+    from kvbridge.study import bench
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
 
 OUT_SUFFIX = " into out="
 
@@ -48,6 +53,10 @@ def command(tokens: int, device: str, repeat: int, threads: tuple[int, ...] | No
     torch copy_ of the same bytes on the same device, at 1 and 2 threads, with fresh and
     preallocated (out=) outputs, against the cost of a fresh output of the same size, and against
     the naive reference path."""
+    import torch
+    
+    from kvbridge.study import bench
+
     if device == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter("no CUDA device is available", param_hint="--device")
     devices = None if device == "auto" else [device]

@@ -11,7 +11,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -27,7 +27,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.layouts import Layout, get_layout
+
+if TYPE_CHECKING:
+    from kvbridge.layouts import Layout
 
 console = Console()
 err_console = Console(stderr=True)
@@ -122,6 +124,8 @@ def print_json(data: Any) -> None:
 
 def parse_layout(ctx: click.Context, param: click.Parameter, value: str | None) -> Layout | None:
     """Click callback: a registered layout name or alias, else a usage error (exit 2)."""
+    from kvbridge.layouts import get_layout  # torch: imported when the command runs, not for --help
+
     if value is None:
         return None
     try:

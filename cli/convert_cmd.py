@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
 
-from kvbridge.dumps.convert import convert_open_dump, plan_convert
-from kvbridge.dumps.dumpfile import open_dump
 from kvbridge.errors import InputError
-from kvbridge.layouts import Layout
 
 from .common import (
     LARGE_FILE_BYTES,
@@ -25,6 +23,12 @@ from .common import (
     plural,
     print_json,
 )
+
+if TYPE_CHECKING:
+    from kvbridge.layouts import Layout
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
 
 
 @click.command("convert", short_help="Convert a dump to another layout (streamed, atomic, loss report).")
@@ -73,6 +77,9 @@ def command(
     exists (the source's own scale, s = 1, or another scale that reproduces every value), and otherwise picks
     per entry the smallest scale that does not saturate. A source holding NaN or Inf is refused, byte moves included.
     """
+    from kvbridge.dumps.convert import convert_open_dump, plan_convert
+    from kvbridge.dumps.dumpfile import open_dump
+
     if not force and os.path.lexists(dst) and dst.is_file() and not dst.is_symlink():
         raise InputError(f"{dst} exists; pass --force to overwrite it")
     with open_dump(src) as fh:

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
 
-from kvbridge.conformance import WriterReport, identify_writer
-from kvbridge.dumps.dumpfile import CHECKSUM, Dump, open_dump, read_dump
-from kvbridge.dumps.stats import dump_stats
-
 from .common import LARGE_FILE_BYTES, byte_progress, console, err_console, fmt, json_option, print_json
+
+if TYPE_CHECKING:
+    from kvbridge.conformance import WriterReport
+    from kvbridge.dumps.dumpfile import Dump
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
 
 
 def identify_writers(dump: Dump, source: Dump) -> dict[str, WriterReport]:
     """``identify_writer`` for each pages entry of ``dump`` that ``source`` also holds."""
+    from kvbridge.conformance import identify_writer
+
     reports = {}
     for entry in dump:
         if entry.layout is not None and entry.name in source.names:
@@ -56,6 +62,9 @@ def command(file: Path, source: Path | None, as_json: bool) -> None:
     (dialect, bf16-first or fp32 input, scale) applied to the source values, and the exact
     matches are listed.
     """
+    from kvbridge.dumps.dumpfile import CHECKSUM, open_dump, read_dump
+    from kvbridge.dumps.stats import dump_stats
+
     with open_dump(file) as fh:
         visible = fh.data_bytes >= LARGE_FILE_BYTES and err_console.is_terminal and not as_json
         with byte_progress(visible) as bar:

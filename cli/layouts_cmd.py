@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 from rich import box
 from rich.table import Table
 
-from kvbridge.layouts import Layout, all_layouts
-
 from .common import console, json_option, print_json
+
+if TYPE_CHECKING:
+    from kvbridge.layouts import Layout
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
 
 EXAMPLE_PAGE_SIZES = (2, 64, 256)
 
@@ -44,6 +50,8 @@ def fields_text(record: dict) -> str:
 @json_option
 def command(as_json: bool) -> None:
     """List every registered KV layout: bytes per token, page rule, fields, dialects."""
+    from kvbridge.layouts import all_layouts
+
     records = [layout_record(lay) for lay in all_layouts()]
     if as_json:
         print_json(records)

@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import click
 from rich import box
 from rich.table import Table
 
-from kvbridge.engines.profiles import parse_engine
-from kvbridge.engines.topology import get_model
-from kvbridge.migration import (
-    ConvertSide,
-    MigrationPlan,
-    destination_pools,
-    migrate_local,
-    plan_migration,
-    source_request,
-)
-from kvbridge.migration.ape import synthetic_ape
-from kvbridge.migration.plan import MAX_TOKENS, ape_needed
+from kvbridge.engines.topology import MAX_TOKENS, get_model
 
 from .common import (
     APE_HELP,
@@ -31,6 +21,12 @@ from .common import (
     print_json,
     print_wrapped,
 )
+
+if TYPE_CHECKING:
+    from kvbridge.migration import ConvertSide, MigrationPlan
+
+# The library modules that import torch are imported inside the commands that use them, so that
+# every command's --help runs without torch.
 
 DEFAULT_LINK_GBPS = 40.0
 
@@ -157,6 +153,11 @@ def plan_command(
 
     Between SGLang and vLLM / TensorRT-LLM without --ape the plan is shown (its sizes do not depend
     on the weights' values) with a note that converting the compressor state needs them."""
+    from kvbridge.engines.profiles import parse_engine
+    from kvbridge.migration import plan_migration
+    from kvbridge.migration.ape import synthetic_ape
+    from kvbridge.migration.plan import ape_needed
+
     topo = get_model(model)
     missing = not ape and ape_needed(parse_engine(src), parse_engine(dst), topo, mtp)
     weights = ape_weights(ape, topo) if not missing else synthetic_ape(topo, seed=0)
@@ -213,6 +214,8 @@ def run_command(
     as_json: bool,
 ) -> None:
     """Migrate a synthetic request in-process (source and destination pools in this process)."""
+    from kvbridge.migration import destination_pools, migrate_local, plan_migration, source_request
+
     topo = get_model(model)
     if layers is not None:
         topo = topo.with_layers(layers)

@@ -7,9 +7,10 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from kvbridge.conformance import run_conformance
-
 from .common import console, json_option, parse_device, print_json
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
 
 
 @click.command("verify", short_help="Run the conformance fixtures; pass/fail per layout and dialect.")
@@ -32,6 +33,8 @@ def command(ctx: click.Context, path: Path | None, device: str, as_json: bool) -
     outputs (within FlashMLA's own tolerances), and the indexer-key pages written by SGLang's
     and vLLM's own writers, reported per engine. Exit 1 on any failure.
     """
+    from kvbridge.conformance import run_conformance
+
     report = run_conformance(path, device=device)
     if as_json:
         print_json(report.to_dict())

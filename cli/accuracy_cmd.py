@@ -15,7 +15,7 @@ from rich.table import Table
 from kvbridge.attention.backends import BACKENDS
 from kvbridge.study import params
 
-from .common import console, err_console, fmt, json_option, keep_numbers_whole, print_json
+from .common import Name, console, err_console, fmt, json_option, keep_numbers_whole, plural, print_json
 
 if TYPE_CHECKING:
     from kvbridge.study.accuracy import Variant
@@ -30,8 +30,8 @@ def key_variants() -> tuple[Variant, ...]:
 
     return (acc.FP8_UNIT, acc.FP8_CALIBRATED, acc.FP8_CALIBRATED_POW2, *acc.MODEL1_DIALECTS)
 
-#: Tables are drawn at least this wide (characters), also when stdout is not a terminal.
-TABLE_WIDTH = 120
+#: Column labels of the key variants in sweep tables (named in the table's caption).
+KEY_LABELS = "ABCDEF"
 
 
 def _param_options(func):
@@ -92,13 +92,14 @@ def run_tables(run: dict, title: str) -> tuple[Table, Table]:
         (kerr, ("variant", "K nope relL2", "K rope relL2", "sat %", "subn %", "nope-only", "rope-only")),
     ):
         for col in columns:
-            table.add_column(col, justify="left" if col == "variant" else "right", no_wrap=col == "variant")
+            table.add_column(col, justify="left" if col == "variant" else "right")
     for r in run["rows"]:
-        attention.add_row(r["variant"], str(r["bytes_per_token"]), fmt(r["scale"]), fmt(r["out_rel_l2"]),
+        attention.add_row(Name(r["variant"]), str(r["bytes_per_token"]), fmt(r["scale"]), fmt(r["out_rel_l2"]),
                           fmt(r["out_max_abs"]), f"{r['out_cosine']:.6f}", fmt(r["kl_mean"]),
                           f"{r['topk_overlap_mean']:.3f}")
-        kerr.add_row(r["variant"], fmt(r["k_nope_rel_l2"]), fmt(r["k_rope_rel_l2"]), fmt(100 * r["saturated_frac"]),
-                     fmt(100 * r["subnormal_frac"]), fmt(r["out_rel_l2_nope_only"]), fmt(r["out_rel_l2_rope_only"]))
+        kerr.add_row(Name(r["variant"]), fmt(r["k_nope_rel_l2"]), fmt(r["k_rope_rel_l2"]),
+                     fmt(100 * r["saturated_frac"]), fmt(100 * r["subnormal_frac"]), fmt(r["out_rel_l2_nope_only"]),
+                     fmt(r["out_rel_l2_rope_only"]))
     return keep_numbers_whole(attention), keep_numbers_whole(kerr)
 
 
@@ -106,20 +107,22 @@ def sweep_table(study: dict, sweep: str) -> Table:
     """Output relative L2 error of the key variants along one sweep, with FP8 s=1's E4M3 range use."""
     from kvbridge.study import accuracy as acc
 
-    variants = key_variants()
+    variants = dict(zip(KEY_LABELS, key_variants(), strict=True))
+    legend = "; ".join(f"{label}: {v.label}" for label, v in variants.items())
     table = Table(title=f"sweep over {sweep}: attention-output relative L2 error vs bf16", box=None,
-                  header_style="bold")
+                  header_style="bold", caption_justify="left",
+                  caption=f"{legend}; sat %, subn %: E4M3 codes of {acc.FP8_UNIT.label} that saturate or are "
+                          "subnormal")
     table.add_column(sweep, justify="right")
-    for v in variants:
-        table.add_column(v.label, justify="right")
-    table.add_column(f"{acc.FP8_UNIT.label} sat % / subn %", justify="right")
+    for label in (*variants, "sat %", "subn %"):
+        table.add_column(label, justify="right")
     for run in study["runs"]:
         if run["sweep"] != sweep:
             continue
         by = {r["variant"]: r for r in run["rows"]}
         unit = by[acc.FP8_UNIT.label]
-        table.add_row(str(run["value"]), *(fmt(by[v.label]["out_rel_l2"]) for v in variants),
-                      f"{fmt(100 * unit['saturated_frac'])} / {fmt(100 * unit['subnormal_frac'])}")
+        table.add_row(str(run["value"]), *(fmt(by[v.label]["out_rel_l2"]) for v in variants.values()),
+                      fmt(100 * unit["saturated_frac"]), fmt(100 * unit["subnormal_frac"]))
     return keep_numbers_whole(table)
 
 
@@ -303,13 +306,14 @@ def command(seed: int, sweep: dict | None, no_sweeps: bool, pow2_scales: tuple[f
         if run["sweep"] in ("nominal", "entry"):
             title = "nominal point" if run["sweep"] == "nominal" else f"entry {run['value']}"
             case = run["case"]
-            label = f"{title} ({case['tokens']} entries, top-k {case['topk']}, {case['heads']} heads)"
+            label = f"{title} ({plural(case['tokens'], 'entry', 'entries')}, top-k {case['topk']}, " \
+                    f"{plural(case['heads'], 'head')})"
             for table in run_tables(run, label):
-                console.print(table, width=max(console.width, TABLE_WIDTH))
+                console.print(table)
             for line in summary_lines(run["summary"]):
                 console.print(line)
     for name in study["sweeps"]:
-        console.print(sweep_table(study, name), width=max(console.width, TABLE_WIDTH))
+        console.print(sweep_table(study, name))
     for item in study.get("skipped", []):
         console.print(f"skipped {item['entry']}: {item['reason']}")
     for path in study.get("figures", []):

@@ -38,7 +38,8 @@ def command(role: str, listen: str | None, engine: str | None, model: str | None
 
     \b
     vllm serve MODEL --kv-cache-dtype fp8_ds_mla --block-size 256 \\
-        --kv-transfer-config "$(kvbridge vllm-config consumer --listen 0.0.0.0:7300)"
+        --kv-transfer-config \\
+        "$(kvbridge vllm-config consumer --listen 0.0.0.0:7300)"
     """
     from kvbridge.adapters.vllm_config import kv_transfer_config
     from kvbridge.engines.profiles import parse_engine

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 from rich.table import Table
 
-from .common import LARGE_FILE_BYTES, byte_progress, console, err_console, fmt, json_option, print_json
+from .common import LARGE_FILE_BYTES, Name, byte_progress, console, err_console, fmt, json_option, print_json
 
 if TYPE_CHECKING:
     from kvbridge.conformance import WriterReport
@@ -82,16 +82,16 @@ def command(file: Path, source: Path | None, as_json: bool) -> None:
     integrity = f"{CHECKSUM} verified" if checksums else "version 1: no checksums"
     table = Table(title=f"{file}\n(kvbridge dump v{version}, {integrity})", box=None, pad_edge=False,
                   header_style="bold")
-    table.add_column("entry", overflow="fold")
-    table.add_column("layout / dialect", overflow="fold")
+    table.add_column("entry")
+    table.add_column("layout / dialect")
     for col in ("pages×P", "tokens", "scale", "amax", "NaN/Inf", "sat"):
         table.add_column(col, justify="right", no_wrap=True)
     for s in stats:
         bad = s["nonfinite_values"]
         layout = s["layout"] or f"latents {s['dtype']}"
         table.add_row(
-            s["name"],
-            layout + (f"\n[dim]{s['dialect']}[/dim]" if s["dialect"] else ""),
+            Name(s["name"]),
+            Name(layout + (f"\n[dim]{s['dialect']}[/dim]" if s["dialect"] else ""), markup=True),
             "-" if s["num_pages"] is None else f"{s['num_pages']}×{s['page_size']}",
             str(s["num_tokens"]),
             fmt(s["scale"]),

@@ -8,7 +8,7 @@ import click
 from rich import box
 from rich.table import Table
 
-from .common import console, json_option, print_json
+from .common import Name, console, json_option, print_json
 
 if TYPE_CHECKING:
     from kvbridge.layouts import Layout
@@ -58,7 +58,7 @@ def command(as_json: bool) -> None:
         return
     sizes = "/".join(map(str, EXAMPLE_PAGE_SIZES))
     table = Table(title="kvbridge layouts", box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("layout (aliases)", overflow="fold", min_width=18)
+    table.add_column("layout (aliases)")
     table.add_column("B/tok", justify="right")
     table.add_column(f"page bytes P={sizes}", min_width=17)
     table.add_column("placement", overflow="fold")
@@ -66,7 +66,7 @@ def command(as_json: bool) -> None:
     for r in records:
         aliases = "\n".join(f"[dim]{a}[/dim]" for a in r["aliases"])
         table.add_row(
-            r["name"] + (f"\n{aliases}" if aliases else ""),
+            Name(r["name"] + (f"\n{aliases}" if aliases else ""), markup=True),
             str(r["bytes_per_token"]),
             "/".join(str(v) for v in r["page_bytes"].values()),
             r["placement"] + (f",\npad to {r['page_align']} B" if r["page_align"] > 1 else ""),

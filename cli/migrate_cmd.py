@@ -13,6 +13,7 @@ from kvbridge.engines.topology import MAX_TOKENS, get_model
 
 from .common import (
     APE_HELP,
+    Name,
     ape_weights,
     console,
     engine_spec_option,
@@ -71,7 +72,7 @@ def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> 
     print_wrapped(f", {plan.num_tokens:,} tokens (+{plan.draft_tokens} draft): {plan.src.spec} -> {plan.dst.spec}",
                   head=plan.model.name)
     table = Table(title="bytes per cache role (MiB = 2^20 B)", box=box.SIMPLE_HEAD)
-    table.add_column("role", overflow="fold")
+    table.add_column("role")
     for col in ("layers", "entries", "src\npayload", "dst\npayload", "src\npages", "dst\npages"):
         table.add_column(col, justify="right", no_wrap=True)
     totals = plan.totals()
@@ -81,7 +82,7 @@ def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> 
     for role, row in totals.items():
         label = "[bold]total[/bold]" if role == "all" else role
         table.add_row(
-            label,
+            Name(label, markup=True),
             str(row["layers"]),
             f"{row['entries']:,}",
             _mib(row["src_bytes"]),
@@ -112,11 +113,11 @@ def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> 
             d = t.to_dict()
             detail.add_row(
                 str(t.spec.layer),
-                t.spec.role.value,
+                Name(t.spec.role.value),
                 f"[{t.first}, {t.first + t.count})",
                 f"{t.src.table}{d['src']['pages']}",
                 f"{t.dst.table}{d['dst']['pages']}",
-                t.conversion,
+                Name(t.conversion),
             )
         console.print(detail)
 

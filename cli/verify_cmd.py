@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .common import console, json_option, parse_device, print_json
+from .common import Name, console, json_option, parse_device, print_json
 
 # The library modules that import torch are imported inside the functions that use them, so that
 # every command's --help runs without torch.
@@ -48,9 +48,9 @@ def command(ctx: click.Context, path: Path | None, device: str, as_json: bool) -
             pad_edge=False,
             header_style="bold",
         )
-        table.add_column("layout / dialect", no_wrap=True)
-        table.add_column("check", overflow="fold", ratio=3)
-        table.add_column("cases", overflow="fold", ratio=2)
+        table.add_column("layout / dialect")
+        table.add_column("check")
+        table.add_column("cases")
         table.add_column("result", no_wrap=True)
         current = None
         for (engine, layout, dialect, check), rows in sorted(groups.items(), key=lambda kv: kv[0][:2]):
@@ -61,9 +61,9 @@ def command(ctx: click.Context, path: Path | None, device: str, as_json: bool) -
             colour = "green" if ok == len(rows) else "red"
             cases = ", ".join(r.case for r in rows)
             table.add_row(
-                f"  {layout}" + ("" if dialect == "-" else f"\n  {dialect}"),
-                check,
-                cases,
+                Name(f"  {layout}" + ("" if dialect == "-" else f"\n  {dialect}")),
+                Name(check),
+                Name(cases),
                 f"[{colour}]{ok}/{len(rows)} {'PASS' if ok == len(rows) else 'FAIL'}[/{colour}]",
             )
         console.print(table)

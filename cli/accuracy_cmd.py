@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from kvbridge.attention.backends import BACKENDS
@@ -247,6 +248,15 @@ def write_plots(study: dict, directory: Path, plt: Any) -> list[Path]:
 # ---------------------------------------------------------------- command
 
 
+def study_progress(visible: bool) -> Progress:
+    """The study's progress on stderr, drawn only when ``visible``: the point and variant last
+    measured, a bar over every (point, variant) evaluation, elapsed and remaining time."""
+    return Progress(TextColumn("{task.description}", style="dim"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=True,
+                    disable=not visible)
+
+
+
 @click.command("accuracy")
 @_param_options
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random draw.")
@@ -283,18 +293,18 @@ def command(seed: int, sweep: dict | None, no_sweeps: bool, pow2_scales: tuple[f
 
     synthetic = params.SyntheticParams(**param_values)
     plt = None if plot_dir is None else load_pyplot()
-    show = err_console.is_terminal and not as_json
+    with study_progress(err_console.is_terminal and not as_json) as bar:
+        task = bar.add_task("accuracy", total=None)
 
-    def progress(label: str) -> None:
-        if show:
-            err_console.print(f"[dim]accuracy: {label}[/dim]")
+        def progress(label: str, done: int, total: int) -> None:
+            bar.update(task, description=label, completed=done, total=total)
 
-    common = {"params": synthetic, "seed": seed, "pow2_scales": pow2_scales, "overlap_k": overlap_k,
-              "backend": backend, "progress": progress}
-    if from_dump is not None:
-        study = acc.run_dump_study(from_dump, entries=entries, **common)
-    else:
-        study = acc.run_study(sweeps={} if no_sweeps else sweep, **common)
+        common = {"params": synthetic, "seed": seed, "pow2_scales": pow2_scales, "overlap_k": overlap_k,
+                  "backend": backend, "progress": progress}
+        if from_dump is not None:
+            study = acc.run_dump_study(from_dump, entries=entries, **common)
+        else:
+            study = acc.run_study(sweeps={} if no_sweeps else sweep, **common)
     if plot_dir is not None:
         study["figures"] = [str(p) for p in write_plots(study, Path(plot_dir), plt)]
     if as_json:

@@ -321,7 +321,13 @@ def _bf16_exact(values: torch.Tensor) -> bool:
     return bool(torch.equal(values.to(torch.bfloat16).float(), values))
 
 
-def evaluate(case: Case, variants: list[Variant], *, overlap_k: int = 16, backend: str = "reference") -> list[dict]:
+#: ``progress(label, done, total)``: ``done`` of ``total`` variant evaluations are finished, the last
+#: one ``label`` (e.g. ``magnitude=0.01: trtllm-fp8/swa s=1``). The study's only output while it runs.
+Progress = Callable[[str, int, int], None]
+
+
+def evaluate(case: Case, variants: list[Variant], *, overlap_k: int = 16, backend: str = "reference",
+             on_variant: Callable[[str], None] | None = None) -> list[dict]:
     """Measure every variant of ``variants`` on ``case`` against the bf16 reference; one dict per variant.
 
     The reference decode always uses the ``reference`` backend (exact fp32 math); ``backend`` is
@@ -330,7 +336,8 @@ def evaluate(case: Case, variants: list[Variant], *, overlap_k: int = 16, backen
     ``out_digest`` (``digest`` of the output), the metrics of ``output_error``, ``weight_error``,
     ``k_error`` and ``e4m3_stats``, and
     ``out_rel_l2_nope_only`` / ``out_rel_l2_rope_only`` (``None`` when the decoded values are not
-    exactly bf16, so a mixed pool cannot be stored losslessly).
+    exactly bf16, so a mixed pool cannot be stored losslessly). ``on_variant`` is called with each
+    variant's label once it is measured.
     """
     _check_case(case)
     if isinstance(overlap_k, bool) or not isinstance(overlap_k, int) or overlap_k < 1:
@@ -362,6 +369,8 @@ def evaluate(case: Case, variants: list[Variant], *, overlap_k: int = 16, backen
         row.update(_attribution(case, qkv.values, ref.values, ref_out, ref_lse, row["out_rel_l2"], backend,
                                 attribution_cache))
         rows.append(row)
+        if on_variant is not None:
+            on_variant(variant.label)
     return rows
 
 
@@ -433,6 +442,25 @@ def _latent_kwargs(p: SyntheticParams) -> dict:
             "gain_spread": p.gain_spread, "outlier_channels": p.outlier_channels, "outlier_gain": p.outlier_gain}
 
 
+def _ticker(progress: Progress | None, total: int) -> Callable[[str], Callable[[str], None] | None]:
+    """For a point named ``point``, the ``on_variant`` of ``evaluate`` that counts towards ``total``
+    and reports to ``progress`` (None without one)."""
+    done = 0
+
+    def for_point(point: str) -> Callable[[str], None] | None:
+        if progress is None:
+            return None
+
+        def on_variant(label: str) -> None:
+            nonlocal done
+            done += 1
+            progress(f"{point}: {label}", done, total)
+
+        return on_variant
+
+    return for_point
+
+
 def run_study(
     params: SyntheticParams | None = None,
     *,
@@ -441,14 +469,14 @@ def run_study(
     pow2_scales: tuple[float, ...] = DEFAULT_POW2_SCALES,
     overlap_k: int = 16,
     backend: str = "reference",
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict:
     """The synthetic study: every registry variant at the nominal ``params``, then each sweep.
 
     ``sweeps`` maps a ``SyntheticParams`` field to the values it takes (others stay nominal;
     default ``DEFAULT_SWEEPS``; ``{}`` for the nominal point only). Every point uses the same
-    ``seed``, so a sweep changes only its parameter. ``progress`` is called with a short label
-    before each point. Returns a JSON-serialisable dict: ``seed``, ``params``, ``sweeps``,
+    ``seed``, so a sweep changes only its parameter. ``progress`` (``Progress``) is called after
+    each variant of each point. Returns a JSON-serialisable dict: ``seed``, ``params``, ``sweeps``,
     ``variants``, ``runs`` (one per point: ``sweep``, ``value``, ``params``, ``case``, ``rows``
     and their ``summary``) and ``summary`` (``summarize``) of the nominal point.
     """
@@ -463,11 +491,11 @@ def run_study(
     for key, values in sweeps.items():
         points.extend((key, v, replace(params, **{key: v})) for v in values)
     runs = []
+    tick = _ticker(progress, len(points) * len(variants))
     for sweep, value, p in points:
-        if progress is not None:
-            progress("nominal" if value is None else f"{sweep}={value}")
         case = synthetic_case(p, seed)
-        rows = evaluate(case, variants, overlap_k=overlap_k, backend=backend)
+        rows = evaluate(case, variants, overlap_k=overlap_k, backend=backend,
+                        on_variant=tick("nominal" if value is None else f"{sweep}={value}"))
         runs.append({"sweep": sweep, "value": value, "params": asdict(p), "case": case.summary(), "rows": rows,
                      "summary": summarize(rows)})
     return {
@@ -542,7 +570,7 @@ def run_dump_study(
     pow2_scales: tuple[float, ...] = DEFAULT_POW2_SCALES,
     overlap_k: int = 16,
     backend: str = "reference",
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict:
     """The study over the unquantized entries of a dump file (``kvbridge.dumps.dumpfile`` format).
 
@@ -551,6 +579,7 @@ def run_dump_study(
     ``topk``). ``entries`` picks entries by name (default: every unquantized one); a named entry
     that holds quantized pages is an error, an unnamed one is listed under ``skipped``.
     Returns the same shape as ``run_study`` with ``source`` = the path and one run per entry.
+    ``progress`` as for ``run_study``.
     """
     params = SyntheticParams() if params is None else params
     dump = read_dump(path)
@@ -560,10 +589,11 @@ def run_dump_study(
             raise InputError(f"entry {name!r} is not in {path} (entries: {', '.join(names) or 'none'})")
     variants = registry_variants(pow2_scales)
     runs, skipped = [], []
-    for entry in dump:
+    picked = [e for e in dump if not entries or e.name in entries]
+    tick = _ticker(progress, len(variants) * sum(
+        (e.layout is None or e.layout == REFERENCE_LAYOUT) and e.num_tokens > 0 for e in picked))
+    for entry in picked:
         lossless = entry.layout is None or entry.layout == REFERENCE_LAYOUT
-        if entries and entry.name not in entries:
-            continue
         if not lossless:
             if entries:
                 raise InputError(f"entry {entry.name} of {path} holds {entry.layout} pages; the study needs "
@@ -577,10 +607,8 @@ def run_dump_study(
         if not bool(torch.isfinite(values).all()):
             raise InputError(f"entry {entry.name} of {path} holds NaN or Inf")
         keys = values.to(torch.bfloat16)
-        if progress is not None:
-            progress(entry.name)
         case = dump_case(keys, params, seed)
-        rows = evaluate(case, variants, overlap_k=overlap_k, backend=backend)
+        rows = evaluate(case, variants, overlap_k=overlap_k, backend=backend, on_variant=tick(entry.name))
         runs.append({"sweep": "entry", "value": entry.name, "params": asdict(params),
                      "rounded_to_bf16": not torch.equal(keys.float(), values),
                      "case": case.summary(), "rows": rows, "summary": summarize(rows)})

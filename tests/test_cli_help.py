@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from kvbridge.cli.main import cli
+from cli.main import cli
 
 #: Modules a --help must not load (each costs seconds and hundreds of MB).
 HEAVY = ("torch", "numba", "numpy", "kvbridge.backends.native._kernels")

@@ -96,7 +96,7 @@ def render(args: list[str], columns: int, cwd: Path) -> tuple[int, str]:
     old = Path.cwd()
     os.chdir(cwd)
     try:
-        result = CliRunner().invoke(cli, args, env={"COLUMNS": str(columns)})
+        result = CliRunner().invoke(cli, args, env={"COLUMNS": str(columns)}, prog_name="kvbridge")
     finally:
         os.chdir(old)
     return result.exit_code, result.stdout + ("--- stderr\n" + result.stderr if result.stderr else "")

@@ -38,6 +38,7 @@ from kvbridge.migration import (
 )
 from kvbridge.migration.ape import synthetic_ape
 from kvbridge.migration.nixl import NixlReceiver, NixlSender, nixl_available
+from kvbridge.migration.plan import beyond_computed
 from kvbridge.migration.transport import GlooServer, send_request_tcp
 from tests.migration_helpers import expected_records
 
@@ -504,6 +505,45 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
         assert state["failed"] == ["killed"] and len(state["errors"]) == 1 and "killed" in state["errors"][0], state
         _landed(out, "kept", plan, want("kept"))
         state = eng("run")
+        assert state["status"]["killed"] == "FINISHED_ERROR" and state["status"]["kept"] == "FINISHED_LENGTH_CAPPED"
+        # a prefix-cache hit: vLLM computed a 600-token prompt itself, its cached blocks are then filled with a
+        # sentinel; a 620-token request with that prefix hits 512 tokens of it, so only the rest is written (the
+        # compressed entries and SWA tokens before 512) and every cached block keeps its sentinel bytes
+        eng("compute local 600")
+        eng("sentinel")
+        long_plan = plan_migration(TRTLLM, VLLM, model, 620, include_mtp=False)
+        long_src = source_request(long_plan, spare_pages=2, seed=7)
+        eng(f"add hit 620 {TRTLLM} hit hashed")
+        state = eng("step")
+        assert state["hits"]["hit"] == 512, state["hits"]
+        summary = _send(sender, eng.address, long_plan, long_src, "hit")
+        assert not isinstance(summary, Exception), summary
+        rest = long_plan.past(512).transfers
+        if transport == "gloo":  # the consumer's accept names its hit: only the rest moves (NIXL moves it all)
+            assert summary["payload_bytes"] == sum(t.src_bytes for t in rest) < sum(
+                t.src_bytes for t in long_plan.transfers), summary
+        state = eng("wait hit")
+        assert "hit" not in state["failed"] and not state["errors"][1:], state
+        cached, intact = state["intact"]["hit"]
+        assert cached >= 7 and intact, state["intact"]  # a cached block in every group
+        got, want = load_file(str(out / "hit.safetensors")), _expected(long_plan, long_src)
+        rest = {i: k for i, k, _ in beyond_computed(long_plan.transfers, 512)}  # transfer: entries skipped
+        skipped = 0
+        for i, t in enumerate(long_plan.transfers):
+            k = rest.get(i, t.count)
+            skipped += k
+            assert torch.equal(got[str(i)][k:], want[i][k:]), f"hit: layer {t.spec.layer} {t.spec.role.value}"
+            assert bool((got[str(i)][:k] == 0xA5).all()), f"hit: layer {t.spec.layer} {t.spec.role.value} written"
+        assert skipped > 0
+        # a request vLLM holds whole (its kvbridge_num_tokens within the hit) loads nothing: its producer is refused
+        eng(f"add whole 620 {TRTLLM} whole hashed tokens=512")
+        state = eng("step")
+        short_plan = plan_migration(TRTLLM, VLLM, model, 512, include_mtp=False)
+        late = _send(sender, eng.address, short_plan, source_request(short_plan, seed=8), "whole")
+        assert isinstance(late, MigrationError) and "prefix cache" in str(late), late
+        state = eng("run")
+        assert state["status"]["whole"] == "FINISHED_LENGTH_CAPPED" and "whole" not in state["received"], state
+        assert state["status"]["hit"] == "FINISHED_LENGTH_CAPPED", state
         # TP > 1 is refused when vLLM creates the connector, with one line naming the remedy
         eng.proc.stdin.write("tp 2\n")
         eng.proc.stdin.flush()
@@ -513,9 +553,12 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
         refused = json.loads(line[8:])
         assert all(e and e.startswith("InputError") and "runs 2 x 1" in e and "-tp 1" in e
                    for e in refused.values()), refused
-        assert state["status"]["killed"] == "FINISHED_ERROR" and state["status"]["kept"] == "FINISHED_LENGTH_CAPPED"
         assert state["free"] == state["free_at_start"], state
-        assert state["stats"]["recv_requests"] == 24 * 4 + 3 and state["stats"]["recv_failed"] == 1, state["stats"]
+        assert state["stats"]["recv_requests"] == 24 * 4 + 4 and state["stats"]["recv_failed"] == 1, state["stats"]
+        # bytes written into vLLM's blocks: every request's converted records, the hit's only past its prefix
+        written = (24 * 4 + 3) * sum(t.dst_bytes for t in plan.transfers) + sum(
+            t.dst_bytes for t in long_plan.past(512).transfers)
+        assert state["stats"]["recv_written_MB"] == round(written / 1e6, 3), state["stats"]
     finally:
         if sender is not None:
             sender.close()

@@ -193,3 +193,39 @@ def test_plan_argument_errors_and_fingerprint():
     a = plan_migration("trtllm", "vllm", FLASH, 1000)
     assert a.fingerprint() == plan_migration("trtllm", "vllm", "deepseek-v4-flash", 1000).fingerprint()
     assert a.fingerprint() != plan_migration("trtllm", "vllm", FLASH, 1001).fingerprint()
+
+
+def test_plan_past_a_prefix_the_destination_computed():
+    """A destination that computed tokens [0, C) itself (a prefix-cache hit) holds compressed entries and indexer
+    keys below C // ratio, SWA tokens and compressor-state rows below C: ``past(C)`` moves the rest only, with a
+    fingerprint of its own."""
+    from kvbridge.engines.topology import from_hf_config
+    from kvbridge.migration.plan import beyond_computed, held_entries
+
+    cfg = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 256,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 512,
+           "qk_rope_head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 4096, "intermediate_size": 512,
+           "compress_ratios": [0, 0, 4, 128], "sliding_window": 128, "index_head_dim": 128, "index_n_heads": 4,
+           "index_topk": 64, "num_nextn_predict_layers": 0}
+    model = from_hf_config(cfg)
+    plan = plan_migration("trtllm:fp8:tpb=128:scale=0.5", "vllm:block=256", model, 620, include_mtp=False)
+    past = plan.past(512)
+    assert plan.past(0) is plan and past.computed_tokens == 512 and past.fingerprint() != plan.fingerprint()
+    kept = {(t.spec.layer, t.spec.role): t for t in past.transfers}
+    for t in plan.transfers:
+        held = held_entries(t.spec, 512)
+        assert held == (512 // t.spec.ratio if t.spec.role in (Role.COMPRESS, Role.INDEXER) else 512)
+        rest = kept.get((t.spec.layer, t.spec.role))
+        if t.first + t.count <= held:
+            assert rest is None  # held whole: the ratio-128 compressed entries [0, 4)
+        else:
+            assert (rest.first, rest.first + rest.count) == (max(t.first, held), t.first + t.count)
+    assert (3, Role.COMPRESS) not in kept and kept[(2, Role.COMPRESS)].first == 128
+    assert kept[(0, Role.SWA)].first == 512 and kept[(2, Role.STATE)].first == 616  # the state rows all move
+    assert [i for i, _, _ in beyond_computed(plan.transfers, 512)] == [
+        i for i, t in enumerate(plan.transfers) if (t.spec.layer, t.spec.role) in kept]
+    for bad in (620, -1, True, 1.5):
+        with pytest.raises(InputError, match="computed_tokens"):
+            plan.past(bad)
+    with pytest.raises(InputError, match="whole plan"):
+        past.past(256)

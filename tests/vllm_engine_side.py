@@ -116,15 +116,28 @@ class Engine:
         self.scheduler = Scheduler(vc, sched_config, StructuredOutputManager(vc), block_size=block_size,
                                    hash_block_size=hash_block_size)
         assert type(self.scheduler.connector).__name__ == "KVBridgeConnector", type(self.scheduler.connector)
+        self.hash_block_size = hash_block_size
 
-    def request(self, num_tokens: int, params: dict, max_tokens: int, request_id: str = "vllm-req-0"):
+    def hasher(self):
+        """vLLM's block hasher for requests, as its engine core makes it (prefix caching on)."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        fn = get_hash_fn_by_name(self.vc.cache_config.prefix_caching_hash_algo)
+        init_none_hash(fn)
+        return get_request_block_hasher(self.hash_block_size, fn, self.vc.num_hash_lookahead_tokens)
+
+    def request(self, num_tokens: int, params: dict, max_tokens: int, request_id: str = "vllm-req-0",
+                hashed: bool = False):
+        """A request whose prompt is tokens 1..num_tokens; ``hashed``: with vLLM's block hashes (its prefix
+        cache sees it; the tests' other requests, all with one prompt but other KV, stay out of it)."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         req = Request(request_id=request_id, prompt_token_ids=list(range(1, num_tokens + 1)),
                       sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                                      extra_args={"kv_transfer_params": params}),
-                      pooling_params=None)
+                      pooling_params=None, block_hasher=self.hasher() if hashed else None)
         self.scheduler.add_request(req)
         return req
 
@@ -249,11 +262,16 @@ def producer(transport: str, model_dir: str, out_dir: str, request_id: str, num_
 def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> None:
     """A consumer driven line by line from stdin (the test's several-request cases share this process):
 
-    ``add NAME NUM_TOKENS SRC RID``: a request whose KV a producer sends under RID; ``step``: one engine
-    step; ``wait NAME...``: step until each named request's load was reported (received or failed; a
-    received request's records in its vLLM blocks go to OUT_DIR/NAME.safetensors as it is reported);
-    ``abort NAME``: the client aborts it (then one step); ``run``: step until every request finished; ``quit``.
-    Each command answers one ``OK <json>`` line: reported loads, failures, errors, free blocks, statuses."""
+    ``add NAME NUM_TOKENS SRC RID [hashed] [tokens=K]``: a request whose KV a producer sends under RID
+    (``hashed``: in vLLM's prefix cache; ``tokens=K``: its ``kvbridge_num_tokens``); ``compute NAME
+    NUM_TOKENS``: a hashed request vLLM computes itself, stepped until it finished (its blocks stay in the
+    prefix cache); ``sentinel``: fill every block of the prefix cache, in each layer of its group, with
+    0xA5; ``step``: one engine step; ``wait NAME...``: step until each named request's load was reported
+    (received or failed; a received request's records in its vLLM blocks go to OUT_DIR/NAME.safetensors as
+    it is reported, and whether its sentinel blocks are intact to the state); ``abort NAME``: the client
+    aborts it (then one step); ``run``: step until every request finished; ``quit``.
+    Each command answers one ``OK <json>`` line: reported loads, failures, errors, free blocks, statuses,
+    the prefix-cache hit of each load (tokens) and the sentinel check of each received request."""
     from safetensors.torch import save_file
     from vllm.v1.request import RequestStatus
 
@@ -272,9 +290,21 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
     pool = eng.scheduler.kv_cache_manager.block_pool
     free0 = pool.get_num_free_blocks()
 
+    sentinel: dict[int, int] = {}  # block id: its KV-cache group, for the blocks filled with 0xA5
+    hits, intact = {}, {}
+
+    def layers_of(g: int):
+        caches = eng.worker.caches
+        return [caches.pools.pool(spec) for spec in eng.worker.model.all_caches(include_mtp=False)
+                if caches.group[(spec.layer, spec.role)] == g]
+
     def save(name: str) -> None:
-        """The request's records in its vLLM blocks (still held: saved as soon as its load is reported)."""
+        """The request's records in its vLLM blocks (still held: saved as soon as its load is reported), and
+        how many of its blocks are sentinel blocks, whether each still holds 0xA5 only."""
         req = reqs[name]
+        held = [(b, sentinel[b]) for ids in eng.scheduler.kv_cache_manager.get_block_ids(name) for b in ids
+                if b in sentinel]
+        intact[name] = [len(held), all(bool((pool[b] == 0xA5).all()) for b, g in held for pool in layers_of(g))]
         plan = plan_migration(srcs[name], eng.worker.profile, eng.worker.model, len(req.prompt_token_ids),
                               include_mtp=False)
         caches = eng.worker.caches
@@ -286,6 +316,7 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
 
     def advance():
         out = eng.scheduler.schedule()
+        hits.update({load.req_id: load.computed_tokens for load in out.kv_connector_metadata.loads})
         sampled = {r: [7] for r in out.num_scheduled_tokens}
         new = set(eng.step(out, sampled, failed)[1] or ())
         received.update(new)
@@ -298,10 +329,25 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
         if cmd == "quit":
             break
         if cmd == "add":
-            name, n, src, rid = args
-            reqs[name] = eng.request(int(n), {"kvbridge_src": src, "kvbridge_request_id": rid}, max_tokens=2,
-                                     request_id=name)
+            name, n, src, rid, *extra = args
+            params = {"kvbridge_src": src, "kvbridge_request_id": rid}
+            for e in extra:
+                if e.startswith("tokens="):
+                    params["kvbridge_num_tokens"] = int(e[7:])
+            reqs[name] = eng.request(int(n), params, max_tokens=2, request_id=name, hashed="hashed" in extra)
             srcs[name] = src
+        elif cmd == "compute":
+            req = eng.request(int(args[1]), {}, max_tokens=2, request_id=args[0], hashed=True)
+            while not req.is_finished():
+                advance()
+        elif cmd == "sentinel":
+            from vllm.v1.core.kv_cache_utils import get_group_id
+
+            for block in pool.blocks:
+                if block.block_hash is not None and not block.is_null:
+                    sentinel[block.block_id] = get_group_id(block.block_hash)
+                    for layer in layers_of(sentinel[block.block_id]):
+                        layer[block.block_id] = 0xA5
         elif cmd == "step":
             advance()
         elif cmd == "wait":
@@ -338,7 +384,7 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
         stats.aggregate(eng.worker.get_kv_connector_stats() or KVBridgeStats())
         state = {"received": sorted(received), "failed": sorted(failed), "errors": list(eng.worker.errors),
                  "stats": stats.reduce(),
-                 "free": pool.get_num_free_blocks(), "free_at_start": free0,
+                 "free": pool.get_num_free_blocks(), "free_at_start": free0, "hits": hits, "intact": intact,
                  "status": {n: r.status.name for n, r in reqs.items()}}
         print("OK " + json.dumps(state), flush=True)
     eng.worker.shutdown()

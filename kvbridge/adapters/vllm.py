@@ -82,13 +82,17 @@ ACCEPT_POLL_S = 0.5
 
 @dataclass
 class Load:
-    """One request the worker receives: its kvbridge source, size and block ids per KV-cache group."""
+    """One request the worker receives: its kvbridge source, size and block ids per KV-cache group, and its
+    prefix-cache hit: the ``computed_tokens`` vLLM holds itself and, per group, the ids of their ``cached``
+    blocks (neither received into nor written)."""
 
     req_id: str
     request_id: str
     src: str
     num_tokens: int
     block_ids: tuple[list[int], ...]
+    computed_tokens: int = 0
+    cached: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -105,19 +109,23 @@ class Send:
 
 @dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
-    """One step's loads and sends, and the vLLM request ids whose loads are cancelled (aborted or finished
-    while they waited)."""
+    """One step's loads and sends, the vLLM request ids whose loads are cancelled (aborted or finished
+    while they waited), and the kvbridge request ids vLLM found whole in its prefix cache (their producers
+    are refused)."""
 
     loads: list[Load] = field(default_factory=list)
     sends: list[Send] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    cached_whole: list[str] = field(default_factory=list)
 
 
 @dataclass
 class KVBridgeStats(KVConnectorStats):
     """Per-request transfer observations of one interval (vLLM's ``KVConnectorStats``): ``data`` maps
-    ``recv`` and ``send`` to lists of ``[seconds, payload bytes, conversion seconds]`` of the requests that
-    completed, and ``recv_failed`` / ``send_failed`` to the number that failed."""
+    ``recv`` and ``send`` to lists of ``[seconds, payload bytes, conversion seconds, bytes written]`` of the
+    requests that completed (bytes written: into vLLM's blocks, less than the payload's converted size by a
+    prefix-cache hit; for a send, the payload), and ``recv_failed`` / ``send_failed`` to the number that
+    failed."""
 
     def __post_init__(self):
         for key in ("recv", "send"):
@@ -128,8 +136,8 @@ class KVBridgeStats(KVConnectorStats):
     def reset(self):
         self.data = {"recv": [], "send": [], "recv_failed": 0, "send_failed": 0}
 
-    def observe(self, kind: str, seconds: float, nbytes: int, convert_s: float) -> None:
-        self.data[kind].append([seconds, nbytes, convert_s])
+    def observe(self, kind: str, seconds: float, nbytes: int, convert_s: float, written: int) -> None:
+        self.data[kind].append([seconds, nbytes, convert_s, written])
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key in ("recv", "send"):
@@ -147,6 +155,7 @@ class KVBridgeStats(KVConnectorStats):
             out[f"{key}_requests"] = len(rows)
             out[f"{key}_failed"] = self.data[f"{key}_failed"]
             out[f"{key}_MB"] = round(nbytes / 1e6, 3)
+            out[f"{key}_written_MB"] = round(sum(r[3] for r in rows) / 1e6, 3)
             out[f"{key}_avg_s"] = round(secs / len(rows), 4) if rows else 0.0
             out[f"{key}_convert_s"] = round(sum(r[2] for r in rows), 4)
             out[f"{key}_MB_per_s"] = round(nbytes / 1e6 / secs, 1) if secs > 0 else 0.0
@@ -214,6 +223,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._loads: dict[str, Load] = {}
         self._sends: dict[str, Send] = {}
         self._cancels: list[str] = []
+        self._cached_whole: list[str] = []
+        self._hits: dict[str, int] = {}  # vLLM request id: its (block-aligned) local prefix-cache hit, in tokens
         self._loading: set[str] = set()  # requests whose load is out with the worker, not reported yet
         self._offered: set[str] = set()  # requests whose tokens were offered as external once
         # worker side
@@ -237,7 +248,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                                                   host, port)
             else:
                 self.server = GlooServer(EnginePools(self.profile, self.model, False, {}), plan=self._plan_for,
-                                         host=host, port=port)
+                                         host=host, port=port, computed=self._computed)
             log.info("kvbridge connector listening on %s:%d (%s)", *self.server.address, self.transport)
 
     def _nixl_receiver(self, landing_tokens: Any, host: str, port: int):
@@ -259,13 +270,19 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """The prompt tokens a kvbridge producer sends, loaded asynchronously; none for a request that was
-        loaded (or failed to load) once already: a producer sends a request once, so vLLM computes what
-        a preemption or a failed load lost."""
+        """The prompt tokens a kvbridge producer sends beyond vLLM's own prefix-cache hit
+        (``num_computed_tokens``), loaded asynchronously; none for a request that was loaded (or failed to
+        load) once already: a producer sends a request once, so vLLM computes what a preemption or a failed
+        load lost. A request vLLM holds whole refuses its producer."""
         params = request.kv_transfer_params or {}
         if not self.is_consumer or "kvbridge_src" not in params or request.request_id in self._offered:
             return 0, False
         n = self._num_tokens(request)
+        if 0 < n <= num_computed_tokens:
+            self._offered.add(request.request_id)
+            self._cached_whole.append(str(params.get("kvbridge_request_id", request.request_id)))
+            return 0, False
+        self._hits[request.request_id] = num_computed_tokens
         return max(0, n - num_computed_tokens), n > num_computed_tokens
 
     def _num_tokens(self, request) -> int:
@@ -280,21 +297,27 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return raw
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        """A request whose load is under way: its blocks per group, and those of its prefix-cache hit (the
+        blocks vLLM has a hash for, as its own NixlConnector tells them apart: not received, not written)."""
         params = request.kv_transfer_params or {}
+        computed = self._hits.pop(request.request_id, 0)
         if num_external_tokens <= 0 or "kvbridge_src" not in params:
             return
         self._offered.add(request.request_id)  # blocks are allocated: this request's load is under way
         self._loading.add(request.request_id)
         n = self._num_tokens(request)
+        cached = tuple([b.block_id for b in group if b.block_hash is not None and not b.is_null]
+                       for group in blocks.blocks)
         self._loads[request.request_id] = Load(request.request_id, str(params.get("kvbridge_request_id",
                                                request.request_id)), str(params["kvbridge_src"]), n,
-                                               tuple(list(ids) for ids in blocks.get_block_ids()))
+                                               tuple(list(ids) for ids in blocks.get_block_ids()), computed, cached)
 
     def build_connector_meta(self, scheduler_output) -> KVBridgeMetadata:
-        meta = KVBridgeMetadata(list(self._loads.values()), list(self._sends.values()), self._cancels)
+        meta = KVBridgeMetadata(list(self._loads.values()), list(self._sends.values()), self._cancels,
+                                self._cached_whole)
         self._loads.clear()
         self._sends.clear()
-        self._cancels = []
+        self._cancels, self._cached_whole = [], []
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -314,6 +337,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         blocks until the worker reports it). Producer: hand a finished request's blocks of every group to
         the worker for its kvbridge peer; the blocks stay held until the worker reports the send done."""
         self._offered.discard(request.request_id)
+        self._hits.pop(request.request_id, None)
         if request.request_id in self._loading:
             self._loading.discard(request.request_id)
             self._cancels.append(request.request_id)  # after its load in the same metadata, if not out yet
@@ -362,15 +386,21 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if self.transport == "nixl" and plan.num_tokens > self.landing_tokens:
             raise InputError(f"{plan.num_tokens} tokens do not fit the NIXL landing area ({self.landing_tokens} "
                              "tokens: kv_connector_extra_config landing_tokens)")
-        caches.check(plan.transfers, p.load.block_ids)
-        self._local.plan = plan
+        # vLLM's prefix-cache hit: its own bytes, maybe shared with running requests, are never written
+        rest = plan.past(p.load.computed_tokens).transfers
+        caches.check(rest, p.load.block_ids, keep=p.load.cached)
+        self._local.plan, self._local.rest = plan, rest
         return plan
+
+    def _computed(self) -> int:
+        """The prefix-cache hit of the load this transfer thread receives (gloo moves only the rest)."""
+        return self._local.pending.load.computed_tokens
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Hand this step's loads to the transfer threads and cancel the loads vLLM dropped; they are
         reported by ``get_transfer_results``."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVBridgeMetadata) or not (meta.loads or meta.cancels):
+        if not isinstance(meta, KVBridgeMetadata) or not (meta.loads or meta.cancels or meta.cached_whole):
             return
         if self.caches is None or self.server is None:
             raise InputError("KVBridgeConnector: start_load_kv before register_kv_caches (or not a consumer)")
@@ -379,6 +409,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self.table.add(load, self.timeout)
         for req_id in meta.cancels:
             self.table.cancel(req_id)
+        for rid in meta.cached_whole:
+            self.table.forget(rid, "found whole in vLLM's prefix cache")
 
     def _start_receivers(self) -> None:
         """The transfer threads (threads of this worker: vLLM's workers may be daemonic processes): over gloo
@@ -393,7 +425,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def _serve(self) -> None:
         """One transfer thread: receive whichever producer connects, into the load its request id names."""
         while not self._stop.is_set():
-            self._local.pending = self._local.plan = None
+            self._local.pending = self._local.plan = self._local.rest = None
             t0 = time.monotonic()
             try:
                 report = self._receive_one()
@@ -410,7 +442,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             return
         with self._lock:
             if error is None and not p.cancelled:
-                self._stats.observe("recv", time.monotonic() - t0, report.payload_bytes, report.convert_s)
+                written = sum(t.dst_bytes for t in self._local.rest)
+                self._stats.observe("recv", time.monotonic() - t0, report.payload_bytes, report.convert_s, written)
             elif error is not None and not p.cancelled:
                 self._stats.data["recv_failed"] += 1
         self.table.finish(p, error)
@@ -425,7 +458,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 if assembly.missing():
                     raise InputError(f"{assembly.missing()} transfers never arrived")
                 self.table.writing(p)
-                caches.write(assembly.plan.transfers, assembly.records, p.load.block_ids)
+                caches.write(assembly.plan.transfers, assembly.records, p.load.block_ids, keep=p.load.cached)
                 return {}
 
             got = server.receive(timeout=self.timeout, accept_timeout=ACCEPT_POLL_S, publish=publish)
@@ -436,12 +469,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         got = server.receive(timeout=self.timeout, accept_timeout=ACCEPT_POLL_S)
         if got is None:
             return None
-        p, plan, landing = self._local.pending, self._local.plan, server.dst
+        p, transfers, landing = self._local.pending, self._local.rest, server.dst
         try:  # verified in the landing area: write it through the request's block ids
             self.table.writing(p)
             records = [gather_records(landing.pool(t.spec), t.dst, table_of(got.tables, t.dst), t.first, t.count)
-                       for t in plan.transfers]
-            caches.write(plan.transfers, records, p.load.block_ids)
+                       for t in transfers]
+            caches.write(transfers, records, p.load.block_ids, keep=p.load.cached)
         finally:
             landing.release(got.tables)
         log.info("kvbridge: received request %s from %s over NIXL", got.request_id, got.peer)
@@ -481,8 +514,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             return
         log.info("kvbridge: sent request %s to %s over %s", send.request_id, send.peer, self.transport)
         with self._lock:
-            self._stats.observe("send", time.monotonic() - t0, int(summary.get("payload_bytes", 0)),
-                                float(summary.get("convert_s", 0.0)))
+            nbytes = int(summary.get("payload_bytes", 0))
+            self._stats.observe("send", time.monotonic() - t0, nbytes, float(summary.get("convert_s", 0.0)), nbytes)
             self._done_send.add(send.req_id)
 
     def _send(self, send: Send) -> dict:

@@ -104,30 +104,36 @@ class VllmCaches:
                              f"are in {1 + max(self.group.values(), default=-1)}")
         return [[-1 if b == NULL_BLOCK else int(b) for b in ids] for ids in block_ids]
 
-    def check(self, transfers: Sequence, block_ids: Sequence[Sequence[int]], *, side: str = "dst") -> list[list[int]]:
+    def check(self, transfers: Sequence, block_ids: Sequence[Sequence[int]], *, side: str = "dst",
+              keep: Sequence[Sequence[int]] = ()) -> list[list[int]]:
         """The request's tables (``tables``) once every live entry of ``transfers`` (in its ``side``'s
-        format) has a block of this pool in its group; ``InputError`` (nothing was written) otherwise."""
+        format) has a block of this pool in its group, none of the blocks ``keep`` names for that group (the
+        request's prefix-cache hit: vLLM's own bytes, possibly shared with other requests); ``InputError``
+        (nothing was written) otherwise."""
         if side not in ("src", "dst"):
             raise InputError(f"side must be 'src' or 'dst', got {side!r}")
         tables = self.tables(block_ids)
         for t in transfers:
-            table = tables[self.group[(t.spec.layer, t.spec.role)]]
+            g = self.group[(t.spec.layer, t.spec.role)]
+            table, kept = tables[g], set(keep[g]) if keep else set()
             num_blocks = self.pools.pool(t.spec).shape[0]
             for slot in t.table_slots(getattr(t, side)):
-                if slot >= len(table) or not 0 <= table[slot] < num_blocks:
+                if slot >= len(table) or not 0 <= table[slot] < num_blocks or table[slot] in kept:
                     have = "missing" if slot >= len(table) else f"block {table[slot]}"
+                    if slot < len(table) and table[slot] in kept:
+                        have += ", a block of its prefix-cache hit"
                     raise InputError(f"layer {t.spec.layer} {t.spec.role.value}: entries need block-table index "
                                      f"{slot} of its vLLM KV-cache group, which is {have}; nothing was written")
         return tables
 
     def write(self, transfers: Sequence, records: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], *,
-              side: str = "dst") -> None:
+              side: str = "dst", keep: Sequence[Sequence[int]] = ()) -> None:
         """Write each transfer's records (in its ``side``'s format: this vLLM is the plan's ``dst`` or
         ``src``) through the block ids of its layer's group.
 
-        Every block is checked before any byte is written (``check``): a live entry in a null, missing
-        or out-of-pool block raises ``InputError`` and leaves the caches untouched."""
-        tables = self.check(transfers, block_ids, side=side)
+        Every block is checked before any byte is written (``check``): a live entry in a null, missing,
+        out-of-pool or kept (``keep``) block raises ``InputError`` and leaves the caches untouched."""
+        tables = self.check(transfers, block_ids, side=side, keep=keep)
         pairs = list(zip(transfers, records, strict=True))
         for t, rec in pairs:
             st = getattr(t, side)

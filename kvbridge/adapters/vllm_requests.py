@@ -132,6 +132,14 @@ class RequestTable:
             log.info("kvbridge: request %s was aborted while it waited for its KV; its load is cancelled",
                      p.load.request_id)
 
+    def forget(self, rid: str, why: str) -> None:
+        """No load will wait under ``rid`` (vLLM needs none: ``why``): its producer, held or later, is refused
+        naming why."""
+        with self._cond:
+            if rid not in self._pending:
+                self._remember(rid, why)
+                self._cond.notify_all()
+
     def expire(self) -> None:
         """Fail the loads whose producer did not connect in time."""
         now = time.monotonic()
@@ -141,12 +149,15 @@ class RequestTable:
                     del self._pending[rid]
                     self._report(p, f"no kvbridge producer connected within {p.timeout:g} s")
 
+    def _remember(self, rid: str, what: str) -> None:
+        self._gone[rid] = what
+        while len(self._gone) > GONE_KEPT:
+            self._gone.popitem(last=False)
+
     def _report(self, p: Pending, error: str | None) -> None:
         rid = p.load.request_id
         if p.load.request_id not in self._pending:
-            self._gone[rid] = "aborted" if p.cancelled else ("refused" if error else "received")
-            while len(self._gone) > GONE_KEPT:
-                self._gone.popitem(last=False)
+            self._remember(rid, "aborted" if p.cancelled else ("refused" if error else "received"))
         self._done.add(p.load.req_id)
         if error is not None:
             self._failed.add(p.load.req_id)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvbridge.engines.profiles import EngineProfile, Storage, parse_engine
@@ -108,6 +109,29 @@ def live_entries(spec: CacheSpec, num_tokens: int, draft_tokens: int) -> tuple[i
     overlap = spec.ratio if spec.ratio == 4 else 0
     first = max(0, (n // spec.ratio) * spec.ratio - overlap)
     return first, n - first
+
+
+def held_entries(spec: CacheSpec, computed_tokens: int) -> int:
+    """Entries of ``spec``'s cache a destination that computed tokens ``[0, computed_tokens)`` itself already
+    holds (an engine's prefix-cache hit): compressed entries and indexer keys ``i < computed_tokens // ratio``
+    (each complete once its ``ratio`` tokens are), SWA tokens and compressor-state rows at positions
+    ``< computed_tokens``."""
+    if spec.role in (Role.COMPRESS, Role.INDEXER):
+        return computed_tokens // spec.ratio
+    return computed_tokens
+
+
+def beyond_computed(transfers: Sequence[Transfer], computed_tokens: int) -> list[tuple[int, int, Transfer]]:
+    """``(index, skipped, rest)`` of each transfer with entries past what a destination that computed tokens
+    ``[0, computed_tokens)`` holds (``held_entries``): ``rest`` is the transfer of its entries from
+    ``first + skipped`` on (its records are rows ``skipped:`` of the whole transfer's); transfers it holds
+    whole are left out."""
+    out = []
+    for i, t in enumerate(transfers):
+        skipped = min(t.count, max(0, held_entries(t.spec, computed_tokens) - t.first))
+        if skipped < t.count:
+            out.append((i, skipped, t if not skipped else replace(t, first=t.first + skipped, count=t.count - skipped)))
+    return out
 
 
 def conversion_name(src: Storage, dst: Storage) -> str:
@@ -231,6 +255,21 @@ class MigrationPlan:
     transfers: tuple[Transfer, ...]
     #: The APE weights the state conversion uses (None when the pair needs none).
     ape: ApeWeights | None = field(default=None, compare=False, repr=False)
+    #: Tokens ``[0, computed_tokens)`` the destination computed itself (its prefix-cache hit): ``past``.
+    computed_tokens: int = 0
+
+    def past(self, computed_tokens: int) -> MigrationPlan:
+        """This plan without what a destination that computed tokens ``[0, computed_tokens)`` itself holds
+        (``beyond_computed``: its transfers trimmed, those it holds whole left out); a plan of its own, with
+        its own fingerprint, that both ends build the same way."""
+        if isinstance(computed_tokens, bool) or not isinstance(computed_tokens, int) or \
+                not 0 <= computed_tokens < self.num_tokens or self.computed_tokens:
+            raise InputError(f"computed_tokens must be an integer in 0..{self.num_tokens - 1} (the request's tokens) "
+                             f"of a whole plan, got {computed_tokens!r:.40}")
+        if not computed_tokens:
+            return self
+        rest = tuple(t for _, _, t in beyond_computed(self.transfers, computed_tokens))
+        return replace(self, transfers=rest, computed_tokens=computed_tokens)
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Per role, and ``all``: layers, entries, payload and page bytes on each side."""
@@ -276,6 +315,8 @@ class MigrationPlan:
         }
         if self.ape is not None:
             data["ape_sha256"] = self.ape.digest
+        if self.computed_tokens:
+            data["computed_tokens"] = self.computed_tokens
         if transfers:
             data["transfers"] = [t.to_dict() for t in self.transfers]
         return data

@@ -443,7 +443,9 @@ class GlooServer:
     request, a kvbridge handshake over TCP (plan fingerprint), then a two-rank gloo group formed
     through a store this side hosts, then ``receive_request`` (streamed, verified, published at
     the end). ``plan`` is the plan or a callable building it from the sender's request info (with the
-    request id it announced under ``request_id``).
+    request id it announced under ``request_id``). ``computed``: called (on the connection's thread) once
+    the plan is agreed, the tokens this receiver computed itself (its prefix-cache hit); when nonzero, the
+    accept message names them and both ends move only ``plan.past(computed)``.
 
     ``receive`` serves one connection; ``serve`` serves connections concurrently (each request
     its own gloo pair; publishing and releasing pages hold ``lock``). While data flows the
@@ -451,8 +453,9 @@ class GlooServer:
 
     def __init__(self, dst: EnginePools, *, plan: MigrationPlan | Callable[[dict], MigrationPlan],
                  host: str = "127.0.0.1", port: int = 0, loss_report: bool = True,
-                 handshake_s: float = DEFAULT_HANDSHAKE_S):
+                 handshake_s: float = DEFAULT_HANDSHAKE_S, computed: Callable[[], int] | None = None):
         self.dst, self.plan, self.loss_report, self.handshake_s = dst, plan, loss_report, handshake_s
+        self.computed = computed
         self.listener = Listener(host, port)
         self.lock = threading.Lock()
         self.expect_id: str | None = None
@@ -519,13 +522,15 @@ class GlooServer:
                 f"refused request {rid} from {chan.peer}: the sender's plan ({req.get('src')} -> "
                 f"{req.get('dst')}, {req.get('model')}) differs from this receiver's ({plan.src.spec} -> "
                 f"{plan.dst.spec}, {plan.model.name}); plan fingerprints differ")
+        computed = self.computed() if self.computed is not None else 0
+        plan = plan.past(computed)
         if self.publish is None:
             with self.lock:
                 check_room(plan, self.dst, lambda why: MigrationError(f"refused request {rid} from {chan.peer}: "
                                                                       f"{why}"))
         remaining = max(1.0, deadline - time.monotonic())
         store = dist.TCPStore(self.listener.host, 0, 2, True, timedelta(seconds=remaining), wait_for_workers=False)
-        chan.send({"type": "accept", "store_port": store.port}, deadline=deadline)
+        chan.send({"type": "accept", "store_port": store.port, "computed_tokens": computed}, deadline=deadline)
         group = _pair_group(store, rid, 1, remaining)
         publish = self.publish or self._publish
         tables, report = receive_request(plan, self.dst, src_rank=0, group=group,
@@ -562,6 +567,11 @@ def send_request_tcp(plan: MigrationPlan, src: EnginePools, tables: RequestTable
                    "request_id": rid, "request": request_info(plan), "fingerprint": wire_fingerprint(plan),
                    "convert_on": convert_on}, deadline=deadline)
         accept, _ = chan.expect("accept", deadline, "the receiver's accept")
+        try:  # the receiver computed a prefix itself: both ends move the rest only
+            plan = plan.past(accept.get("computed_tokens", 0))
+        except InputError as exc:
+            raise MigrationError(f"{host}:{port} accepted with a prefix-cache hit this plan cannot skip: "
+                                 f"{exc}") from None
         remaining = max(1.0, deadline - time.monotonic())
         try:
             store = dist.TCPStore(host, int(accept["store_port"]), 2, False, timedelta(seconds=remaining))

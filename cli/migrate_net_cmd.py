@@ -76,7 +76,7 @@ def _bytes_progress(visible: bool) -> Progress:
 
 
 def _require_nixl() -> None:
-    from kvbridge.migration.nixl import nixl_available
+    from kvbridge.migration.nixl_agent import nixl_available
 
     if not nixl_available():
         raise Failure("the nixl package is not installed: pip install 'kvbridge[nixl]' (after a CPU or CUDA torch)")
@@ -262,7 +262,7 @@ def _report_failure(exc: KVBridgeError, as_json: bool) -> None:
 
 def _release(dst: EnginePools, tables: dict) -> None:
     """A serving sink: zero and return the request's pages after reporting it."""
-    from kvbridge.migration.nixl import _tensor_tables
+    from kvbridge.migration.nixl_wire import _tensor_tables
 
     for spec in dst.model.all_caches(dst.include_mtp):
         for tensor, name in _tensor_tables(dst.storage(spec), dst.pool(spec)):

@@ -641,8 +641,8 @@ def sglang_pd_section(device, checker: Validator) -> None:
     memory kinds, ``kv_digest`` on the device against the host digest, a kvbridge-to-kvbridge request."""
     import torch
 
-    from kvbridge.adapters.sglang import kv_checksum, kv_digest
-    from kvbridge.migration.nixl import memory_kind
+    from kvbridge.adapters.sglang_protocol import kv_checksum, kv_digest
+    from kvbridge.migration.nixl_agent import memory_kind
 
     section = "sglang-pd"
     t = torch.zeros(4, dtype=torch.uint8, device=device)

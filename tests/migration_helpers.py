@@ -51,7 +51,7 @@ def need_sglang(test: str) -> None:
     (``KVBRIDGE_SGLANG_PYTHON``, made by ``.ci/engine-sglang.sh``), nixl and pyzmq are there."""
     import pytest
 
-    from kvbridge.migration.nixl import nixl_available
+    from kvbridge.migration.nixl_agent import nixl_available
 
     missing = []
     if not os.environ.get("KVBRIDGE_SGLANG_PYTHON"):

@@ -42,7 +42,7 @@ TOKENS = 1026  # ratio-4 state rows 1022..1025 straddle the SWA page boundary at
 
 def test_pd_layout_is_sglang_buffer_order():
     """Without SGLang: the buffer list for DeepSeek-V4-Pro (no SWA-only layer) and its sizes."""
-    from kvbridge.adapters.sglang import pd_layout
+    from kvbridge.adapters.sglang_protocol import pd_layout
     from kvbridge.engines.topology import PRO
     from kvbridge.migration import EnginePools
 
@@ -64,7 +64,7 @@ def test_kv_checksum_is_sglang_digest():
     from host bytes (``kv_checksum``) and reduced where the tensors are (``kv_digest``)."""
     from safetensors import safe_open
 
-    from kvbridge.adapters.sglang import kv_checksum, kv_digest
+    from kvbridge.adapters.sglang_protocol import kv_checksum, kv_digest
 
     path = Path(__file__).parents[1] / "fixtures" / "sglang_adler32_reference.safetensors"
     with safe_open(str(path), "np") as f:
@@ -80,7 +80,8 @@ def test_kv_checksum_is_sglang_digest():
 
 
 def test_wire_messages_and_refusals():
-    from kvbridge.adapters.sglang import SGLangPrefillPeer, TransferInfo, _pack_lists, _unpack_lists, metadata_row
+    from kvbridge.adapters.sglang import SGLangPrefillPeer
+    from kvbridge.adapters.sglang_protocol import TransferInfo, _pack_lists, _unpack_lists, metadata_row
     from kvbridge.errors import InputError
     from kvbridge.migration import EnginePools
 
@@ -184,7 +185,7 @@ def test_sglang_decode_receives_exact_bytes(request_pools, tmp_path, kv_checksum
     row holds, as SGLang's own code reads it, the Adler-32 of exactly the bytes that landed, in SGLang's
     order, and signature 0 ("not comparable": SGLang 0.5.23 cannot digest DeepSeek-V4 state)."""
     _need_sglang()
-    from kvbridge.adapters.sglang import CHECKSUM_ROW_BYTES, metadata_item_lens, pd_layout
+    from kvbridge.adapters.sglang_protocol import CHECKSUM_ROW_BYTES, metadata_item_lens, pd_layout
 
     src, tables = request_pools
     layout, result, sent = _serve(src, tables, tmp_path=tmp_path, decode_cfg={"kv_checksum": kv_checksum})

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.adapters.sglang import pd_layout
+from kvbridge.adapters.sglang_protocol import pd_layout
 from kvbridge.engines.topology import FLASH, Role
 from kvbridge.migration import EnginePools, migrate_local, plan_migration, source_request
 from kvbridge.migration.pools import gather_records, table_of
@@ -48,8 +48,8 @@ def test_registration_and_page_id_messages():
     """Without SGLang: the frames kvbridge sends are the ones SGLang's prefill parses (its
     ``KVArgsRegisterInfo`` / ``TransferInfo`` frame layout), and the input checks."""
     pytest.importorskip("zmq")
-    from kvbridge.adapters.sglang import DecodePeer, TransferInfo, _unpack_lists, pd_layout
     from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+    from kvbridge.adapters.sglang_protocol import DecodePeer, TransferInfo, _unpack_lists, pd_layout
     from kvbridge.errors import InputError
 
     pools = EnginePools.create("sglang", MODEL, {"full": 6, "swa": 6, "state128": 2}, include_mtp=False)
@@ -112,8 +112,8 @@ def test_quarantine_rule_and_heartbeat():
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from kvbridge.adapters.sglang import metadata_item_lens
     from kvbridge.adapters.sglang_decode import SGLangDecodePeer, _Quarantine, _Waiter
+    from kvbridge.adapters.sglang_protocol import metadata_item_lens
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
@@ -253,7 +253,7 @@ def _sglang_buffers(src: EnginePools, tables: dict, layout: dict, num_tokens: in
     """SGLang's prefill buffers holding the request ``tables`` addresses in ``src``, at the page ids
     SGLang's allocators hand it (``kv_pages``, ``swa_pages``), and its metadata row (``rows``:
     metadata row -> room)."""
-    from kvbridge.adapters.sglang import metadata_row, pd_layout
+    from kvbridge.adapters.sglang_protocol import metadata_row, pd_layout
 
     lay = pd_layout(src)
     out = {f"kv{i}": np.zeros(n, np.uint8) for i, n in enumerate(layout["kv_data_lens"])}
@@ -300,8 +300,8 @@ def request_pools():
 
 def test_sglang_prefill_sends_exact_bytes_to_kvbridge(request_pools, tmp_path):
     _need_sglang()
-    from kvbridge.adapters.sglang import pd_layout
     from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+    from kvbridge.adapters.sglang_protocol import pd_layout
 
     src, src_tables = request_pools
     dst = EnginePools.create("sglang", MODEL, {"full": 8, "swa": 8, "state128": 3}, include_mtp=False, seed=11)

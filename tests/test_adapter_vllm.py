@@ -37,7 +37,8 @@ from kvbridge.migration import (
     table_of,
 )
 from kvbridge.migration.ape import synthetic_ape
-from kvbridge.migration.nixl import NixlReceiver, NixlSender, nixl_available
+from kvbridge.migration.nixl import NixlReceiver, NixlSender
+from kvbridge.migration.nixl_agent import nixl_available
 from kvbridge.migration.plan import beyond_computed
 from kvbridge.migration.transport import GlooServer, send_request_tcp
 from tests.migration_helpers import expected_records

@@ -28,7 +28,8 @@ from server_peers import DST, MODEL, SRC, TOKENS, plan
 
 from kvbridge.migration import EnginePools, plan_migration
 from kvbridge.migration.control import MAGIC, PROTOCOL_VERSION, Channel
-from kvbridge.migration.nixl import NixlReceiver, nixl_available
+from kvbridge.migration.nixl import NixlReceiver
+from kvbridge.migration.nixl_agent import nixl_available
 from kvbridge.migration.transport import GlooServer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -41,11 +41,14 @@ from safetensors.torch import load_file, save_file
 from kvbridge.engines.topology import FLASH
 from kvbridge.errors import KVBridgeError
 from kvbridge.migration import EnginePools, gather_records, plan_migration, source_request
-from kvbridge.migration import nixl as nx
 from kvbridge.migration.control import MAGIC, PROTOCOL_VERSION
+from kvbridge.migration.nixl import NixlReceiver, NixlSender
+from kvbridge.migration.nixl_agent import nixl_available
+from kvbridge.migration.nixl_send import _Connection
+from kvbridge.migration.nixl_wire import _descriptors, _pieces_of, _pool_chunks, _pool_keys, _stage_runs, _tensor_tables
 from kvbridge.migration.pools import pool_tensors, table_of
 
-pytestmark = pytest.mark.skipif(not nx.nixl_available(), reason="needs the nixl extra: pip install 'kvbridge[nixl]'")
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="needs the nixl extra: pip install 'kvbridge[nixl]'")
 
 MODEL = FLASH.with_layers(4)
 TOKENS = 1100
@@ -75,7 +78,7 @@ def _receiver_main(engine: str, timeouts: list[float], addr_q, done_q, out_dir: 
     def plan_for(info: dict):
         return plan_migration(info["src"], engine, MODEL, int(info["num_tokens"]))
 
-    with nx.NixlReceiver(dst, plan=plan_for) as rx:
+    with NixlReceiver(dst, plan=plan_for) as rx:
         addr_q.put((tag, rx.address))
         for k, timeout in enumerate(timeouts):
             before = dst.num_free()
@@ -102,11 +105,11 @@ def _receiver_main(engine: str, timeouts: list[float], addr_q, done_q, out_dir: 
             done_q.put((tag, k))
 
 
-def _send(addr, src: str, dst: str, seed: int, convert_on: str, sender: nx.NixlSender | None = None) -> dict:
+def _send(addr, src: str, dst: str, seed: int, convert_on: str, sender: NixlSender | None = None) -> dict:
     plan = _plan(src, dst)
     pools, tables = source_request(plan, spare_pages=2, seed=seed)
     own = sender is None
-    sender = sender or nx.NixlSender(*addr, timeout=RECV_TIMEOUT_S)
+    sender = sender or NixlSender(*addr, timeout=RECV_TIMEOUT_S)
     try:
         return sender.send_request(plan, pools, tables, convert_on=convert_on)
     finally:
@@ -117,7 +120,7 @@ def _send(addr, src: str, dst: str, seed: int, convert_on: str, sender: nx.NixlS
 def _sender_main(addr_a, addr_b, result_q) -> None:
     """Good requests both ways, a different plan, and a corrupted page, from one reused sender per peer."""
     results = {}
-    with nx.NixlSender(*addr_a, timeout=RECV_TIMEOUT_S) as to_a, nx.NixlSender(*addr_b, timeout=RECV_TIMEOUT_S) as to_b:
+    with NixlSender(*addr_a, timeout=RECV_TIMEOUT_S) as to_a, NixlSender(*addr_b, timeout=RECV_TIMEOUT_S) as to_b:
         results["fwd-receiver"] = _send(addr_a, TRTLLM, VLLM, 11, "receiver", to_a)
         results["fwd-sender"] = _send(addr_a, TRTLLM, VLLM, 12, "sender", to_a)
         results["rev-receiver"] = _send(addr_b, VLLM, TRTLLM, 13, "receiver", to_b)
@@ -127,21 +130,21 @@ def _sender_main(addr_a, addr_b, result_q) -> None:
             results["other-plan"] = "no error"
         except KVBridgeError as exc:
             results["other-plan"] = f"{type(exc).__name__}: {exc}"
-        post = nx._Connection.post
+        post = _Connection.post
 
         def corrupting_post(self, g, pieces, header):
             if g == 2:  # one bit of group 3 flips after its checksums were taken, before the wire
                 self.staged[pieces[0][0] + 5] ^= 0x10
             return post(self, g, pieces, header)
 
-        nx._Connection.post = corrupting_post
+        _Connection.post = corrupting_post
         try:
             _send(addr_a, TRTLLM, VLLM, 16, "sender", to_a)
             results["corrupt"] = "no error"
         except KVBridgeError as exc:
             results["corrupt"] = f"{type(exc).__name__}: {exc}"
         finally:
-            nx._Connection.post = post
+            _Connection.post = post
     result_q.put(results)
 
 
@@ -150,7 +153,7 @@ def _fault_sender_main(addr, go, started, result_q, mode: str) -> None:
     after group 3 is posted: the test kills it there ("killed") or lets it hang ("stalled")."""
     plan = _plan(TRTLLM, VLLM)
     pools, tables = source_request(plan, spare_pages=2, seed=18 if mode == "last" else 17)
-    sender = nx.NixlSender(*addr, timeout=300 if mode != "last" else RECV_TIMEOUT_S)
+    sender = NixlSender(*addr, timeout=300 if mode != "last" else RECV_TIMEOUT_S)
     sender.warm_up(sum(t.dst_bytes for t in plan.transfers))
     started.set()
     go.wait(4 * STEP_TIMEOUT_S)
@@ -269,7 +272,7 @@ def _check_request(out: Path, tag: str, name: str, pair: tuple[str, str], seed: 
         src_rec = gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count)
         got = gather_records(pool, t.dst, table_of(tables, t.dst), t.first, t.count)
         assert torch.equal(got, expected_records(t, src_rec)), f"layer {t.spec.layer} {t.spec.role.value}"
-        for tensor, name in nx._tensor_tables(t.dst, pool):
+        for tensor, name in _tensor_tables(t.dst, pool):
             outside = [i for i in range(tensor.shape[0]) if i not in claimed[name]]
             assert not bool(tensor[outside].any()), "bytes written outside the request's pages"
     return report
@@ -368,20 +371,20 @@ def test_descriptors_merge_adjacent_pages():
     plan = _plan(VLLM, TRTLLM)
     t = next(t for t in plan.transfers if t.spec.role.value == "compress" and t.spec.ratio == 4)
     pages = -(-t.count // t.dst.page_size)
-    key = nx._pool_keys(t)[0]
-    chunks = [c for c, _ in nx._pool_chunks(t, {t.dst.table: list(range(pages))}, [pages])]
-    local, remote = nx._descriptors(nx._pieces_of(chunks, 0), 1 << 20, {key: 1 << 30})
+    key = _pool_keys(t)[0]
+    chunks = [c for c, _ in _pool_chunks(t, {t.dst.table: list(range(pages))}, [pages])]
+    local, remote = _descriptors(_pieces_of(chunks, 0), 1 << 20, {key: 1 << 30})
     assert t.dst.page_bytes == t.dst.page_size * t.dst.record_bytes and t.dst.split is None
     assert len(chunks) == pages and local.shape == (1, 3) and remote.shape == (1, 3)
     assert int(local[0, 1]) == int(remote[0, 1]) == t.count * t.dst.record_bytes
-    scattered = [c for c, _ in nx._pool_chunks(t, {t.dst.table: list(range(pages))[::-1]}, [pages])]
-    assert nx._descriptors(nx._pieces_of(scattered, 0), 0, {key: 0})[0].shape == (pages, 3)
+    scattered = [c for c, _ in _pool_chunks(t, {t.dst.table: list(range(pages))[::-1]}, [pages])]
+    assert _descriptors(_pieces_of(scattered, 0), 0, {key: 0})[0].shape == (pages, 3)
     # block-split MODEL1 pages (vLLM): both parts of a whole page are one piece (padding separates
     # pages); a partly filled last page is two, one per part
     t = next(t for t in _plan(TRTLLM, VLLM).transfers if t.spec.role.value == "compress" and t.spec.ratio == 4)
     pages = -(-t.count // t.dst.page_size)
-    runs = nx._pool_chunks(t, {t.dst.table: list(range(pages))}, [pages])
-    local, _ = nx._descriptors(nx._pieces_of([c for c, _ in runs], 0), 0, {nx._pool_keys(t)[0]: 0})
+    runs = _pool_chunks(t, {t.dst.table: list(range(pages))}, [pages])
+    local, _ = _descriptors(_pieces_of([c for c, _ in runs], 0), 0, {_pool_keys(t)[0]: 0})
     assert t.dst.split is not None and len(runs) == pages and t.count % t.dst.page_size
     assert local.shape == (pages + 1, 3)
 
@@ -400,11 +403,11 @@ def test_staged_runs_land_as_the_destination_pool_holds_them(pair):
         pool = pools.pool(t.spec)
         rec = torch.randint(0, 256, (t.count, t.dst.record_bytes), dtype=torch.uint8)
         scatter_records(pool, t.dst, table_of(tables, t.dst), t.first, rec)
-        runs = nx._pool_chunks(t, tables, [x.shape[0] for x in pool_tensors(pool)])
+        runs = _pool_chunks(t, tables, [x.shape[0] for x in pool_tensors(pool)])
         staged = torch.zeros(t.dst_bytes, dtype=torch.uint8).numpy()
-        nx._stage_runs(staged, 0, rec, runs, t.dst.page_size)
-        memory = dict(zip(nx._pool_keys(t), (x.reshape(-1).numpy() for x in pool_tensors(pool)), strict=True))
-        for off, key, roff, n in nx._pieces_of([c for c, _ in runs], 0):
+        _stage_runs(staged, 0, rec, runs, t.dst.page_size)
+        memory = dict(zip(_pool_keys(t), (x.reshape(-1).numpy() for x in pool_tensors(pool)), strict=True))
+        for off, key, roff, n in _pieces_of([c for c, _ in runs], 0):
             assert (staged[off : off + n] == memory[key][roff : roff + n]).all(), f"{t.spec.layer} {t.spec.role}"
 
 
@@ -498,7 +501,7 @@ def test_cli_dump_to_dump_reproduces_convert_bytes_and_refusals_show_in_exit_cod
 
 def _doomed_receiver_main(addr_q) -> None:
     dst = _pools(VLLM)
-    with nx.NixlReceiver(dst, plan=_plan(TRTLLM, VLLM)) as rx:
+    with NixlReceiver(dst, plan=_plan(TRTLLM, VLLM)) as rx:
         addr_q.put(rx.address)
         rx.receive(timeout=STEP_TIMEOUT_S, accept_timeout=STEP_TIMEOUT_S)  # killed by the test meanwhile
 
@@ -506,7 +509,7 @@ def _doomed_receiver_main(addr_q) -> None:
 def _orphaned_sender_main(addr_q, ready, go, out) -> None:
     plan = _plan(TRTLLM, VLLM)
     pools, tables = source_request(plan, spare_pages=2, seed=19)
-    sender = nx.NixlSender(*addr_q.get(timeout=STEP_TIMEOUT_S), timeout=RECV_TIMEOUT_S)
+    sender = NixlSender(*addr_q.get(timeout=STEP_TIMEOUT_S), timeout=RECV_TIMEOUT_S)
     stream = sender.start_request(plan, pools, tables, convert_on="sender")
     stream.send_group()
     stream.send_group()

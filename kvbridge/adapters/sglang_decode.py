@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.adapters.sglang import (
+from kvbridge.adapters.sglang_protocol import (
     CHECKSUM_ROW_BYTES,
     GUARD,
     HIDDEN_STATE_BYTES,
@@ -79,7 +79,7 @@ from kvbridge.adapters.sglang import (
 from kvbridge.engines.topology import CacheSpec
 from kvbridge.errors import InputError
 from kvbridge.migration.execute import MigrationError, MigrationReport, TransferError, migrate_local
-from kvbridge.migration.nixl import _Agent, memory_kind
+from kvbridge.migration.nixl_agent import _Agent, memory_kind
 from kvbridge.migration.plan import MigrationPlan, plan_migration
 from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
 

@@ -223,7 +223,6 @@ def prepare_cache(arg: CacheArg, target: str) -> KernelCache:
     if arg.layout.name == lay.name:
         view = kernel_view(arg.pages, lay, arg.page_size)
         return KernelCache(view, lay, _pad_topk(arg.indices), arg.topk_length, False)
-
     pages = arg.pages if arg.pages.is_contiguous() else arg.pages.contiguous()
     scratch, remapped = gather_transcode(
         pages, arg.layout, page_size=arg.page_size, indices=arg.indices,

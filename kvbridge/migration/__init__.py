@@ -8,16 +8,14 @@ from kvbridge.migration.execute import (
     Payload,
     TransferError,
     convert_payload,
-    destination_pools,
-    fill_synthetic,
     migrate_local,
     pack,
     publish,
-    source_request,
     verify,
 )
 from kvbridge.migration.plan import MigrationPlan, Transfer, live_entries, plan_migration
 from kvbridge.migration.pools import EnginePools, RequestTables, gather_records, scatter_records, table_of
+from kvbridge.migration.synthetic import destination_pools, fill_synthetic, source_request
 
 __all__ = [
     "ChecksumError",

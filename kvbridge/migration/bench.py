@@ -36,25 +36,26 @@ import torch
 import xxhash
 
 from kvbridge.engines.topology import get_model
-from kvbridge.migration import nixl as nx
 from kvbridge.migration.ape import synthetic_ape
 from kvbridge.migration.execute import (
     CHECKSUM,
     Payload,
     _chunk_rows,
     convert_payload,
-    destination_pools,
     finish,
     migrate_local,
     pack,
     publish,
-    source_request,
     verify,
     xxh3_chunks,
 )
+from kvbridge.migration.nixl import NixlReceiver, NixlSender
+from kvbridge.migration.nixl_agent import _Agent, _main_hidden
+from kvbridge.migration.nixl_wire import _descriptors, _np, _pieces_of, _pool_chunks, _xxh3
 from kvbridge.migration.plan import plan_migration
 from kvbridge.migration.pools import gather_records, pool_tensors, table_of
 from kvbridge.migration.stream import layer_groups
+from kvbridge.migration.synthetic import destination_pools, source_request
 from kvbridge.migration.transport import DEFAULT_CHUNK_BYTES
 
 
@@ -133,7 +134,7 @@ def bench_transports(*, tokens: int = 131072, model: str = "deepseek-v4-flash", 
     tables = pools.claim(plan.table_lengths("dst"), plan.released("dst"))
     chunks: list = []
     for t in plan.transfers:
-        chunks += [c for c, _ in nx._pool_chunks(t, tables)]
+        chunks += [c for c, _ in _pool_chunks(t, tables)]
     nbytes = sum(c.nbytes for c in chunks)
     pages = len(chunks)
     staging = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
@@ -160,7 +161,7 @@ def bench_transports(*, tokens: int = 131072, model: str = "deepseek-v4-flash", 
         result[key]["ratio_to_np_copyto"] = result[key]["seconds"] / result["memcpy"]["np_copyto"]["seconds"]
     result["checksum"]["name"] = CHECKSUM
     say("nixl")
-    result["nixl"] = _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat)
+    result["nixl"] = _bench_nixl(plan, pools, tables, staging, chunks, offsets, repeat)
     base = result["memcpy"]["np_copyto"]["seconds"]
     for mode in ("one_write", "per_layer"):
         result["nixl"][mode]["ratio_to_np_copyto"] = result["nixl"][mode]["seconds"] / base
@@ -173,7 +174,7 @@ def bench_transports(*, tokens: int = 131072, model: str = "deepseek-v4-flash", 
         result["gloo"]["message_bytes"] = DEFAULT_CHUNK_BYTES
     if request:
         say("request over nixl")
-        result["request_over_nixl"] = _bench_request(nx, dst, model, tokens)
+        result["request_over_nixl"] = _bench_request(dst, model, tokens)
         result["request_over_nixl"]["ratio_to_np_copyto"] = result["request_over_nixl"]["seconds"] / base
     return result
 
@@ -198,8 +199,8 @@ def _cpu() -> str:
     return f"{model or platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
 
 
-def _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat: int) -> dict:
-    rx, tx = nx._Agent("kvbridge-bench-rx"), nx._Agent("kvbridge-bench-tx")
+def _bench_nixl(plan, pools, tables, staging, chunks, offsets, repeat: int) -> dict:
+    rx, tx = _Agent("kvbridge-bench-rx"), _Agent("kvbridge-bench-tx")
     try:
         regions = {}
         memory = {}
@@ -207,17 +208,17 @@ def _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat: int) 
             for k, t in enumerate(pool_tensors(pool)):
                 key = f"pool.{layer}.{role.value}" + (".score" if k else "")
                 regions[key] = rx.register(key, t)
-                memory[key] = nx._np(t)
+                memory[key] = _np(t)
         base = tx.register("staging", staging)
         peer = tx.call("adding the receiver", "add_remote", rx.call("metadata", "metadata"))
         rx.call("adding the sender", "add_remote", tx.call("metadata", "metadata"))
-        pieces = nx._pieces_of(chunks, 0)
-        local, remote = nx._descriptors(pieces, base, regions)
+        pieces = _pieces_of(chunks, 0)
+        local, remote = _descriptors(pieces, base, regions)
         # per layer: the chunks of each layer's transfers, in plan order
         per_layer, k = [], 0
         for group in layer_groups(plan):
-            n = sum(len(nx._pool_chunks(plan.transfers[i], tables)) for i in group)
-            per_layer.append(nx._descriptors(nx._pieces_of(chunks[k : k + n], int(offsets[k])), base, regions))
+            n = sum(len(_pool_chunks(plan.transfers[i], tables)) for i in group)
+            per_layer.append(_descriptors(_pieces_of(chunks[k : k + n], int(offsets[k])), base, regions))
             k += n
         stop = threading.Event()
 
@@ -250,7 +251,7 @@ def _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat: int) 
         one = _median(lambda: run([(local, remote)]), repeat)
         layered = _median(lambda: run(per_layer), repeat)
         staged = staging.numpy()
-        exact = all(nx._xxh3(memory, c) == xxhash.xxh3_64_intdigest(staged[a:b])
+        exact = all(_xxh3(memory, c) == xxhash.xxh3_64_intdigest(staged[a:b])
                     for c, a, b in zip(chunks, offsets, offsets[1:], strict=False))
         nbytes = int(offsets[-1])
         return {"one_write": {**_rate(nbytes, one, len(chunks)), "descriptors": int(local.shape[0])},
@@ -264,7 +265,7 @@ def _bench_nixl(nx, plan, pools, tables, staging, chunks, offsets, repeat: int) 
 
 def _request_receiver(engine: str, model: str, tokens: int, addr_q, out_q) -> None:
     plan = plan_migration(engine, engine, model, tokens)
-    with nx.NixlReceiver(destination_pools(plan, seed=3), plan=plan) as rx:
+    with NixlReceiver(destination_pools(plan, seed=3), plan=plan) as rx:
         rx._ensure_agent()
         addr_q.put(rx.address)
         try:
@@ -274,7 +275,7 @@ def _request_receiver(engine: str, model: str, tokens: int, addr_q, out_q) -> No
             out_q.put(f"{type(exc).__name__}: {exc}")
 
 
-def _bench_request(nx, engine: str, model: str, tokens: int) -> dict:
+def _bench_request(engine: str, model: str, tokens: int) -> dict:
     """A whole request ``engine`` -> ``engine`` over NIXL (no conversion) to a receiver process;
     timed from the first group's packing to the receiver's verdict."""
     plan = plan_migration(engine, engine, model, tokens)
@@ -282,11 +283,11 @@ def _bench_request(nx, engine: str, model: str, tokens: int) -> dict:
     ctx = mp.get_context("spawn")
     addr_q, out_q = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_request_receiver, args=(engine, model, tokens, addr_q, out_q))
-    with nx._main_hidden():
+    with _main_hidden():
         proc.start()
     try:
         host, port = addr_q.get(timeout=600)
-        with nx.NixlSender(host, port, timeout=600) as tx:
+        with NixlSender(host, port, timeout=600) as tx:
             tx.warm_up(sum(t.dst_bytes for t in plan.transfers))
             t0 = time.perf_counter()
             summary = tx.send_request(plan, src, tables, convert_on="sender", loss_report=False)

@@ -25,22 +25,22 @@ Guarantees: every chunk verified before anything is published; a dead sender (co
 closed), a stalled one or a wedged agent is a ``TransferError`` within the caller's timeout;
 on any failure the claimed pages are zeroed and released (``num_free`` is as before) and the
 receiver keeps serving. Each side's NIXL agent runs in a child process (in a daemonic process,
-which cannot have children, in the process itself: ``_LocalAgent``) that ends with
-``os._exit``: NIXL's bundled libraries can crash a process at exit after its peer died, and
-after a failure the receiver replaces its agent, so a stalled sender's late writes cannot
-land in pages handed to the next request. Memory is registered once: the destination pools
-(moved into shared memory, in place, so the agent process writes them) and a staging buffer
-that grows to the largest request. DRAM only in this version.
+which cannot have children, in the process itself) that ends with ``os._exit``: NIXL's bundled
+libraries can crash a process at exit after its peer died, and after a failure the receiver
+replaces its agent, so a stalled sender's late writes cannot land in pages handed to the next
+request. Memory is registered once: the destination pools (moved into shared memory, in place, so
+the agent process writes them) and a staging buffer that grows to the largest request. DRAM only
+in this version.
+
+This module holds the receiver and the sender; ``nixl_agent`` the agent and its process,
+``nixl_wire`` where each checksummed chunk lands, ``nixl_send`` the sender's side of one transfer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
-import json
+import functools
 import os
-import sys
 import threading
 import time
 import uuid
@@ -51,13 +51,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.multiprocessing as tmp
-import xxhash
 
-from kvbridge._version import __version__
 from kvbridge.dumps.convert import convert_entry
-from kvbridge.dumps.dumpfile import LATENT_DTYPES, Dump, DumpEntry, read_dump, write_dump
-from kvbridge.engines.profiles import Storage
+from kvbridge.dumps.dumpfile import Dump, DumpEntry, read_dump, write_dump
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.control import (
     DEFAULT_HANDSHAKE_S,
@@ -82,410 +78,33 @@ from kvbridge.migration.execute import (
     _chunk_rows,
     check_pools,
 )
-from kvbridge.migration.plan import MigrationPlan, Transfer
-from kvbridge.migration.pools import EnginePools, Pool, RequestTables, _runs, pool_shapes, pool_tensors
+from kvbridge.migration.nixl_agent import AGENT_CALL_S, _Agent, _LocalAgent, _new_agent
+from kvbridge.migration.nixl_send import Progress, RequestStream, _Connection
+from kvbridge.migration.nixl_wire import (
+    _DTYPES,
+    _Chunk,
+    _dump_groups,
+    _entry_chunk_rows,
+    _entry_info,
+    _entry_nbytes,
+    _np,
+    _pieces_of,
+    _pool_chunks,
+    _pool_keys,
+    _staging_chunks,
+    _tensor_tables,
+    _xxh3,
+    dump_fingerprint,
+)
+from kvbridge.migration.plan import MigrationPlan
+from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
 from kvbridge.migration.stream import (
     RequestAssembly,
     check_groups,
     layer_groups,
-    pack_group,
-    request_info,
     wire_fingerprint,
 )
 from kvbridge.ops.loss import LossReport
-
-#: Seconds an agent process gets to start (spawn + imports + UCX backend), and to answer a call.
-AGENT_START_S = 60.0
-AGENT_CALL_S = 30.0
-_DTYPES = {"U8": torch.uint8, **LATENT_DTYPES}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-
-#: Called with (bytes sent so far, total bytes) after each group.
-Progress = Callable[[int, int], None]
-
-
-def nixl_available() -> bool:
-    """Whether the optional ``nixl`` package can be imported here."""
-    try:
-        import nixl._api  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-# ---------------------------------------------------------------------------------------------
-# The agent process
-
-
-def _agent_main(conn, name: str) -> None:
-    """Child process: one NIXL agent, driven by commands over ``conn``; always ends with ``os._exit``."""
-    try:
-        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        os.dup2(2, 1)  # NIXL logs to stdout; keep the parent's stdout (e.g. --json) clean
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-
-            agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        except Exception as exc:
-            conn.send(("err", f"cannot start a NIXL agent ({first_line(exc)}); install it with "
-                              "pip install 'kvbridge[nixl]'"))
-            return
-        conn.send(("ok", None))
-        regions: dict[str, tuple[torch.Tensor, Any]] = {}
-        xfers: dict[int, Any] = {}
-        while True:
-            try:
-                cmd = conn.recv()
-            except (EOFError, OSError):
-                return
-            op, args = cmd[0], cmd[1:]
-            try:
-                if op == "exit":
-                    conn.send(("ok", None))
-                    return
-                conn.send(("ok", _agent_op(agent, regions, xfers, op, args)))
-            except Exception as exc:
-                conn.send(("err", first_line(exc)))
-    finally:
-        os._exit(0)
-
-
-def memory_kind(tensor: torch.Tensor) -> tuple[str, int]:
-    """NIXL's memory type and device id of ``tensor``'s memory: ``("VRAM", cuda index)`` for CUDA
-    memory, ``("DRAM", 0)`` for host memory."""
-    return ("VRAM", tensor.device.index or 0) if tensor.is_cuda else ("DRAM", 0)
-
-
-def _agent_op(agent, regions: dict, xfers: dict, op: str, args: tuple) -> Any:
-    if op == "register":
-        key, tensor = args
-        if key in regions:
-            agent.deregister_memory(regions.pop(key)[1])
-        kind, dev = memory_kind(tensor)
-        reg = agent.register_memory([(tensor.data_ptr(), tensor.numel() * tensor.element_size(), dev, "")], kind)
-        regions[key] = (tensor, reg)
-        return tensor.data_ptr()
-    if op == "metadata":
-        return agent.get_agent_metadata()
-    if op == "add_remote":
-        return agent.add_remote_agent(args[0])
-    if op == "remove_remote":
-        agent.remove_remote_agent(args[0])
-        return None
-    if op == "write":
-        xid, local, remote, peer, notif, *kinds = args  # kinds: the remote memory's type, the local one (DRAM)
-        remote_kind, local_kind = (*kinds, "DRAM", "DRAM")[:2]
-        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, local_kind),
-                                       agent.get_xfer_descs(remote, remote_kind), peer, notif)
-        state = agent.transfer(handle)
-        if state == "ERR":
-            agent.release_xfer_handle(handle)
-            raise RuntimeError("NIXL refused to post the transfer")
-        xfers[xid] = handle
-        return None
-    if op == "wait":
-        xid, timeout = args
-        handle = xfers[xid]
-        deadline = time.monotonic() + timeout
-        pause = 1e-5
-        while True:
-            state = agent.check_xfer_state(handle)
-            if state != "PROC":
-                break
-            if time.monotonic() > deadline:
-                return "PROC"
-            time.sleep(pause)
-            pause = min(2 * pause, 2e-3)
-        agent.release_xfer_handle(xfers.pop(xid))
-        return state
-    if op == "notifs":
-        (timeout,) = args
-        deadline = time.monotonic() + timeout
-        pause = 1e-5
-        while True:
-            got = agent.get_new_notifs()
-            if any(got.values()) or time.monotonic() > deadline:
-                return [m for msgs in got.values() for m in msgs]
-            time.sleep(pause)
-            pause = min(2 * pause, 2e-3)
-    raise ValueError(f"unknown agent command {op!r}")
-
-
-@contextlib.contextmanager
-def _main_hidden():
-    """Start a spawned child without re-running the user's ``__main__`` (the agent needs nothing from
-    it, and a script without an ``if __name__ == "__main__"`` guard would run again in the child)."""
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
-    try:
-        for k in saved:
-            if k == "__spec__":
-                main.__spec__ = None
-            else:
-                del main.__dict__[k]
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.update(saved)
-
-
-class _Agent:
-    """The parent's handle on one agent process; every call is bounded by a timeout."""
-
-    def __init__(self, name: str):
-        ctx = tmp.get_context("spawn")
-        self.name = name
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_agent_main, args=(child, name), daemon=True, name=f"kvbridge-nixl-{name}")
-        with _main_hidden():
-            self.proc.start()
-        child.close()
-        self._reply(AGENT_START_S, "starting")
-        self.addresses: dict[str, int] = {}
-
-    def _reply(self, timeout: float, what: str) -> Any:
-        try:
-            ready = self.conn.poll(max(0.0, timeout))
-        except (EOFError, OSError):
-            ready = True
-        if not ready:
-            self.kill()
-            raise TransferError(f"the NIXL agent did not answer within {timeout:.0f} s while {what}; it was stopped")
-        try:
-            status, value = self.conn.recv()
-        except (EOFError, OSError):
-            self.kill()
-            raise TransferError(f"the NIXL agent process died while {what}") from None
-        if status != "ok":
-            raise TransferError(f"NIXL failed while {what}: {value}")
-        return value
-
-    def call(self, what: str, *cmd: Any, timeout: float = AGENT_CALL_S) -> Any:
-        if not self.alive():
-            raise TransferError(f"the NIXL agent process is gone (while {what})")
-        try:
-            self.conn.send(cmd)
-        except (OSError, ValueError):
-            self.kill()
-            raise TransferError(f"the NIXL agent process died while {what}") from None
-        return self._reply(timeout, what)
-
-    def register(self, key: str, tensor: torch.Tensor) -> int:
-        self.addresses[key] = self.call(f"registering {key}", "register", key, tensor)
-        return self.addresses[key]
-
-    def alive(self) -> bool:
-        return self.proc.is_alive()
-
-    def kill(self) -> None:
-        """Stop the agent process now (its peers' writes into our memory stop with it)."""
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(10)
-        self.conn.close()
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("exit",))
-                if self.conn.poll(5):
-                    self.conn.recv()
-            except (EOFError, OSError, ValueError):
-                pass
-            self.proc.join(5)
-        self.kill()
-
-
-class _LocalAgent:
-    """A NIXL agent in this process, for where no child process may start (a daemonic process, such as a
-    worker of vLLM's multiprocess executor): the same calls as ``_Agent``, run on the caller's thread one
-    at a time. ``kill`` releases every transfer and registration, so a stalled peer's late writes fail
-    instead of landing; the next use starts a new agent."""
-
-    def __init__(self, name: str):
-        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config  # deferred: nixl is an optional dependency
-
-            self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        except Exception as exc:
-            raise TransferError(f"cannot start a NIXL agent ({first_line(exc)}); install it with "
-                                "pip install 'kvbridge[nixl]'") from None
-        self.name = name
-        self.regions: dict[str, tuple[torch.Tensor, Any]] = {}
-        self.xfers: dict[int, Any] = {}
-        self.addresses: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._alive = True
-
-    def call(self, what: str, *cmd: Any, timeout: float = AGENT_CALL_S) -> Any:
-        with self._lock:
-            if not self._alive:
-                raise TransferError(f"the NIXL agent is gone (while {what})")
-            try:
-                return _agent_op(self.agent, self.regions, self.xfers, cmd[0], cmd[1:])
-            except Exception as exc:
-                raise TransferError(f"NIXL failed while {what}: {first_line(exc)}") from None
-
-    register = _Agent.register
-
-    def alive(self) -> bool:
-        return self._alive
-
-    def kill(self) -> None:
-        with self._lock:
-            if not self._alive:
-                return
-            self._alive = False
-            for handle in self.xfers.values():
-                with contextlib.suppress(Exception):
-                    self.agent.release_xfer_handle(handle)
-            for _, reg in self.regions.values():
-                with contextlib.suppress(Exception):
-                    self.agent.deregister_memory(reg)
-            self.xfers.clear()
-            self.regions.clear()
-
-    close = kill
-
-
-def _new_agent(name: str) -> _Agent | _LocalAgent:
-    """An agent process, or an agent in this process where this process is daemonic (it cannot have children)."""
-    return _LocalAgent(name) if tmp.current_process().daemon else _Agent(name)
-
-
-# ---------------------------------------------------------------------------------------------
-# Wire layouts: where each checksummed chunk lands
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """One checksummed unit: ``nbytes`` consecutive staged bytes landing as ``segments``
-    (region key, byte offset, length) in the receiver's memory, in order."""
-
-    nbytes: int
-    segments: tuple[tuple[str, int, int], ...]
-
-
-def _pool_keys(t: Transfer) -> list[str]:
-    """Region keys of the destination pool tensors of ``t`` (two for separate kv / score pools)."""
-    base = f"pool.{t.spec.layer}.{t.spec.role.value}"
-    return [base, f"{base}.score"] if t.dst.separate_pools else [base]
-
-
-def _tensor_tables(st: Storage, pool: Pool) -> list[tuple[torch.Tensor, str]]:
-    """Each tensor of a pool with the block table addressing it."""
-    return [(tensor, st.score_table if k == 1 and st.score_table else st.table)
-            for k, tensor in enumerate(pool_tensors(pool))]
-
-
-def _pieces(rec: int, split: int | None) -> list[tuple[int, int]]:
-    return [(0, rec)] if split is None else [(0, split), (split, rec)]
-
-
-def _pool_chunks(t: Transfer, tables: RequestTables, pages: Sequence[int] | None = None
-                 ) -> list[tuple[_Chunk, list[tuple[int, int, int, int]]]]:
-    """Destination-page chunks of ``t``: per run of rows in one page, the chunk and, per record part,
-    (record offset, rows, first byte, last byte) of the records it carries. ``pages``: the page
-    count of each destination pool tensor (default: bounded by the page ids themselves)."""
-    st = t.dst
-    keys = _pool_keys(t)
-    per_part = []
-    for k, (lo, hi) in enumerate(_pieces(st.record_bytes, st.split)):
-        ti = k if st.separate_pools else 0
-        name = st.score_table if k == 1 and st.score_table else st.table
-        ids = tables[name]
-        page_bytes = pool_shapes(st)[ti]
-        base = 0 if st.separate_pools else st.page_size * lo
-        bound = pages[ti] if pages is not None else max([i for i in ids if i >= 0], default=0) + 1
-        per_part.append([(keys[ti], page * page_bytes + base + row * (hi - lo), n * (hi - lo), (off, n, lo, hi))
-                         for page, row, n, off in _runs(st, ids, t.first, t.count, bound, name)])
-    return [(_Chunk(sum(seg[2] for seg in segs), tuple(seg[:3] for seg in segs)), [seg[3] for seg in segs])
-            for segs in zip(*per_part, strict=True)]
-
-
-def _stage_runs(staged: np.ndarray, off: int, rec: torch.Tensor, runs: list, page_size: int) -> None:
-    """Stage records ``rec`` as their destination page runs (``_pool_chunks``), run after run from
-    ``off``: each run's record parts back to back, as they lie in the page, so a whole page is one
-    contiguous piece on both sides. Whole-page runs are copied together, one copy per part."""
-    width = rec.shape[1]
-    i = 0
-    while i < len(runs):
-        j = i
-        while j < len(runs) and runs[j][1][0][1] == page_size:  # whole pages: rows [0, P)
-            j += 1
-        r0 = runs[i][1][0][0]
-        if j > i:
-            m = j - i
-            block = torch.from_numpy(staged[off + r0 * width : off + (r0 + m * page_size) * width]).view(m, -1)
-            src = rec[r0 : r0 + m * page_size].view(m, page_size, width)
-            for _, _, lo, hi in runs[i][1]:
-                block[:, page_size * lo : page_size * hi].view(m, page_size, hi - lo).copy_(src[:, :, lo:hi])
-            i = j
-        else:
-            n = runs[i][1][0][1]
-            base = off + r0 * width
-            for _, _, lo, hi in runs[i][1]:
-                torch.from_numpy(staged[base + n * lo : base + n * hi]).view(n, hi - lo).copy_(rec[r0 : r0 + n, lo:hi])
-            i += 1
-
-
-def _staging_chunks(rows: Sequence[int], record_bytes: int, base: int) -> list[_Chunk]:
-    out, offset = [], base
-    for n in rows:
-        out.append(_Chunk(n * record_bytes, (("staging", offset, n * record_bytes),)))
-        offset += n * record_bytes
-    return out
-
-
-#: A staged piece: (local staging offset, receiver region key, offset in that region, bytes).
-Piece = tuple[int, str, int, int]
-
-
-def _pieces_of(chunks: Sequence[_Chunk], local_offset: int) -> list[Piece]:
-    """The pieces of ``chunks`` whose bytes are staged back to back from ``local_offset``."""
-    out, off = [], local_offset
-    for c in chunks:
-        for key, roff, n in c.segments:
-            out.append((off, key, roff, n))
-            off += n
-    return out
-
-
-def _descriptors(pieces: Sequence[Piece], local_base: int, remote: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Local and remote (address, length, device) descriptor arrays; pieces adjacent on both sides merge."""
-    loc: list[list[int]] = []
-    rem: list[list[int]] = []
-    last_key = None
-    for off, key, roff, n in pieces:
-        a, b = local_base + off, remote[key] + roff
-        if loc and key == last_key and loc[-1][0] + loc[-1][1] == a and rem[-1][0] + rem[-1][1] == b:
-            loc[-1][1] += n
-            rem[-1][1] += n
-        else:
-            loc.append([a, n, 0])
-            rem.append([b, n, 0])
-        last_key = key
-    return np.array(loc, dtype=np.uint64).reshape(-1, 3), np.array(rem, dtype=np.uint64).reshape(-1, 3)
-
-
-def _xxh3(memory: dict[str, np.ndarray], chunk: _Chunk) -> int:
-    """XXH3-64 of a chunk's segments, in order (as of their bytes back to back)."""
-    if len(chunk.segments) == 1:
-        key, off, n = chunk.segments[0]
-        return xxhash.xxh3_64_intdigest(memory[key][off : off + n])
-    h = xxhash.xxh3_64()
-    for key, off, n in chunk.segments:
-        h.update(memory[key][off : off + n])
-    return h.intdigest()
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-# ---------------------------------------------------------------------------------------------
-# What travels: requests and dumps
 
 
 @dataclass
@@ -499,33 +118,6 @@ class DumpTarget:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _entry_info(e: DumpEntry) -> dict[str, Any]:
-    return {**e.metadata(), "dtype": _DTYPE_NAMES[e.data.dtype], "shape": list(e.data.shape)}
-
-
-def dump_fingerprint(entries: Sequence[dict], target: dict | None) -> str:
-    """sha256 of a dump transfer's source entries (metadata, dtype, shape) and conversion target."""
-    return hashlib.sha256(json.dumps({"entries": list(entries), "target": target}, sort_keys=True).encode()).hexdigest()
-
-
-def _entry_chunk_rows(info: dict) -> list[int]:
-    """Checksum chunks of a dump entry: one per page (pages), or per 256 tokens (latents)."""
-    rows = info["shape"][0] if info["shape"] else 0
-    step = 1 if info["kind"] == "pages" else 256
-    return [min(step, rows - r) for r in range(0, rows, step)]
-
-
-def _entry_nbytes(info: dict) -> int:
-    return int(np.prod(info["shape"], dtype=np.int64)) * torch.empty(0, dtype=_DTYPES[info["dtype"]]).element_size()
-
-
-def _dump_groups(infos: Sequence[dict]) -> list[list[int]]:
-    groups: dict[int, list[int]] = {}
-    for i, info in enumerate(infos):
-        groups.setdefault(info["layer"], []).append(i)
-    return list(groups.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -989,6 +581,15 @@ class NixlSender:
         self.agent: _Agent | _LocalAgent | None = None
         self.staging = torch.empty(0, dtype=torch.uint8)
 
+    def _open(self, hello: dict, nbytes: int, progress: Progress | None = None,
+              request_id: str | None = None) -> _Connection:
+        """Open one transfer of ``nbytes`` staged bytes, announced by ``hello``."""
+        deadline = time.monotonic() + self.timeout
+        # the agent first (its start takes seconds): the receiver drops a peer slower than its handshake bound
+        agent = self._ensure(nbytes)
+        return _Connection(agent, self.staging.numpy(), self.host, self.port, deadline, hello, nbytes, progress,
+                           request_id)
+
     def _ensure(self, nbytes: int) -> _Agent | _LocalAgent:
         if self.agent is None or not self.agent.alive():
             self.agent = _new_agent(f"kvbridge-tx-{uuid.uuid4().hex[:12]}")
@@ -1025,8 +626,8 @@ class NixlSender:
         if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):
             raise InputError(f"request_id must be a string of 1 to 64 characters, got {repr(request_id)[:40]}")
         check_pools(plan, src, "src")
-        return RequestStream(self, plan, src, tables, convert_on == "sender", layer_groups(plan, layers_per_group),
-                             loss_report, progress, request_id)
+        return RequestStream(functools.partial(self._open, progress=progress, request_id=request_id), plan, src,
+                             tables, convert_on == "sender", layer_groups(plan, layers_per_group), loss_report)
 
     def send_request(self, plan: MigrationPlan, src: EnginePools, tables: RequestTables, **kwargs: Any) -> dict:
         """Send a whole request (``start_request`` options); returns the receiver's report (a dict)."""
@@ -1069,7 +670,7 @@ class NixlSender:
                  "loss": [r.to_dict() for r in loss], "groups": groups}
         sizes = [e.data.numel() * e.data.element_size() for e in wire_entries]
         bases = np.cumsum([0] + sizes).tolist()
-        conn = _Connection(self, hello, int(bases[-1]), progress)
+        conn = self._open(hello, int(bases[-1]), progress)
         try:
             for g, idx in enumerate(groups):
                 sums, pieces = [], []
@@ -1085,183 +686,6 @@ class NixlSender:
             conn.abort()
             raise
 
-
-class _Connection:
-    """Sender side of one transfer: handshake, then one posted WRITE per group, then the verdict."""
-
-    def __init__(self, sender: NixlSender, hello: dict, nbytes: int, progress: Progress | None,
-                 request_id: str | None = None):
-        self.deadline = time.monotonic() + sender.timeout
-        # the agent first (its start takes seconds): the receiver drops a peer slower than its handshake bound
-        self.agent = sender._ensure(nbytes)
-        self.chan = Channel.connect(sender.host, sender.port, self.deadline)
-        self.remote: str | None = None
-        try:
-            self.staged = sender.staging.numpy()
-            self.base = self.agent.addresses["staging"]
-            self.total, self.sent, self.progress = nbytes, 0, progress
-            self.request_id = request_id or uuid.uuid4().hex[:16]
-            hello = {"type": "hello", "kvbridge": __version__, "transport": "nixl", "request_id": self.request_id,
-                     **hello}
-            meta = self.agent.call("reading this agent's metadata", "metadata")
-            self.chan.send(hello, meta, deadline=self.deadline)
-            accept, their_meta = self.chan.expect("accept", self.deadline, "the receiver's accept")
-            self.regions = {k: int(v[0]) for k, v in accept["regions"].items()}
-            self.tables = accept.get("tables")
-            self.remote = self.agent.call("adding the receiver's agent", "add_remote", their_meta)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            self.chan.close()
-            raise MigrationError(f"{self.chan.peer} sent a malformed accept ({type(exc).__name__}); is it a "
-                                 "kvbridge receiver of this version?") from None
-        except BaseException:
-            self.chan.close()
-            raise
-        self.pending: tuple[int, int, dict] | None = None
-
-    def _remaining(self) -> float:
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransferError(f"timed out sending to {self.chan.peer}; nothing was published")
-        return remaining
-
-    def post(self, g: int, pieces: Sequence[Piece], header: dict) -> None:
-        """Post group ``g``'s WRITE of staged ``pieces``, then complete the previous group."""
-        local, remote = _descriptors(pieces, self.base, self.regions)
-        try:
-            self.agent.call(f"posting group {g + 1}", "write", g, local, remote, self.remote,
-                            f"kvb:{self.request_id}:{g}".encode())
-            self._complete()
-        except TransferError as exc:
-            self._raise_peer_error()
-            self._raise_lost(exc)
-        self.pending = (g, sum(p[3] for p in pieces), header)
-
-    def _raise_lost(self, exc: TransferError) -> None:
-        text = str(exc)
-        if "nothing was published" in text:
-            raise exc
-        raise TransferError(f"{text} (sending to {self.chan.peer}); the receiver died, gave up or the link broke; "
-                            "nothing was published") from None
-
-    def _raise_peer_error(self) -> None:
-        """After a failure on this side: raise the receiver's own error instead, if it sent one."""
-        try:
-            message, _ = self.chan.recv(min(self.deadline, time.monotonic() + 2.0), "the receiver's error")
-        except KVBridgeError:
-            return
-        if message.get("type") in ("error", "refuse"):
-            raise MigrationError(str(message.get("error", "the receiver gave no reason"))) from None
-
-    def _complete(self) -> None:
-        if self.pending is None:
-            return
-        g, nbytes, header = self.pending
-        remaining = self._remaining()
-        state = self.agent.call(f"waiting for group {g + 1}", "wait", g, remaining, timeout=remaining + AGENT_CALL_S)
-        if state == "PROC":
-            raise TransferError(f"group {g + 1} to {self.chan.peer} did not complete within the timeout; "
-                                "nothing was published")
-        if state != "DONE":
-            raise TransferError(f"NIXL transfer of group {g + 1} to {self.chan.peer} failed ({state}); the peer died "
-                                "or the link broke; nothing was published")
-        self.chan.send({"type": "group", "g": g, **header}, deadline=self.deadline)
-        self.pending = None
-        self.sent += nbytes
-        if self.progress is not None:
-            self.progress(self.sent, self.total)
-
-    def finish(self) -> dict:
-        try:
-            self._complete()
-            self.chan.send({"type": "done"}, deadline=self.deadline)
-        except TransferError as exc:
-            self._raise_peer_error()
-            self._raise_lost(exc)
-        result, _ = self.chan.expect("result", self.deadline, "the receiver's verdict")
-        self._drop()
-        return dict(result.get("summary", {}))
-
-    def _drop(self) -> None:
-        self.chan.close()
-        if self.remote is not None and self.agent.alive():
-            try:
-                self.agent.call("dropping the receiver's agent", "remove_remote", self.remote)
-            except TransferError:
-                pass
-            self.remote = None
-
-    def abort(self) -> None:
-        """After a failure: close the connection (the receiver gives up) and replace this side's agent."""
-        self.chan.close()
-        self.agent.kill()
-
-
-class RequestStream:
-    """An open request on a ``NixlSender``: ``send_group()`` per layer group, in order, then ``close()``.
-
-    Each ``send_group`` packs the group's layers from ``src`` at that moment (so a prefill
-    engine calls it once those layers are written), stages them and posts one WRITE; it returns
-    while NIXL moves them. ``close`` waits for the receiver's verdict and returns its report.
-    """
-
-    def __init__(self, sender: NixlSender, plan: MigrationPlan, src: EnginePools, tables: RequestTables,
-                 convert: bool, groups: list[list[int]], loss_report: bool, progress: Progress | None,
-                 request_id: str | None = None):
-        self.plan, self.src, self.tables, self.convert = plan, src, tables, convert
-        self.groups, self.loss_report = groups, loss_report
-        self.next_group = 0
-        sizes = [t.dst_bytes if convert else t.src_bytes for t in plan.transfers]
-        hello = {"kind": "request", "request": request_info(plan), "fingerprint": wire_fingerprint(plan),
-                 "convert_on": "sender" if convert else "receiver", "groups": groups}
-        self.conn = _Connection(sender, hello, sum(sizes), progress, request_id)
-        self.bases = np.cumsum([0] + sizes).tolist()
-        if convert and not isinstance(self.conn.tables, dict):
-            self.abort()
-            raise MigrationError(f"{self.conn.chan.peer} accepted without destination pages")
-
-    def send_group(self) -> None:
-        """Pack, stage and post the next layer group."""
-        if self.next_group >= len(self.groups):
-            raise InputError(f"all {len(self.groups)} layer groups were already sent")
-        g = self.next_group
-        idx = self.groups[g]
-        payload = pack_group(self.plan, self.src, self.tables, idx, convert=self.convert, loss_report=self.loss_report,
-                             checksum=not self.convert)  # converted: the staged page runs are checksummed below
-        staged = self.conn.staged
-        pieces: list[Piece] = []
-        sums: list[int] = []
-        for i, rec, rows, chunk_sums in zip(idx, payload.records, payload.chunks, payload.checksums, strict=True):
-            t, off = self.plan.transfers[i], int(self.bases[i])
-            if self.convert:  # destination records, by page index into the receiver's pools
-                dst_tables = self.conn.tables
-                runs = _pool_chunks(t, dst_tables)
-                _stage_runs(staged, off, rec, runs, t.dst.page_size)
-                for chunk, parts in runs:
-                    base = off + parts[0][0] * t.dst.record_bytes
-                    pieces.extend((base + n * lo, key, roff, size)
-                                  for (key, roff, size), (_, n, lo, _) in zip(chunk.segments, parts, strict=True))
-                    sums.append(xxhash.xxh3_64_intdigest(staged[base : base + chunk.nbytes]))
-            else:  # source records, into the receiver's staging buffer (the sender's checksum per source page)
-                staged[off : off + rec.numel()] = rec.reshape(-1).numpy()
-                pieces.extend(_pieces_of(_staging_chunks(rows, t.src.record_bytes, off), off))
-                sums.extend(chunk_sums)
-        header = {"xxh3_64": sums, "loss": [r.to_dict() for r in payload.loss],
-                  "indexer_max_abs_error": payload.indexer_max_abs_error}
-        self.conn.post(g, pieces, header)
-        self.next_group += 1
-
-    def close(self) -> dict:
-        """Complete the last group, tell the receiver, and return its report (raises its error)."""
-        if self.next_group != len(self.groups):
-            raise InputError(f"{len(self.groups) - self.next_group} of {len(self.groups)} layer groups were not sent")
-        try:
-            return self.conn.finish()
-        except BaseException:
-            self.abort()
-            raise
-
-    def abort(self) -> None:
-        self.conn.abort()
 
 
 def send_request(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, host: str, port: int,

@@ -26,6 +26,7 @@ import json
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -554,9 +555,6 @@ def send_request_tcp(plan: MigrationPlan, src: EnginePools, tables: RequestTable
     """Prefill side for a ``GlooServer``: handshake, form the gloo pair, stream the request; returns the
     receiver's report (a dict), or raises its error. ``request_id`` names the request to the receiver
     (default: a random id; up to 64 characters)."""
-    import uuid
-
-
     deadline = time.monotonic() + _check_timeout(timeout)
     if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):
         raise InputError(f"request_id must be a string of 1 to 64 characters, got {repr(request_id)[:40]}")

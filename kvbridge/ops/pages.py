@@ -52,7 +52,6 @@ def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
     (see ``encode``); any replacement is done, and returned, in fp32."""
     if not isinstance(policy, str) or policy not in NONFINITE_POLICIES:
         raise InputError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {policy!r}")
-
     if dispatch.all_finite(x):
         return x
     bad = ~torch.isfinite(x)
@@ -131,7 +130,6 @@ def encode(
     if _check_auto(scale, lay):
         scale = auto_scale(xf)
     s = _check_scale(scale, lay)
-
     return dispatch.encode_pages(xf.contiguous(), lay, page_size, d, s, out=out)
 
 
@@ -160,7 +158,6 @@ def decode(
     if out is not None:
         _check_out(out, dtype=torch.float32, shape=[lay.token_count(pages, page_size, num_tokens), HEAD_DIM],
                    source=pages, what="decoded latents", source_name="pages")
-
     return dispatch.decode_pages(pages, lay, page_size, num_tokens, s, out=out)
 
 
@@ -244,7 +241,6 @@ def transcode(
     if out is not None:
         _check_out(out, dtype=torch.uint8, shape=[dst.num_pages(n, dps), dst.page_bytes(dps)], source=pages,
                    what=dst.name, source_name="pages")
-
     if not auto and is_byte_move(src, dst, s_in, s_out):
         _check_byte_move_dialect(src, dst, dialect)
         scan.check_pages(pages, src, src_page_size, n, scale=s_in)  # the stored codes, at the actual scale

@@ -342,7 +342,6 @@ def evaluate(case: Case, variants: list[Variant], *, overlap_k: int = 16, backen
     _check_case(case)
     if isinstance(overlap_k, bool) or not isinstance(overlap_k, int) or overlap_k < 1:
         raise InputError(f"overlap_k must be a positive integer, got {overlap_k!r}")
-
     sm = DEFAULT_SOFTMAX_SCALE if case.softmax_scale is None else case.softmax_scale
     ref = quantize(case.latents, Variant(REFERENCE_LAYOUT), case.page_size)
     ref_out, ref_lse = _decode_step(case, ref.pages, ref.layout, None, "reference")

@@ -202,20 +202,14 @@ def _decode_record(prog, rec, scale, e4m3, ue8m0, e2m1, vals, bits) -> None:
             dst = vals[d0 : d0 + nd]
             for i in range(nd):
                 dst[i] = e4m3[src[i]] * scale
-        elif op == OP_E4M3_UE8M0:
+        elif op == OP_E4M3_UE8M0 or op == OP_E4M3FNUZ_UE8M0:
+            codes = e4m3 if op == OP_E4M3_UE8M0 else _E4M3FNUZ_F32  # the OCP or the FNUZ value table
             for t in range(nd // tile):
                 s = ue8m0[rec[soff + t]]
                 src = rec[off + t * tile : off + (t + 1) * tile]
                 dst = vals[d0 + t * tile : d0 + (t + 1) * tile]
                 for i in range(tile):
-                    dst[i] = e4m3[src[i]] * s
-        elif op == OP_E4M3FNUZ_UE8M0:
-            for t in range(nd // tile):
-                s = ue8m0[rec[soff + t]]
-                src = rec[off + t * tile : off + (t + 1) * tile]
-                dst = vals[d0 + t * tile : d0 + (t + 1) * tile]
-                for i in range(tile):
-                    dst[i] = _E4M3FNUZ_F32[src[i]] * s
+                    dst[i] = codes[src[i]] * s
         elif op == OP_E2M1_E4M3:
             half = tile // 2
             for t in range(nd // tile):

@@ -13,8 +13,9 @@ from safetensors.torch import save_file
 
 import kvbridge
 from kvbridge.dumps.convert import convert_dump
-from kvbridge.dumps.dumpfile import FORMAT_NAME, DumpEntry, read_dump, write_dump
+from kvbridge.dumps.dumpfile import FORMAT_NAME, DumpEntry, read_dump
 from kvbridge.dumps.stats import entry_stats
+from kvbridge.dumps.writer import write_dump
 from kvbridge.errors import DumpFormatError, InputError
 
 

@@ -18,8 +18,9 @@ from cli.main import cli
 from kvbridge.dumps import convert as convert_mod
 from kvbridge.dumps import dumpfile as dump_mod
 from kvbridge.dumps.convert import convert_dump
-from kvbridge.dumps.dumpfile import DumpEntry, DumpWriter, EntrySpec, open_dump, partial_path, read_dump, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry, open_dump, read_dump
 from kvbridge.dumps.stats import dump_stats, entry_stats
+from kvbridge.dumps.writer import DumpWriter, EntrySpec, partial_path, write_dump
 from kvbridge.errors import DumpFormatError, DumpWriteError, InputError, NonFiniteError
 
 

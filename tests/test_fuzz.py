@@ -23,8 +23,9 @@ import torch
 
 import kvbridge as kb
 from kvbridge.dumps.convert import convert_dump
-from kvbridge.dumps.dumpfile import DumpEntry, open_dump, read_dump, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry, open_dump, read_dump
 from kvbridge.dumps.stats import dump_stats
+from kvbridge.dumps.writer import write_dump
 from kvbridge.engines.topology import FLASH
 from kvbridge.errors import DumpFormatError, KVBridgeError
 from kvbridge.migration import destination_pools, migrate_local, plan_migration, source_request

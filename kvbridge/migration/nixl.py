@@ -56,7 +56,8 @@ import xxhash
 
 from kvbridge._version import __version__
 from kvbridge.dumps.convert import convert_entry
-from kvbridge.dumps.dumpfile import LATENT_DTYPES, Dump, DumpEntry, read_dump, write_dump
+from kvbridge.dumps.dumpfile import LATENT_DTYPES, Dump, DumpEntry, read_dump
+from kvbridge.dumps.writer import write_dump
 from kvbridge.engines.profiles import Storage
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.control import (

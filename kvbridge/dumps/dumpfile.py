@@ -1,15 +1,18 @@
 """kvbridge dump files: the format, its entries, and the reader (the writer is ``kvbridge.dumps.writer``).
 
 A dump is a safetensors file whose ``__metadata__`` carries the kvbridge header (see
-``docs/format.md``): ``format`` = ``kvbridge-dump``, ``version`` (``2``; ``1`` still reads) and
-``entries``, a JSON list describing each tensor (``layer.{i}.{role}``): its kind (``pages`` of a
-registered layout, or raw ``latents`` ``[num_tokens, 512]``), layout, page size, token count,
-per-tensor scale, encoder dialect, compress ratio and (version 2) the CRC-32 of its bytes.
+``docs/format.md``): ``format`` = ``kvbridge-dump``, ``version`` (``3``; ``1`` and ``2`` still
+read), ``entries``, a JSON list describing each tensor (``layer.{i}.{role}``): its kind (``pages``
+of a registered layout, or raw ``latents`` ``[num_tokens, 512]``), layout, page size, token count,
+per-tensor scale, encoder dialect, compress ratio and (versions 2, 3) the CRC-32 of its bytes,
+and (version 3) ``header_crc32``, the CRC-32 of the header's own bytes, written first so that it
+lies at a fixed offset (``HEADER_CRC_OFFSET``).
 
-Reading validates every header field and raises ``DumpFormatError`` with a one-line message
-naming the file and the entry; data is read with ``pread`` (no memory map: a file truncated
-under a reader is an error, not SIGBUS), in chunks, each entry's checksum verified as it is
-read.
+Reading verifies the header checksum before parsing the header (``DumpHeaderError`` when it fails;
+version 1 and 2 headers read as ``header_verified = False``), validates every header field and
+raises ``DumpFormatError`` with a one-line message naming the file and the entry; data is read
+with ``pread`` (no memory map: a file truncated under a reader is an error, not SIGBUS), in chunks,
+each entry's checksum verified as it is read.
 """
 
 from __future__ import annotations
@@ -29,17 +32,23 @@ from typing import Any
 
 import torch
 
-from kvbridge.errors import DumpFormatError, InputError, KVBridgeError
+from kvbridge.errors import DumpFormatError, DumpHeaderError, InputError, KVBridgeError
 from kvbridge.layouts import Layout, get_layout
 from kvbridge.layouts.codec import HEAD_DIM
 from kvbridge.ops.pages import decode
 
 FORMAT_NAME = "kvbridge-dump"
-FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
-#: The per-tensor checksum of version 2: CRC-32 (zlib / gzip / PNG polynomial) of the tensor's
+FORMAT_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
+#: The per-tensor checksum of versions 2 and 3: CRC-32 (zlib / gzip / PNG polynomial) of the tensor's
 #: bytes as stored, written as 8 lowercase hex digits (``zlib.crc32(data)``).
 CHECKSUM = "crc32"
+#: Version 3's ``__metadata__`` key of the header checksum (8 lowercase hex digits, see ``header_crc32``).
+HEADER_CHECKSUM = "header_crc32"
+#: The JSON every version-3 header begins with (file bytes 8..41); the checksum's digits follow.
+HEADER_PREFIX = b'{"__metadata__":{"header_crc32":"'
+#: File offset of the header checksum's 8 hex digits (bytes 41..49, then a closing quote).
+HEADER_CRC_OFFSET = 8 + len(HEADER_PREFIX)
 KINDS = ("pages", "latents")
 #: safetensors dtype names accepted for raw latents, and the torch dtype each maps to.
 LATENT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -65,6 +74,8 @@ _META_KEYS = (
     "compress_ratio",
 )
 _ENTRY_KEYS = set(_META_KEYS)
+#: ``__metadata__`` keys that are not free-form attributes.
+RESERVED_KEYS = ("format", "version", "entries", HEADER_CHECKSUM)
 _REQUIRED_KEYS = ("name", "layer", "role", "kind", "num_tokens")
 #: safetensors headers larger than this are taken as a foreign file, not a dump.
 _MAX_HEADER_BYTES = 100 * 2**20
@@ -89,6 +100,21 @@ def _short(v: Any) -> str:
     """``repr`` of a header value, cut to 40 characters (a 5000-digit number is not echoed)."""
     text = repr(v)
     return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def header_crc32(head: bytes) -> int:
+    """CRC-32 of a version-3 header: file bytes ``[0, 8 + N)`` (length prefix, JSON, padding) with the
+    8 checksum digits at ``[HEADER_CRC_OFFSET, HEADER_CRC_OFFSET + 8)`` taken as ASCII ``0``."""
+    at = HEADER_CRC_OFFSET
+    return zlib.crc32(head[at + 8 :], zlib.crc32(b"0" * 8, zlib.crc32(head[:at])))
+
+
+def _looks_like_v3(head: bytes) -> bool:
+    """Whether a header that failed a check was written as version 3: its first bytes are (at most
+    two bytes off) ``HEADER_PREFIX``, or its text says ``"version":"3"``."""
+    start = head[8 : HEADER_CRC_OFFSET]
+    close = sum(a != b for a, b in zip(start, HEADER_PREFIX, strict=False)) + len(HEADER_PREFIX) - len(start)
+    return close <= 2 or b'"version":"3"' in head
 
 
 def _fp32_scale(v: Any) -> float | None:
@@ -255,14 +281,17 @@ class DumpEntry:
 
 @dataclass
 class Dump:
-    """A dump's entries (in file order), extra string attributes, the file it came from, and
-    (version 2) each entry's verified CRC-32 by name."""
+    """A dump's entries (in file order), extra string attributes, the file it came from,
+    (versions 2, 3) each entry's verified CRC-32 by name, and whether its header was verified:
+    True for a version-3 file (its ``header_crc32`` matched), False for versions 1 and 2 (their
+    header has no checksum: an edited scale or layout reads as written), None when not read from a file."""
 
     entries: list[DumpEntry]
     attrs: dict[str, str] = field(default_factory=dict)
     version: int = FORMAT_VERSION
     path: Path | None = None
     checksums: dict[str, int] = field(default_factory=dict)
+    header_verified: bool | None = None
 
     @property
     def names(self) -> list[str]:
@@ -297,7 +326,7 @@ class EntryInfo:
     shape: tuple[int, int]
     offset: int  # byte offset of the tensor data in the file
     nbytes: int
-    crc32: int | None  # version 2: the stored checksum; version 1: None
+    crc32: int | None  # versions 2, 3: the stored checksum; version 1: None
 
     @property
     def name(self) -> str:
@@ -346,8 +375,10 @@ def _parse_json(raw: bytes | str, path: Path, what: str) -> Any:
 class DumpFile:
     """An open dump: its validated header, and its entries' bytes read on demand with ``pread``.
 
-    Use as a context manager (or call ``close``). ``entries`` are ``EntryInfo`` in file order.
-    Every read checks that the file has not changed size or modification time since it was opened.
+    Use as a context manager (or call ``close``). ``entries`` are ``EntryInfo`` in file order;
+    ``header_verified`` is True when the header's checksum (version 3) matched, False for a version 1
+    or 2 header (no checksum). Every read checks that the file has not changed size or modification
+    time since it was opened.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -378,15 +409,53 @@ class DumpFile:
     # -- header
     def _parse(self, size: int) -> None:
         path = self.path
-        head = self._pread(0, min(8, size)) if size else b""
+        head = self._pread(0, min(HEADER_CRC_OFFSET, size)) if size else b""
         if len(head) < 8:
             raise _fail(path, f"not a safetensors file (only {size} bytes)")
-        (hlen,) = struct.unpack("<Q", head)
+        (hlen,) = struct.unpack("<Q", head[:8])
         if hlen > _MAX_HEADER_BYTES:
+            if _looks_like_v3(head):
+                raise self._header_error(f"its length field says {hlen} bytes")
             raise _fail(path, "not a safetensors file (its first 8 bytes are not a plausible header length)")
         if 8 + hlen > size:
-            raise _fail(path, f"truncated: the {hlen}-byte header does not fit in the file's {size} bytes")
+            if _looks_like_v3(head):
+                raise self._header_error(f"its {hlen}-byte header does not fit in the file's {size} bytes")
+            raise DumpHeaderError(f"{path}: truncated: the {hlen}-byte header does not fit in the file's {size} "
+                                  "bytes (the file was cut short: copy it again from its source)")
         raw = self._pread(8, hlen)
+        self.header_verified = self._check_header(head[:8] + raw)
+        try:
+            self._parse_header(raw, size, hlen)
+        except DumpHeaderError:
+            raise
+        except DumpFormatError as exc:
+            if not self.header_verified and _looks_like_v3(head + raw):
+                raise self._header_error(str(exc).removeprefix(f"{path}: ")) from None
+            raise
+
+    def _header_error(self, problem: str) -> DumpHeaderError:
+        return DumpHeaderError(
+            f"{self.path}: the version-3 header fails its check ({problem}): it was edited or damaged after it "
+            "was written, so its scales, layouts and sizes cannot be trusted; copy the file again from its "
+            "source or write it anew"
+        )
+
+    def _check_header(self, head: bytes) -> bool:
+        """Verify the header checksum when the header begins with one (``HEADER_PREFIX``); True when it
+        matched, False when the header has none (versions 1, 2: checked after parsing)."""
+        if not head[8:].startswith(HEADER_PREFIX):
+            return False
+        at = HEADER_CRC_OFFSET
+        stored = head[at : at + 9]
+        if len(stored) < 9 or not _CRC_PATTERN.match(stored[:8].decode("latin-1")) or stored[8:] != b'"':
+            raise self._header_error(f"'{HEADER_CHECKSUM}' is not 8 lowercase hex digits")
+        want, got = int(stored[:8], 16), header_crc32(head)
+        if want != got:
+            raise self._header_error(f"stored {HEADER_CHECKSUM} {want:08x}, the header has {got:08x}")
+        return True
+
+    def _parse_header(self, raw: bytes, size: int, hlen: int) -> None:
+        path = self.path
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -432,14 +501,18 @@ class DumpFile:
         if version is None:
             raise _fail(path, "kvbridge header has no 'version'")
         if version not in {str(v) for v in SUPPORTED_VERSIONS}:
-            readable = " and ".join(map(str, SUPPORTED_VERSIONS))
+            readable = ", ".join(map(str, SUPPORTED_VERSIONS))
             raise _fail(path, f"unsupported dump version {_short(version)} (this kvbridge reads versions {readable})")
+        if int(version) >= 3 and not self.header_verified:
+            raise self._header_error(f"it does not begin with its '{HEADER_CHECKSUM}'")
+        if HEADER_CHECKSUM in meta and not self.header_verified:
+            raise self._header_error(f"'{HEADER_CHECKSUM}' is not the header's first key")
         if "entries" not in meta:
             raise _fail(path, "kvbridge header has no 'entries'")
         entries = _parse_json(meta["entries"], path, "kvbridge header 'entries'")
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             raise _fail(path, "kvbridge header 'entries' must be a JSON list of objects")
-        attrs = {k: v for k, v in meta.items() if k not in ("format", "version", "entries")}
+        attrs = {k: v for k, v in meta.items() if k not in RESERVED_KEYS}
         return int(version), entries, attrs
 
     def _entry_infos(self, metas: list[dict], tensors: dict, data_start: int) -> list[EntryInfo]:
@@ -575,11 +648,13 @@ def open_dump(path: str | os.PathLike) -> DumpFile:
 
 
 def read_dump(path: str | os.PathLike) -> Dump:
-    """Read and validate a whole dump file (checksums verified); every problem raises ``DumpFormatError``."""
+    """Read and validate a whole dump file (checksums verified); every problem raises ``DumpFormatError``
+    (``DumpHeaderError`` when a version-3 header fails its checksum)."""
     with open_dump(path) as fh:
         entries = [fh.load(info) for info in fh.entries]
         checksums = {i.name: i.crc32 for i in fh.entries if i.crc32 is not None}
-        return Dump(entries, attrs=fh.attrs, version=fh.version, path=fh.path, checksums=checksums)
+        return Dump(entries, attrs=fh.attrs, version=fh.version, path=fh.path, checksums=checksums,
+                    header_verified=fh.header_verified)
 
 
 def _file_kind(mode: int) -> str:
@@ -605,12 +680,16 @@ __all__ = [
     "CHUNK_BYTES",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "HEADER_CHECKSUM",
+    "HEADER_CRC_OFFSET",
+    "HEADER_PREFIX",
     "LATENT_DTYPES",
     "Dump",
     "DumpEntry",
     "DumpFile",
     "EntryInfo",
     "entry_name",
+    "header_crc32",
     "open_dump",
     "read_dump",
     "tokens_per_chunk",

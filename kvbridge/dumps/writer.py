@@ -35,9 +35,14 @@ from kvbridge.dumps.dumpfile import (
     CHECKSUM,
     FORMAT_NAME,
     FORMAT_VERSION,
+    HEADER_CHECKSUM,
+    HEADER_CRC_OFFSET,
+    HEADER_PREFIX,
+    RESERVED_KEYS,
     Dump,
     DumpEntry,
     _file_kind,
+    header_crc32,
     tokens_per_chunk,
 )
 from kvbridge.errors import DumpWriteError, InputError
@@ -100,19 +105,34 @@ class EntrySpec:
         return self.shape[0] * self.shape[1] * _DTYPE_BYTES[self.dtype]
 
 
+def _check_header_input(specs: Sequence[EntrySpec], attrs: dict) -> None:
+    """``InputError`` unless ``attrs`` maps str to str without reserved keys and entry names are unique."""
+    reserved = set(RESERVED_KEYS) & set(attrs)
+    if reserved or not all(isinstance(k, str) and isinstance(v, str) for k, v in attrs.items()):
+        raise InputError(f"attrs must map str to str and not use {', '.join(sorted(reserved)) or 'reserved keys'}")
+    names = [s.meta["name"] for s in specs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise InputError(f"dump entries: {dup!r} appears twice")
+
+
 def _header_bytes(specs: Sequence[EntrySpec], attrs: dict[str, str], crcs: Sequence[int]) -> bytes:
-    """The safetensors header (length prefix included, padded with spaces to 8 bytes)."""
+    """The version-3 safetensors header (length prefix included, padded with spaces to 8 bytes):
+    ``__metadata__`` first, its ``header_crc32`` first (file bytes 41..49), then its other keys sorted."""
     metas = [{**{k: s.meta.get(k) for k in _META_KEYS}, CHECKSUM: f"{c:08x}"} for s, c in zip(specs, crcs, strict=True)]
     metadata = {"created_by": f"kvbridge {__version__}", **attrs}
     metadata.update(format=FORMAT_NAME, version=str(FORMAT_VERSION), entries=json.dumps(metas, separators=(",", ":")))
-    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    header: dict[str, Any] = {"__metadata__": {HEADER_CHECKSUM: "0" * 8, **dict(sorted(metadata.items()))}}
     at = 0
     for s in specs:
         header[s.meta["name"]] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [at, at + s.nbytes]}
         at += s.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
+    head = bytearray(struct.pack("<Q", len(raw)) + raw)
+    assert head[8:HEADER_CRC_OFFSET] == HEADER_PREFIX
+    head[HEADER_CRC_OFFSET : HEADER_CRC_OFFSET + 8] = b"%08x" % header_crc32(bytes(head))
+    return bytes(head)
 
 
 class DumpWriter:
@@ -224,13 +244,7 @@ class DumpWriter:
     def begin(self, specs: Sequence[EntrySpec], attrs: dict[str, str] | None = None) -> None:
         """Write the header for ``specs`` (checksums filled in by ``commit``)."""
         attrs = dict(attrs or {})
-        reserved = {"format", "version", "entries"} & set(attrs)
-        if reserved or not all(isinstance(k, str) and isinstance(v, str) for k, v in attrs.items()):
-            raise InputError(f"attrs must map str to str and not use {', '.join(sorted(reserved)) or 'reserved keys'}")
-        names = [s.meta["name"] for s in specs]
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:
-            raise InputError(f"dump entries: {dup!r} appears twice")
+        _check_header_input(specs, attrs)
         self._specs, self._attrs = list(specs), attrs
         self._crcs = [0] * len(specs)
         self._write(_header_bytes(self._specs, attrs, self._crcs))
@@ -368,7 +382,7 @@ def write_dump(
     overwrite: bool = False,
     attrs: dict[str, str] | None = None,
 ) -> Path:
-    """Write ``entries`` as a version-2 dump at ``path``, atomically (see ``DumpWriter``).
+    """Write ``entries`` as a version-3 dump at ``path``, atomically (see ``DumpWriter``).
 
     Refuses an existing ``path`` unless ``overwrite``. ``attrs`` adds free-form string
     attributes to the header (a ``Dump``'s own ``attrs`` are kept). The same entries and
@@ -385,13 +399,7 @@ def write_dump(
     extra = dict(entries.attrs) if isinstance(entries, Dump) else {}
     extra.update(attrs or {})
     specs = [EntrySpec(e.metadata(), _DTYPE_NAMES[e.data.dtype], tuple(e.data.shape)) for e in items]
-    names = [s.meta["name"] for s in specs]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup is not None:
-        raise InputError(f"dump entries: {dup!r} appears twice")
-    reserved = {"format", "version", "entries"} & set(extra)
-    if reserved or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
-        raise InputError(f"attrs must map str to str and not use {', '.join(sorted(reserved)) or 'reserved keys'}")
+    _check_header_input(specs, extra)
     with DumpWriter(path, overwrite=overwrite, reserve=dump_size(specs, extra)) as out:
         out.begin(specs, extra)
         for e in items:

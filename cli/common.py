@@ -113,8 +113,8 @@ def print_wrapped(text: str, *, head: str = "") -> None:
 
 def header_unverified(version: int) -> str:
     """What a version-1/2 dump's unchecked header means, for ``inspect`` and ``convert``."""
-    return (f"header unverified: a version-{version} header has no checksum, so an edited scale, layout or size "
-            "reads as written; `kvbridge convert` writes version 3, whose header is checked")
+    return (f"header unverified: version {version} has no header checksum (an edited scale or layout reads as "
+            "written); `kvbridge convert` writes version 3")
 
 
 #: Input files at least this large (bytes) get a progress bar.

@@ -56,7 +56,7 @@ def command(bootstrap, room, tokens, profile, dst, ape, model, layers, out, forc
     _require_nixl()
     from kvbridge.adapters.sglang import request_dump
     from kvbridge.adapters.sglang_decode import SGLangDecodePeer
-    from kvbridge.dumps.dumpfile import write_dump
+    from kvbridge.dumps.writer import write_dump
     from kvbridge.migration import EnginePools, destination_pools, plan_migration
 
     if out is not None and out.exists() and not force:

@@ -115,6 +115,12 @@ def print_wrapped(text: str, *, head: str = "") -> None:
         console.print(out, soft_wrap=True)
 
 
+def header_unverified(version: int) -> str:
+    """What a version-1/2 dump's unchecked header means, for ``inspect`` and ``convert``."""
+    return (f"header unverified: version {version} has no header checksum (an edited scale or layout reads as "
+            "written); `kvbridge convert` writes version 3")
+
+
 #: Input files at least this large (bytes) get a progress bar.
 LARGE_FILE_BYTES = 64 * 2**20
 

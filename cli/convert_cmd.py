@@ -18,6 +18,7 @@ from .common import (
     console,
     err_console,
     fmt,
+    header_unverified,
     json_option,
     parse_layout,
     parse_scale,
@@ -91,6 +92,9 @@ def command(
     if not force and os.path.lexists(dst) and dst.is_file() and not dst.is_symlink():
         raise InputError(f"{dst} exists; pass --force to overwrite it")
     with open_dump(src) as fh:
+        header_ok = fh.header_verified
+        if not header_ok:
+            err_console.print(f"[yellow]warning[/yellow]: {src}: {header_unverified(fh.version)}")
         try:
             plans = plan_convert(fh, to_layout, page_size=page_size, dialect=dialect, scale=scale)
         except InputError as exc:
@@ -115,6 +119,7 @@ def command(
                 "input": str(src),
                 "output": str(dst),
                 "to": to_layout.name,
+                "input_header_verified": header_ok,
                 "lossless": lossless if (not no_report or moved == len(plans)) else None,
                 "entries": [
                     {"name": c.name, "byte_move": p.byte_move, **(c.report.to_dict() if c.report else {})}

@@ -8,7 +8,17 @@ from typing import TYPE_CHECKING
 import click
 from rich.table import Table
 
-from .common import LARGE_FILE_BYTES, Name, byte_progress, console, err_console, fmt, json_option, print_json
+from .common import (
+    LARGE_FILE_BYTES,
+    Name,
+    byte_progress,
+    console,
+    err_console,
+    fmt,
+    header_unverified,
+    json_option,
+    print_json,
+)
 
 if TYPE_CHECKING:
     from kvbridge.conformance import WriterReport
@@ -53,7 +63,8 @@ def histogram_text(hist: dict[int, int]) -> str:
 def command(file: Path, source: Path | None, as_json: bool) -> None:
     """Show each entry of dump FILE: layout, pages, tokens, scale, dialect, non-finite and saturation counts.
 
-    Reads in chunks (bounded memory) and verifies each entry's checksum (version-2 files).
+    Reads in chunks (bounded memory) and verifies the header's checksum (version 3) and each entry's
+    (versions 2 and 3); a version 1 or 2 header has none and is shown as unverified.
     "NaN/Inf" counts decoded values that are not finite (what convert refuses); the JSON also
     counts the codes per format (E4M3 0x7F/0xFF, UE8M0 0xFF, bf16 NaN and Inf). "sat" counts
     E4M3 codes at +-448 of per-tensor layouts (values clipped at the scale); per-tile layouts
@@ -70,16 +81,17 @@ def command(file: Path, source: Path | None, as_json: bool) -> None:
         with byte_progress(visible) as bar:
             task = bar.add_task(f"reading {file.name}", total=fh.data_bytes)
             stats = dump_stats(fh, on_progress=lambda done, total: bar.update(task, completed=done, total=total))
-        version, attrs = fh.version, fh.attrs
+        version, attrs, header_ok = fh.version, fh.attrs, fh.header_verified
     writers = identify_writers(read_dump(file), read_dump(source)) if source is not None else {}
     checksums = CHECKSUM if version >= 2 else None
     if as_json:
         for s in stats:
             if s["name"] in writers:
                 s["writer"] = writers[s["name"]].to_dict()
-        print_json({"file": str(file), "version": version, "checksums": checksums, "attrs": attrs, "entries": stats})
+        print_json({"file": str(file), "version": version, "checksums": checksums, "header_verified": header_ok,
+                    "attrs": attrs, "entries": stats})
         return
-    integrity = f"{CHECKSUM} verified" if checksums else "version 1: no checksums"
+    integrity = ("header and data " if header_ok else "data ") + f"{CHECKSUM} verified" if checksums else "no checksums"
     table = Table(title=f"{file}\n(kvbridge dump v{version}, {integrity})", box=None, pad_edge=False,
                   header_style="bold")
     table.add_column("entry")
@@ -100,6 +112,8 @@ def command(file: Path, source: Path | None, as_json: bool) -> None:
             "-" if s["saturated"] is None else str(s["saturated"]),
         )
     console.print(table)
+    if not header_ok:
+        console.print(f"[yellow]{header_unverified(version)}[/yellow]")
     for key, value in sorted(attrs.items()):
         console.print(f"  [dim]{key}[/dim]: {value}")
     hists = [(s["name"], s["scale_exponents"]) for s in stats if s["scale_exponents"] is not None]

@@ -29,7 +29,7 @@ _EXPORTS = {
     "Dump": "kvbridge.dumps.dumpfile",
     "DumpEntry": "kvbridge.dumps.dumpfile",
     "read_dump": "kvbridge.dumps.dumpfile",
-    "write_dump": "kvbridge.dumps.dumpfile",
+    "write_dump": "kvbridge.dumps.writer",
     "DumpFormatError": "kvbridge.errors",
     "InputError": "kvbridge.errors",
     "KVBridgeError": "kvbridge.errors",
@@ -52,7 +52,8 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 if TYPE_CHECKING:
     from kvbridge.attention.sparse import sparse_decode  # noqa: F401
     from kvbridge.conformance import identify_writer, run_conformance  # noqa: F401
-    from kvbridge.dumps.dumpfile import Dump, DumpEntry, read_dump, write_dump  # noqa: F401
+    from kvbridge.dumps.dumpfile import Dump, DumpEntry, read_dump  # noqa: F401
+    from kvbridge.dumps.writer import write_dump  # noqa: F401
     from kvbridge.errors import (  # noqa: F401
         DumpFormatError,
         InputError,

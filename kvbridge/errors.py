@@ -26,5 +26,10 @@ class DumpFormatError(KVBridgeError, ValueError):
     """A dump file that is truncated, foreign, or inconsistent with its own metadata."""
 
 
+class DumpHeaderError(DumpFormatError):
+    """A dump header that fails its integrity check: a version-3 header whose ``header_crc32`` does not
+    match its bytes (edited or damaged after writing), or a header cut short by truncation."""
+
+
 class DumpWriteError(KVBridgeError, OSError):
     """A dump could not be written (no permission, no space, output exists or is being written)."""

@@ -4,7 +4,8 @@
 writable directory of
 
 1. ``$KVBRIDGE_JIT_CACHE`` when set (an empty value, or ``off``, skips the on-disk cache);
-2. ``$XDG_CACHE_HOME/kvbridge/numba``, else ``~/.cache/kvbridge/numba``;
+2. ``$XDG_CACHE_HOME/kvbridge/numba``, else ``~/.cache/kvbridge/numba`` (only when the home
+   directory exists: kvbridge never creates a home directory, nor ``.cache`` in a missing one);
 
 and points numba at its subdirectory ``kernels-<fingerprint>`` (``NUMBA_CACHE_DIR``, also set on an
 already imported numba). The fingerprint hashes the package's kernel sources (``KERNEL_SOURCES``):
@@ -12,21 +13,27 @@ numba checks a cached kernel only against the time stamp of its own file, not of
 functions it inlines (``native.loss`` inlines ``native.records``' decoder), so a cache written by other
 sources is never read: an upgrade or an edit compiles afresh. A user's
 own ``NUMBA_CACHE_DIR`` is respected when writable. When none of these can be written, the
-kernels go to a fresh temporary directory for this process only (they compile on each run,
-about 10-20 s), and when not even that can be written, numba's caching is turned off: an
+kernels go to a fresh temporary directory (``$TMPDIR/kvbridge-numba-*``) for this process only
+(they compile on each run, about 10-20 s), removed when the process exits (``atexit``; a killed
+process leaves it), and when not even that can be written, numba's caching is turned off: an
 unwritable cache costs a compile, never an error.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 #: Environment variable naming the cache directory (empty or ``off``: no on-disk cache).
 CACHE_ENV = "KVBRIDGE_JIT_CACHE"
+#: Set to the temporary cache directory of the process that made it: a child process that inherits
+#: it as ``NUMBA_CACHE_DIR`` makes its own instead (the parent removes its directory at exit).
+TEMP_ENV = "KVBRIDGE_JIT_TEMP"
 
 #: The directory in use after ``configure()``, or None when kernels are not cached on disk.
 cache_dir: Path | None = None
@@ -48,15 +55,25 @@ def sources_fingerprint(root: Path | None = None) -> str:
     return digest.hexdigest()[:12]
 
 
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/kvbridge/numba``, else ``~/.cache/kvbridge/numba``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvbridge" / "numba"
+def default_cache_dir() -> Path | None:
+    """``$XDG_CACHE_HOME/kvbridge/numba``, else ``~/.cache/kvbridge/numba`` when the home directory
+    exists (None: no home directory, so no default cache)."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg) / "kvbridge" / "numba"
+    home = os.path.expanduser("~")
+    if home == "~" or not os.path.isdir(home):
+        return None
+    return Path(home) / ".cache" / "kvbridge" / "numba"
 
 
-def _writable(path: Path) -> bool:
+def _writable(path: Path, root: Path) -> bool:
+    """Whether ``path`` is (made) a writable directory; only directories below an existing ``root``
+    are created (mode 0700 for new ones, as the XDG spec asks)."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if not root.is_dir():
+            root.mkdir(mode=0o700, parents=True)  # an explicitly named cache directory
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except (OSError, ValueError):
@@ -64,12 +81,37 @@ def _writable(path: Path) -> bool:
     return True
 
 
-def _candidates() -> list[Path]:
+def _candidates() -> list[tuple[Path, Path]]:
+    """``(directory, root)`` pairs to try in order; see ``_writable``."""
     chosen = os.environ.get(CACHE_ENV)
     if chosen is not None:
-        return [] if chosen.strip().lower() in ("", "off") else [Path(chosen).expanduser()]
+        if chosen.strip().lower() in ("", "off"):
+            return []
+        return [(Path(chosen).expanduser(),) * 2]
     own = os.environ.get("NUMBA_CACHE_DIR")
-    return ([Path(own)] if own else []) + [default_cache_dir()]
+    found = [(Path(own),) * 2] if own and own != os.environ.get(TEMP_ENV) else []
+    default = default_cache_dir()
+    if default is not None:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        found.append((default, Path(xdg) if xdg else default.parent.parent.parent))
+    return found
+
+
+def _temporary_dir() -> Path | None:
+    """A fresh ``$TMPDIR/kvbridge-numba-*`` removed when this process exits (None: none can be made)."""
+    try:
+        path = tempfile.mkdtemp(prefix="kvbridge-numba-")
+    except OSError:
+        return None
+    owner = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == owner:  # not from a forked child that inherited the handler
+            shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(remove)
+    os.environ[TEMP_ENV] = path
+    return Path(path)
 
 
 def _disable_numba_caching(always: bool) -> None:
@@ -102,12 +144,9 @@ def configure() -> Path | None:
     _configured = True
     off = os.environ.get(CACHE_ENV, "x").strip().lower() in ("", "off")
     kernels = f"kernels-{sources_fingerprint()}"
-    found = next((p / kernels for p in _candidates() if _writable(p / kernels)), None)
+    found = next((p / kernels for p, root in _candidates() if _writable(p / kernels, root)), None)
     if found is None and not off:
-        try:
-            found = Path(tempfile.mkdtemp(prefix="kvbridge-numba-"))
-        except OSError:
-            found = None
+        found = _temporary_dir()
     cache_dir = found
     if found is not None:
         os.environ["NUMBA_CACHE_DIR"] = str(found)

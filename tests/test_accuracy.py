@@ -235,7 +235,8 @@ def test_run_study_rejects_unknown_sweeps_and_bad_cases():
 
 
 def _write_dump(path, tokens: int = 96):
-    from kvbridge.dumps.dumpfile import DumpEntry, write_dump
+    from kvbridge.dumps.dumpfile import DumpEntry
+    from kvbridge.dumps.writer import write_dump
     from kvbridge.study.synthetic import latents
 
     x = latents(tokens, seed=5).to(torch.bfloat16)

@@ -316,7 +316,8 @@ def test_a_dump_loads_into_the_peer_pools_as_its_request(tmp_path):
     of another length are refused with the remedy, before any page is taken."""
     from kvbridge.adapters.sglang import SGLangPrefillPeer, request_dump
     from kvbridge.dumps.convert import convert_entry
-    from kvbridge.dumps.dumpfile import read_dump, write_dump
+    from kvbridge.dumps.dumpfile import read_dump
+    from kvbridge.dumps.writer import write_dump
     from kvbridge.errors import InputError
     from kvbridge.migration import destination_pools
     from kvbridge.migration.pools import gather_records, table_of
@@ -354,7 +355,7 @@ def test_cli_serves_a_dump_to_sglang(tmp_path):
     reaches SGLang's own receiver byte for byte; ``--from`` with ``--dump`` is a usage error."""
     _need_sglang()
     from kvbridge.adapters.sglang import request_dump
-    from kvbridge.dumps.dumpfile import write_dump
+    from kvbridge.dumps.writer import write_dump
 
     model = FLASH.with_layers(2)
     plan = plan_migration("sglang", "sglang", model, TOKENS, include_mtp=False)

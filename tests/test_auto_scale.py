@@ -12,7 +12,8 @@ import kvbridge as kb
 from kvbridge.backends.loss_stats import lossless_scale_candidates
 from kvbridge.dumps import dumpfile as dump_mod
 from kvbridge.dumps.convert import convert_dump, convert_entry
-from kvbridge.dumps.dumpfile import DumpEntry, read_dump, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry, read_dump
+from kvbridge.dumps.writer import write_dump
 
 
 def latents(n: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:

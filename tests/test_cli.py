@@ -11,7 +11,8 @@ from click.testing import CliRunner, Result
 
 import kvbridge
 from cli.main import cli
-from kvbridge.dumps.dumpfile import DumpEntry, read_dump, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry, read_dump
+from kvbridge.dumps.writer import write_dump
 
 
 def run(*args: str) -> Result:

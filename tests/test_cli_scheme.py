@@ -23,7 +23,8 @@ from cli import convert_cmd
 from cli.common import keep_numbers_whole
 from cli.main import cli
 from kvbridge import jitcache
-from kvbridge.dumps.dumpfile import DumpEntry, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry
+from kvbridge.dumps.writer import write_dump
 from kvbridge.engines.topology import FLASH
 from kvbridge.errors import InputError
 from kvbridge.migration import destination_pools, migrate_local, plan_migration, source_request

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import kvbridge as kb
-from kvbridge.dumps.dumpfile import DumpEntry, partial_path, read_dump, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry, read_dump
+from kvbridge.dumps.writer import partial_path, write_dump
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = (
@@ -61,7 +62,7 @@ def test_two_racing_converts_exactly_one_wins(dump: Path, tmp_path: Path):
 def test_an_interrupt_as_the_temp_file_is_created_leaves_nothing_behind(tmp_path: Path, monkeypatch):
     """Ctrl-C landing just as ``os.open`` creates the temp file (before its descriptor is recorded,
     the window a loaded machine hits) is delivered once the writer can remove the file again."""
-    import kvbridge.dumps.dumpfile as dump_module
+    import kvbridge.dumps.writer as writer_module
 
     real_open = os.open
 
@@ -70,9 +71,9 @@ def test_an_interrupt_as_the_temp_file_is_created_leaves_nothing_behind(tmp_path
         signal.raise_signal(signal.SIGINT)
         return fd
 
-    monkeypatch.setattr(dump_module.os, "open", open_then_interrupted)
+    monkeypatch.setattr(writer_module.os, "open", open_then_interrupted)
     with pytest.raises(KeyboardInterrupt):
-        dump_module.DumpWriter(tmp_path / "o.safetensors")
+        writer_module.DumpWriter(tmp_path / "o.safetensors")
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -81,13 +82,13 @@ def test_an_interrupt_as_the_temp_file_is_created_leaves_nothing_behind(tmp_path
 def test_an_interrupt_before_the_with_block_leaves_nothing_behind(tmp_path: Path, monkeypatch):
     """Ctrl-C after the writer made its temp file but before the ``with`` block holds it (so no
     ``__exit__`` runs): the dropped writer removes the file."""
-    import kvbridge.dumps.dumpfile as dump_module
+    import kvbridge.dumps.writer as writer_module
 
     def interrupted(self):
         signal.raise_signal(signal.SIGINT)
         return self
 
-    monkeypatch.setattr(dump_module.DumpWriter, "__enter__", interrupted)
+    monkeypatch.setattr(writer_module.DumpWriter, "__enter__", interrupted)
     entry = DumpEntry(0, "swa", torch.zeros(1, 64 * 512, dtype=torch.uint8), "trtllm-fp8", 64, 64, 1.0, "swa")
     with pytest.raises(KeyboardInterrupt):
         write_dump(tmp_path / "o.safetensors", [entry])

@@ -30,7 +30,8 @@ from click.testing import CliRunner
 
 import kvbridge
 from cli.main import cli
-from kvbridge.dumps.dumpfile import DumpEntry, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry
+from kvbridge.dumps.writer import write_dump
 from kvbridge.study.bench import machine
 
 SNAPSHOTS = Path(__file__).parent / "snapshots" / "cli80"

@@ -13,8 +13,9 @@ from safetensors.torch import save_file
 
 import kvbridge
 from kvbridge.dumps.convert import convert_dump
-from kvbridge.dumps.dumpfile import FORMAT_NAME, DumpEntry, read_dump, write_dump
+from kvbridge.dumps.dumpfile import FORMAT_NAME, DumpEntry, read_dump
 from kvbridge.dumps.stats import entry_stats
+from kvbridge.dumps.writer import write_dump
 from kvbridge.errors import DumpFormatError, InputError
 
 
@@ -191,7 +192,7 @@ def test_read_rejects_foreign_and_truncated_files(tmp_path: Path):
         "text.safetensors": (b"this is not a dump at all, just some text\n" * 4, "not a safetensors file"),
         "tiny.safetensors": (b"abc", "only 3 bytes"),
         "cut-data.safetensors": (raw[:-100], "truncated: header promises"),
-        "cut-header.safetensors": (raw[:40], "truncated: the"),
+        "cut-header.safetensors": (raw[:40], "header does not fit in the file's 40 bytes"),
         "trailing.safetensors": (raw + b"\0" * 5, "5 unexpected trailing bytes"),
         "bad-json.safetensors": (struct.pack("<Q", 4) + b"{{{{", "header is not JSON"),
     }

@@ -1,5 +1,6 @@
-"""Dump format version 2 and the streaming paths: checksums, determinism, version 1, bounded-memory
-conversion and statistics, output checks before work, locking, interruption, a changing input."""
+"""Dump data checksums (versions 2 and 3) and the streaming paths: determinism, version 1, bounded-memory
+conversion and statistics, output checks before work, locking, interruption, a changing input.
+The header checksum of version 3 is tested in test_dump_v3.py."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from cli.main import cli
 from kvbridge.dumps import convert as convert_mod
 from kvbridge.dumps import dumpfile as dump_mod
 from kvbridge.dumps.convert import convert_dump
-from kvbridge.dumps.dumpfile import DumpEntry, DumpWriter, EntrySpec, open_dump, partial_path, read_dump, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry, open_dump, read_dump
 from kvbridge.dumps.stats import dump_stats, entry_stats
+from kvbridge.dumps.writer import DumpWriter, EntrySpec, partial_path, write_dump
 from kvbridge.errors import DumpFormatError, DumpWriteError, InputError, NonFiniteError
+from tests.dump_helpers import signed_dump
 
 
 def latents(n: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
@@ -49,17 +52,17 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(dump_mod, "CHUNK_BYTES", 16 * 2**10)
 
 
-def test_version_2_header_carries_a_crc32_per_tensor(tmp_path: Path):
+def test_header_carries_a_crc32_per_tensor(tmp_path: Path):
     path = write_dump(tmp_path / "d.safetensors", entries())
     meta = header_of(path)["__metadata__"]
-    assert meta["version"] == "2"
+    assert meta["version"] == "3"
     listed = json.loads(meta["entries"])
     import zlib
 
     for e, m in zip(entries(), listed, strict=True):
         assert m["crc32"] == f"{zlib.crc32(e.data.contiguous().view(torch.uint8).numpy()):08x}"
     dump = read_dump(path)
-    assert dump.version == 2 and set(dump.checksums) == {"layer.0.swa", "layer.1.compress", "layer.2.kv"}
+    assert dump.version == 3 and set(dump.checksums) == {"layer.0.swa", "layer.1.compress", "layer.2.kv"}
 
 
 def test_flipped_data_byte_names_the_entry(tmp_path: Path):
@@ -91,12 +94,12 @@ def test_version_1_files_still_read_and_say_they_have_no_checksum(tmp_path: Path
     path = tmp_path / "v1.safetensors"
     save_file({e.name: e.data.contiguous() for e in es}, str(path), metadata=meta)
     dump = read_dump(path)
-    assert dump.version == 1 and dump.checksums == {}
+    assert dump.version == 1 and dump.checksums == {} and dump.header_verified is False
     for got, want in zip(dump, es, strict=True):
         assert torch.equal(got.data, want.data)
     assert {s["checksum"] for s in dump_stats(open_dump(path))} == {None}
-    convert_dump(path, tmp_path / "v2.safetensors", "model1", page_size=8)
-    assert read_dump(tmp_path / "v2.safetensors").version == 2
+    convert_dump(path, tmp_path / "v3.safetensors", "model1", page_size=8)
+    assert read_dump(tmp_path / "v3.safetensors").version == 3
 
 
 def test_streamed_conversion_equals_whole_entry_conversion(tmp_path: Path, small_chunks):
@@ -272,13 +275,13 @@ def test_progress_counts_bytes_read_and_written(tmp_path: Path, small_chunks):
     ],
 )
 def test_crafted_headers_raise_dump_format_errors(tmp_path: Path, change, message: str):
+    """Crafted values behind a matching header checksum (re-signed) are still validated field by field."""
     path = write_dump(tmp_path / "d.safetensors", entries(10))
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
     change(header["__metadata__"])
-    body = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
+    path.write_bytes(signed_dump(header, raw[8 + n :]))
     with pytest.raises(DumpFormatError, match=message) as info:
         read_dump(path)
     assert len(str(info.value)) < 400
@@ -290,8 +293,7 @@ def test_crafted_tensor_shape_of_strings(tmp_path: Path):
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
     header["layer.0.swa"]["shape"] = ["1", "x"]
-    body = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
+    path.write_bytes(signed_dump(header, raw[8 + n :]))
     with pytest.raises(DumpFormatError, match="malformed safetensors header entry for tensor 'layer.0.swa'"):
         read_dump(path)
 

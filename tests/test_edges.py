@@ -14,7 +14,8 @@ import torch
 from click.testing import CliRunner
 
 import kvbridge as kb
-from kvbridge.dumps.dumpfile import DumpEntry, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry
+from kvbridge.dumps.writer import write_dump
 from kvbridge.errors import KVBridgeError, NonFiniteError
 
 SCALE = 3e38  # finite, but most e4m3 codes times it overflow fp32

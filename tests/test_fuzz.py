@@ -1,10 +1,13 @@
 """Seeded fuzzing: crafted dump files and public-API arguments raise ``KVBridgeError`` or work, never
 another exception type.
 
-Dump cases mutate a small valid version-2 dump (header JSON values, safetensors tensor entries,
+Dump cases mutate a small valid version-3 dump (header JSON values, safetensors tensor entries,
 byte flips in the header or the data, truncation, trailing bytes) and run ``read_dump``,
 ``inspect``'s streamed statistics and ``convert_dump`` on it; a flipped data byte must be caught
-by the checksum. API cases call the public functions with values drawn from a pool of wrong
+by the entry's checksum, a changed header byte or a header cut short by the header checksum
+(``DumpHeaderError``). Half the JSON mutations are re-signed (a matching header checksum, as a
+writer with a bug would make) so that the field validation behind the checksum is fuzzed too.
+API cases call the public functions with values drawn from a pool of wrong
 types, sizes and tensors. ``KVBRIDGE_FUZZ_CASES`` sets the case count of each test (CI's default
 keeps the file well under a minute); ``KVBRIDGE_FUZZ_SEED`` the seed.
 """
@@ -23,11 +26,13 @@ import torch
 
 import kvbridge as kb
 from kvbridge.dumps.convert import convert_dump
-from kvbridge.dumps.dumpfile import DumpEntry, open_dump, read_dump, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry, open_dump, read_dump
 from kvbridge.dumps.stats import dump_stats
+from kvbridge.dumps.writer import write_dump
 from kvbridge.engines.topology import FLASH
-from kvbridge.errors import DumpFormatError, KVBridgeError
+from kvbridge.errors import DumpFormatError, DumpHeaderError, KVBridgeError
 from kvbridge.migration import destination_pools, migrate_local, plan_migration, source_request
+from tests.dump_helpers import signed_dump
 
 CASES = int(os.environ.get("KVBRIDGE_FUZZ_CASES", "2000"))
 SEED = int(os.environ.get("KVBRIDGE_FUZZ_SEED", "20261201"))
@@ -65,8 +70,15 @@ def split_dump(raw: bytes) -> tuple[dict, bytes]:
     return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
-def join_dump(header_text: str, data: bytes) -> bytes:
-    body = header_text.encode()
+def join_dump(rng: random.Random, header: object, data: bytes, raw_json: bool) -> bytes:
+    """``header`` and ``data`` as a dump: re-signed half the time, else with the header as it is
+    (a header checksum that no longer matches); ``raw_json``: a number replaced by a raw JSON text."""
+    if not raw_json and rng.random() < 0.5:
+        return signed_dump(header, data)
+    text = json.dumps(header)
+    if raw_json:
+        text = text.replace("[0,", "[" + rng.choice(RAW_JSON) + ",", 1)
+    body = text.encode()
     return struct.pack("<Q", len(body)) + body + data
 
 
@@ -112,13 +124,10 @@ def crafted_dump(rng: random.Random, good: bytes) -> tuple[bytes, str]:
             key = rng.choice(["format", "version", "entries", "created_by"])
             meta[key] = str(rng.choice(JSON_VALUES)) if rng.random() < 0.5 else rng.choice(RAW_JSON)
         header["__metadata__"] = meta
-        return join_dump(json.dumps(header), data), "header"
+        return join_dump(rng, header, data, raw_json=False), "header"
     if roll < 0.5:  # the safetensors part: a tensor's dtype, shape or offsets
         header = mutate_value(rng, header)
-        text = json.dumps(header)
-        if rng.random() < 0.2:
-            text = text.replace("[0,", "[" + rng.choice(RAW_JSON) + ",", 1)
-        return join_dump(text, data), "header"
+        return join_dump(rng, header, data, raw_json=rng.random() < 0.2), "header"
     if roll < 0.75:  # flipped data bytes
         buf = bytearray(data)
         for _ in range(rng.randint(1, 4)):
@@ -157,6 +166,9 @@ def test_fuzzed_dump_files_raise_only_kvbridge_errors(good_dump: bytes, tmp_path
         err = only_kvbridge_errors(read_dump, path)
         if kind == "data":
             assert isinstance(err, DumpFormatError) and "checksum mismatch" in str(err), (case, err)
+        header_end = 8 + struct.unpack("<Q", good_dump[:8])[0]
+        if (kind == "bytes" and raw != good_dump) or (kind == "size" and 8 <= len(raw) < header_end):
+            assert isinstance(err, DumpHeaderError), (case, kind, err)
 
         def stats() -> None:
             with open_dump(path) as fh:

@@ -442,7 +442,8 @@ def _safetensors_parts(path: Path) -> tuple[dict, bytes]:
 
 def _make_dump(path: Path) -> None:
     import kvbridge
-    from kvbridge.dumps.dumpfile import DumpEntry, write_dump
+    from kvbridge.dumps.dumpfile import DumpEntry
+    from kvbridge.dumps.writer import write_dump
 
     gen = torch.Generator().manual_seed(3)
     entries = []

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 import kvbridge as kb
 from cli.main import cli
-from kvbridge.dumps.dumpfile import DumpEntry, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry
+from kvbridge.dumps.writer import write_dump
 from kvbridge.errors import NonFiniteError
 from kvbridge.layouts import all_layouts, get_layout, scan
 

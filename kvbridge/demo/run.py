@@ -22,7 +22,8 @@ from kvbridge.backends import reference
 from kvbridge.demo.context import DemoContext
 from kvbridge.demo.decode import decode_section
 from kvbridge.dumps.convert import convert_dump
-from kvbridge.dumps.dumpfile import DumpEntry, read_dump, write_dump
+from kvbridge.dumps.dumpfile import DumpEntry, read_dump
+from kvbridge.dumps.writer import write_dump
 from kvbridge.errors import InputError
 from kvbridge.layouts import get_layout
 from kvbridge.ops.pages import encode

@@ -16,18 +16,8 @@ import torch
 from kvbridge.backends import dispatch
 from kvbridge.backends.loss_stats import LossStats, compare_values, lossless_scale_candidates
 from kvbridge.backends.reference import check_finite
-from kvbridge.dumps.dumpfile import (
-    DumpEntry,
-    DumpFile,
-    DumpWriter,
-    EntryInfo,
-    EntrySpec,
-    ProgressFn,
-    _estimate_bytes,
-    _fp32_scale,
-    open_dump,
-    tokens_per_chunk,
-)
+from kvbridge.dumps.dumpfile import DumpEntry, DumpFile, EntryInfo, ProgressFn, _fp32_scale, open_dump, tokens_per_chunk
+from kvbridge.dumps.writer import DumpWriter, EntrySpec, dump_size
 from kvbridge.errors import InputError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout, scan
 from kvbridge.layouts.codec import tensor_multiplier
@@ -293,7 +283,7 @@ def convert_open_dump(
         if on_progress is not None:
             on_progress(done, total)
 
-    with DumpWriter(dst, overwrite=overwrite, reserve=_estimate_bytes(specs, fh.attrs)) as out:
+    with DumpWriter(dst, overwrite=overwrite, reserve=dump_size(specs, fh.attrs)) as out:
         converters = [_Converter(fh, p, out, report, progress) for p in plans]
         for c in converters:
             c.settle_auto_scale()

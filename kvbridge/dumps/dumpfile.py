@@ -1,55 +1,54 @@
-"""kvbridge dump files: KV-cache pools (or raw latents) on disk, one safetensors file per request.
+"""kvbridge dump files: the format, its entries, and the reader (the writer is ``kvbridge.dumps.writer``).
 
 A dump is a safetensors file whose ``__metadata__`` carries the kvbridge header (see
-``docs/format.md``): ``format`` = ``kvbridge-dump``, ``version`` (``2``; ``1`` still reads) and
-``entries``, a JSON list describing each tensor (``layer.{i}.{role}``): its kind (``pages`` of a
-registered layout, or raw ``latents`` ``[num_tokens, 512]``), layout, page size, token count,
-per-tensor scale, encoder dialect, compress ratio and (version 2) the CRC-32 of its bytes.
+``docs/format.md``): ``format`` = ``kvbridge-dump``, ``version`` (``3``; ``1`` and ``2`` still
+read), ``entries``, a JSON list describing each tensor (``layer.{i}.{role}``): its kind (``pages``
+of a registered layout, or raw ``latents`` ``[num_tokens, 512]``), layout, page size, token count,
+per-tensor scale, encoder dialect, compress ratio and (versions 2, 3) the CRC-32 of its bytes,
+and (version 3) ``header_crc32``, the CRC-32 of the header's own bytes, written first so that it
+lies at a fixed offset (``HEADER_CRC_OFFSET``).
 
-Reading validates every header field and raises ``DumpFormatError`` with a one-line message
-naming the file and the entry; data is read with ``pread`` (no memory map: a file truncated
-under a reader is an error, not SIGBUS), in chunks, each entry's checksum verified as it is
-read. Writing streams entries in order into kvbridge's own temp file
-``.{name}.kvbridge-partial`` next to the output (locked, space reserved first), rewrites the
-header with the checksums, fsyncs and renames it in place: nothing half-written looks valid.
-The bytes are a function of the content only (header keys in a fixed order).
+Reading verifies the header checksum before parsing the header (``DumpHeaderError`` when it fails;
+version 1 and 2 headers read as ``header_verified = False``), validates every header field and
+raises ``DumpFormatError`` with a one-line message naming the file and the entry; data is read
+with ``pread`` (no memory map: a file truncated under a reader is an error, not SIGBUS), in chunks,
+each entry's checksum verified as it is read.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import math
 import os
 import re
-import signal
 import stat
 import struct
-import threading
 import zlib
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvbridge._version import __version__
-from kvbridge.errors import DumpFormatError, DumpWriteError, InputError, KVBridgeError
+from kvbridge.errors import DumpFormatError, DumpHeaderError, InputError, KVBridgeError
 from kvbridge.layouts import Layout, get_layout
 from kvbridge.layouts.codec import HEAD_DIM
 from kvbridge.ops.pages import decode
 
 FORMAT_NAME = "kvbridge-dump"
-FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
-#: The per-tensor checksum of version 2: CRC-32 (zlib / gzip / PNG polynomial) of the tensor's
+FORMAT_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
+#: The per-tensor checksum of versions 2 and 3: CRC-32 (zlib / gzip / PNG polynomial) of the tensor's
 #: bytes as stored, written as 8 lowercase hex digits (``zlib.crc32(data)``).
 CHECKSUM = "crc32"
+#: Version 3's ``__metadata__`` key of the header checksum (8 lowercase hex digits, see ``header_crc32``).
+HEADER_CHECKSUM = "header_crc32"
+#: The JSON every version-3 header begins with (file bytes 8..41); the checksum's digits follow.
+HEADER_PREFIX = b'{"__metadata__":{"header_crc32":"'
+#: File offset of the header checksum's 8 hex digits (bytes 41..49, then a closing quote).
+HEADER_CRC_OFFSET = 8 + len(HEADER_PREFIX)
 KINDS = ("pages", "latents")
 #: safetensors dtype names accepted for raw latents, and the torch dtype each maps to.
 LATENT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -75,6 +74,8 @@ _META_KEYS = (
     "compress_ratio",
 )
 _ENTRY_KEYS = set(_META_KEYS)
+#: ``__metadata__`` keys that are not free-form attributes.
+RESERVED_KEYS = ("format", "version", "entries", HEADER_CHECKSUM)
 _REQUIRED_KEYS = ("name", "layer", "role", "kind", "num_tokens")
 #: safetensors headers larger than this are taken as a foreign file, not a dump.
 _MAX_HEADER_BYTES = 100 * 2**20
@@ -82,8 +83,6 @@ _MAX_HEADER_BYTES = 100 * 2**20
 _MAX_INT = 2**48
 #: Source bytes read per chunk when streaming an entry.
 CHUNK_BYTES = 32 * 2**20
-#: Suffix of the temp file a dump is written into (``.{name}.kvbridge-partial``).
-PARTIAL_SUFFIX = ".kvbridge-partial"
 
 ProgressFn = Callable[[int, int], None]
 
@@ -101,6 +100,21 @@ def _short(v: Any) -> str:
     """``repr`` of a header value, cut to 40 characters (a 5000-digit number is not echoed)."""
     text = repr(v)
     return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def header_crc32(head: bytes) -> int:
+    """CRC-32 of a version-3 header: file bytes ``[0, 8 + N)`` (length prefix, JSON, padding) with the
+    8 checksum digits at ``[HEADER_CRC_OFFSET, HEADER_CRC_OFFSET + 8)`` taken as ASCII ``0``."""
+    at = HEADER_CRC_OFFSET
+    return zlib.crc32(head[at + 8 :], zlib.crc32(b"0" * 8, zlib.crc32(head[:at])))
+
+
+def _looks_like_v3(head: bytes) -> bool:
+    """Whether a header that failed a check was written as version 3: its first bytes are (at most
+    two bytes off) ``HEADER_PREFIX``, or its text says ``"version":"3"``."""
+    start = head[8 : HEADER_CRC_OFFSET]
+    close = sum(a != b for a, b in zip(start, HEADER_PREFIX, strict=False)) + len(HEADER_PREFIX) - len(start)
+    return close <= 2 or b'"version":"3"' in head
 
 
 def _fp32_scale(v: Any) -> float | None:
@@ -267,14 +281,17 @@ class DumpEntry:
 
 @dataclass
 class Dump:
-    """A dump's entries (in file order), extra string attributes, the file it came from, and
-    (version 2) each entry's verified CRC-32 by name."""
+    """A dump's entries (in file order), extra string attributes, the file it came from,
+    (versions 2, 3) each entry's verified CRC-32 by name, and whether its header was verified:
+    True for a version-3 file (its ``header_crc32`` matched), False for versions 1 and 2 (their
+    header has no checksum: an edited scale or layout reads as written), None when not read from a file."""
 
     entries: list[DumpEntry]
     attrs: dict[str, str] = field(default_factory=dict)
     version: int = FORMAT_VERSION
     path: Path | None = None
     checksums: dict[str, int] = field(default_factory=dict)
+    header_verified: bool | None = None
 
     @property
     def names(self) -> list[str]:
@@ -309,7 +326,7 @@ class EntryInfo:
     shape: tuple[int, int]
     offset: int  # byte offset of the tensor data in the file
     nbytes: int
-    crc32: int | None  # version 2: the stored checksum; version 1: None
+    crc32: int | None  # versions 2, 3: the stored checksum; version 1: None
 
     @property
     def name(self) -> str:
@@ -358,8 +375,10 @@ def _parse_json(raw: bytes | str, path: Path, what: str) -> Any:
 class DumpFile:
     """An open dump: its validated header, and its entries' bytes read on demand with ``pread``.
 
-    Use as a context manager (or call ``close``). ``entries`` are ``EntryInfo`` in file order.
-    Every read checks that the file has not changed size or modification time since it was opened.
+    Use as a context manager (or call ``close``). ``entries`` are ``EntryInfo`` in file order;
+    ``header_verified`` is True when the header's checksum (version 3) matched, False for a version 1
+    or 2 header (no checksum). Every read checks that the file has not changed size or modification
+    time since it was opened.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -390,15 +409,53 @@ class DumpFile:
     # -- header
     def _parse(self, size: int) -> None:
         path = self.path
-        head = self._pread(0, min(8, size)) if size else b""
+        head = self._pread(0, min(HEADER_CRC_OFFSET, size)) if size else b""
         if len(head) < 8:
             raise _fail(path, f"not a safetensors file (only {size} bytes)")
-        (hlen,) = struct.unpack("<Q", head)
+        (hlen,) = struct.unpack("<Q", head[:8])
         if hlen > _MAX_HEADER_BYTES:
+            if _looks_like_v3(head):
+                raise self._header_error(f"its length field says {hlen} bytes")
             raise _fail(path, "not a safetensors file (its first 8 bytes are not a plausible header length)")
         if 8 + hlen > size:
-            raise _fail(path, f"truncated: the {hlen}-byte header does not fit in the file's {size} bytes")
+            if _looks_like_v3(head):
+                raise self._header_error(f"its {hlen}-byte header does not fit in the file's {size} bytes")
+            raise DumpHeaderError(f"{path}: truncated: the {hlen}-byte header does not fit in the file's {size} "
+                                  "bytes (the file was cut short: copy it again from its source)")
         raw = self._pread(8, hlen)
+        self.header_verified = self._check_header(head[:8] + raw)
+        try:
+            self._parse_header(raw, size, hlen)
+        except DumpHeaderError:
+            raise
+        except DumpFormatError as exc:
+            if not self.header_verified and _looks_like_v3(head + raw):
+                raise self._header_error(str(exc).removeprefix(f"{path}: ")) from None
+            raise
+
+    def _header_error(self, problem: str) -> DumpHeaderError:
+        return DumpHeaderError(
+            f"{self.path}: the version-3 header fails its check ({problem}): it was edited or damaged after it "
+            "was written, so its scales, layouts and sizes cannot be trusted; copy the file again from its "
+            "source or write it anew"
+        )
+
+    def _check_header(self, head: bytes) -> bool:
+        """Verify the header checksum when the header begins with one (``HEADER_PREFIX``); True when it
+        matched, False when the header has none (versions 1, 2: checked after parsing)."""
+        if not head[8:].startswith(HEADER_PREFIX):
+            return False
+        at = HEADER_CRC_OFFSET
+        stored = head[at : at + 9]
+        if len(stored) < 9 or not _CRC_PATTERN.match(stored[:8].decode("latin-1")) or stored[8:] != b'"':
+            raise self._header_error(f"'{HEADER_CHECKSUM}' is not 8 lowercase hex digits")
+        want, got = int(stored[:8], 16), header_crc32(head)
+        if want != got:
+            raise self._header_error(f"stored {HEADER_CHECKSUM} {want:08x}, the header has {got:08x}")
+        return True
+
+    def _parse_header(self, raw: bytes, size: int, hlen: int) -> None:
+        path = self.path
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -444,14 +501,18 @@ class DumpFile:
         if version is None:
             raise _fail(path, "kvbridge header has no 'version'")
         if version not in {str(v) for v in SUPPORTED_VERSIONS}:
-            readable = " and ".join(map(str, SUPPORTED_VERSIONS))
+            readable = ", ".join(map(str, SUPPORTED_VERSIONS))
             raise _fail(path, f"unsupported dump version {_short(version)} (this kvbridge reads versions {readable})")
+        if int(version) >= 3 and not self.header_verified:
+            raise self._header_error(f"it does not begin with its '{HEADER_CHECKSUM}'")
+        if HEADER_CHECKSUM in meta and not self.header_verified:
+            raise self._header_error(f"'{HEADER_CHECKSUM}' is not the header's first key")
         if "entries" not in meta:
             raise _fail(path, "kvbridge header has no 'entries'")
         entries = _parse_json(meta["entries"], path, "kvbridge header 'entries'")
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             raise _fail(path, "kvbridge header 'entries' must be a JSON list of objects")
-        attrs = {k: v for k, v in meta.items() if k not in ("format", "version", "entries")}
+        attrs = {k: v for k, v in meta.items() if k not in RESERVED_KEYS}
         return int(version), entries, attrs
 
     def _entry_infos(self, metas: list[dict], tensors: dict, data_start: int) -> list[EntryInfo]:
@@ -587,14 +648,13 @@ def open_dump(path: str | os.PathLike) -> DumpFile:
 
 
 def read_dump(path: str | os.PathLike) -> Dump:
-    """Read and validate a whole dump file (checksums verified); every problem raises ``DumpFormatError``."""
+    """Read and validate a whole dump file (checksums verified); every problem raises ``DumpFormatError``
+    (``DumpHeaderError`` when a version-3 header fails its checksum)."""
     with open_dump(path) as fh:
         entries = [fh.load(info) for info in fh.entries]
         checksums = {i.name: i.crc32 for i in fh.entries if i.crc32 is not None}
-        return Dump(entries, attrs=fh.attrs, version=fh.version, path=fh.path, checksums=checksums)
-
-
-# ------------------------------------------------------------------------------------ writing
+        return Dump(entries, attrs=fh.attrs, version=fh.version, path=fh.path, checksums=checksums,
+                    header_verified=fh.header_verified)
 
 
 def _file_kind(mode: int) -> str:
@@ -605,361 +665,6 @@ def _file_kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a regular file"
-
-
-def _new_file_mode() -> int:
-    """Permission bits a newly created file gets under the process umask (0o666 & ~umask)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-#: Signals held while a temp file is created: Ctrl-C, and what ``timeout``, docker or systemd (SIGTERM)
-#: and a closed terminal (SIGHUP) send; the CLI turns the latter two into a clean exit like Ctrl-C.
-HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextmanager
-def _interrupts_held() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT), SIGTERM and SIGHUP until the block ends, then deliver it: an interrupt arriving between the
-    creation of a temp file and the recording of its descriptor would otherwise leave the file behind.
-    Main thread only (signal handlers live there); elsewhere the block runs unchanged."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.getsignal(sig) for sig in HELD_SIGNALS}
-    held: list[int] = []
-    for sig, handler in previous.items():
-        if handler is not None:
-            signal.signal(sig, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-    for sig in dict.fromkeys(held):
-        signal.raise_signal(sig)  # now handled as the caller asked (KeyboardInterrupt for SIGINT by default)
-
-
-def partial_path(path: str | os.PathLike) -> Path:
-    """The temp file a dump at ``path`` is written into: ``.{name}.kvbridge-partial`` beside it."""
-    path = Path(path)
-    return path.parent / f".{path.name}{PARTIAL_SUFFIX}"
-
-
-@dataclass(frozen=True)
-class EntrySpec:
-    """What an entry will hold before its bytes exist: header dict, safetensors dtype, shape."""
-
-    meta: dict
-    dtype: str
-    shape: tuple[int, int]
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * _DTYPE_BYTES[self.dtype]
-
-
-def _header_bytes(specs: Sequence[EntrySpec], attrs: dict[str, str], crcs: Sequence[int]) -> bytes:
-    """The safetensors header (length prefix included, padded with spaces to 8 bytes)."""
-    metas = [{**{k: s.meta.get(k) for k in _META_KEYS}, CHECKSUM: f"{c:08x}"} for s, c in zip(specs, crcs, strict=True)]
-    metadata = {"created_by": f"kvbridge {__version__}", **attrs}
-    metadata.update(format=FORMAT_NAME, version=str(FORMAT_VERSION), entries=json.dumps(metas, separators=(",", ":")))
-    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
-    at = 0
-    for s in specs:
-        header[s.meta["name"]] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [at, at + s.nbytes]}
-        at += s.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
-class DumpWriter:
-    """Streams a dump into its temp file and commits it atomically.
-
-    ``DumpWriter(path, overwrite=..., reserve=bytes)`` checks the output at once, before any
-    conversion work: ``path`` is not a directory, it does not exist (unless ``overwrite``), the
-    directory exists and is writable, no other kvbridge process is writing it (the temp file is
-    created and locked; a stale one left by a killed process is taken over) and ``reserve``
-    bytes fit on the disk (they are allocated). Then ``begin(specs, attrs)``, ``write(rows)``
-    for each entry's rows in order, ``commit()``; any failure, or leaving the ``with`` block
-    with an exception (Ctrl-C included), removes the temp file.
-    """
-
-    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, reserve: int = 0):
-        if not isinstance(path, (str, os.PathLike)):
-            raise InputError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        self.path = Path(path)
-        self.overwrite = bool(overwrite)
-        self.tmp = partial_path(self.path)
-        self._fd = -1
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-write")
-        self._pending: deque[Future] = deque()
-        if self.path.is_dir():
-            raise InputError(f"output {self.path} is a directory")
-        self._check_exists()
-        parent = self.path.parent
-        if not parent.is_dir():
-            raise InputError(f"output directory {parent} does not exist")
-        try:
-            with _interrupts_held():
-                self._open_temp()
-            self._reserve(reserve)
-        except BaseException:
-            self.abort()
-            raise
-        self._specs: list[EntrySpec] = []
-        self._crcs: list[int] = []
-        self._entry = -1
-        self._left = 0
-
-    def _check_exists(self) -> None:
-        try:
-            mode = os.lstat(self.path).st_mode
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise self._io_error(exc, "check") from None
-        if not stat.S_ISREG(mode):
-            raise InputError(f"output {self.path} is {_file_kind(mode)}; only a regular file is ever replaced "
-                             "(choose another output path)")
-        if not self.overwrite:
-            raise InputError(f"output {self.path} exists; pass overwrite=True (CLI: --force) to replace it")
-
-    def _io_error(self, exc: OSError, doing: str = "write") -> DumpWriteError:
-        return DumpWriteError(f"could not {doing} {self.path}: {exc.strerror or exc}")
-
-    def _open_temp(self) -> None:
-        for _ in range(8):
-            try:
-                fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            except FileExistsError:
-                try:
-                    fd = os.open(self.tmp, os.O_RDWR | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    continue  # the other writer just finished: try again
-                except OSError as exc:
-                    raise self._io_error(exc, "create a temp file for") from None
-            except OSError as exc:
-                raise self._io_error(exc, "create a temp file for") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise DumpWriteError(
-                    f"another kvbridge process is writing {self.path} (its temp file {self.tmp.name} is locked)"
-                ) from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.tmp).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:  # locked a temp file that its writer had just committed: start over
-                os.close(fd)
-                continue
-            self._fd = fd
-            os.ftruncate(fd, 0)  # a stale temp file of a killed process: taken over
-            self._check_exists()  # re-checked under the lock: exactly one of two racing writers wins
-            return
-        raise DumpWriteError(f"could not create a temp file for {self.path}: it keeps changing")
-
-    def _reserve(self, nbytes: int) -> None:
-        try:
-            vfs = os.statvfs(self.tmp.parent)
-        except OSError:
-            return
-        free = vfs.f_bavail * vfs.f_frsize
-        if nbytes > free:
-            raise DumpWriteError(
-                f"not enough space for {self.path}: it needs {nbytes} bytes, {free} are free in {self.tmp.parent}"
-            )
-        if nbytes:
-            try:
-                os.posix_fallocate(self._fd, 0, nbytes)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise self._io_error(exc) from None
-                # filesystems without fallocate: the free-space check above stands
-
-    def begin(self, specs: Sequence[EntrySpec], attrs: dict[str, str] | None = None) -> None:
-        """Write the header for ``specs`` (checksums filled in by ``commit``)."""
-        attrs = dict(attrs or {})
-        reserved = {"format", "version", "entries"} & set(attrs)
-        if reserved or not all(isinstance(k, str) and isinstance(v, str) for k, v in attrs.items()):
-            raise InputError(f"attrs must map str to str and not use {', '.join(sorted(reserved)) or 'reserved keys'}")
-        names = [s.meta["name"] for s in specs]
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:
-            raise InputError(f"dump entries: {dup!r} appears twice")
-        self._specs, self._attrs = list(specs), attrs
-        self._crcs = [0] * len(specs)
-        self._write(_header_bytes(self._specs, attrs, self._crcs))
-        self._next_entry()
-
-    def _next_entry(self) -> None:
-        self._entry += 1
-        while self._entry < len(self._specs) and self._specs[self._entry].nbytes == 0:
-            self._entry += 1
-        self._left = self._specs[self._entry].nbytes if self._entry < len(self._specs) else 0
-
-    def _write(self, data) -> None:
-        view = memoryview(data).cast("B")
-        try:
-            while view:
-                view = view[os.write(self._fd, view) :]
-        except OSError as exc:
-            raise self._io_error(exc) from None
-
-    def write(self, rows: torch.Tensor) -> int:
-        """Append ``rows`` (the next bytes of the current entry, in order); returns bytes written."""
-        t = rows.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
-        n = t.numel()
-        if n == 0:
-            return 0
-        if n > self._left:
-            raise InputError(f"dump writer: {n} bytes given, the current entry has {self._left} left")
-        while len(self._pending) >= 2:  # at most two chunks in flight
-            self._pending.popleft().result()
-        entry = self._entry
-
-        def job() -> None:  # the closure keeps ``t`` alive until written
-            arr = t.numpy()
-            self._crcs[entry] = zlib.crc32(arr, self._crcs[entry])
-            self._write(arr)
-
-        self._pending.append(self._pool.submit(job))
-        self._left -= n
-        if self._left == 0:
-            self._next_entry()
-        return n
-
-    def _drain(self) -> None:
-        """Wait for the chunks in flight (their write errors are raised here)."""
-        while self._pending:
-            self._pending.popleft().result()
-
-    def commit(self) -> Path:
-        """Fill in the checksums, fsync and move the temp file to ``path``; returns ``path``."""
-        if self._entry < len(self._specs):
-            raise InputError(f"dump writer: entry {self._specs[self._entry].meta['name']} is incomplete")
-        try:
-            self._drain()
-            size = os.lseek(self._fd, 0, os.SEEK_CUR)
-            os.ftruncate(self._fd, size)  # drop what the reservation allocated beyond the data
-            os.lseek(self._fd, 0, os.SEEK_SET)
-            self._write(_header_bytes(self._specs, self._attrs, self._crcs))
-            os.fchmod(self._fd, _new_file_mode())  # the dump gets the usual umask mode
-            os.fsync(self._fd)
-            if self.overwrite:
-                os.replace(self.tmp, self.path)
-            else:
-                try:
-                    os.link(self.tmp, self.path)  # fails if path appeared meanwhile: never replaces
-                except FileExistsError:
-                    raise InputError(f"output {self.path} exists; pass overwrite=True (CLI: --force)") from None
-                except OSError as exc:
-                    if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-                        raise
-                    self._check_exists()  # a filesystem without hard links: check, then rename
-                    os.rename(self.tmp, self.path)
-                else:
-                    os.unlink(self.tmp)
-            self._sync_dir()
-        except OSError as exc:
-            self.abort()
-            raise self._io_error(exc) from None
-        except BaseException:
-            self.abort()
-            raise
-        os.close(self._fd)
-        self._fd = -1
-        self._pool.shutdown(wait=True)
-        return self.path
-
-    def _sync_dir(self) -> None:
-        try:
-            fd = os.open(self.path.parent, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-    def abort(self) -> None:
-        """Remove the temp file (the output is untouched)."""
-        for job in self._pending:
-            job.cancel()
-        self._pool.shutdown(wait=True)
-        self._pending.clear()
-        if self._fd >= 0:
-            try:
-                if os.fstat(self._fd).st_ino == os.stat(self.tmp).st_ino:
-                    os.unlink(self.tmp)
-            except OSError:
-                pass
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> DumpWriter:
-        return self
-
-    def __del__(self) -> None:
-        # dropped uncommitted, e.g. Ctrl-C between the constructor and the ``with`` block (no ``__exit__``)
-        if getattr(self, "_fd", -1) >= 0:
-            self.abort()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if self._fd >= 0:
-            self.abort()
-
-
-def _estimate_bytes(specs: Sequence[EntrySpec], attrs: dict[str, str]) -> int:
-    return sum(s.nbytes for s in specs) + len(_header_bytes(specs, attrs, [0] * len(specs)))
-
-
-def write_dump(
-    path: str | os.PathLike,
-    entries: Dump | Iterable[DumpEntry],
-    *,
-    overwrite: bool = False,
-    attrs: dict[str, str] | None = None,
-) -> Path:
-    """Write ``entries`` as a version-2 dump at ``path``, atomically (see ``DumpWriter``).
-
-    Refuses an existing ``path`` unless ``overwrite``. ``attrs`` adds free-form string
-    attributes to the header (a ``Dump``'s own ``attrs`` are kept). The same entries and
-    attributes always give the same bytes.
-    """
-    if isinstance(entries, torch.Tensor) or not isinstance(entries, (Dump, Iterable)):
-        raise InputError(f"entries must be a Dump or DumpEntry objects, got {type(entries).__name__}")
-    items = list(entries)
-    bad = next((e for e in items if not isinstance(e, DumpEntry)), None)
-    if bad is not None:
-        raise InputError(f"entries must be DumpEntry objects, got {type(bad).__name__}")
-    if attrs is not None and not isinstance(attrs, dict):
-        raise InputError(f"attrs must be a dict of str to str, got {type(attrs).__name__}")
-    extra = dict(entries.attrs) if isinstance(entries, Dump) else {}
-    extra.update(attrs or {})
-    specs = [EntrySpec(e.metadata(), _DTYPE_NAMES[e.data.dtype], tuple(e.data.shape)) for e in items]
-    names = [s.meta["name"] for s in specs]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup is not None:
-        raise InputError(f"dump entries: {dup!r} appears twice")
-    reserved = {"format", "version", "entries"} & set(extra)
-    if reserved or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
-        raise InputError(f"attrs must map str to str and not use {', '.join(sorted(reserved)) or 'reserved keys'}")
-    with DumpWriter(path, overwrite=overwrite, reserve=_estimate_bytes(specs, extra)) as out:
-        out.begin(specs, extra)
-        for e in items:
-            rows = e.data.detach()
-            step = max(1, CHUNK_BYTES // max(1, rows[0].numel() * rows.element_size())) if rows.shape[0] else 1
-            for start in range(0, rows.shape[0], step):
-                out.write(rows[start : start + step])
-        return out.commit()
 
 
 def tokens_per_chunk(row_tokens: int, row_bytes: int, multiple: int = 1) -> int:
@@ -975,17 +680,17 @@ __all__ = [
     "CHUNK_BYTES",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "HEADER_CHECKSUM",
+    "HEADER_CRC_OFFSET",
+    "HEADER_PREFIX",
     "LATENT_DTYPES",
     "Dump",
     "DumpEntry",
     "DumpFile",
-    "DumpWriter",
     "EntryInfo",
-    "EntrySpec",
     "entry_name",
+    "header_crc32",
     "open_dump",
-    "partial_path",
     "read_dump",
     "tokens_per_chunk",
-    "write_dump",
 ]

@@ -53,7 +53,8 @@ import numpy as np
 import torch
 
 from kvbridge.dumps.convert import convert_entry
-from kvbridge.dumps.dumpfile import Dump, DumpEntry, read_dump, write_dump
+from kvbridge.dumps.dumpfile import Dump, DumpEntry, read_dump
+from kvbridge.dumps.writer import write_dump
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.control import (
     DEFAULT_HANDSHAKE_S,

@@ -7,32 +7,41 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvbridge.attention.sparse import BACKENDS
-from kvbridge.study import accuracy as acc
-from kvbridge.study.synthetic import LAYERS
+from kvbridge.attention.backends import BACKENDS
+from kvbridge.study import params
 
-from .common import console, err_console, fmt, json_option, keep_numbers_whole, print_json
+from .common import Name, console, err_console, fmt, json_option, keep_numbers_whole, plural, print_json
 
-#: Variants shown in sweep tables and figures (the headline comparison).
-KEY_VARIANTS: tuple[acc.Variant, ...] = (
-    acc.FP8_UNIT, acc.FP8_CALIBRATED, acc.FP8_CALIBRATED_POW2, *acc.MODEL1_DIALECTS,
-)
-#: Tables are drawn at least this wide (characters), also when stdout is not a terminal.
-TABLE_WIDTH = 120
+if TYPE_CHECKING:
+    from kvbridge.study.accuracy import Variant
+
+# kvbridge.study.accuracy (torch) is imported inside the functions that use it, so that --help runs
+# without torch; the options are made of kvbridge.study.params (no torch).
+
+
+def key_variants() -> tuple[Variant, ...]:
+    """Variants shown in sweep tables and figures (the headline comparison)."""
+    from kvbridge.study import accuracy as acc
+
+    return (acc.FP8_UNIT, acc.FP8_CALIBRATED, acc.FP8_CALIBRATED_POW2, *acc.MODEL1_DIALECTS)
+
+#: Column labels of the key variants in sweep tables (named in the table's caption).
+KEY_LABELS = "ABCDEF"
 
 
 def _param_options(func):
     """One ``--name`` option per ``SyntheticParams`` field, defaults and help from the library."""
-    for f in reversed(dataclasses.fields(acc.SyntheticParams)):
+    for f in reversed(dataclasses.fields(params.SyntheticParams)):
         flag = "--" + f.name.replace("_", "-")
-        kind = click.Choice(LAYERS) if f.name == "layer" else type(f.default)
+        kind = click.Choice(params.LAYERS) if f.name == "layer" else type(f.default)
         func = click.option(flag, f.name, type=kind, default=f.default, show_default=True,
-                            help=acc.PARAM_HELP[f.name])(func)
+                            help=params.PARAM_HELP[f.name])(func)
     return func
 
 
@@ -55,7 +64,7 @@ def _sweeps(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) 
     """``--sweep NAME`` or ``--sweep NAME=V1,V2`` (repeatable) -> {field: values}; None if not given."""
     if not value:
         return None
-    types = {f.name: type(f.default) for f in dataclasses.fields(acc.SyntheticParams)}
+    types = {f.name: type(f.default) for f in dataclasses.fields(params.SyntheticParams)}
     out: dict[str, tuple] = {}
     for item in value:
         name, _, values = item.partition("=")
@@ -63,9 +72,9 @@ def _sweeps(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) 
         if name not in types:
             raise click.BadParameter(f"unknown parameter {name!r}; choose from {', '.join(types)}")
         if not values:
-            if name not in acc.DEFAULT_SWEEPS:
+            if name not in params.DEFAULT_SWEEPS:
                 raise click.BadParameter(f"{name} has no default sweep; give values: --sweep {name}=V1,V2")
-            out[name] = acc.DEFAULT_SWEEPS[name]
+            out[name] = params.DEFAULT_SWEEPS[name]
             continue
         try:
             out[name] = tuple(types[name](v.strip()) for v in values.split(","))
@@ -84,31 +93,37 @@ def run_tables(run: dict, title: str) -> tuple[Table, Table]:
         (kerr, ("variant", "K nope relL2", "K rope relL2", "sat %", "subn %", "nope-only", "rope-only")),
     ):
         for col in columns:
-            table.add_column(col, justify="left" if col == "variant" else "right", no_wrap=col == "variant")
+            table.add_column(col, justify="left" if col == "variant" else "right")
     for r in run["rows"]:
-        attention.add_row(r["variant"], str(r["bytes_per_token"]), fmt(r["scale"]), fmt(r["out_rel_l2"]),
+        attention.add_row(Name(r["variant"]), str(r["bytes_per_token"]), fmt(r["scale"]), fmt(r["out_rel_l2"]),
                           fmt(r["out_max_abs"]), f"{r['out_cosine']:.6f}", fmt(r["kl_mean"]),
                           f"{r['topk_overlap_mean']:.3f}")
-        kerr.add_row(r["variant"], fmt(r["k_nope_rel_l2"]), fmt(r["k_rope_rel_l2"]), fmt(100 * r["saturated_frac"]),
-                     fmt(100 * r["subnormal_frac"]), fmt(r["out_rel_l2_nope_only"]), fmt(r["out_rel_l2_rope_only"]))
+        kerr.add_row(Name(r["variant"]), fmt(r["k_nope_rel_l2"]), fmt(r["k_rope_rel_l2"]),
+                     fmt(100 * r["saturated_frac"]), fmt(100 * r["subnormal_frac"]), fmt(r["out_rel_l2_nope_only"]),
+                     fmt(r["out_rel_l2_rope_only"]))
     return keep_numbers_whole(attention), keep_numbers_whole(kerr)
 
 
 def sweep_table(study: dict, sweep: str) -> Table:
     """Output relative L2 error of the key variants along one sweep, with FP8 s=1's E4M3 range use."""
+    from kvbridge.study import accuracy as acc
+
+    variants = dict(zip(KEY_LABELS, key_variants(), strict=True))
+    legend = "; ".join(f"{label}: {v.label}" for label, v in variants.items())
     table = Table(title=f"sweep over {sweep}: attention-output relative L2 error vs bf16", box=None,
-                  header_style="bold")
+                  header_style="bold", caption_justify="left",
+                  caption=f"{legend}; sat %, subn %: E4M3 codes of {acc.FP8_UNIT.label} that saturate or are "
+                          "subnormal")
     table.add_column(sweep, justify="right")
-    for v in KEY_VARIANTS:
-        table.add_column(v.label, justify="right")
-    table.add_column(f"{acc.FP8_UNIT.label} sat % / subn %", justify="right")
+    for label in (*variants, "sat %", "subn %"):
+        table.add_column(label, justify="right")
     for run in study["runs"]:
         if run["sweep"] != sweep:
             continue
         by = {r["variant"]: r for r in run["rows"]}
         unit = by[acc.FP8_UNIT.label]
-        table.add_row(str(run["value"]), *(fmt(by[v.label]["out_rel_l2"]) for v in KEY_VARIANTS),
-                      f"{fmt(100 * unit['saturated_frac'])} / {fmt(100 * unit['subnormal_frac'])}")
+        table.add_row(str(run["value"]), *(fmt(by[v.label]["out_rel_l2"]) for v in variants.values()),
+                      fmt(100 * unit["saturated_frac"]), fmt(100 * unit["subnormal_frac"]))
     return keep_numbers_whole(table)
 
 
@@ -143,7 +158,7 @@ def _atomic_savefig(fig: Any, path: Path) -> None:
         raise
 
 
-def _series(study: dict, sweep: str, variant: acc.Variant, key: str) -> tuple[list, list]:
+def _series(study: dict, sweep: str, variant: Variant, key: str) -> tuple[list, list]:
     xs, ys = [], []
     for run in study["runs"]:
         if run["sweep"] == sweep:
@@ -175,14 +190,17 @@ def _value_ticks(ax: Any, values: list) -> None:
 def write_plots(study: dict, directory: Path, plt: Any) -> list[Path]:
     """PNG figures of a synthetic study's sweeps into ``directory`` (created) with ``plt``
     (``load_pyplot()``); returns the paths."""
+    from kvbridge.study import accuracy as acc
+
+    variants = key_variants()
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     styles = {v.label: {"marker": "o^sDvx"[i % 6], "linestyle": "-" if i < 3 else "--"}
-              for i, v in enumerate(KEY_VARIANTS)}
+              for i, v in enumerate(variants)}
     numeric = [s for s in study["sweeps"] if s != "layer"]
     for sweep in numeric:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for v in KEY_VARIANTS:
+        for v in variants:
             xs, ys = _series(study, sweep, v, "out_rel_l2")
             ax.plot(xs, ys, label=v.label, **styles[v.label])
         if sweep == "rope_ratio":
@@ -230,14 +248,23 @@ def write_plots(study: dict, directory: Path, plt: Any) -> list[Path]:
 # ---------------------------------------------------------------- command
 
 
+def study_progress(visible: bool) -> Progress:
+    """The study's progress on stderr, drawn only when ``visible``: the point and variant last
+    measured, a bar over every (point, variant) evaluation, elapsed and remaining time."""
+    return Progress(TextColumn("{task.description}", style="dim"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=True,
+                    disable=not visible)
+
+
+
 @click.command("accuracy")
 @_param_options
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of every random draw.")
 @click.option("--sweep", "sweep", multiple=True, callback=_sweeps, metavar="NAME[=V1,V2,...]",
               help="Run this sweep (repeatable; default values unless given). Default: "
-                   + ", ".join(acc.DEFAULT_SWEEPS) + ".")
+                   + ", ".join(params.DEFAULT_SWEEPS) + ".")
 @click.option("--no-sweeps", is_flag=True, help="Only the nominal point.")
-@click.option("--pow2-scales", default=",".join(acc.scale_label(s) for s in acc.DEFAULT_POW2_SCALES),
+@click.option("--pow2-scales", default=",".join(params.scale_label(s) for s in params.DEFAULT_POW2_SCALES),
               show_default=True, callback=_pow2_list, help="Fixed per-tensor scales tried besides 1 and amax/448.")
 @click.option("--overlap-k", type=int, default=16, show_default=True,
               help="Highest-weight tokens compared by the top-k overlap metric.")
@@ -262,20 +289,22 @@ def command(seed: int, sweep: dict | None, no_sweeps: bool, pow2_scales: tuple[f
         raise click.UsageError("--sweep/--no-sweeps apply to the synthetic study, not --from-dump")
     if plot_dir is not None and (no_sweeps or from_dump is not None):
         raise click.UsageError("--plot draws the synthetic sweeps; it cannot go with --no-sweeps or --from-dump")
-    params = acc.SyntheticParams(**param_values)
+    from kvbridge.study import accuracy as acc
+
+    synthetic = params.SyntheticParams(**param_values)
     plt = None if plot_dir is None else load_pyplot()
-    show = err_console.is_terminal and not as_json
+    with study_progress(err_console.is_terminal and not as_json) as bar:
+        task = bar.add_task("accuracy", total=None)
 
-    def progress(label: str) -> None:
-        if show:
-            err_console.print(f"[dim]accuracy: {label}[/dim]")
+        def progress(label: str, done: int, total: int) -> None:
+            bar.update(task, description=label, completed=done, total=total)
 
-    common = {"params": params, "seed": seed, "pow2_scales": pow2_scales, "overlap_k": overlap_k,
-              "backend": backend, "progress": progress}
-    if from_dump is not None:
-        study = acc.run_dump_study(from_dump, entries=entries, **common)
-    else:
-        study = acc.run_study(sweeps={} if no_sweeps else sweep, **common)
+        common = {"params": synthetic, "seed": seed, "pow2_scales": pow2_scales, "overlap_k": overlap_k,
+                  "backend": backend, "progress": progress}
+        if from_dump is not None:
+            study = acc.run_dump_study(from_dump, entries=entries, **common)
+        else:
+            study = acc.run_study(sweeps={} if no_sweeps else sweep, **common)
     if plot_dir is not None:
         study["figures"] = [str(p) for p in write_plots(study, Path(plot_dir), plt)]
     if as_json:
@@ -287,13 +316,14 @@ def command(seed: int, sweep: dict | None, no_sweeps: bool, pow2_scales: tuple[f
         if run["sweep"] in ("nominal", "entry"):
             title = "nominal point" if run["sweep"] == "nominal" else f"entry {run['value']}"
             case = run["case"]
-            label = f"{title} ({case['tokens']} entries, top-k {case['topk']}, {case['heads']} heads)"
+            label = f"{title} ({plural(case['tokens'], 'entry', 'entries')}, top-k {case['topk']}, " \
+                    f"{plural(case['heads'], 'head')})"
             for table in run_tables(run, label):
-                console.print(table, width=max(console.width, TABLE_WIDTH))
+                console.print(table)
             for line in summary_lines(run["summary"]):
                 console.print(line)
     for name in study["sweeps"]:
-        console.print(sweep_table(study, name), width=max(console.width, TABLE_WIDTH))
+        console.print(sweep_table(study, name))
     for item in study.get("skipped", []):
         console.print(f"skipped {item['entry']}: {item['reason']}")
     for path in study.get("figures", []):

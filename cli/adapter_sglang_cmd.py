@@ -16,10 +16,12 @@ import click
 from click.core import ParameterSource
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.migration import destination_pools, plan_migration, source_request
 
 from .common import engine_spec_option, err_console, json_option, model_option, print_json
 from .migrate_net_cmd import Failure, _address, _require_nixl, _topology
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
 
 
 @click.command("serve-sglang-prefill")
@@ -56,6 +58,8 @@ from .migrate_net_cmd import Failure, _address, _require_nixl, _topology
 def command(ctx, listen, register_with, dump_path, src, dst, model, layers, tokens, room, first_token,
             hidden_state_bytes, kv_cache_dtype, state_memory, seed, timeout, as_json) -> None:
     """Serve one request to an SGLang decode, as its prefill server (NIXL)."""
+    from kvbridge.migration import destination_pools, plan_migration, source_request
+
     _require_nixl()
     from kvbridge.adapters.sglang import SGLangPrefillPeer
     from kvbridge.dumps.dumpfile import read_dump

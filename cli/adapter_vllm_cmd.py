@@ -8,8 +8,10 @@ from pathlib import Path
 
 import click
 
-from kvbridge.adapters.vllm_config import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, TRANSPORTS, kv_transfer_config
-from kvbridge.engines.profiles import parse_engine
+from kvbridge.adapters.vllm_options import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, TRANSPORTS
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
 
 
 @click.command("vllm-config", short_help="Print vLLM's --kv-transfer-config for the kvbridge connector.")
@@ -36,8 +38,12 @@ def command(role: str, listen: str | None, engine: str | None, model: str | None
 
     \b
     vllm serve MODEL --kv-cache-dtype fp8_ds_mla --block-size 256 \\
-        --kv-transfer-config "$(kvbridge vllm-config consumer --listen 0.0.0.0:7300)"
+        --kv-transfer-config \\
+        "$(kvbridge vllm-config consumer --listen 0.0.0.0:7300)"
     """
+    from kvbridge.adapters.vllm_config import kv_transfer_config
+    from kvbridge.engines.profiles import parse_engine
+
     config = kv_transfer_config(role, listen=listen, engine=engine, model=model, timeout=timeout,
                                 convert_on=convert_on, on_load_failure=on_load_failure, transport=transport,
                                 landing_tokens=landing_tokens, ape=[str(p.resolve()) for p in ape] or None)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
-import torch
 from rich.table import Table
 
-from kvbridge.study import bench
+from .common import Name, console, json_option, print_json
 
-from .common import console, json_option, print_json
+if TYPE_CHECKING:
+    from kvbridge.study import bench
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
 
 OUT_SUFFIX = " into out="
 
@@ -48,6 +53,10 @@ def command(tokens: int, device: str, repeat: int, threads: tuple[int, ...] | No
     torch copy_ of the same bytes on the same device, at 1 and 2 threads, with fresh and
     preallocated (out=) outputs, against the cost of a fresh output of the same size, and against
     the naive reference path."""
+    import torch
+    
+    from kvbridge.study import bench
+
     if device == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter("no CUDA device is available", param_hint="--device")
     devices = None if device == "auto" else [device]
@@ -90,7 +99,7 @@ def _print_table(results: list[bench.CaseResult], machine: dict, tokens: int, re
                   "any fresh output costs here); x ceil = the ceiling's time over kvbridge's", highlight=False)
     backends = {r.backend for r in results}
     table = Table(box=None, pad_edge=False, header_style="bold")
-    table.add_column("operation", overflow="fold", ratio=1)
+    table.add_column("operation")
     cols = (["backend"] if len(backends) > 1 else []) + ["out", "thr", "GB/s", "x copyto", "x copy_", "ceil",
                                                          "x ceil", "x ref", "exact"]
     for col in cols:
@@ -106,7 +115,7 @@ def _print_table(results: list[bench.CaseResult], machine: dict, tokens: int, re
             "-" if r.vs_fresh_ceiling is None else f"{r.vs_fresh_ceiling:.2f}",
             f"{r.vs_reference:.0f}" if r.vs_reference >= 10 else f"{r.vs_reference:.1f}",
             "yes" if r.exact else "[red]NO[/red]"]
-        table.add_row(name if name != previous else "", *cells)
+        table.add_row(Name(name if name != previous else ""), *cells)
         previous = name
     console.print(table)
     if len(backends) == 1:

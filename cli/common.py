@@ -6,15 +6,17 @@ import contextlib
 import json
 import math
 import os
+import re
 import struct
 import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -27,7 +29,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.layouts import Layout, get_layout
+
+if TYPE_CHECKING:
+    from kvbridge.layouts import Layout
 
 console = Console()
 err_console = Console(stderr=True)
@@ -122,6 +126,8 @@ def print_json(data: Any) -> None:
 
 def parse_layout(ctx: click.Context, param: click.Parameter, value: str | None) -> Layout | None:
     """Click callback: a registered layout name or alias, else a usage error (exit 2)."""
+    from kvbridge.layouts import get_layout  # torch: imported when the command runs, not for --help
+
     if value is None:
         return None
     try:
@@ -186,15 +192,62 @@ def parse_device(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return value
 
 
+#: Where a name may wrap: after a separator (``-``, ``:``, ``=``, ``/``, ``,``) or a space, but not
+#: in front of a digit, so that a number inside a name (``amax-1e-4``, ``s=2^-6``) stays whole.
+_BREAK = re.compile(r"(?<=[-_:=/, ])(?!\d)")
+
+
+class Name:
+    """A table cell (a layout, variant, spec or operation name; several lines allowed; rich markup
+    with ``markup=True``) that wraps only at ``_BREAK`` points, never mid-word, when its column is
+    narrow; rich gives its column the width of the longest unbreakable piece where it can."""
+
+    def __init__(self, text: str, *, markup: bool = False):
+        self.text = Text.from_markup(text) if markup else Text(text)
+
+    def _pieces(self) -> list[list[Text]]:
+        out = []
+        for line in self.text.split("\n"):
+            cuts = [m.start() for m in _BREAK.finditer(line.plain) if 0 < m.start() < len(line.plain)]
+            out.append(list(line.divide(cuts)))
+        return out
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        pieces = self._pieces()
+        widest = max((len(p.plain.rstrip()) for line in pieces for p in line), default=0)
+        whole = max((len(line.plain) for line in self.text.split("\n")), default=0)
+        return Measurement(widest, whole).clamp(max_width=options.max_width)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = options.max_width
+        lines: list[Text] = []
+        for pieces in self._pieces():
+            line = Text()
+            for piece in pieces:
+                if line.plain and len(line.plain) + len(piece.plain.rstrip()) > width:
+                    line.rstrip()
+                    lines.append(line)
+                    line = Text()
+                line.append_text(piece)
+            line.rstrip()
+            lines.append(line)
+        yield Text("\n").join(lines)
+
+
 def keep_numbers_whole(table: Table) -> Table:
-    """Let ``table`` fit narrow terminals without cutting numbers: each right-aligned column is at
-    least as wide as its widest cell, and text (headers, names) wraps instead."""
+    """Let ``table`` fit narrow terminals without cutting numbers: each right-aligned (number) column
+    keeps the width of its widest cell, its header stacked one word per line where the words are
+    wider; names and other text wrap instead (``Name`` cells at separators)."""
     for column in table.columns:
         column.overflow = "fold"
         column.no_wrap = False
         if column.justify == "right":
-            widths = [len(c) for c in column.cells if isinstance(c, str)]
-            column.min_width = max(widths, default=0)
+            widest = max((len(c) for c in column.cells if isinstance(c, str)), default=0)
+            if isinstance(column.header, str):
+                words = column.header.split()
+                width = max(widest, *(len(w) for w in words)) if words else widest
+                column.header = "\n".join(textwrap.wrap(column.header, width)) or column.header
+            column.no_wrap = True
     return table
 
 

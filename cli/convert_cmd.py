@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
 
-from kvbridge.dumps.convert import convert_open_dump, plan_convert
-from kvbridge.dumps.dumpfile import open_dump
 from kvbridge.errors import InputError
-from kvbridge.layouts import Layout
 
 from .common import (
     LARGE_FILE_BYTES,
+    Name,
     byte_progress,
     console,
     err_console,
@@ -25,6 +24,19 @@ from .common import (
     plural,
     print_json,
 )
+
+if TYPE_CHECKING:
+    from kvbridge.layouts import Layout
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
+
+
+def convert_open_dump(*args, **kwargs):
+    """``kvbridge.dumps.convert.convert_open_dump`` (torch), imported when a conversion runs."""
+    from kvbridge.dumps.convert import convert_open_dump as convert
+
+    return convert(*args, **kwargs)
 
 
 @click.command("convert", short_help="Convert a dump to another layout (streamed, atomic, loss report).")
@@ -73,6 +85,9 @@ def command(
     exists (the source's own scale, s = 1, or another scale that reproduces every value), and otherwise picks
     per entry the smallest scale that does not saturate. A source holding NaN or Inf is refused, byte moves included.
     """
+    from kvbridge.dumps.convert import plan_convert
+    from kvbridge.dumps.dumpfile import open_dump
+
     if not force and os.path.lexists(dst) and dst.is_file() and not dst.is_symlink():
         raise InputError(f"{dst} exists; pass --force to overwrite it")
     with open_dump(src) as fh:
@@ -119,13 +134,13 @@ def command(
         console.print("loss report skipped (--no-report)")
         return
     table = Table(title="loss report (errors against the decoded source)", box=None, header_style="bold")
-    table.add_column("entry", overflow="fold")
+    table.add_column("entry")
     for col in ("scale", "max abs", "max rel", "rms", "saturated", "to zero"):
         table.add_column(col, justify="right", no_wrap=True)
     for c in converted:
         r = c.report
         table.add_row(
-            c.name,
+            Name(c.name),
             fmt(r.dst_scale),
             fmt(r.max_abs_error),
             fmt(r.max_rel_error),

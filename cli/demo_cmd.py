@@ -7,9 +7,10 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from kvbridge.demo.run import run_demo
-
 from .common import console, json_option, print_json, print_wrapped
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
 
 
 def value_text(value: object) -> str:
@@ -32,6 +33,8 @@ def command(ctx: click.Context, tokens: int, workdir: Path | None, as_json: bool
     """Build a synthetic DeepSeek-V4 request (SWA, C4 and C128 caches), write it as a TensorRT-LLM FP8
     dump, convert it to MODEL1, check the bytes against the reference codecs and the round trip back.
     Exit 1 if any check fails."""
+    from kvbridge.demo.run import run_demo
+
     summary = run_demo(tokens=tokens, workdir=workdir)
     if as_json:
         print_json(summary)

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
 
-from kvbridge.conformance import WriterReport, identify_writer
-from kvbridge.dumps.dumpfile import CHECKSUM, Dump, open_dump, read_dump
-from kvbridge.dumps.stats import dump_stats
+from .common import LARGE_FILE_BYTES, Name, byte_progress, console, err_console, fmt, json_option, print_json
 
-from .common import LARGE_FILE_BYTES, byte_progress, console, err_console, fmt, json_option, print_json
+if TYPE_CHECKING:
+    from kvbridge.conformance import WriterReport
+    from kvbridge.dumps.dumpfile import Dump
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
 
 
 def identify_writers(dump: Dump, source: Dump) -> dict[str, WriterReport]:
     """``identify_writer`` for each pages entry of ``dump`` that ``source`` also holds."""
+    from kvbridge.conformance import identify_writer
+
     reports = {}
     for entry in dump:
         if entry.layout is not None and entry.name in source.names:
@@ -56,6 +62,9 @@ def command(file: Path, source: Path | None, as_json: bool) -> None:
     (dialect, bf16-first or fp32 input, scale) applied to the source values, and the exact
     matches are listed.
     """
+    from kvbridge.dumps.dumpfile import CHECKSUM, open_dump, read_dump
+    from kvbridge.dumps.stats import dump_stats
+
     with open_dump(file) as fh:
         visible = fh.data_bytes >= LARGE_FILE_BYTES and err_console.is_terminal and not as_json
         with byte_progress(visible) as bar:
@@ -73,16 +82,16 @@ def command(file: Path, source: Path | None, as_json: bool) -> None:
     integrity = f"{CHECKSUM} verified" if checksums else "version 1: no checksums"
     table = Table(title=f"{file}\n(kvbridge dump v{version}, {integrity})", box=None, pad_edge=False,
                   header_style="bold")
-    table.add_column("entry", overflow="fold")
-    table.add_column("layout / dialect", overflow="fold")
+    table.add_column("entry")
+    table.add_column("layout / dialect")
     for col in ("pages×P", "tokens", "scale", "amax", "NaN/Inf", "sat"):
         table.add_column(col, justify="right", no_wrap=True)
     for s in stats:
         bad = s["nonfinite_values"]
         layout = s["layout"] or f"latents {s['dtype']}"
         table.add_row(
-            s["name"],
-            layout + (f"\n[dim]{s['dialect']}[/dim]" if s["dialect"] else ""),
+            Name(s["name"]),
+            Name(layout + (f"\n[dim]{s['dialect']}[/dim]" if s["dialect"] else ""), markup=True),
             "-" if s["num_pages"] is None else f"{s['num_pages']}×{s['page_size']}",
             str(s["num_tokens"]),
             fmt(s["scale"]),

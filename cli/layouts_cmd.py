@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 from rich import box
 from rich.table import Table
 
-from kvbridge.layouts import Layout, all_layouts
+from .common import Name, console, json_option, print_json
 
-from .common import console, json_option, print_json
+if TYPE_CHECKING:
+    from kvbridge.layouts import Layout
+
+# The library modules that import torch are imported inside the functions that use them, so that
+# every command's --help runs without torch.
 
 EXAMPLE_PAGE_SIZES = (2, 64, 256)
 
@@ -44,13 +50,15 @@ def fields_text(record: dict) -> str:
 @json_option
 def command(as_json: bool) -> None:
     """List every registered KV layout: bytes per token, page rule, fields, dialects."""
+    from kvbridge.layouts import all_layouts
+
     records = [layout_record(lay) for lay in all_layouts()]
     if as_json:
         print_json(records)
         return
     sizes = "/".join(map(str, EXAMPLE_PAGE_SIZES))
     table = Table(title="kvbridge layouts", box=box.SIMPLE_HEAD, pad_edge=False)
-    table.add_column("layout (aliases)", overflow="fold", min_width=18)
+    table.add_column("layout (aliases)")
     table.add_column("B/tok", justify="right")
     table.add_column(f"page bytes P={sizes}", min_width=17)
     table.add_column("placement", overflow="fold")
@@ -58,7 +66,7 @@ def command(as_json: bool) -> None:
     for r in records:
         aliases = "\n".join(f"[dim]{a}[/dim]" for a in r["aliases"])
         table.add_row(
-            r["name"] + (f"\n{aliases}" if aliases else ""),
+            Name(r["name"] + (f"\n{aliases}" if aliases else ""), markup=True),
             str(r["bytes_per_token"]),
             "/".join(str(v) for v in r["page_bytes"].values()),
             r["placement"] + (f",\npad to {r['page_align']} B" if r["page_align"] > 1 else ""),

@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import click
 from rich import box
 from rich.table import Table
 
-from kvbridge.engines.profiles import parse_engine
-from kvbridge.engines.topology import get_model
-from kvbridge.migration import (
-    ConvertSide,
-    MigrationPlan,
-    destination_pools,
-    migrate_local,
-    plan_migration,
-    source_request,
-)
-from kvbridge.migration.ape import synthetic_ape
-from kvbridge.migration.plan import MAX_TOKENS, ape_needed
+from kvbridge.engines.topology import MAX_TOKENS, get_model
 
 from .common import (
     APE_HELP,
+    Name,
     ape_weights,
     console,
     engine_spec_option,
@@ -31,6 +22,12 @@ from .common import (
     print_json,
     print_wrapped,
 )
+
+if TYPE_CHECKING:
+    from kvbridge.migration import ConvertSide, MigrationPlan
+
+# The library modules that import torch are imported inside the commands that use them, so that
+# every command's --help runs without torch.
 
 DEFAULT_LINK_GBPS = 40.0
 
@@ -75,7 +72,7 @@ def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> 
     print_wrapped(f", {plan.num_tokens:,} tokens (+{plan.draft_tokens} draft): {plan.src.spec} -> {plan.dst.spec}",
                   head=plan.model.name)
     table = Table(title="bytes per cache role (MiB = 2^20 B)", box=box.SIMPLE_HEAD)
-    table.add_column("role", overflow="fold")
+    table.add_column("role")
     for col in ("layers", "entries", "src\npayload", "dst\npayload", "src\npages", "dst\npages"):
         table.add_column(col, justify="right", no_wrap=True)
     totals = plan.totals()
@@ -85,7 +82,7 @@ def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> 
     for role, row in totals.items():
         label = "[bold]total[/bold]" if role == "all" else role
         table.add_row(
-            label,
+            Name(label, markup=True),
             str(row["layers"]),
             f"{row['entries']:,}",
             _mib(row["src_bytes"]),
@@ -116,11 +113,11 @@ def _print_plan(plan: MigrationPlan, link_gbps: float, show_transfers: bool) -> 
             d = t.to_dict()
             detail.add_row(
                 str(t.spec.layer),
-                t.spec.role.value,
+                Name(t.spec.role.value),
                 f"[{t.first}, {t.first + t.count})",
                 f"{t.src.table}{d['src']['pages']}",
                 f"{t.dst.table}{d['dst']['pages']}",
-                t.conversion,
+                Name(t.conversion),
             )
         console.print(detail)
 
@@ -157,6 +154,11 @@ def plan_command(
 
     Between SGLang and vLLM / TensorRT-LLM without --ape the plan is shown (its sizes do not depend
     on the weights' values) with a note that converting the compressor state needs them."""
+    from kvbridge.engines.profiles import parse_engine
+    from kvbridge.migration import plan_migration
+    from kvbridge.migration.ape import synthetic_ape
+    from kvbridge.migration.plan import ape_needed
+
     topo = get_model(model)
     missing = not ape and ape_needed(parse_engine(src), parse_engine(dst), topo, mtp)
     weights = ape_weights(ape, topo) if not missing else synthetic_ape(topo, seed=0)
@@ -213,6 +215,8 @@ def run_command(
     as_json: bool,
 ) -> None:
     """Migrate a synthetic request in-process (source and destination pools in this process)."""
+    from kvbridge.migration import destination_pools, migrate_local, plan_migration, source_request
+
     topo = get_model(model)
     if layers is not None:
         topo = topo.with_layers(layers)

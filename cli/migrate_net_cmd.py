@@ -11,16 +11,13 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn, TransferSpeedColumn
 
-from kvbridge.engines.profiles import parse_engine
 from kvbridge.engines.topology import get_model
 from kvbridge.errors import KVBridgeError
-from kvbridge.layouts import Layout
-from kvbridge.migration import EnginePools, plan_migration, source_request
-from kvbridge.migration.control import parse_address
 
 from .common import (
     APE_HELP,
@@ -36,6 +33,13 @@ from .common import (
     plural,
 )
 
+if TYPE_CHECKING:
+    from kvbridge.layouts import Layout
+    from kvbridge.migration import EnginePools
+
+# The library modules that import torch are imported inside the commands that use them, so that
+# every command's --help runs without torch.
+
 DEFAULT_PORT = 7654
 #: Requests at least this large (payload bytes) get a progress bar on a terminal.
 LARGE_REQUEST_BYTES = 64 * 2**20
@@ -48,6 +52,8 @@ class Failure(click.ClickException):
 
 
 def _address(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, int]:
+    from kvbridge.migration.control import parse_address
+
     try:
         host, port = parse_address(value, default_port=DEFAULT_PORT, listen=param.name == "listen")
     except ValueError as exc:
@@ -160,6 +166,7 @@ def serve_command(listen: tuple[str, int], transport: str, engine: str | None, m
         raise click.UsageError("--transport gloo receives requests (--engine); dumps travel over nixl")
     if transport == "nixl":
         _require_nixl()
+    from kvbridge.migration import EnginePools, plan_migration
     from kvbridge.migration.nixl import DumpTarget, NixlReceiver, Received
     from kvbridge.migration.transport import GlooServer
 
@@ -234,6 +241,7 @@ def _capacity(engine: str, topo, max_tokens: int) -> dict[str, int]:
 
     Compressed tables grow with the length; windowed and state tables peak at lengths just short
     of a page or ratio boundary (all powers of two up to 512), so the last 512 lengths cover them."""
+    from kvbridge.engines.profiles import parse_engine
     from kvbridge.migration.plan import request_table_lengths, window_released
 
     prof = parse_engine(engine)
@@ -303,6 +311,8 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
     Prints the receiver's verdict (its report, or --json). Exit status 0 when the receiver
     published the request, 1 when the transfer or its verification failed, 2 for bad usage.
     """
+    from kvbridge.migration import plan_migration, source_request
+
     with native_logs(debug_log):
         visible = err_console.is_terminal and not as_json
         if dump_path is not None:

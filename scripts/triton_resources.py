@@ -10,11 +10,10 @@ specialisations come from the layout registry through ``triton_kernels.side`` / 
 ``copy_launches`` (the functions the launch sites call), at page size 64, so a new layout is covered
 by construction:
 
-- sm_90 (H100/H200), every kernel x every layout: encode and decode of each layout, whole-pool
-  transcode for every (source, destination) pair, the non-finite scan, slot transcode, gather into
-  both FlashMLA scratch layouts, the integer-E4M3 path, the persistent grid, every byte move;
-- sm_100 (B200) and sm_120: a covering subset (each layout once as source and once as destination of
-  every kernel kind, layout i -> layout i+1 for the pairs) to bound the compile time.
+for sm_90 (H100/H200), sm_100 (B200) and sm_120 alike, every launch: encode and decode of each layout,
+whole-pool transcode, slot transcode and the integer-E4M3 path for every (source, destination) pair, the
+non-finite scan, gather into both FlashMLA scratch layouts, the persistent grid, every byte move
+(launches compiling to the same kernel are compiled once, their labels kept).
 
 Checks (a violation exits 1): the compile succeeds; no local memory (the cubin's LOCAL bytes, PTX
 ``ld/st.local``, SASS ``LDL/STL``; a stack frame nothing loads or stores is only recorded); no fp64
@@ -56,8 +55,7 @@ from kvbridge.layouts.registry import OP_BF16, OP_E2M1_E4M3, OP_E4M3_TENSOR, OP_
 
 #: Page size of every specialisation (alignment 16 for every registered layout at this size).
 PAGE_SIZE = 64
-FULL_TARGETS = (90,)
-COVER_TARGETS = (100, 120)
+TARGETS = (90, 100, 120)
 #: FlashMLA scratch layouts gather-transcode writes (``attention.flashmla``: MODEL1, and the current kernels' cache).
 SCRATCH_LAYOUTS = ("flashmla-model1", "v41-fp8-interleaved")
 #: Per-SM limits (CUDA programming guide, compute capabilities 9.0 / 10.0 / 12.0): resident blocks, warps,
@@ -67,11 +65,6 @@ RESERVED_SMEM = 1024
 E4M3_OPS = (OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_E2M1_E4M3)  # fields whose values or scales are E4M3 bytes
 VECTOR_OPS = (OP_BF16, OP_E4M3_TENSOR, OP_E4M3_UE8M0)  # fields read / written as whole rows of bytes
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-#: Spills found and not fixed yet, as (target, label) -> local loads + stores allowed at most (Triton 3.9.0's
-#: ptxas spills one register to an 8-byte stack slot: one STL, one LDL per program). Any other spill, or more
-#: of these, is a violation.
-KNOWN_SPILLS = {(90, "transcode bf16 -> flashmla-model1"): 2,
-                (100, "transcode flashmla-model1 -> trtllm-fp8-ds-mla"): 2}
 
 
 @dataclass
@@ -163,54 +156,10 @@ def _moves(src: Layout, dst: Layout, arch: int) -> list[Spec]:
             + copy_specs("gather byte move", src, dst, arch, src_slots=True, check=True))
 
 
-def _covering(arch: int, layouts: list[Layout], per_layout: bool) -> list[Spec]:
-    """Whole-pool transcode from layout i to layout i+1 (each layout on both sides); with ``per_layout`` slot
-    transcode and the integer-E4M3 path on the same pairs, encode / decode / scan of each layout and its gather
-    into both scratch layouts (else of one pair / layout), the
-    re-paging byte move of every distinct pair of splits (else of the one with the most word ranges) and the slot
-    and gather byte moves of that one."""
-    cycle = [(a, layouts[(i + 1) % len(layouts)]) for i, a in enumerate(layouts)]
-    scratch = [get_layout(name) for name in SCRATCH_LAYOUTS]
-    some = layouts if per_layout else layouts[:1]
-    specs = [convert_spec("transcode", a, b, arch, check=True) for a, b in cycle]
-    pairs = cycle if per_layout else cycle[:1]
-    specs += [convert_spec("transcode_slots", a, b, arch, src_slots=True, dst_slots=True) for a, b in pairs]
-    specs += [convert_spec("transcode int-e4m3", a, b, arch, check=True, hw_fp8=False) for a, b in pairs]
-    for i, lay in enumerate(some):
-        specs.append(convert_spec("encode", None, lay, arch))
-        specs.append(convert_spec("decode", lay, None, arch))
-        specs.append(convert_spec("nonfinite scan", lay, lay, arch, src_slots=True, check=True, write=False))
-        for out in scratch if per_layout else scratch[i % len(scratch):][:1]:
-            specs.append(convert_spec("gather", lay, out, arch, src_slots=True, check=True))
-    specs.append(persistent_spec(get_layout("trtllm-fp8"), get_layout("flashmla-model1"), arch))
-    moves = [(a, b) for a in layouts for b in layouts if a.same_record(b)]
-    splits: dict[tuple, tuple[Layout, Layout]] = {}
-    for a, b in moves:  # one pair per distinct (record, source split, destination split)
-        splits.setdefault((a.record_bytes, a.split, b.split), (a, b))
-    if not per_layout:  # the pair with the most word ranges
-        splits = dict([max(splits.items(), key=lambda kv: len({0, kv[0][1] or 0, kv[0][2] or 0}))])
-    for a, b in splits.values():
-        specs += copy_specs("repage", a, b, arch)
-    a, b = max(splits.values(), key=lambda ab: len({0, ab[0].split or 0, ab[1].split or 0}))
-    specs += copy_specs("slots byte move", a, b, arch, src_slots=True, dst_slots=True)
-    specs += copy_specs("gather byte move", a, b, arch, src_slots=True, check=True)
-    return specs
-
-
-def specialisations(every: bool = False) -> list[Spec]:
-    """The specialisations to compile, duplicates (layouts with the same record program) merged.
-
-    ``every``: every launch for every target. Otherwise (bounded CI time) sm_90 gets every kernel kind for
-    every layout (pairs as layout i -> i+1), sm_100 / sm_120 the same pairs and one layout of the single-layout
-    kinds; both cover every layout on both sides of every kernel.
-    """
+def specialisations() -> list[Spec]:
+    """Every launch for every target, duplicates (launches with the same kernel and constants) merged."""
     layouts = [lay for lay in all_layouts() if tk.supports(lay)]
-    specs: list[Spec] = []
-    for arch in (*FULL_TARGETS, *COVER_TARGETS):
-        if every:
-            specs += _every(arch, layouts)
-        else:
-            specs += _covering(arch, layouts, per_layout=arch in FULL_TARGETS)
+    specs = [spec for arch in TARGETS for spec in _every(arch, layouts)]
     unique: dict[tuple, Spec] = {}
     for spec in specs:
         if spec.key() in unique:
@@ -287,8 +236,7 @@ def violations(spec: Spec, r: dict) -> list[str]:
     if "error" in r:
         return [f"compile error: {r['error'][:300]}"]
     bad = []
-    known = max((KNOWN_SPILLS.get((spec.arch, label), 0) for label in (spec.label, *spec.also)), default=0)
-    if r["local"] or r["local_ops"] > known:  # a stack frame that nothing loads or stores is recorded, not a spill
+    if r["local"] or r["local_ops"]:  # a stack frame that nothing loads or stores is recorded, not a spill
         bad.append(f"local memory: LOCAL {r['local']} B, {r['local_ops']} local loads / stores (PTX ld/st.local, "
                    "SASS LDL/STL)")
     if r["f64"]:
@@ -364,10 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every specialisation's figures to this JSON file")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: CPUs)")
     parser.add_argument("--list", action="store_true", help="list the specialisations only")
-    parser.add_argument("--every", action="store_true",
-                        help="every launch for every target (all layout pairs; about 4x the default's compiles)")
     args = parser.parse_args(argv)
-    specs = specialisations(args.every)
+    specs = specialisations()
     if args.list:
         for spec in specs:
             also = f" (also {', '.join(spec.also)})" if spec.also else ""
@@ -387,7 +333,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"triton": triton.__version__, "page_size": PAGE_SIZE, "seconds": seconds,
                                          "cpu_seconds": cpu,
-                                         "every": args.every,
                                          "kernels": rows}, indent=1))
     return 1 if bad else 0
 

@@ -6,16 +6,9 @@ from typing import Any
 
 import torch
 
+from kvbridge.adapters.vllm_options import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, TRANSPORTS
 from kvbridge.engines.profiles import EngineProfile, parse_engine
 from kvbridge.errors import InputError
-
-#: vLLM's ``kv_role`` for each kvbridge role name.
-ROLES = {"consumer": "kv_consumer", "producer": "kv_producer", "both": "kv_both"}
-CONVERT_SIDES = ("sender", "receiver")
-#: The connector's transports (``kv_connector_extra_config`` ``transport``).
-TRANSPORTS = ("gloo", "nixl")
-#: vLLM's ``kv_load_failure_policy``: what it does with a request whose load failed.
-LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
 def host_port(value: str, what: str) -> tuple[str, int]:

@@ -19,12 +19,12 @@ import torch
 
 from kvbridge.attention import flashmla
 from kvbridge.attention.args import CacheArg, DecodeArgs, validate
+from kvbridge.attention.backends import BACKENDS
 from kvbridge.backends import dispatch
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 from kvbridge.layouts.codec import HEAD_DIM
 
-BACKENDS = ("auto", "reference", "flashmla")
 #: At most this many fp32 values are gathered at once by the reference decode.
 _MAX_GATHERED_VALUES = 64 * 1024 * 1024
 

@@ -206,9 +206,16 @@ def _scale_exponent(amax, min_exp):
 
 
 @triton.jit
+def _page_of(slot, P):
+    """Page of an int64 slot, divided in int32 (``_Pool`` refuses pools of 2^31 slots or more): a 64-bit
+    division is a called subroutine, whose register save across the call spilled to local memory."""
+    return (slot.to(tl.int32) // P).to(tl.int64)
+
+
+@triton.jit
 def _data_base(slot, P, PB, S: tl.constexpr, ALIGN: tl.constexpr):
     """Byte offset of a slot's data row (record bytes [0, S)): page * PB + row * S."""
-    page = slot // P
+    page = _page_of(slot, P)
     base = page * PB + (slot - page * P) * S
     return tl.multiple_of(base, [ALIGN, ALIGN])
 
@@ -222,7 +229,7 @@ def _half_index(base, ALIGN: tl.constexpr):
 @triton.jit
 def _footer_base(slot, P, PB, S: tl.constexpr, R: tl.constexpr):
     """Byte offset of a block-split slot's footer (record bytes [S, R)): page * PB + P * S + row * (R - S)."""
-    page = slot // P
+    page = _page_of(slot, P)
     return page * PB + P * S + (slot - page * P) * (R - S)
 
 
@@ -459,7 +466,7 @@ def _convert_kernel(
 @triton.jit
 def _word_at(slot, p, pw, LO: tl.constexpr, SW: tl.constexpr, RW: tl.constexpr, WA: tl.constexpr):
     """Word offset of record word ``LO`` of ``slot`` (``SW`` data words of ``RW``; data rows ``WA``-word aligned)."""
-    page = slot // p
+    page = _page_of(slot, p)
     row = slot - page * p
     if LO == 0:
         return tl.multiple_of(page * pw + row * SW, [WA, WA])
@@ -596,6 +603,9 @@ class _Pool:
     """Kernel arguments describing one side: a paged pool of a layout, or dense fp32 ``[rows, 512]``."""
 
     def __init__(self, tensor: torch.Tensor, layout: Layout | None = None, page_size: int = 1):
+        if tensor.shape[0] * page_size >= 2**31:  # the kernels divide slot numbers in int32 (``_page_of``)
+            raise LayoutError(f"a pool of {tensor.shape[0] * page_size} slots is over the Triton kernels' 2^31; "
+                              "transcode it in parts of fewer pages")
         self.tensor = tensor
         self.page_size = page_size
         self.side = side(layout, page_size)

@@ -21,6 +21,8 @@ from typing import Any
 from kvbridge.errors import InputError
 
 COMPRESS_RATIOS = (0, 4, 128)
+#: Longest request a migration plan accepts (16x DeepSeek-V4's 1M-token context; block tables stay in memory).
+MAX_TOKENS = 2**24
 
 
 class Role(str, Enum):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.engines.profiles import EngineProfile, Storage, parse_engine
-from kvbridge.engines.topology import CacheSpec, ModelTopology, Role, get_model
+from kvbridge.engines.topology import MAX_TOKENS, CacheSpec, ModelTopology, Role, get_model
 from kvbridge.errors import InputError
 from kvbridge.migration.ape import ApeWeights, load_ape
 from kvbridge.ops.pages import is_byte_move
@@ -284,9 +284,6 @@ class MigrationPlan:
         """sha256 of the plan's JSON: both ends of a transfer must agree on it."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
-
-#: Longest request a plan accepts (16x DeepSeek-V4's 1M-token context; block tables stay in memory).
-MAX_TOKENS = 2**24
 
 
 def plan_migration(

@@ -41,13 +41,15 @@ from kvbridge.layouts.codec import HEAD_DIM, NOPE_DIM
 from kvbridge.layouts.formats import get_format
 from kvbridge.ops.pages import auto_scale, decode, encode
 from kvbridge.study import synthetic
+from kvbridge.study.params import (
+    CALIBRATED,
+    CALIBRATED_POW2,
+    DEFAULT_POW2_SCALES,
+    DEFAULT_SWEEPS,
+    SyntheticParams,
+    scale_label,
+)
 
-#: Per-tensor scale rules besides plain numbers: amax/448 (``auto_scale``, never saturates) and
-#: that value rounded up to a power of two (2^ceil(log2(amax/448)), exact in bf16 after decode).
-CALIBRATED = "amax/448"
-CALIBRATED_POW2 = "pow2(amax/448)"
-#: Default fixed powers of two tried for per-tensor layouts besides 1.0 and the calibrated scales.
-DEFAULT_POW2_SCALES: tuple[float, ...] = (2.0**-6, 2.0**-3, 8.0)
 REFERENCE_LAYOUT = "bf16"
 
 
@@ -71,16 +73,6 @@ class Variant:
         if self.scale is not None:
             text += f" s={scale_label(self.scale)}"
         return text
-
-
-def scale_label(scale: float | str) -> str:
-    """``1``, ``2^-6``, ``0.037`` or a calibrated rule's name."""
-    if isinstance(scale, str):
-        return scale
-    mant, exp = math.frexp(scale)
-    if mant == 0.5:
-        return "1" if exp == 1 else f"2^{exp - 1}"
-    return f"{scale:.4g}"
 
 
 def registry_variants(pow2_scales: tuple[float, ...] = DEFAULT_POW2_SCALES) -> list[Variant]:
@@ -329,7 +321,13 @@ def _bf16_exact(values: torch.Tensor) -> bool:
     return bool(torch.equal(values.to(torch.bfloat16).float(), values))
 
 
-def evaluate(case: Case, variants: list[Variant], *, overlap_k: int = 16, backend: str = "reference") -> list[dict]:
+#: ``progress(label, done, total)``: ``done`` of ``total`` variant evaluations are finished, the last
+#: one ``label`` (e.g. ``magnitude=0.01: trtllm-fp8/swa s=1``). The study's only output while it runs.
+Progress = Callable[[str, int, int], None]
+
+
+def evaluate(case: Case, variants: list[Variant], *, overlap_k: int = 16, backend: str = "reference",
+             on_variant: Callable[[str], None] | None = None) -> list[dict]:
     """Measure every variant of ``variants`` on ``case`` against the bf16 reference; one dict per variant.
 
     The reference decode always uses the ``reference`` backend (exact fp32 math); ``backend`` is
@@ -338,7 +336,8 @@ def evaluate(case: Case, variants: list[Variant], *, overlap_k: int = 16, backen
     ``out_digest`` (``digest`` of the output), the metrics of ``output_error``, ``weight_error``,
     ``k_error`` and ``e4m3_stats``, and
     ``out_rel_l2_nope_only`` / ``out_rel_l2_rope_only`` (``None`` when the decoded values are not
-    exactly bf16, so a mixed pool cannot be stored losslessly).
+    exactly bf16, so a mixed pool cannot be stored losslessly). ``on_variant`` is called with each
+    variant's label once it is measured.
     """
     _check_case(case)
     if isinstance(overlap_k, bool) or not isinstance(overlap_k, int) or overlap_k < 1:
@@ -370,6 +369,8 @@ def evaluate(case: Case, variants: list[Variant], *, overlap_k: int = 16, backen
         row.update(_attribution(case, qkv.values, ref.values, ref_out, ref_lse, row["out_rel_l2"], backend,
                                 attribution_cache))
         rows.append(row)
+        if on_variant is not None:
+            on_variant(variant.label)
     return rows
 
 
@@ -410,73 +411,6 @@ def _attribution(case: Case, values: torch.Tensor, ref_values: torch.Tensor, ref
 # ---------------------------------------------------------------- synthetic study
 
 
-@dataclass(frozen=True)
-class SyntheticParams:
-    """Every parameter of a synthetic case (``kvbridge.study.synthetic``) and of its decode step.
-
-    ``layer``: ``compressed`` (rope base 160000 + YaRN, compressed token c at position
-    ``c * compress_ratio``; ``context`` cached entries, the ``topk`` highest-logit ones attended, as
-    DeepSeek-V4's indexer picks them) or ``swa`` (rope base 10000; the pool holds the last
-    ``window`` tokens of a ``context``-token sequence, all of them attended). ``magnitude``,
-    ``rope_ratio``, ``shared_fraction``, ``gain_spread``, ``outlier_channels``, ``outlier_gain``
-    shape the latents; ``batch``, ``s_q``, ``heads``, ``peakedness`` (nats; 0 = flat attention),
-    ``focus_tokens``, ``logit_noise`` (nats) shape the queries; ``page_size`` is the pools' P.
-    """
-
-    layer: str = "compressed"
-    context: int = 4096
-    topk: int = 512
-    window: int = 128
-    compress_ratio: int = 4
-    magnitude: float = 1.0
-    rope_ratio: float = 1.0
-    shared_fraction: float = 0.3
-    gain_spread: float = 0.25
-    outlier_channels: int = 4
-    outlier_gain: float = 8.0
-    batch: int = 4
-    s_q: int = 1
-    heads: int = 64
-    peakedness: float = 8.0
-    focus_tokens: int = 4
-    logit_noise: float = 1.0
-    page_size: int = 64
-
-
-#: One-line help per ``SyntheticParams`` field (the CLI's option help).
-PARAM_HELP: dict[str, str] = {
-    "layer": "Layer kind: 'compressed' (rope base 160000 + YaRN, top-k of the cached entries) or 'swa' "
-             "(rope base 10000, the last WINDOW tokens).",
-    "context": "Cached entries before the decode step (compressed tokens for 'compressed', tokens for 'swa').",
-    "topk": "Entries attended per query token on a 'compressed' layer (highest logit over heads).",
-    "window": "Sliding window of an 'swa' layer (tokens attended).",
-    "compress_ratio": "Compress ratio r of a 'compressed' layer (entry c sits at position c*r).",
-    "magnitude": "Overall latent magnitude relative to RMSNorm output times gains.",
-    "rope_ratio": "RMS of the rope part over the RMS of the nope part.",
-    "shared_fraction": "Share of pre-norm variance in a direction common to all tokens, in [0, 1).",
-    "gain_spread": "Sigma of the log-normal per-channel RMSNorm gains.",
-    "outlier_channels": "Number of nope channels with outlier gains.",
-    "outlier_gain": "Gain multiplier of the outlier channels.",
-    "batch": "Batch size b of the decode step.",
-    "s_q": "Query tokens per sequence.",
-    "heads": "Query heads h_q (DeepSeek-V4-Flash: 64, Pro: 128).",
-    "peakedness": "Logit lead, in nats, of each head's focus tokens over an average key (0 = flat attention).",
-    "focus_tokens": "Keys each query head focuses on.",
-    "logit_noise": "Spread, in nats, of the isotropic part of the logits.",
-    "page_size": "Tokens per page P of every pool.",
-}
-
-#: Default sweep values per ``SyntheticParams`` field (each sweep varies one field from the nominal).
-DEFAULT_SWEEPS: dict[str, tuple] = {
-    "magnitude": (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0),
-    "rope_ratio": (0.25, 0.5, 1.0, 2.0, 4.0),
-    "context": (1024, 4096, 16384),
-    "topk": (128, 512, 2048),
-    "peakedness": (0.0, 2.0, 8.0, 16.0),
-    "layer": ("swa", "compressed"),
-}
-
-
 def synthetic_case(params: SyntheticParams, seed: int) -> Case:
     """Build the case ``params`` describes; deterministic for ``seed``.
 
@@ -508,6 +442,25 @@ def _latent_kwargs(p: SyntheticParams) -> dict:
             "gain_spread": p.gain_spread, "outlier_channels": p.outlier_channels, "outlier_gain": p.outlier_gain}
 
 
+def _ticker(progress: Progress | None, total: int) -> Callable[[str], Callable[[str], None] | None]:
+    """For a point named ``point``, the ``on_variant`` of ``evaluate`` that counts towards ``total``
+    and reports to ``progress`` (None without one)."""
+    done = 0
+
+    def for_point(point: str) -> Callable[[str], None] | None:
+        if progress is None:
+            return None
+
+        def on_variant(label: str) -> None:
+            nonlocal done
+            done += 1
+            progress(f"{point}: {label}", done, total)
+
+        return on_variant
+
+    return for_point
+
+
 def run_study(
     params: SyntheticParams | None = None,
     *,
@@ -516,14 +469,14 @@ def run_study(
     pow2_scales: tuple[float, ...] = DEFAULT_POW2_SCALES,
     overlap_k: int = 16,
     backend: str = "reference",
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict:
     """The synthetic study: every registry variant at the nominal ``params``, then each sweep.
 
     ``sweeps`` maps a ``SyntheticParams`` field to the values it takes (others stay nominal;
     default ``DEFAULT_SWEEPS``; ``{}`` for the nominal point only). Every point uses the same
-    ``seed``, so a sweep changes only its parameter. ``progress`` is called with a short label
-    before each point. Returns a JSON-serialisable dict: ``seed``, ``params``, ``sweeps``,
+    ``seed``, so a sweep changes only its parameter. ``progress`` (``Progress``) is called after
+    each variant of each point. Returns a JSON-serialisable dict: ``seed``, ``params``, ``sweeps``,
     ``variants``, ``runs`` (one per point: ``sweep``, ``value``, ``params``, ``case``, ``rows``
     and their ``summary``) and ``summary`` (``summarize``) of the nominal point.
     """
@@ -538,11 +491,11 @@ def run_study(
     for key, values in sweeps.items():
         points.extend((key, v, replace(params, **{key: v})) for v in values)
     runs = []
+    tick = _ticker(progress, len(points) * len(variants))
     for sweep, value, p in points:
-        if progress is not None:
-            progress("nominal" if value is None else f"{sweep}={value}")
         case = synthetic_case(p, seed)
-        rows = evaluate(case, variants, overlap_k=overlap_k, backend=backend)
+        rows = evaluate(case, variants, overlap_k=overlap_k, backend=backend,
+                        on_variant=tick("nominal" if value is None else f"{sweep}={value}"))
         runs.append({"sweep": sweep, "value": value, "params": asdict(p), "case": case.summary(), "rows": rows,
                      "summary": summarize(rows)})
     return {
@@ -617,7 +570,7 @@ def run_dump_study(
     pow2_scales: tuple[float, ...] = DEFAULT_POW2_SCALES,
     overlap_k: int = 16,
     backend: str = "reference",
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> dict:
     """The study over the unquantized entries of a dump file (``kvbridge.dumps.dumpfile`` format).
 
@@ -626,6 +579,7 @@ def run_dump_study(
     ``topk``). ``entries`` picks entries by name (default: every unquantized one); a named entry
     that holds quantized pages is an error, an unnamed one is listed under ``skipped``.
     Returns the same shape as ``run_study`` with ``source`` = the path and one run per entry.
+    ``progress`` as for ``run_study``.
     """
     params = SyntheticParams() if params is None else params
     dump = read_dump(path)
@@ -635,10 +589,11 @@ def run_dump_study(
             raise InputError(f"entry {name!r} is not in {path} (entries: {', '.join(names) or 'none'})")
     variants = registry_variants(pow2_scales)
     runs, skipped = [], []
-    for entry in dump:
+    picked = [e for e in dump if not entries or e.name in entries]
+    tick = _ticker(progress, len(variants) * sum(
+        (e.layout is None or e.layout == REFERENCE_LAYOUT) and e.num_tokens > 0 for e in picked))
+    for entry in picked:
         lossless = entry.layout is None or entry.layout == REFERENCE_LAYOUT
-        if entries and entry.name not in entries:
-            continue
         if not lossless:
             if entries:
                 raise InputError(f"entry {entry.name} of {path} holds {entry.layout} pages; the study needs "
@@ -652,10 +607,8 @@ def run_dump_study(
         if not bool(torch.isfinite(values).all()):
             raise InputError(f"entry {entry.name} of {path} holds NaN or Inf")
         keys = values.to(torch.bfloat16)
-        if progress is not None:
-            progress(entry.name)
         case = dump_case(keys, params, seed)
-        rows = evaluate(case, variants, overlap_k=overlap_k, backend=backend)
+        rows = evaluate(case, variants, overlap_k=overlap_k, backend=backend, on_variant=tick(entry.name))
         runs.append({"sweep": "entry", "value": entry.name, "params": asdict(params),
                      "rounded_to_bf16": not torch.equal(keys.float(), values),
                      "case": case.summary(), "rows": rows, "summary": summarize(rows)})

@@ -23,8 +23,7 @@ import torch
 
 from kvbridge.errors import InputError
 from kvbridge.layouts.codec import HEAD_DIM, NOPE_DIM, ROPE_DIM
-
-LAYERS = ("swa", "compressed")
+from kvbridge.study.params import LAYERS
 
 
 @dataclass(frozen=True)

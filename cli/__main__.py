@@ -1,0 +1,5 @@
+"""``python -m kvbridge.cli``: the ``kvbridge`` command."""
+
+from .main import main
+
+main()

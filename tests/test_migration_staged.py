@@ -217,3 +217,70 @@ def test_pack_without_checksums_gathers_the_same_records():
     bare = pack(plan, src, tables, convert=True, checksum=False)
     assert bare.checksums == [[] for _ in plan.transfers] and all(map(len, full.checksums))
     assert all(torch.equal(a, b) for a, b in zip(full.records, bare.records, strict=True))
+
+
+def test_move_spans_native_equals_the_reference():
+    """Row segments between two tensors, whole spans (strides = width) and strided rows, native and reference."""
+    g = torch.Generator().manual_seed(5)
+    src = torch.randint(0, 256, (40000,), dtype=torch.uint8, generator=g)
+    segs = np.array([[0, 100, 7], [5000, 9000, 30], [12345, 3, 1], [20000, 30000, 0]], np.int64)
+    for src_stride, dst_stride, width in ((64, 64, 64), (68, 132, 64), (8, 4, 4)):
+        want, got = torch.zeros(40000, dtype=torch.uint8), torch.zeros(40000, dtype=torch.uint8)
+        from kvbridge.backends import reference
+        reference.move_spans(src, want, segs, src_stride, dst_stride, width)
+        native.move_spans(src, got, segs, src_stride, dst_stride, width)
+        assert torch.equal(got, want) and bool(want.any())
+
+
+@pytest.mark.parametrize("rule", ["vllm", "sglang", "trtllm", "vllm-ue8m0"])
+def test_fp4_to_fp8_key_segments_from_unaligned_records_equal_the_torch_path(monkeypatch, rule):
+    """Segments of 68-byte records starting at odd offsets (keys not 8-byte aligned: read through aligned local
+    copies) into 132-byte records: the torch path's bytes and error."""
+    src, dst = ix.indexer_format("fp4"), ix.indexer_format("fp8")
+    g = torch.Generator().manual_seed(3)
+    n = 3000
+    records = torch.randint(0, 256, (n + 1, src.record_bytes), dtype=torch.uint8, generator=g)
+    view = records.view(-1)[3 : 3 + n * src.record_bytes]  # 3 bytes in: no key is 8-byte aligned
+    keys = view.view(n, src.record_bytes)
+    keys[:, src.split :] = torch.randint(100, 140, (n, 4), dtype=torch.uint8, generator=g)
+    monkeypatch.setenv("KVBRIDGE_BACKEND", "reference")
+    want, want_err = ix.transcode_keys(keys.contiguous(), src, dst, rule)
+    monkeypatch.delenv("KVBRIDGE_BACKEND")
+    out = torch.zeros(n, dst.record_bytes, dtype=torch.uint8)
+    firsts = np.array([0, 1, 17, 1000, 2999], np.int64)
+    counts = np.diff(np.append(firsts, n))
+    rb, ob = src.record_bytes, dst.record_bytes
+    segs = np.stack([firsts * rb, firsts * rb + src.split, firsts * ob, firsts * ob + dst.split, counts], axis=1)
+    flat = out.view(-1)
+    err = dispatch.fp4_to_fp8_key_segments(view, view, flat, flat, segs, (rb, rb, ob, ob), 128, rule, measure=True)
+    assert torch.equal(out, want) and err == want_err
+    got, got_err = dispatch.fp4_to_fp8_keys(keys, 128, rule, measure=False)
+    assert torch.equal(got, want) and got_err == 0.0
+
+
+def test_direct_batches_serve_the_keys_and_byte_moves(monkeypatch):
+    """``migrate_local`` and ``finish`` convert fp4 -> fp8 keys straight between pages and byte-move straight from
+    the source (no staging), with the transports' unfused bytes."""
+    ran = []
+    monkeypatch.setattr(ex, "_convert_keys_direct", lambda *a, _f=ex._convert_keys_direct: ran.append("k") or _f(*a))
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", MODEL, TOKENS)
+    src, tables = source_request(plan, seed=3)
+    payload = pack(plan, src, tables, convert=False)
+    want_dst = destination_pools(plan, seed=4)
+    want_tables = ex.publish(plan, ex.convert_payload(plan, payload), want_dst)
+    for run in (lambda d: migrate_local(plan, src, tables, d), lambda d: _transport_path(plan, src, tables, d, True)):
+        ran.clear()
+        got_dst = destination_pools(plan, seed=4)
+        assert run(got_dst)[0] == want_tables and "k" in ran
+        want_pools, got_pools = _pools(want_dst), _pools(got_dst)
+        assert all(torch.equal(got_pools[k], want_pools[k]) for k in want_pools)
+    same = plan_migration("vllm", "vllm:block=128", MODEL, TOKENS)
+    src, tables = source_request(same, seed=3)
+    want_dst = destination_pools(same, seed=4)
+    ex.publish(same, ex.convert_payload(same, pack(same, src, tables, convert=False)), want_dst)
+    moved = []
+    monkeypatch.setattr(dispatch, "move_spans", lambda *a, _f=dispatch.move_spans: moved.append(1) or _f(*a))
+    got_dst = destination_pools(same, seed=4)
+    migrate_local(same, src, tables, got_dst)
+    assert moved and all(torch.equal(a, b) for a, b in zip(_pools(got_dst).values(), _pools(want_dst).values(),
+                                                            strict=True))

@@ -31,8 +31,9 @@ from kvbridge.layouts import Layout
 
 __all__ = [
     "BACKEND_ENV", "all_finite", "amax_pages", "backend", "backend_name", "convert_state_rows", "decode_pages",
-    "encode_pages", "fp4_to_fp8_key_rows", "fp4_to_fp8_keys", "gather_transcode", "key_kernels", "loss_stats",
-    "move_rows", "nonfinite_flags", "repage", "state_kernels", "transcode_pages", "transcode_slots",
+    "encode_pages", "fp4_to_fp8_key_rows", "fp4_to_fp8_key_segments", "fp4_to_fp8_keys", "gather_transcode",
+    "key_kernels", "loss_stats", "move_rows", "move_spans", "nonfinite_flags", "repage", "state_kernels",
+    "transcode_pages", "transcode_slots",
 ]
 
 #: Environment variable selecting the implementation: ``auto`` (default) or ``reference``.
@@ -110,6 +111,12 @@ def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: i
     backend((pool, records)).move_rows(pool, records, runs, lo, width, to_pool)
 
 
+def move_spans(src: torch.Tensor, dst: torch.Tensor, segs: np.ndarray, src_stride: int, dst_stride: int,
+               width: int) -> None:
+    """Copy row segments from one contiguous tensor into another (see ``reference.move_spans``)."""
+    backend((src, dst)).move_spans(src, dst, segs, src_stride, dst_stride, width)
+
+
 def repage(pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,
            num_tokens: int | None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Byte move of identical records between page geometries (see ``reference.repage``), into ``out`` when given."""
@@ -174,11 +181,14 @@ def key_kernels(records: torch.Tensor) -> bool:
     return backend(records).KEY_KERNELS
 
 
-def fp4_to_fp8_keys(records: torch.Tensor, dim: int, rule: str) -> tuple[torch.Tensor, float] | None:
-    """fp4 indexer records ``[N, dim / 2 + dim / 32]`` -> fp8 records ``[N, dim + 4]`` written by fp8 ``rule``, and
-    the max |decoded fp8 - decoded fp4|, by the backend's kernel (``key_kernels(records)`` must hold); None when a
-    value decodes to NaN/Inf (the torch codec then refuses the keys)."""
-    return backend(records).fp4_to_fp8_keys(records, dim, rule)
+def fp4_to_fp8_keys(records: torch.Tensor, dim: int, rule: str, *, measure: bool = True,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, float] | None:
+    """fp4 indexer records ``[N, dim / 2 + dim / 32]`` -> fp8 records ``[N, dim + 4]`` (into ``out`` when given)
+    written by fp8 ``rule``, and the max |decoded fp8 - decoded fp4| (0.0 unless ``measure``), by the backend's
+    kernel (``key_kernels(records)`` must hold); None when a value decodes to NaN/Inf (the torch codec then
+    refuses the keys)."""
+    return backend(records if out is None else (records, out)).fp4_to_fp8_keys(records, dim, rule, measure=measure,
+                                                                               out=out)
 
 
 def fp4_to_fp8_key_rows(src_keys: torch.Tensor, src_stride: int, src_scales: torch.Tensor, src_scale_stride: int,
@@ -192,6 +202,18 @@ def fp4_to_fp8_key_rows(src_keys: torch.Tensor, src_stride: int, src_scales: tor
         src_keys, src_stride, src_scales, src_scale_stride, n, dst_keys, dst_stride, dst_scales, dst_scale_stride, dim,
         rule, measure=measure,
     )
+
+
+def fp4_to_fp8_key_segments(src_keys: torch.Tensor, src_scales: torch.Tensor, dst_keys: torch.Tensor,
+                            dst_scales: torch.Tensor, segs: np.ndarray, strides: tuple[int, int, int, int], dim: int,
+                            rule: str, *, measure: bool) -> float | None:
+    """fp4 keys -> fp8 keys by ``rule`` between strided rows of four flat uint8 tensors (fp4 codes, fp4 scales,
+    fp8 codes, fp8 scales: records, page parts or whole pools), segment by segment: ``segs`` int64 ``[S, 5]`` holds
+    the byte offsets of a segment's first key in each tensor and its key count, ``strides`` the four row strides.
+    By the backend's kernel (``key_kernels(src_keys)`` must hold); the max abs error (0.0 unless ``measure``), None
+    when a value decodes to NaN/Inf."""
+    return backend((src_keys, dst_keys)).fp4_to_fp8_key_segments(
+        src_keys, src_scales, dst_keys, dst_scales, segs, strides, dim, rule, measure=measure)
 
 
 def state_kernels(records: torch.Tensor) -> bool:

@@ -106,6 +106,18 @@ def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: i
             part.copy_(span)
 
 
+def move_spans(src: torch.Tensor, dst: torch.Tensor, segs: np.ndarray, src_stride: int, dst_stride: int,
+               width: int) -> None:
+    """For each segment (source byte offset, destination byte offset, rows) of int64 ``segs`` ``[k, 3]``: copy
+    ``rows`` rows of ``width`` bytes, ``src_stride`` / ``dst_stride`` bytes apart, from the contiguous tensor
+    ``src`` into the contiguous tensor ``dst``."""
+    flat_src, flat_dst = src.view(-1), dst.view(-1)
+    for at, to, rows in segs.tolist():
+        if rows:
+            part = flat_src[at : at + (rows - 1) * src_stride + width].as_strided((rows, width), (src_stride, 1))
+            flat_dst[to : to + (rows - 1) * dst_stride + width].as_strided((rows, width), (dst_stride, 1)).copy_(part)
+
+
 def records_at(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor) -> torch.Tensor:
     """Token records ``[N, record_bytes]`` of ``slots`` (a copy)."""
     return pages.view(-1)[layout.geometry.byte_index(page_size, slots)]

@@ -37,6 +37,7 @@ from kvbridge.backends.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check
 from kvbridge.backends.reference import amax_pages as reference_amax
 from kvbridge.backends.reference import decode_pages as reference_decode
 from kvbridge.backends.reference import move_rows as reference_move_rows
+from kvbridge.backends.reference import move_spans as reference_move_spans
 from kvbridge.backends.triton_formats import (
     _bf16_bits,
     _bf16_to_f32,
@@ -656,6 +657,11 @@ def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: 
 def move_rows(pool: torch.Tensor, records: torch.Tensor, runs, lo: int, width: int, to_pool: bool) -> None:
     """Row-run copies between a pool and records: torch copies, on the GPU."""
     reference_move_rows(pool, records, runs, lo, width, to_pool)
+
+
+def move_spans(src: torch.Tensor, dst: torch.Tensor, segs, src_stride: int, dst_stride: int, width: int) -> None:
+    """Row copies between two tensors: torch copies, on the GPU."""
+    reference_move_spans(src, dst, segs, src_stride, dst_stride, width)
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

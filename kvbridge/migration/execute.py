@@ -39,12 +39,14 @@ from kvbridge.migration.pools import (
     PartSpans,
     RequestTables,
     gather_records,
+    merge_spans,
     move_parts,
     part_spans,
     pool_tensors,
     scatter_records,
     table_of,
 )
+from kvbridge.ops import keys as ix
 from kvbridge.ops import records as record_ops
 from kvbridge.ops.loss import LossReport
 
@@ -133,13 +135,17 @@ CHECKSUM = "xxh3-64"
 
 
 def xxh3_chunks(records: torch.Tensor, rows: list[int]) -> list[int]:
-    """XXH3-64 (seed 0, unsigned 64-bit) of each consecutive chunk of ``rows[i]`` records (on a host copy)."""
-    data = records.detach().cpu().contiguous().view(torch.uint8).numpy()
-    out, start = [], 0
-    for n in rows:
-        out.append(xxhash.xxh3_64_intdigest(data[start : start + n]))
-        start += n
-    return out
+    """XXH3-64 (seed 0, unsigned 64-bit) of each consecutive chunk of ``rows[k]`` records (on a host copy)."""
+    data = records.detach().cpu().contiguous().view(torch.uint8)
+    return _xxh3_spans(memoryview(data.numpy().reshape(-1)), 0, rows, data.shape[1] if data.dim() > 1 else 1)
+
+
+def _xxh3_spans(data: memoryview, start: int, rows: list[int], row_bytes: int) -> list[int]:
+    """XXH3-64 of consecutive chunks of ``rows[k]`` rows of ``row_bytes`` in ``data`` from byte ``start`` (memoryview
+    slices in one comprehension: a 131,072-token request has 127,000 chunks, so the per-chunk Python work counts)."""
+    ends = (start + np.cumsum(np.asarray(rows, dtype=np.int64) * row_bytes)).tolist()
+    h = xxhash.xxh3_64_intdigest
+    return [h(data[a:e]) for a, e in zip([start, *ends[:-1]], ends, strict=False)]
 
 
 #: Entries converted per call. Batching the transfers of many layers amortises per-call work;
@@ -355,7 +361,7 @@ def _summed_gather(pool, storage: Storage, table, first: int, count: int, rows: 
         return None
     rb = storage.record_bytes
     out = torch.empty(count, rb, dtype=torch.uint8)
-    data = out.view(-1).numpy()
+    data = memoryview(out.view(-1).numpy())
     step = max(1, STAGE_BYTES // rb)
     sums: list[int] = []
     lo = k = 0
@@ -366,10 +372,8 @@ def _summed_gather(pool, storage: Storage, table, first: int, count: int, rows: 
         spans = part_spans(pool, storage, table, first + lo, n)
         assert spans is not None  # contiguous, checked above
         move_parts(spans, _rows(spans, out, lo, n), False)
-        for r in rows[k:stop]:
-            sums.append(xxhash.xxh3_64_intdigest(data[lo * rb : (lo + r) * rb]))
-            lo += r
-        k = stop
+        sums += _xxh3_spans(data, lo * rb, rows[k:stop], rb)
+        lo, k = lo + n, stop
     return out, sums
 
 
@@ -418,7 +422,8 @@ class _Verifier:
 
     def __init__(self, plan: MigrationPlan, payload: Payload) -> None:
         self.plan, self.payload = plan, payload
-        self.data = [r.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1) for r in payload.records]
+        self.data = [memoryview(r.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1))
+                     for r in payload.records]
         self.chunk = [0] * len(plan.transfers)  # the next chunk to check, per transfer
         self.rows = [0] * len(plan.transfers)  # rows covered by the checked chunks
 
@@ -427,16 +432,18 @@ class _Verifier:
         chunk that differs."""
         rows, sums = self.payload.chunks[i], self.payload.checksums[i]
         rb = self.payload.records[i].shape[1]
-        while self.rows[i] < end and self.chunk[i] < len(rows):
-            k, lo = self.chunk[i], self.rows[i]
-            have = xxhash.xxh3_64_intdigest(self.data[i][lo * rb : (lo + rows[k]) * rb])
-            if have != sums[k]:
-                t = self.plan.transfers[i]
-                raise ChecksumError(
-                    f"checksum mismatch in layer {t.spec.layer} {t.spec.role.value}, source page chunk {k} "
-                    f"({CHECKSUM} {have:#018x}, sender sent {sums[k]:#018x}); nothing was published"
-                )
-            self.chunk[i], self.rows[i] = k + 1, lo + rows[k]
+        k0, covered, stop = self.chunk[i], self.rows[i], self.chunk[i]
+        while covered < end and stop < len(rows):  # the chunks to check: until ``end`` rows are covered
+            covered, stop = covered + rows[stop], stop + 1
+        have = _xxh3_spans(self.data[i], self.rows[i] * rb, rows[k0:stop], rb)
+        if have != sums[k0:stop]:
+            k = k0 + next(j for j, (a, b) in enumerate(zip(have, sums[k0:stop], strict=True)) if a != b)
+            t = self.plan.transfers[i]
+            raise ChecksumError(
+                f"checksum mismatch in layer {t.spec.layer} {t.spec.role.value}, source page chunk {k} "
+                f"({CHECKSUM} {have[k - k0]:#018x}, sender sent {sums[k]:#018x}); nothing was published"
+            )
+        self.chunk[i], self.rows[i] = stop, covered
 
     def finish(self) -> None:
         """Check every chunk not checked yet (empty chunks included)."""
@@ -736,6 +743,15 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_rep
                     busy[k].result()
                     busy[k] = None
                 src_buf, dst_buf = buffers[k]
+                if _direct(b, staged.converted, loss, check):
+                    t2 = time.perf_counter()
+                    kind = "indexer" if _needs_conversion(t) and not staged.converted else None
+                    if kind:
+                        convert_s += t2 - t1
+                        parts[kind] = parts.get(kind, 0.0) + t2 - t1
+                    else:
+                        publish_s += t2 - t1
+                    continue
                 src_rows = _gathered(b, src_buf, t.dst.record_bytes if staged.converted else t.src.record_bytes,
                                      check)
                 t2 = time.perf_counter()
@@ -771,6 +787,111 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_rep
         dst.release(tables)
         raise
     return _Pass(tables, loss, gather_s, convert_s, publish_s, parts)
+
+
+def _direct(b: _Batch, converted: bool, loss: _Loss, check: _Verifier | None) -> bool:
+    """Run batch ``b`` with no staging when it can: a byte move (or records the sender converted) span by span from
+    the source into the destination pages, fp4 -> fp8 indexer keys by the strided kernel from the source's parts
+    into the destination's (``check`` verifies each piece's chunks first); False (nothing done) otherwise."""
+    t = b.transfer
+    moving = converted or not _needs_conversion(t)
+    first = b.pieces[0]
+    device = first.records.device if first.records is not None else first.src[0][0].device
+    if not moving and not _direct_keys(t, device):
+        return False
+    work = [_move_segments(piece) if moving else _key_segments(t, piece) for piece in b.pieces]
+    if any(w is None for w in work):
+        return False
+    for piece, w in zip(b.pieces, work, strict=True):
+        if check is not None:
+            check.upto(piece.index, piece.first + piece.count)
+        if moving:
+            for flat, out, segs, stride, width in w:  # type: ignore[union-attr]
+                dispatch.move_spans(flat, out, segs, stride, width, width)
+        else:
+            loss.add(t, None, _convert_keys_direct(t, piece, w, loss.indexer is not None))  # type: ignore[arg-type]
+    return True
+
+
+def _stream(spans: list[PartSpans], at: int, nbytes: int) -> tuple[torch.Tensor, np.ndarray, int] | None:
+    """The part of ``spans`` holding record bytes ``[at, at + nbytes)``: (its flat tensor, its spans with the byte
+    offsets moved to ``at``, its row stride); None when no one part holds them."""
+    for tensor, lo, width, sp in spans:
+        if lo <= at and at + nbytes <= lo + width:
+            moved = sp.copy()
+            moved[:, 0] += at - lo
+            return tensor.view(-1), moved, width
+    return None
+
+
+def _sources(piece: _Piece) -> list[PartSpans]:
+    """Where a piece's source records lie: its pool spans, or its payload records as one part of one run."""
+    if piece.records is None:
+        return piece.src
+    rec = piece.records
+    return [(rec, 0, rec.shape[1], np.array([[0, 0, piece.count]], dtype=np.int64))]
+
+
+#: A direct byte move of one destination part: (source flat tensor, destination flat tensor, segments of (source
+#: byte offset, destination byte offset, rows), source row stride, part width).
+Move = tuple[torch.Tensor, torch.Tensor, np.ndarray, int, int]
+
+
+def _move_segments(piece: _Piece) -> list[Move] | None:
+    """A piece's byte move straight from its source (pool pages or payload records) into its destination pages, one
+    span copy per run that lies in one source and one destination page; None when a destination part is not inside
+    one source part."""
+    src = _sources(piece)
+    moves = []
+    for tensor, lo, width, sp in piece.dst:
+        found = _stream(src, lo, width)
+        if found is None:
+            return None
+        flat, src_sp, stride = found
+        moves.append((flat, tensor.view(-1), merge_spans([(src_sp, stride), (sp, width)], piece.count), stride, width))
+    return moves
+
+
+#: A direct key conversion: the four flat tensors (fp4 codes, fp4 scales, fp8 codes, fp8 scales), the segments
+#: (``dispatch.fp4_to_fp8_key_segments``) and the four row strides.
+KeyWork = tuple[tuple[torch.Tensor, ...], np.ndarray, tuple[int, ...]]
+
+
+def _key_segments(t: Transfer, piece: _Piece) -> KeyWork | None:
+    """Where a piece's fp4 keys are read (the source pages' two parts, or payload records) and its fp8 keys written
+    (the destination pages' parts); None when a part does not hold whole codes or scales."""
+    src, dst = t.src.indexer, t.dst.indexer
+    sources = _sources(piece)
+    streams = [_stream(sources, 0, src.split), _stream(sources, src.split, src.record_bytes - src.split),
+               _stream(piece.dst, 0, dst.split), _stream(piece.dst, dst.split, dst.record_bytes - dst.split)]
+    if any(x is None for x in streams):
+        return None
+    flats, spans, strides = zip(*streams, strict=True)  # type: ignore[misc]
+    return flats, merge_spans(list(zip(spans, strides, strict=True)), piece.count), strides
+
+
+def _convert_keys_direct(t: Transfer, piece: _Piece, work: KeyWork, measure: bool) -> float:
+    """fp4 -> fp8 indexer keys of a piece in one strided kernel pass from its source into its destination pages'
+    parts (``work``: ``_key_segments``); the max abs error (0.0 unless ``measure``). Keys that decode to NaN/Inf
+    are refused by ``kvbridge.ops.keys``' torch path."""
+    flats, segs, strides = work
+    err = dispatch.fp4_to_fp8_key_segments(*flats, segs, strides, t.dst.indexer.dim, t.dst.dialect or "",
+                                           measure=measure)
+    if err is not None:
+        return err
+    records = piece.records
+    if records is None:
+        records = torch.empty(piece.count, t.src.record_bytes, dtype=torch.uint8, device=flats[0].device)
+        move_parts(piece.src, _rows(piece.src, records, 0, piece.count), False)
+    ix.transcode_keys(records, t.src.indexer, t.dst.indexer, t.dst.dialect or "", t.src.dialect)
+    raise MigrationError("indexer keys the native kernel refused were accepted by the torch path")
+
+
+def _direct_keys(t: Transfer, device: torch.device) -> bool:
+    """Whether ``t``'s indexer keys convert straight between pages (the backend's fp4 -> fp8 kernel applies)."""
+    probe = torch.empty(0, t.src.record_bytes, dtype=torch.uint8, device=device)
+    return t.src.kind == "indexer" and _needs_conversion(t) and ix.native_transcode_applies(
+        probe, t.src.indexer, t.dst.indexer, t.dst.dialect or "")
 
 
 def _gathered(b: _Batch, buf: torch.Tensor, row_bytes: int, check: _Verifier | None) -> torch.Tensor:

@@ -153,6 +153,18 @@ def part_spans(pool: Pool, storage: Storage, table: Table, first: int, count: in
     return parts
 
 
+def merge_spans(streams: list[tuple[np.ndarray, int]], count: int) -> np.ndarray:
+    """Segments over records ``[0, count)`` that lie in one run of every stream: ``streams`` are (spans ``[k, 3]``
+    of (byte offset, first record, rows), row stride in bytes) covering the records in order; returns int64
+    ``[S, len(streams) + 1]``: each stream's byte offset of the segment's first record, then its rows."""
+    starts = np.unique(np.concatenate([sp[:, 1] for sp, _ in streams]))
+    cols = []
+    for sp, stride in streams:
+        run = np.searchsorted(sp[:, 1], starts, side="right") - 1
+        cols.append(sp[run, 0] + (starts - sp[run, 1]) * stride)
+    return np.stack([*cols, np.diff(np.append(starts, count))], axis=1)
+
+
 def move_parts(spans: list[PartSpans], rows: list[tuple[torch.Tensor, int]], to_pool: bool) -> None:
     """Copy each record part between its pool spans and ``rows[k]`` = (contiguous ``[count, row_bytes]``
     tensor, byte offset of the part in a row): one native span copy per run of entries in one page."""

@@ -15,6 +15,7 @@ from functools import cache
 
 import torch
 
+from kvbridge.backends import dispatch
 from kvbridge.errors import InputError
 from kvbridge.layouts.registry import MAX_PAGE_SIZE, Layout
 from kvbridge.ops import keys as ix
@@ -64,6 +65,10 @@ def convert_key_records(records: torch.Tensor, src: ix.IndexerFormat, dst: ix.In
                         src_rule: str | None, measure: bool) -> tuple[torch.Tensor, float | None]:
     """Indexer key records of ``src`` -> records of ``dst`` written by ``rule``; the max |decoded error| with
     ``measure`` (None without). Keys that decode to NaN/Inf are refused (``kvbridge.ops.keys``)."""
+    if not measure and ix.native_transcode_applies(records, src, dst, rule):
+        done = dispatch.fp4_to_fp8_keys(records.contiguous(), dst.dim, rule, measure=False)
+        if done is not None:  # else a value decodes to NaN/Inf: transcode_keys' torch path refuses it
+            return done[0], None
     if measure or ix.native_transcode_applies(records, src, dst, rule):
         out, err = ix.transcode_keys(records, src, dst, rule, src_rule)
         return out, err if measure else None

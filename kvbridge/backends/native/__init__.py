@@ -35,6 +35,7 @@ from kvbridge.backends.native.records import (
     _encode_params,
     _geometry,
     _move_rows_kernel,
+    _move_spans_kernel,
     _nonfinite_kernel,
     _raise_nonfinite,
     _repage_kernel,
@@ -211,6 +212,20 @@ def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: i
         _run_chunks(_move_rows_kernel, runs.shape[0], *args)
 
 
+def move_spans(src: torch.Tensor, dst: torch.Tensor, segs: np.ndarray, src_stride: int, dst_stride: int,
+               width: int) -> None:
+    """Row copies between two contiguous tensors (``reference.move_spans``), in place; segments spread over the
+    threads when they move more than ``INLINE_MOVE_BYTES``."""
+    if not segs.shape[0]:
+        return
+    args = (src.view(-1).numpy(), dst.view(-1).numpy(), np.ascontiguousarray(segs, dtype=np.int64), src_stride,
+            dst_stride, width)
+    if int(segs[:, 2].sum()) * width <= INLINE_MOVE_BYTES:
+        _move_spans_kernel(0, segs.shape[0], *args)
+    else:
+        _run_chunks(_move_spans_kernel, segs.shape[0], *args)
+
+
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """Per-slot non-finite flags (``reference.nonfinite_flags``; torch on CPU)."""
@@ -236,3 +251,25 @@ def fp4_to_fp8_key_rows(src_keys: torch.Tensor, src_stride: int, src_scales: tor
     return key_kernels.fp4_to_fp8_key_rows(src_keys.numpy(), src_stride, src_scales.numpy(), src_scale_stride, n,
                                            dst_keys.numpy(), dst_stride, dst_scales.numpy(), dst_scale_stride, dim,
                                            rule, measure=measure)
+
+
+def _word_flat(t: torch.Tensor) -> tuple[np.ndarray, int]:
+    """Flat contiguous uint8 ``t`` as a numpy array starting at an 8-byte boundary (the up to 7 bytes of its
+    storage before it included) and the byte offset of ``t`` in it."""
+    back = t.data_ptr() % 8
+    if back and t.storage_offset() >= back:
+        return t.as_strided((t.numel() + back,), (1,), t.storage_offset() - back).numpy(), back
+    return t.numpy(), 0
+
+
+def fp4_to_fp8_key_segments(src_keys: torch.Tensor, src_scales: torch.Tensor, dst_keys: torch.Tensor,
+                            dst_scales: torch.Tensor, segs: np.ndarray, strides: tuple[int, int, int, int], dim: int,
+                            rule: str, *, measure: bool) -> float | None:
+    """fp4 keys -> fp8 keys between strided rows of flat uint8 CPU tensors, segment by segment
+    (``keys.fp4_to_fp8_key_segments``: ``segs`` int64 ``[S, 5]`` of byte offsets into the four tensors and key
+    counts); the max abs error (0.0 unless ``measure``), None when a value decodes to NaN/Inf."""
+    arrays, shift = zip(*(_word_flat(t) for t in (src_keys, src_scales, dst_keys, dst_scales)), strict=True)
+    segs = np.asarray(segs, dtype=np.int64)
+    if any(shift):
+        segs = np.concatenate([segs[:, :4] + np.asarray(shift, dtype=np.int64), segs[:, 4:]], axis=1)
+    return key_kernels.fp4_to_fp8_key_segments(*arrays, segs, strides, dim, rule, measure=measure)

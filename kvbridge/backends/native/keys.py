@@ -100,13 +100,15 @@ def _fp4_block_magnitude(w0, w1) -> int:
 
 
 @njit(cache=True, nogil=True)
-def _fp4_to_fp8_keys_kernel(c0, c1, sd, sds, ss, sss, n, dim, rule, floor, e2m1, ue8m0, e4m3, pow2_codes,
-                            dd, dds, ds, dss, words, sd64, dd64, measure, err, bad):
-    """fp4 indexer keys (``dim / 2`` bytes of E2M1 pairs at ``sd[k * sds]``, ``dim / 32`` UE8M0 scales at
-    ``ss[k * sss]``) -> fp8 keys (``dim`` E4M3 bytes at ``dd[k * dds]``, 4 scale bytes at ``ds[k * dss]``) by
-    writer ``rule`` (``_KEY_RULES``), ``KEY_CHUNK`` keys per chunk; with ``measure`` ``err[chunk]`` is the
-    chunk's max |decoded fp8 - decoded fp4|; ``bad[chunk]`` is 1 when an fp4 value decodes to NaN/Inf (the
-    chunk's output is then meaningless). Records and page parts are both strided rows.
+def _fp4_to_fp8_keys_kernel(c0, c1, sd, ss, dd, ds, segs, sds, sss, dds, dss, dim, rule, floor, e2m1, ue8m0, e4m3,
+                            pow2_codes, words, sd64, dd64, measure, err, bad):
+    """fp4 indexer keys -> fp8 keys by writer ``rule`` (``_KEY_RULES``) over segments ``[c0, c1)`` of ``segs``
+    (int64 ``[S, 5]``: byte offsets of the segment's first key's codes in ``sd``, its scales in ``ss``, its fp8
+    codes in ``dd`` and scale in ``ds``, then its key count; key ``r`` of a segment is ``r`` row strides ``sds``,
+    ``sss``, ``dds``, ``dss`` further). An fp4 key is ``dim / 2`` bytes of E2M1 pairs and ``dim / 32`` UE8M0
+    scales, an fp8 key ``dim`` E4M3 bytes and 4 scale bytes. With ``measure`` ``err[seg]`` is the segment's max
+    |decoded fp8 - decoded fp4|; ``bad[seg]`` is 1 when an fp4 value decodes to NaN/Inf (the segment's output is
+    then meaningless). Records, a page's two parts and runs of pool pages are all strided rows.
 
     A decoded fp4 value ``e2m1(c) * 2^(b - 127)`` is exact in fp32 and bf16 (vLLM's bf16 rounding
     changes nothing), so the key's amax is the value of its largest code magnitude per block; the
@@ -119,20 +121,29 @@ def _fp4_to_fp8_keys_kernel(c0, c1, sd, sds, ss, sss, n, dim, rule, floor, e2m1,
     ``fp32(m * mult)`` (``_e4m3_code``'s normal branch, unbounded) a block of scale 2^k has codes
     ``min(C_m + 8 * (k + j), 0x7E)`` once its smallest value 0.5 * 2^k * mult is E4M3-normal (>= 2^-6),
     else ``_key_code`` per code; negative codes are the positive ones with bit 7 set.
-    With ``words`` (codes 8-byte aligned: ``sd64``/``dd64`` are the same bytes as uint64) block magnitudes
-    come from 16 codes per word (``_fp4_block_magnitude``), and the power-of-two rules write blocks whose
-    values stay normal in E4M3 (2^(b - 127 - e) >= 2^-5, exact: no error) by ``_fp4_word_codes``.
+    With ``words`` (``sd64``/``dd64`` are the bytes of ``sd``/``dd`` as uint64) block magnitudes come from 16
+    codes per word (``_fp4_block_magnitude``), and the power-of-two rules write blocks whose values stay normal
+    in E4M3 (2^(b - 127 - e) >= 2^-5, exact: no error) by ``_fp4_word_codes``; a key whose codes are not 8-byte
+    aligned on both sides (records of 68 bytes) is read from and written through aligned local copies.
     """
     half, blocks = dim // 2, dim // 32
-    sw, dw = (sds // 8, dds // 8) if words else (0, 0)
     lut = np.empty(16, np.uint8)
+    key64 = np.empty(2 * blocks, np.uint64)  # an unaligned key's codes, and its fp8 codes
+    out64 = np.empty(4 * blocks, np.uint64)
+    key8, out8 = key64.view(np.uint8), out64.view(np.uint8)
     for chunk in range(c0, c1):
         worst = np.float32(0.0)
-        for k in range(chunk * KEY_CHUNK, min(n, (chunk + 1) * KEY_CHUNK)):
-            src = sd[k * sds : k * sds + half]
-            sc = ss[k * sss : k * sss + blocks]
-            src64 = sd64[k * sw : k * sw + 2 * blocks]
-            dst64 = dd64[k * dw : k * dw + 4 * blocks]
+        for r in range(segs[chunk, 4]):
+            so, o = segs[chunk, 0] + r * sds, segs[chunk, 1] + r * sss
+            do, dso = segs[chunk, 2] + r * dds, segs[chunk, 3] + r * dss
+            sc = ss[o : o + blocks]
+            local = words and (so % 8 != 0 or do % 8 != 0)
+            if local:
+                src, dst, src64, dst64 = key8, out8, key64, out64
+                src[:] = sd[so : so + half]
+            else:
+                src, dst = sd[so : so + half], dd[do : do + dim]
+                src64, dst64 = sd64[so // 8 : so // 8 + 2 * blocks], dd64[do // 8 : do // 8 + 4 * blocks]
             amax = np.float32(0.0)
             e = 0
             for j in range(blocks):
@@ -161,7 +172,6 @@ def _fp4_to_fp8_keys_kernel(c0, c1, sd, sds, ss, sss, n, dim, rule, floor, e2m1,
                 mult = np.float32(np.float32(448.0) / amax) if amax > 0 else np.float32(0.0)
                 if not np.isfinite(mult):  # amax < 448 / fp32 max: the torch path's product overflows
                     bad[chunk] = 1
-            dst = dd[k * dds : k * dds + dim]
             tabled = rule <= 1 and _KEY_E_MIN <= e <= _KEY_E_MAX
             shifted = rule >= 2 and np.isfinite(mult) and mult >= np.float32(2.0**-126)
             c1 = c15 = m1 = 0
@@ -207,7 +217,9 @@ def _fp4_to_fp8_keys_kernel(c0, c1, sd, sds, ss, sss, n, dim, rule, floor, e2m1,
                 for c in range(1, 8):  # codes 0 and 8 (+-0) are exact
                     if present & (1 << c):
                         worst = max(worst, abs(np.float32(e4m3[lut[c]] * scale) - np.float32(e2m1[c] * s)))
-            out_scale = ds[k * dss : k * dss + 4]
+            if local:
+                dd[do : do + dim] = dst
+            out_scale = ds[dso : dso + 4]
             if rule == 1:
                 for i in range(4):
                     out_scale[i] = e + 127
@@ -223,15 +235,15 @@ _KEY_RULES = {"vllm": (0, 1e-4), "vllm-ue8m0": (1, 1e-4), "sglang": (2, 1e-4), "
               "sglang-rocm": (2, 1e-8), "trtllm": (3, 0.0)}
 
 
-def fp4_to_fp8_keys(records: torch.Tensor, dim: int, rule: str) -> tuple[torch.Tensor, float] | None:
-    """fp4 indexer records ``[N, dim / 2 + dim / 32]`` -> fp8 records ``[N, dim + 4]`` written by
-    ``rule`` (128-value keys for ``vllm-ue8m0``), and the max |decoded fp8 - decoded fp4|;
-    byte-identical to ``indexer.transcode_keys``. None when a value decodes to NaN/Inf."""
-    n, half = records.shape[0], dim // 2
-    out = torch.empty(n, dim + 4, dtype=torch.uint8)
+def fp4_to_fp8_keys(records: torch.Tensor, dim: int, rule: str, *, measure: bool = True,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, float] | None:
+    """fp4 indexer records ``[N, dim / 2 + dim / 32]`` -> fp8 records ``[N, dim + 4]`` (into ``out`` when given)
+    written by ``rule`` (128-value keys for ``vllm-ue8m0``), and the max |decoded fp8 - decoded fp4| (0.0 unless
+    ``measure``); byte-identical to ``indexer.transcode_keys``. None when a value decodes to NaN/Inf."""
+    n, half, rb = records.shape[0], dim // 2, records.shape[1]
+    out = torch.empty(n, dim + 4, dtype=torch.uint8) if out is None else out
     src, dst = _flat(records), _flat(out)
-    err = fp4_to_fp8_key_rows(src, records.shape[1], src[half:], records.shape[1], n, dst, dim + 4, dst[dim:], dim + 4,
-                              dim, rule, measure=True)
+    err = fp4_to_fp8_key_rows(src, rb, src[half:], rb, n, dst, dim + 4, dst[dim:], dim + 4, dim, rule, measure=measure)
     return None if err is None else (out, err)
 
 
@@ -240,23 +252,42 @@ def _key_code_table() -> np.ndarray:
     return _pow2_key_codes(_E2M1_F32, _UE8M0_F32)
 
 
+def _words(a: np.ndarray) -> np.ndarray | None:
+    """The 8-byte-aligned flat uint8 ``a`` as uint64 words (its whole words), None when it is not aligned."""
+    return a[: a.shape[0] // 8 * 8].view(np.uint64) if a.ctypes.data % 8 == 0 else None
+
+
+def fp4_to_fp8_key_segments(src_keys: np.ndarray, src_scales: np.ndarray, dst_keys: np.ndarray,
+                            dst_scales: np.ndarray, segs: np.ndarray, strides: tuple[int, int, int, int], dim: int,
+                            rule: str, *, measure: bool) -> float | None:
+    """fp4 keys -> fp8 keys by ``rule`` between strided rows of flat uint8 arrays, segment by segment (``segs``
+    int64 ``[S, 5]``: byte offsets of a segment's first key's codes, scales, fp8 codes and fp8 scale in the four
+    arrays, then its key count; ``strides``: the four row strides within a segment). Returns the max
+    |decoded fp8 - decoded fp4| (0.0 unless ``measure``), None when a value decodes to NaN/Inf."""
+    nseg = segs.shape[0]
+    err = np.zeros(max(nseg, 1), np.float32)
+    bad = np.zeros(max(nseg, 1), np.int64)
+    rule_id, floor = _KEY_RULES[rule]
+    sd64, dd64 = _words(src_keys), _words(dst_keys)
+    words = sd64 is not None and dd64 is not None and dim % 16 == 0
+    none = np.zeros(0, np.uint64)
+    if nseg:
+        _run_chunks(_fp4_to_fp8_keys_kernel, nseg, src_keys, src_scales, dst_keys, dst_scales,
+                    np.ascontiguousarray(segs, dtype=np.int64), *strides, dim, rule_id, np.float32(floor), _E2M1_F32,
+                    _UE8M0_F32, _E4M3_F32, _key_code_table(), words, sd64 if words else none,
+                    dd64 if words else none, measure, err, bad)
+    return None if bad.any() else float(err.max())
+
+
 def fp4_to_fp8_key_rows(src_keys: np.ndarray, src_stride: int, src_scales: np.ndarray, src_scale_stride: int, n: int,
                         dst_keys: np.ndarray, dst_stride: int, dst_scales: np.ndarray, dst_scale_stride: int,
                         dim: int, rule: str, *, measure: bool) -> float | None:
     """``n`` fp4 keys -> fp8 keys by ``rule``, between strided rows of flat uint8 arrays (key ``k``'s codes at
     ``keys[k * stride]``, its scale bytes at ``scales[k * scale_stride]``: records or a page's two parts);
     returns the max |decoded fp8 - decoded fp4| (0.0 unless ``measure``), None when a value decodes to NaN/Inf."""
-    nchunks = -(-n // KEY_CHUNK)
-    err = np.zeros(max(nchunks, 1), np.float32)
-    bad = np.zeros(max(nchunks, 1), np.int64)
-    rule_id, floor = _KEY_RULES[rule]
-    words = (src_stride % 8 == 0 and dst_stride % 8 == 0 and src_keys.ctypes.data % 8 == 0
-             and dst_keys.ctypes.data % 8 == 0 and src_keys.shape[0] % 8 == 0 and dst_keys.shape[0] % 8 == 0)
-    none = np.zeros(0, np.uint64)
-    if n:
-        _run_chunks(_fp4_to_fp8_keys_kernel, nchunks, src_keys, src_stride, src_scales, src_scale_stride, n, dim,
-                    rule_id, np.float32(floor), _E2M1_F32, _UE8M0_F32, _E4M3_F32, _key_code_table(), dst_keys,
-                    dst_stride, dst_scales, dst_scale_stride, words, src_keys.view(np.uint64) if words else none,
-                    dst_keys.view(np.uint64) if words else none, measure, err, bad)
-    return None if bad.any() else float(err.max())
-
+    first = np.arange(0, n, KEY_CHUNK, dtype=np.int64)
+    segs = np.stack([first * src_stride, first * src_scale_stride, first * dst_stride, first * dst_scale_stride,
+                     np.minimum(n - first, KEY_CHUNK)], axis=1)
+    return fp4_to_fp8_key_segments(src_keys, src_scales, dst_keys, dst_scales, segs,
+                                   (src_stride, src_scale_stride, dst_stride, dst_scale_stride), dim, rule,
+                                   measure=measure)

@@ -581,6 +581,21 @@ def _move_rows_kernel(c0, c1, pool, records, runs, record_bytes, lo, width, to_p
 
 
 @njit(cache=True, nogil=True)
+def _move_spans_kernel(c0, c1, src, dst, segs, src_stride, dst_stride, width):
+    """For segments ``[c0, c1)`` of ``segs`` (source byte offset, destination byte offset, rows): copy ``rows``
+    rows of ``width`` bytes, ``src_stride`` / ``dst_stride`` bytes apart, from ``src`` to ``dst`` (one span when
+    both strides are the width)."""
+    for k in range(c0, c1):
+        at, to, rows = segs[k, 0], segs[k, 1], segs[k, 2]
+        if src_stride == width and dst_stride == width:
+            _copy(src[at : at + rows * width], dst[to : to + rows * width])
+            continue
+        for r in range(rows):
+            _copy(src[at + r * src_stride : at + r * src_stride + width],
+                  dst[to + r * dst_stride : to + r * dst_stride + width])
+
+
+@njit(cache=True, nogil=True)
 def _repage_kernel(c0, c1, src, sp, spb, ssplit, dst, dp, dpb, dsplit, rb, n):
     """Byte move of ``rb``-byte records between two page geometries (splits may differ)."""
     npages = dst.shape[0] // dpb

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from kvbridge.layouts.codec import record_codec
 from kvbridge.migration.ape import add_ape, remove_ape
-from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
+from kvbridge.migration.rows import state_rows_from_f32, state_rows_to_f32
 from kvbridge.ops import keys as ix
 
 

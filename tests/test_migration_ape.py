@@ -26,7 +26,7 @@ from kvbridge.migration import (
     table_of,
 )
 from kvbridge.migration.ape import add_ape, ape_name, load_ape, remove_ape
-from kvbridge.migration.execute import state_rows_from_f32, state_rows_to_f32
+from kvbridge.migration.rows import state_rows_from_f32, state_rows_to_f32
 
 GOLDEN = load_file(str(Path(__file__).parent.parent / "fixtures" / "vllm_ape_state_reference.safetensors"))
 CASES = [f"{c}_{d}" for c in ("c4_attn", "c128_attn", "c4_indexer") for d in ("fp32", "bf16")]

@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from kvbridge.migration import MigrationError
 from kvbridge.migration.control import MAGIC, PROTOCOL_VERSION, Listener
-from kvbridge.migration.execute import CHECKSUM, pack, verify, xxh3_chunks
+from kvbridge.migration.execute import pack, verify
 from kvbridge.migration.nixl_wire import _Chunk, _xxh3
 from kvbridge.migration.plan import plan_migration
+from kvbridge.migration.rows import CHECKSUM, xxh3_chunks
 from kvbridge.migration.synthetic import destination_pools, source_request
 from kvbridge.migration.transport import MAGIC as WIRE_MAGIC
 from kvbridge.migration.transport import _pair_group, receive_request

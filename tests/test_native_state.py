@@ -14,10 +14,10 @@ from kvbridge.engines.topology import Role, get_model
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration import plan_migration
 from kvbridge.migration.ape import add_ape, ape_name, remove_ape
-from kvbridge.migration.execute import (
-    _convert_batch,
-    _convert_state_native,
-    _convert_state_torch,
+from kvbridge.migration.rows import (
+    convert_batch,
+    convert_state_native,
+    convert_state_torch,
     state_rows_from_f32,
     state_rows_to_f32,
 )
@@ -92,10 +92,10 @@ def test_native_state_rows_are_the_torch_rules_byte_for_byte(src, dst, loss):
         rows = _source_rows(t, seed=t.spec.layer)
         for first in (0, 3):  # a batch starting inside the transfer: the APE row follows the position
             records = _records(t, rows)[first:]
-            want = _outcome(_convert_state_torch, t, records, loss, first)
+            want = _outcome(convert_state_torch, t, records, loss, first)
             assert want[0] == "ok", want
-            assert _outcome(_convert_state_native, t, records, loss, first) == want
-            assert _outcome(_convert_batch, t, records, loss, first) == want  # CPU rows take the native pass
+            assert _outcome(convert_state_native, t, records, loss, first) == want
+            assert _outcome(convert_batch, t, records, loss, first) == want  # CPU rows take the native pass
 
 
 @pytest.mark.parametrize("src,dst", [("vllm", "sglang"), ("trtllm:state=bf16", "sglang"), ("sglang", "vllm"),
@@ -122,9 +122,9 @@ def test_native_state_rows_refuse_what_the_torch_rules_refuse(src, dst):
     for case in cases:
         records = _records(t, case)
         for loss in (False, True):
-            want = _outcome(_convert_state_torch, t, records, loss, 0)
-            assert _outcome(_convert_state_native, t, records, loss, 0) == want, (case, loss)
-    nan_refused = _outcome(_convert_state_torch, t, _records(t, nan), False, 0)
+            want = _outcome(convert_state_torch, t, records, loss, 0)
+            assert _outcome(convert_state_native, t, records, loss, 0) == want, (case, loss)
+    nan_refused = _outcome(convert_state_torch, t, _records(t, nan), False, 0)
     assert (nan_refused[0] == "InputError") == (t.ape_sign < 0)
 
 
@@ -140,9 +140,9 @@ def test_native_state_rows_on_vllms_golden_rows(key):
         t = dataclasses.replace(t, ape=GOLDEN[f"{key}.ape"].float(), first=first)
         records = _records(t, stored.float())
         for loss in (False, True):
-            want = _outcome(_convert_state_torch, t, records, loss, 0)
+            want = _outcome(convert_state_torch, t, records, loss, 0)
             assert want[0] == "ok", want
-            assert _outcome(_convert_state_native, t, records, loss, 0) == want
+            assert _outcome(convert_state_native, t, records, loss, 0) == want
 
 
 def test_native_state_rows_refusal_names_the_position():
@@ -150,4 +150,4 @@ def test_native_state_rows_refusal_names_the_position():
     rows = _source_rows(t, seed=1)
     rows[2, rows.shape[1] // 2] = float("nan")
     with pytest.raises(InputError, match=f"layer {t.spec.layer} .*position {t.first + 2} is NaN"):
-        _convert_batch(t, _records(t, rows)[1:], False, 1)
+        convert_batch(t, _records(t, rows)[1:], False, 1)

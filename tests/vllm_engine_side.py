@@ -394,7 +394,7 @@ def synthetic_records(plan, seed: int) -> list[torch.Tensor]:
     """Each transfer's source records as the source engine's writers store them (kvbridge's profile encoders)."""
     import kvbridge
     from kvbridge.migration.ape import add_ape
-    from kvbridge.migration.execute import state_rows_from_f32
+    from kvbridge.migration.rows import state_rows_from_f32
     from kvbridge.ops import keys as ix
 
     gen = torch.Generator().manual_seed(seed)

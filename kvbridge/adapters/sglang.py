@@ -83,7 +83,8 @@ from kvbridge.dumps.convert import convert_entry
 from kvbridge.dumps.dumpfile import Dump, DumpEntry, entry_name
 from kvbridge.engines.topology import CacheSpec, Role
 from kvbridge.errors import InputError, KVBridgeError
-from kvbridge.migration.execute import TransferError, migrate_local
+from kvbridge.migration.errors import TransferError
+from kvbridge.migration.execute import migrate_local
 from kvbridge.migration.nixl_agent import _Agent, memory_kind
 from kvbridge.migration.plan import MigrationPlan, plan_migration
 from kvbridge.migration.pools import EnginePools, RequestTables, gather_records, pool_tensors, scatter_records, table_of

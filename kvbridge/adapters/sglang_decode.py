@@ -78,7 +78,8 @@ from kvbridge.adapters.sglang_protocol import (
 )
 from kvbridge.engines.topology import CacheSpec
 from kvbridge.errors import InputError
-from kvbridge.migration.execute import MigrationError, MigrationReport, TransferError, migrate_local
+from kvbridge.migration.errors import MigrationError, TransferError
+from kvbridge.migration.execute import MigrationReport, migrate_local
 from kvbridge.migration.nixl_agent import _Agent, memory_kind
 from kvbridge.migration.plan import MigrationPlan, plan_migration
 from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors

@@ -1,12 +1,10 @@
 """Request migration between engines: plan, pools, local execution and distributed transport."""
 
+from kvbridge.migration.errors import ChecksumError, MigrationError, TransferError
 from kvbridge.migration.execute import (
-    ChecksumError,
     ConvertSide,
-    MigrationError,
     MigrationReport,
     Payload,
-    TransferError,
     convert_payload,
     migrate_local,
     pack,

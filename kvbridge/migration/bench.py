@@ -37,23 +37,13 @@ import xxhash
 
 from kvbridge.engines.topology import get_model
 from kvbridge.migration.ape import synthetic_ape
-from kvbridge.migration.execute import (
-    CHECKSUM,
-    Payload,
-    _chunk_rows,
-    convert_payload,
-    finish,
-    migrate_local,
-    pack,
-    publish,
-    verify,
-    xxh3_chunks,
-)
+from kvbridge.migration.execute import Payload, convert_payload, finish, migrate_local, pack, publish, verify
 from kvbridge.migration.nixl import NixlReceiver, NixlSender
 from kvbridge.migration.nixl_agent import _Agent, _main_hidden
 from kvbridge.migration.nixl_wire import _descriptors, _np, _pieces_of, _pool_chunks, _xxh3
 from kvbridge.migration.plan import plan_migration
 from kvbridge.migration.pools import gather_records, pool_tensors, table_of
+from kvbridge.migration.rows import CHECKSUM, chunk_rows, xxh3_chunks
 from kvbridge.migration.stream import layer_groups
 from kvbridge.migration.synthetic import destination_pools, source_request
 from kvbridge.migration.transport import DEFAULT_CHUNK_BYTES
@@ -402,7 +392,7 @@ def _stages(plan, same, pools, tables, loss_report: bool):
                for t in plan.transfers]
     t1 = time.perf_counter()
     yield "gather", t1 - t0
-    chunks = [_chunk_rows(t, t.src) for t in plan.transfers]
+    chunks = [chunk_rows(t, t.src) for t in plan.transfers]
     sums = [xxh3_chunks(rec, rows) for rec, rows in zip(records, chunks, strict=True)]
     t2 = time.perf_counter()
     yield "checksum", t2 - t1

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.migration.execute import MigrationError, TransferError
+from kvbridge.migration.errors import MigrationError, TransferError
 
 MAGIC = b"KVBRIDGE-MIGRATE"
 #: 2: page-chunk checksums are XXH3-64 (1: CRC-32).

@@ -26,13 +26,11 @@ from typing import Literal
 
 import numpy as np
 import torch
-import xxhash
 
-from kvbridge import numerics as nx
 from kvbridge.backends import dispatch
 from kvbridge.engines.profiles import Storage
-from kvbridge.errors import InputError, KVBridgeError
-from kvbridge.migration.ape import add_ape, nan_score, remove_ape, unreachable_score
+from kvbridge.errors import InputError
+from kvbridge.migration.errors import ChecksumError, MigrationError
 from kvbridge.migration.plan import MigrationPlan, Transfer
 from kvbridge.migration.pools import (
     EnginePools,
@@ -46,23 +44,12 @@ from kvbridge.migration.pools import (
     scatter_records,
     table_of,
 )
+from kvbridge.migration.rows import CHECKSUM, chunk_rows, convert_batch, needs_conversion, xxh3_chunks, xxh3_spans
 from kvbridge.ops import keys as ix
 from kvbridge.ops import records as record_ops
 from kvbridge.ops.loss import LossReport
 
 ConvertSide = Literal["sender", "receiver"]
-
-
-class MigrationError(KVBridgeError):
-    """A migration that could not complete; no destination page was claimed."""
-
-
-class ChecksumError(MigrationError):
-    """A page chunk whose XXH3-64 checksum on arrival differs from the sender's."""
-
-
-class TransferError(MigrationError):
-    """The peer died, the link broke, or a timeout passed before the transfer finished."""
 
 
 @dataclass
@@ -121,121 +108,12 @@ class MigrationReport:
         return data
 
 
-def _chunk_rows(t: Transfer, storage: Storage) -> list[int]:
-    """Row counts of ``t``'s entries grouped by the page of ``storage`` they sit in."""
-    if storage.addressing == "ring":
-        return [t.count]
-    p = storage.span or storage.page_size
-    bounds = [t.first] + list(range((t.first // p + 1) * p, t.first + t.count, p)) + [t.first + t.count]
-    return [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
-
-
-#: The per-chunk checksum, as messages and the wire protocols name it.
-CHECKSUM = "xxh3-64"
-
-
-def xxh3_chunks(records: torch.Tensor, rows: list[int]) -> list[int]:
-    """XXH3-64 (seed 0, unsigned 64-bit) of each consecutive chunk of ``rows[k]`` records (on a host copy)."""
-    data = records.detach().cpu().contiguous().view(torch.uint8)
-    return _xxh3_spans(memoryview(data.numpy().reshape(-1)), 0, rows, data.shape[1] if data.dim() > 1 else 1)
-
-
-def _xxh3_spans(data: memoryview, start: int, rows: list[int], row_bytes: int) -> list[int]:
-    """XXH3-64 of consecutive chunks of ``rows[k]`` rows of ``row_bytes`` in ``data`` from byte ``start`` (memoryview
-    slices in one comprehension: a 131,072-token request has 127,000 chunks, so the per-chunk Python work counts)."""
-    ends = (start + np.cumsum(np.asarray(rows, dtype=np.int64) * row_bytes)).tolist()
-    h = xxhash.xxh3_64_intdigest
-    return [h(data[a:e]) for a, e in zip([start, *ends[:-1]], ends, strict=False)]
-
-
 #: Entries converted per call. Batching the transfers of many layers amortises per-call work;
 #: the cap bounds the codecs' temporaries (a few int64 copies of 512 values per entry).
 BATCH_ENTRIES = 1 << 16
 #: Pieces of at least this many entries are converted on their own, straight from the gathered
 #: records (no concatenation) into the transfer's output (no copy back).
 ALONE_ENTRIES = 1 << 12
-
-
-def _needs_conversion(t: Transfer) -> bool:
-    if t.src.kind == "state":
-        return t.src.fmt != t.dst.fmt or t.ape_sign != 0
-    return t.conversion not in ("byte move", "byte copy")
-
-
-def state_rows_to_f32(records: torch.Tensor, fmt: str) -> torch.Tensor:
-    """State rows (uint8 ``[N, row_bytes]``, little-endian fp32 or bf16) -> fp32 values."""
-    if fmt.endswith("bf16"):
-        return nx.bf16_from_bytes(records)
-    return records.contiguous().view(torch.float32)
-
-
-def state_rows_from_f32(values: torch.Tensor, fmt: str) -> torch.Tensor:
-    """fp32 values -> state rows in ``fmt`` (bf16: nearest-even, as the engines' ``.to(bfloat16)``)."""
-    if fmt.endswith("bf16"):
-        return nx.bf16_bytes(values)
-    return values.contiguous().view(torch.uint8)
-
-
-def _state_error(src: torch.Tensor, back: torch.Tensor) -> float:
-    """Max |back - src| over finite values; +-inf scores (cleared rows) must stay the same infinity."""
-    finite = torch.isfinite(src)
-    if not bool((back[~finite] == src[~finite]).all()):
-        raise MigrationError("a compressor-state value changed infinity on conversion")
-    return float((back[finite] - src[finite]).abs().max()) if bool(finite.any()) else 0.0
-
-
-def _convert_state_torch(t: Transfer, records: torch.Tensor, loss_report: bool, first: int) -> tuple[
-        torch.Tensor, None, float | None]:
-    """``_convert_batch``'s state rows (entries ``first, ...`` of ``t``) in torch: fp32 values, APE added or
-    removed, the destination dtype; the max abs error of a dtype change (adding APE is exact) with ``loss_report``."""
-    values = state_rows_to_f32(records, t.src.fmt)
-    if t.ape_sign:
-        where = f"layer {t.spec.layer} {t.spec.role.value}"
-        pos = t.first + first
-        values = add_ape(values, t.ape, pos) if t.ape_sign > 0 else \
-            remove_ape(values, t.ape, pos, where, t.src.fmt.endswith("bf16"))
-    out = state_rows_from_f32(values, t.dst.fmt)
-    measure = loss_report and t.src.fmt != t.dst.fmt
-    return out, None, _state_error(values, state_rows_to_f32(out, t.dst.fmt)) if measure else None
-
-
-def _convert_state_native(t: Transfer, records: torch.Tensor, loss_report: bool, first: int) -> tuple[
-        torch.Tensor, None, float | None]:
-    """``_convert_batch``'s state rows in one pass of the dispatcher's state kernels (``dispatch.convert_state_rows``):
-    the same bytes, errors and refusals as ``_convert_state_torch``."""
-    measure = loss_report and t.src.fmt != t.dst.fmt
-    pos = t.first + first
-    src_bf16 = t.src.fmt.endswith("bf16")
-    res = dispatch.convert_state_rows(records, src_bf16, t.dst.fmt.endswith("bf16"), t.ape, t.ape_sign, pos, measure)
-    where = f"layer {t.spec.layer} {t.spec.role.value}"
-    if t.ape_sign < 0 and res.nan_row is not None:
-        raise nan_score(where, pos + res.nan_row)
-    if t.ape_sign < 0 and res.unreachable is not None:
-        row, col = res.unreachable
-        values = state_rows_to_f32(records[row : row + 1], t.src.fmt)[0]
-        raise unreachable_score(where, pos + row, col, float(values[values.shape[0] // 2 + col]),
-                                float(t.ape[(pos + row) % t.ape.shape[0], col]), src_bf16)
-    if res.infinity_changed:
-        raise MigrationError("a compressor-state value changed infinity on conversion")
-    return res.rows, None, res.max_abs_error
-
-
-def _convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first: int = 0,
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, LossReport | None, float | None]:
-    """Convert records of ``t``'s kind through the record operations (state rows with APE: entries ``first,
-    first + 1, ...`` of ``t``); KV records are written into ``out`` when given; returns (records, KV loss report,
-    indexer or state max abs error)."""
-    if t.src.kind == "state":
-        convert = _convert_state_native if dispatch.state_kernels(records) else _convert_state_torch
-        return convert(t, records, loss_report, first)
-    if t.src.kind == "indexer":
-        keys, err = record_ops.convert_key_records(records, t.src.indexer, t.dst.indexer, rule=t.dst.dialect or "",
-                                                   src_rule=t.src.dialect, measure=loss_report)
-        return keys, None, err
-    converted, report = record_ops.convert_kv_records(records, t.src.layout, t.dst.layout, src_scale=t.src.scale,
-                                                      dst_scale=t.dst.scale, dialect=t.dst.dialect, out=out,
-                                                      report=loss_report)
-    return converted, report, None
 
 
 def group_key(i: int, t: Transfer) -> tuple:
@@ -320,7 +198,7 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
     """
     if payload.converted:
         return payload
-    todo = [i for i, t in enumerate(plan.transfers) if _needs_conversion(t)]
+    todo = [i for i, t in enumerate(plan.transfers) if needs_conversion(t)]
     out: list[torch.Tensor | None] = list(payload.records)
     for i in todo:
         t = plan.transfers[i]
@@ -333,10 +211,10 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
         whole = out[i] is None and count == t.count
         if len(batch) == 1:
             target = None if whole or t.src.kind != "kv" else out[i][lo : lo + count]  # type: ignore[index]
-            converted, report, err = _convert_batch(t, payload.records[i][lo : lo + count], loss_report, lo, target)
+            converted, report, err = convert_batch(t, payload.records[i][lo : lo + count], loss_report, lo, target)
         else:
             records = _concat([payload.records[j][a : a + n] for j, a, n in batch])
-            converted, report, err = _convert_batch(t, records, loss_report, lo)
+            converted, report, err = convert_batch(t, records, loss_report, lo)
         loss.add(t, report, err)
         offset = 0
         for j, a, n in batch:
@@ -372,7 +250,7 @@ def _summed_gather(pool, storage: Storage, table, first: int, count: int, rows: 
         spans = part_spans(pool, storage, table, first + lo, n)
         assert spans is not None  # contiguous, checked above
         move_parts(spans, _rows(spans, out, lo, n), False)
-        sums += _xxh3_spans(data, lo * rb, rows[k:stop], rb)
+        sums += xxh3_spans(data, lo * rb, rows[k:stop], rb)
         lo, k = lo + n, stop
     return out, sums
 
@@ -389,7 +267,7 @@ def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, conver
     check_pools(plan, src, "src")
     records, chunks, sums = [], [], []
     for t in plan.transfers:
-        rows = _chunk_rows(t, t.src)
+        rows = chunk_rows(t, t.src)
         pool, table = src.pool(t.spec), table_of(tables, t.src)
         fused = _summed_gather(pool, t.src, table, t.first, t.count, rows) if checksum and not convert else None
         rec, summed = fused if fused is not None else (gather_records(pool, t.src, table, t.first, t.count), None)
@@ -435,7 +313,7 @@ class _Verifier:
         k0, covered, stop = self.chunk[i], self.rows[i], self.chunk[i]
         while covered < end and stop < len(rows):  # the chunks to check: until ``end`` rows are covered
             covered, stop = covered + rows[stop], stop + 1
-        have = _xxh3_spans(self.data[i], self.rows[i] * rb, rows[k0:stop], rb)
+        have = xxh3_spans(self.data[i], self.rows[i] * rb, rows[k0:stop], rb)
         if have != sums[k0:stop]:
             k = k0 + next(j for j, (a, b) in enumerate(zip(have, sums[k0:stop], strict=True)) if a != b)
             t = self.plan.transfers[i]
@@ -560,7 +438,7 @@ def migrate_local(plan: MigrationPlan, src: EnginePools, src_tables: RequestTabl
 
     Nothing crosses a wire, so nothing is checksummed: entries move in staged batches of about
     ``STAGE_BYTES`` source bytes, each gathered from the source pages as records, converted by the same record
-    operations as the transports' path (``_convert_batch``) and scattered into the destination pages while it is
+    operations as the transports' path (``convert_batch``) and scattered into the destination pages while it is
     still in the CPU caches (pools whose tensors are not contiguous
     take the transports' path: pack, verify, convert, publish). Destination pages are claimed once
     every source page was found; a conversion that fails (a NaN/Inf source) releases them again.
@@ -745,7 +623,7 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_rep
                 src_buf, dst_buf = buffers[k]
                 if _direct(b, staged.converted, loss, check):
                     t2 = time.perf_counter()
-                    kind = "indexer" if _needs_conversion(t) and not staged.converted else None
+                    kind = "indexer" if needs_conversion(t) and not staged.converted else None
                     if kind:
                         convert_s += t2 - t1
                         parts[kind] = parts.get(kind, 0.0) + t2 - t1
@@ -755,24 +633,24 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_rep
                 src_rows = _gathered(b, src_buf, t.dst.record_bytes if staged.converted else t.src.record_bytes,
                                      check)
                 t2 = time.perf_counter()
-                if staged.converted or not _needs_conversion(t):
+                if staged.converted or not needs_conversion(t):
                     dst_rows = src_rows
                 elif t.src.kind == "kv":
                     dst_rows = dst_buf[: b.rows * t.dst.record_bytes].view(b.rows, t.dst.record_bytes)
-                    _convert_batch(t, src_rows, False, b.pieces[0].first, dst_rows)
+                    convert_batch(t, src_rows, False, b.pieces[0].first, dst_rows)
                     if loss_report:
                         busy[k] = stats.submit(record_ops.kv_loss, src_rows, dst_rows, t.src.layout, t.dst.layout,
                                                src_scale=t.src.scale, dst_scale=t.dst.scale, dialect=t.dst.dialect)
                         reports.append(busy[k])
                 else:
-                    dst_rows, _, err = _convert_batch(t, src_rows, loss_report, b.pieces[0].first)
+                    dst_rows, _, err = convert_batch(t, src_rows, loss_report, b.pieces[0].first)
                     loss.add(t, None, err)
                 t3 = time.perf_counter()
                 for piece in b.pieces:
                     move_parts(piece.dst, _rows(piece.dst, dst_rows, piece.offset, piece.count), True)
                 gather_s += t2 - t1
                 convert_s += t3 - t2
-                if not staged.converted and _needs_conversion(t):
+                if not staged.converted and needs_conversion(t):
                     parts[t.src.kind] = parts.get(t.src.kind, 0.0) + t3 - t2
                 publish_s += time.perf_counter() - t3
             if check is not None:
@@ -794,7 +672,7 @@ def _direct(b: _Batch, converted: bool, loss: _Loss, check: _Verifier | None) ->
     the source into the destination pages, fp4 -> fp8 indexer keys by the strided kernel from the source's parts
     into the destination's (``check`` verifies each piece's chunks first); False (nothing done) otherwise."""
     t = b.transfer
-    moving = converted or not _needs_conversion(t)
+    moving = converted or not needs_conversion(t)
     first = b.pieces[0]
     device = first.records.device if first.records is not None else first.src[0][0].device
     if not moving and not _direct_keys(t, device):
@@ -890,7 +768,7 @@ def _convert_keys_direct(t: Transfer, piece: _Piece, work: KeyWork, measure: boo
 def _direct_keys(t: Transfer, device: torch.device) -> bool:
     """Whether ``t``'s indexer keys convert straight between pages (the backend's fp4 -> fp8 kernel applies)."""
     probe = torch.empty(0, t.src.record_bytes, dtype=torch.uint8, device=device)
-    return t.src.kind == "indexer" and _needs_conversion(t) and ix.native_transcode_applies(
+    return t.src.kind == "indexer" and needs_conversion(t) and ix.native_transcode_applies(
         probe, t.src.indexer, t.dst.indexer, t.dst.dialect or "")
 
 

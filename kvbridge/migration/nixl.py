@@ -68,17 +68,8 @@ from kvbridge.migration.control import (
     handshake,
     send_error,
 )
-from kvbridge.migration.execute import (
-    CHECKSUM,
-    ChecksumError,
-    ConvertSide,
-    MigrationError,
-    MigrationReport,
-    Payload,
-    TransferError,
-    _chunk_rows,
-    check_pools,
-)
+from kvbridge.migration.errors import ChecksumError, MigrationError, TransferError
+from kvbridge.migration.execute import ConvertSide, MigrationReport, Payload, check_pools
 from kvbridge.migration.nixl_agent import AGENT_CALL_S, _Agent, _LocalAgent, _new_agent
 from kvbridge.migration.nixl_send import Progress, RequestStream, _Connection
 from kvbridge.migration.nixl_wire import (
@@ -99,6 +90,7 @@ from kvbridge.migration.nixl_wire import (
 )
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
+from kvbridge.migration.rows import CHECKSUM, chunk_rows
 from kvbridge.migration.stream import (
     RequestAssembly,
     check_groups,
@@ -445,7 +437,7 @@ class _Session:
             bases = np.cumsum([0] + [t.src_bytes for t in plan.transfers]).tolist()
             rx._ensure_staging(int(bases[-1]))
             self._connect(meta, ["staging"], {"tables": None})
-            layouts = [_staging_chunks(_chunk_rows(t, t.src), t.src.record_bytes, bases[i])
+            layouts = [_staging_chunks(chunk_rows(t, t.src), t.src.record_bytes, bases[i])
                        for i, t in enumerate(plan.transfers)]
         for g, head in self._groups(hello):
             idx = groups[g]

@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from kvbridge.migration.control import first_line
-from kvbridge.migration.execute import TransferError
+from kvbridge.migration.errors import TransferError
 
 #: Seconds an agent process gets to start (spawn + imports + UCX backend), and to answer a call.
 AGENT_START_S = 60.0

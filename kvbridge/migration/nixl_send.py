@@ -15,7 +15,7 @@ import xxhash
 from kvbridge._version import __version__
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.control import Channel
-from kvbridge.migration.execute import MigrationError, TransferError
+from kvbridge.migration.errors import MigrationError, TransferError
 from kvbridge.migration.nixl_agent import AGENT_CALL_S, _Agent, _LocalAgent
 from kvbridge.migration.nixl_wire import Piece, _descriptors, _pieces_of, _pool_chunks, _stage_runs, _staging_chunks
 from kvbridge.migration.plan import MigrationPlan

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from kvbridge.errors import InputError
+from kvbridge.migration.errors import MigrationError
 from kvbridge.migration.execute import (
-    MigrationError,
     MigrationReport,
     Payload,
     build_report,

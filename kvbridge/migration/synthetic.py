@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from kvbridge.migration.ape import add_ape
-from kvbridge.migration.execute import state_rows_from_f32
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables, scatter_records, table_of
+from kvbridge.migration.rows import state_rows_from_f32
 from kvbridge.ops import keys as ix
 from kvbridge.ops import pages as page_ops
 

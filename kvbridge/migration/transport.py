@@ -47,14 +47,8 @@ from kvbridge.migration.control import (
     handshake,
     send_error,
 )
-from kvbridge.migration.execute import (
-    ConvertSide,
-    MigrationError,
-    MigrationReport,
-    Payload,
-    TransferError,
-    check_pools,
-)
+from kvbridge.migration.errors import MigrationError, TransferError
+from kvbridge.migration.execute import ConvertSide, MigrationReport, Payload, check_pools
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables
 from kvbridge.migration.stream import (

@@ -12,7 +12,7 @@ change lost, with the arithmetic of the torch rules it replaces, bit for bit:
 - APE removed (``migration.ape.remove_ape``): ``s = fp32(t - a)`` (``t`` kept where infinite),
   up to four one-ulp steps toward ``fp32(s + a) == t``, then the bf16 truncation of ``s`` or the
   next bf16 value away from zero where that one also sums to ``t``;
-- loss (``execute._state_error``): max ``|fp32(back - v)|`` over finite values ``v``; a
+- loss (``migration.rows.state_error``): max ``|fp32(back - v)|`` over finite values ``v``; a
   non-finite ``v`` whose written value differs (NaN always does) is reported.
 
 The kernel reports, rather than raises, what the caller refuses: the first row whose score is

@@ -375,8 +375,8 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
         if as_json:
             click.echo(json.dumps({"elapsed_s": elapsed, "receiver": summary}, indent=2))
             return
-        _print_fields([("sent", f"{tokens:,} tokens {plan.src.spec} -> {plan.dst.spec}"),
-                       ("to", f"{peer[0]}:{peer[1]} in {elapsed:.3f} s"),
+        _print_fields([("sent", f"{tokens:,} tokens to {peer[0]}:{peer[1]} in {elapsed:.3f} s"),
+                       ("from", plan.src.spec), ("into", plan.dst.spec),
                        ("published", f"{summary.get('payload_bytes', 0):,} B by the receiver"),
                        ("converted", f"on the {summary.get('converted_on')}"),
                        ("wire", f"{summary.get('wire_s', 0.0):.3f} s")])

@@ -4,8 +4,8 @@ Each case checks that every line (stdout and stderr) fits 80 columns and, for de
 that no number is cut: the numbers printed at 80 columns are exactly those printed at 200 columns.
 Timings, and every number of the benchmarks, are replaced by ``#`` in the snapshot so that it is
 stable. Commands run in a temporary directory on small files named relatively (no paths to
-normalise). Not covered here: ``migrate serve`` / ``send`` result lines (tests/test_migrate_server.py
-runs real servers; their key/value lines are built by the same ``_print_fields``), the SGLang peers
+normalise). Not covered here: ``migrate serve`` / ``send`` result lines (they need a real server:
+tests/test_migrate_server.py checks their width at ``COLUMNS=80`` over gloo), the SGLang peers
 (they need SGLang's processes) and ``vllm-config``'s output, one JSON line meant for
 ``--kv-transfer-config "$(...)"`` (its --help is covered).
 

@@ -223,3 +223,32 @@ def test_cli_serve_survives_a_long_dump_name_and_an_idle_connection(tmp_path):
     assert serve.returncode == 1
     assert all(len(line) <= 80 or "Error" in line for line in stderr.splitlines()[1:]), stderr
     assert not any(w in stderr for w in ("UCX", "[W", "Warning:")), stderr  # native log lines stay out
+
+
+def test_serve_and_send_human_output_fits_80_columns():
+    """One request over gloo in human mode (no --json) at ``COLUMNS=80``: every line the server and the sender
+    print (the listening line, the key/value result lines) fits 80 columns and names the request's numbers."""
+    env = {**_env(), "COLUMNS": "80"}
+    serve = subprocess.Popen(_cli("migrate", "serve", "--listen", "127.0.0.1:0", "--transport", "gloo", "--engine", DST,
+                                  "--layers", str(MODEL.num_layers), "--max-tokens", str(TOKENS),
+                                  "--max-requests", "1"), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        first = serve.stderr.readline() if serve.stderr else ""
+        port = first.rsplit(":", 1)[-1].split()[0] if "listening on" in first else None
+        assert port, first
+        send = subprocess.run(_cli("migrate", "send", "--peer", f"127.0.0.1:{port}", "--transport", "gloo", "--from",
+                                   SRC, "--to", DST, "--layers", str(MODEL.num_layers), "--tokens", str(TOKENS),
+                                   "--timeout", str(TIMEOUT_S)), cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT_S + START_S)
+        out, err = serve.communicate(timeout=TIMEOUT_S)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait(5)
+    assert send.returncode == 0 and serve.returncode == 0, (send.stderr, err)
+    lines = [first.rstrip("\n"), *out.splitlines(), *err.splitlines(), *send.stdout.splitlines(),
+             *send.stderr.splitlines()]
+    assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+    assert f"{TOKENS:,} tokens" in send.stdout, send.stdout
+    assert len(out.splitlines()) >= 2, out  # the received request as key/value lines

@@ -19,22 +19,29 @@ FNUZ_B_FRAC = tl.constexpr(_B_MAX & 0x7FFFFF)
 
 
 @triton.jit
-def _e4m3_bits_from_f32(x):
-    """fp32 -> E4M3 code (int32 0..255), RNE, saturating to +-448: ``numerics.e4m3_encode`` in Triton ops."""
+def _e4m3_rne_bits(x, BIAS: tl.constexpr):
+    """The rounding core of both E4M3 encoders (``numerics._e4m3_rne``): fp32 ``x`` -> (code of ``|x|`` for
+    exponent bias ``BIAS``, 7 OCP / 8 FNUZ, RNE, not saturated; the sign as bit 7; ``|x|``'s fp32 bits)."""
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
     exp = mag >> 23
     lsb = (mag >> 20) & 1
-    normal = ((mag + 0x7FFFF + lsb) >> 20) - (120 << 3)
+    normal = ((mag + 0x7FFFF + lsb) >> 20) - ((127 - BIAS) << 3)
     mant24 = (mag & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(tl.maximum(141 - exp, 1), 25)  # 14 - (exp - 127); >= 25 always rounds to 0
+    shift = tl.minimum(tl.maximum((148 - BIAS) - exp, 1), 25)  # (21 - BIAS) - (exp - 127); >= 25 rounds to 0
     q = mant24 >> shift
     rem = mant24 - (q << shift)
     half = 1 << (shift - 1)
     round_up = (rem > half) | ((rem == half) & ((q & 1) == 1))
     sub = tl.where(exp == 0, 0, q + round_up.to(tl.int32))
-    code = tl.where(exp >= 121, normal, sub)  # 121 = biased fp32 exponent of 2^-6
+    return tl.where(exp >= 128 - BIAS, normal, sub), sign, mag  # 128 - BIAS: biased fp32 exponent of 2^(1 - BIAS)
+
+
+@triton.jit
+def _e4m3_bits_from_f32(x):
+    """fp32 -> E4M3 code (int32 0..255), RNE, saturating to +-448: ``numerics.e4m3_encode`` in Triton ops."""
+    code, sign, mag = _e4m3_rne_bits(x, 7)
     code = tl.where(mag >= 0x43E00000, 0x7E, code)  # |x| >= 448 saturates
     return code | sign
 
@@ -67,20 +74,7 @@ def _e4m3_decode(code, HW_FP8: tl.constexpr):
 def _e4m3fnuz_bits_from_f32(x):
     """fp32 -> E4M3 FNUZ code (int32 0..255): ``numerics.e4m3fnuz_encode`` in Triton ops (RNE, saturating
     at 240, NaN 0x80, a value rounding to 0 is 0x00)."""
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    exp = mag >> 23
-    lsb = (mag >> 20) & 1
-    normal = ((mag + 0x7FFFF + lsb) >> 20) - (119 << 3)
-    mant24 = (mag & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(tl.maximum(140 - exp, 1), 25)  # 13 - (exp - 127); >= 25 always rounds to 0
-    q = mant24 >> shift
-    rem = mant24 - (q << shift)
-    half = 1 << (shift - 1)
-    round_up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-    sub = tl.where(exp == 0, 0, q + round_up.to(tl.int32))
-    code = tl.where(exp >= 120, normal, sub)  # 120 = biased fp32 exponent of 2^-7
+    code, sign, mag = _e4m3_rne_bits(x, 8)
     code = tl.where(mag > 0x43680000, 0x7F, code)  # above 232 saturates to 240
     code = tl.where(code == 0, 0, code | sign)
     return tl.where(mag > 0x7F800000, 0x80, code)

@@ -13,6 +13,7 @@ import kvbridge
 from cli.main import cli
 from kvbridge.dumps.dumpfile import DumpEntry, read_dump
 from kvbridge.dumps.writer import write_dump
+from tests.dump_helpers import seeded_trtllm_dump
 
 
 def run(*args: str) -> Result:
@@ -31,13 +32,7 @@ def one_line_error(result: Result, code: int, fragment: str) -> None:
 
 @pytest.fixture
 def trtllm_dump(tmp_path: Path) -> Path:
-    g = torch.Generator().manual_seed(11)
-    entries = []
-    for layer, (role, n, p) in enumerate([("swa", 150, 128), ("compress", 40, 32)]):
-        x = (torch.randn(n, 512, generator=g) * 2).bfloat16()
-        pages = kvbridge.encode(x, "trtllm-fp8", page_size=p, dialect="swa")
-        entries.append(DumpEntry(layer, role, pages, "trtllm-fp8", p, n, 1.0, "swa"))
-    return write_dump(tmp_path / "trt.safetensors", entries)
+    return seeded_trtllm_dump(tmp_path / "trt.safetensors")
 
 
 def test_layouts_table_and_json():

@@ -25,14 +25,11 @@ from pathlib import Path
 
 import click
 import pytest
-import torch
 from click.testing import CliRunner
 
-import kvbridge
 from cli.main import cli
-from kvbridge.dumps.dumpfile import DumpEntry
-from kvbridge.dumps.writer import write_dump
 from kvbridge.study.bench import machine
+from tests.dump_helpers import seeded_trtllm_dump
 
 SNAPSHOTS = Path(__file__).parent / "snapshots" / "cli80"
 UPDATE = os.environ.get("KVBRIDGE_UPDATE_SNAPSHOTS") == "1"
@@ -41,6 +38,7 @@ WIDTH = 80
 NUMBER = re.compile(r"(?<![\w.^-])-?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])")
 #: Timings: "0.066 s", "pack 0.016", "request 1.452" (demo's seconds per step).
 TIMINGS = [
+    (re.compile(r"(seconds per step:)\s[\s\S]*?decode\s+\d+(?:\.\d+)?"), r"\1 <timings>"),  # wraps by their widths
     (re.compile(r"\d+\.\d+ s\b"), "# s"),
     (re.compile(r"\b(pack|convert|publish|request|verify|round_trip|decode) \d+(\.\d+)?"), r"\1 #"),
 ]
@@ -55,8 +53,9 @@ ALL_NUMBERS = [
     (re.compile(r"\s+"), " "),
     (re.compile(r"(.{1,79})(?: |$)"), "\\1\n"),
 ]
-#: Paths of this checkout (``verify`` names its fixtures directory).
-CHECKOUT = [(re.compile(re.escape(str(Path(__file__).resolve().parents[1]))), "<checkout>")]
+#: Paths of this checkout (``verify`` names its fixtures directory in its centred title).
+CHECKOUT = [(re.compile(re.escape(str(Path(__file__).resolve().parents[1]))), "<checkout>"),
+            (re.compile(r"^ +(?=conformance: <checkout>)", re.M), "")]  # the title is centred on the path's length
 
 CASES = {
     "layouts": (["layouts"], []),
@@ -80,15 +79,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """The dumps the cases read: two seeded trtllm-fp8 entries (as tests/test_cli.py's)."""
+    """The dumps the cases read: the seeded trtllm-fp8 dump of tests/dump_helpers.py, and its conversions."""
     path = tmp_path_factory.mktemp("cli80")
-    g = torch.Generator().manual_seed(11)
-    entries = []
-    for layer, (role, n, p) in enumerate([("swa", 150, 128), ("compress", 40, 32)]):
-        x = (torch.randn(n, 512, generator=g) * 2).bfloat16()
-        pages = kvbridge.encode(x, "trtllm-fp8", page_size=p, dialect="swa")
-        entries.append(DumpEntry(layer, role, pages, "trtllm-fp8", p, n, 1.0, "swa"))
-    write_dump(path / "trt.safetensors", entries)
+    seeded_trtllm_dump(path / "trt.safetensors")
     assert render(["convert", "trt.safetensors", "m1.safetensors", "--to", "model1"], WIDTH, path)[0] == 0
     return path
 

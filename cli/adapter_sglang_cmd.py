@@ -17,7 +17,7 @@ from click.core import ParameterSource
 
 from kvbridge.errors import KVBridgeError
 
-from .common import engine_spec_option, err_console, json_option, model_option, print_json
+from .common import engine_spec_option, err_console, json_option, model_option, print_fields, print_json
 from .migrate_net_cmd import Failure, _address, _require_nixl, _topology
 
 # The library modules that import torch are imported inside the functions that use them, so that
@@ -97,8 +97,10 @@ def command(ctx, listen, register_with, dump_path, src, dst, model, layers, toke
     if as_json:
         print_json(result)
     else:
-        click.echo(f"room {room}: {result['status']} to {result['peers']} decode rank(s), {result['bytes']:,} B in "
-                   f"{result['seconds']:.3f} s" + (f" ({result['reason']})" if result["reason"] else "")
-                   + (f", KV checksum {result['kv_checksum']:#010x}" if result.get("kv_checksum") is not None else ""))
+        fields = [("room", f"{room}: {result['status']}" + (f" ({result['reason']})" if result["reason"] else "")),
+                  ("sent", f"{result['bytes']:,} B in {result['seconds']:.3f} s to {result['peers']} decode rank(s)")]
+        if result.get("kv_checksum") is not None:
+            fields.append(("checksum", f"KV {result['kv_checksum']:#010x}"))
+        print_fields(fields)
     if result["status"] != "Success":
         raise Failure(result["reason"] or "the transfer failed")

@@ -14,7 +14,7 @@ import click
 
 from kvbridge.errors import KVBridgeError
 
-from .common import engine_spec_option, err_console, json_option, model_option, print_json
+from .common import engine_spec_option, err_console, json_option, model_option, print_fields, print_json
 from .migrate_net_cmd import Failure, _require_nixl, _topology
 
 
@@ -93,10 +93,10 @@ def command(bootstrap, room, tokens, profile, dst, ape, model, layers, out, forc
     if as_json:
         print_json(result)
         return
-    line = (f"room {room}: {tokens:,} tokens from {bootstrap}, {req.bytes:,} B in {req.seconds:.3f} s, first token "
-            f"{req.first_token}")
+    fields = [("room", f"{room}: {tokens:,} tokens from {bootstrap}"),
+              ("received", f"{req.bytes:,} B in {req.seconds:.3f} s, first token {req.first_token}")]
     if conv is not None:
-        line += f"; converted to {conv.dst.spec}"
+        fields.append(("converted", f"to {conv.dst.spec}"))
     if out is not None:
-        line += f"; wrote {result['out']}"
-    click.echo(line)
+        fields.append(("wrote", result["out"]))
+    print_fields(fields)

@@ -100,6 +100,15 @@ def native_logs(path: Path | None) -> Iterator[None]:
 HANGING_INDENT = 4
 
 
+def print_fields(fields: list[tuple[str, str]]) -> None:
+    """A result as key/value lines, the first unindented, the others under it (each well within 80 columns
+    unless a value, e.g. a path, is longer itself)."""
+    (key, value), rest = fields[0], fields[1:]
+    click.echo(f"{key} {value}")
+    for key, value in rest:
+        click.echo(f"  {key + ':':<11}{value}")
+
+
 def print_wrapped(text: str, *, head: str = "") -> None:
     """Print ``head`` (bold) then ``text`` as plain text, wrapped between words at the console's width
     with continuation lines indented ``HANGING_INDENT`` columns deeper than the line itself; a word

@@ -31,6 +31,7 @@ from .common import (
     parse_layout,
     parse_scale,
     plural,
+    print_fields,
 )
 
 if TYPE_CHECKING:
@@ -98,15 +99,6 @@ def _describe(received) -> list[tuple[str, str]]:
             ("tokens", f"{r.num_tokens:,}"), ("payload", f"{r.payload_bytes:,} B in {r.transfers} transfers"),
             ("converted", f"on the {r.converted_on}; {loss}"),
             ("seconds", f"wire {r.wire_s:.3f}, convert {r.convert_s:.3f}, publish {r.publish_s:.3f}")]
-
-
-def _print_fields(fields: list[tuple[str, str]]) -> None:
-    """Key/value lines, the first unindented, the others under it (each well within 80 columns
-    unless a value, e.g. a path, is longer itself)."""
-    (key, value), rest = fields[0], fields[1:]
-    click.echo(f"{key} {value}")
-    for key, value in rest:
-        click.echo(f"  {key + ':':<11}{value}")
 
 
 @click.command("serve")
@@ -220,7 +212,7 @@ def serve_command(listen: tuple[str, int], transport: str, engine: str | None, m
                 if as_json:
                     click.echo(json.dumps(received.to_dict()))
                 else:
-                    _print_fields(_describe(received))
+                    print_fields(_describe(received))
                 sys.stdout.flush()
                 if received.tables is not None and dst is not None:
                     with server.lock:
@@ -337,7 +329,7 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
             if as_json:
                 click.echo(json.dumps(summary, indent=2))
             else:
-                _print_fields([("wrote", f"{summary.get('path')} on {peer[0]}:{peer[1]}"),
+                print_fields([("wrote", f"{summary.get('path')} on {peer[0]}:{peer[1]}"),
                                ("entries", f"{plural(summary.get('entries', 0), 'entry', 'entries')}, "
                                            f"{'lossless' if summary.get('lossless') else 'lossy'}")])
             return
@@ -375,7 +367,7 @@ def send_command(dump_path: Path | None, peer: tuple[str, int], transport: str, 
         if as_json:
             click.echo(json.dumps({"elapsed_s": elapsed, "receiver": summary}, indent=2))
             return
-        _print_fields([("sent", f"{tokens:,} tokens to {peer[0]}:{peer[1]} in {elapsed:.3f} s"),
+        print_fields([("sent", f"{tokens:,} tokens to {peer[0]}:{peer[1]} in {elapsed:.3f} s"),
                        ("from", plan.src.spec), ("into", plan.dst.spec),
                        ("published", f"{summary.get('payload_bytes', 0):,} B by the receiver"),
                        ("converted", f"on the {summary.get('converted_on')}"),

@@ -186,6 +186,7 @@ def test_server_survives_bad_peers_and_serves_real_senders(transport):
     assert sum("260 bytes" in t for t in texts) == 1, texts
     assert sum("it needs" in t and "free" in t for t in texts) == 1, texts  # over capacity, refused at plan time
     dead = [t for t, e in errors if "closed its control connection" in str(e)  # gloo's watchdog
+            or "Connection closed by peer" in str(e)  # gloo's own reason, when the kill lands in a collective
             or ("closed the connection before group" in str(e))]  # NIXL: the control channel's EOF
     assert len(dead) == 1 and dead[0] - killed_at < 10.0, (dead, killed_at, texts)
     assert dst.num_free() == free0  # nothing claimed

@@ -175,17 +175,23 @@ def loss_stats(
     )
 
 
-def key_kernels(records: torch.Tensor) -> bool:
-    """Whether the backend for ``records`` converts fp4 indexer keys to fp8 itself (``fp4_to_fp8_keys``,
-    ``fp4_to_fp8_key_rows``); elsewhere ``kvbridge.ops.keys`` runs its torch codec."""
-    return backend(records).KEY_KERNELS
+def _backend_on(device: torch.device) -> ModuleType:
+    """The backend that serves tensors on ``device`` (every backend accepts every tensor of its device)."""
+    return reference if _forced_reference() else (_device_backend(device) or reference)
+
+
+def key_kernels(device: torch.device) -> bool:
+    """Whether the backend for tensors on ``device`` converts fp4 indexer keys to fp8 itself
+    (``fp4_to_fp8_keys``, ``fp4_to_fp8_key_rows``, ``fp4_to_fp8_key_segments``); elsewhere
+    ``kvbridge.ops.keys`` runs its torch codec."""
+    return _backend_on(device).KEY_KERNELS
 
 
 def fp4_to_fp8_keys(records: torch.Tensor, dim: int, rule: str, *, measure: bool = True,
                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, float] | None:
     """fp4 indexer records ``[N, dim / 2 + dim / 32]`` -> fp8 records ``[N, dim + 4]`` (into ``out`` when given)
     written by fp8 ``rule``, and the max |decoded fp8 - decoded fp4| (0.0 unless ``measure``), by the backend's
-    kernel (``key_kernels(records)`` must hold); None when a value decodes to NaN/Inf (the torch codec then
+    kernel (``key_kernels(records.device)`` must hold); None when a value decodes to NaN/Inf (the torch codec then
     refuses the keys)."""
     return backend(records if out is None else (records, out)).fp4_to_fp8_keys(records, dim, rule, measure=measure,
                                                                                out=out)
@@ -196,8 +202,8 @@ def fp4_to_fp8_key_rows(src_keys: torch.Tensor, src_stride: int, src_scales: tor
                         dst_scale_stride: int, dim: int, rule: str, *, measure: bool) -> float | None:
     """``n`` fp4 keys -> fp8 keys by ``rule`` between strided rows of flat uint8 tensors (key ``k``'s codes at
     ``keys[k * stride]``, its scale bytes at ``scales[k * scale_stride]``: records or a page's two parts), by the
-    backend's kernel (``key_kernels(src_keys)`` must hold); the max abs error (0.0 unless ``measure``), None when a
-    value decodes to NaN/Inf."""
+    backend's kernel (``key_kernels(src_keys.device)`` must hold); the max abs error (0.0 unless ``measure``),
+    None when a value decodes to NaN/Inf."""
     return backend((src_keys, dst_keys)).fp4_to_fp8_key_rows(
         src_keys, src_stride, src_scales, src_scale_stride, n, dst_keys, dst_stride, dst_scales, dst_scale_stride, dim,
         rule, measure=measure,
@@ -210,21 +216,21 @@ def fp4_to_fp8_key_segments(src_keys: torch.Tensor, src_scales: torch.Tensor, ds
     """fp4 keys -> fp8 keys by ``rule`` between strided rows of four flat uint8 tensors (fp4 codes, fp4 scales,
     fp8 codes, fp8 scales: records, page parts or whole pools), segment by segment: ``segs`` int64 ``[S, 5]`` holds
     the byte offsets of a segment's first key in each tensor and its key count, ``strides`` the four row strides.
-    By the backend's kernel (``key_kernels(src_keys)`` must hold); the max abs error (0.0 unless ``measure``), None
-    when a value decodes to NaN/Inf."""
+    By the backend's kernel (``key_kernels(src_keys.device)`` must hold); the max abs error (0.0 unless
+    ``measure``), None when a value decodes to NaN/Inf."""
     return backend((src_keys, dst_keys)).fp4_to_fp8_key_segments(
         src_keys, src_scales, dst_keys, dst_scales, segs, strides, dim, rule, measure=measure)
 
 
-def state_kernels(records: torch.Tensor) -> bool:
-    """Whether the backend for ``records`` converts compressor-state rows itself (``convert_state_rows``);
-    elsewhere migration runs the torch rules (``migration.ape``)."""
-    return backend(records).STATE_KERNELS
+def state_kernels(device: torch.device) -> bool:
+    """Whether the backend for tensors on ``device`` converts compressor-state rows itself
+    (``convert_state_rows``); elsewhere migration runs the torch rules (``migration.ape``)."""
+    return _backend_on(device).STATE_KERNELS
 
 
 def convert_state_rows(records: torch.Tensor, src_bf16: bool, dst_bf16: bool, ape: torch.Tensor | None, sign: int,
                        first: int, measure: bool):
     """State rows uint8 ``[n, row_bytes]`` -> rows in the destination dtype, APE ``[r, w / 2]`` added (``sign`` +1)
-    or removed (-1) for positions ``first, ...``, in one pass by the backend's kernel (``state_kernels(records)``
+    or removed (-1) for positions ``first, ...``, in one pass by the backend's kernel (``state_kernels(records.device)``
     must hold); returns its ``StateResult`` (``kvbridge.backends.native.state``: rows, error, what it refused)."""
     return backend(records).convert_state_rows(records, src_bf16, dst_bf16, ape, sign, first, measure)

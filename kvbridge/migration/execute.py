@@ -767,9 +767,8 @@ def _convert_keys_direct(t: Transfer, piece: _Piece, work: KeyWork, measure: boo
 
 def _direct_keys(t: Transfer, device: torch.device) -> bool:
     """Whether ``t``'s indexer keys convert straight between pages (the backend's fp4 -> fp8 kernel applies)."""
-    probe = torch.empty(0, t.src.record_bytes, dtype=torch.uint8, device=device)
-    return t.src.kind == "indexer" and needs_conversion(t) and ix.native_transcode_applies(
-        probe, t.src.indexer, t.dst.indexer, t.dst.dialect or "")
+    return t.src.kind == "indexer" and needs_conversion(t) and ix.key_kernel_applies(
+        t.src.indexer, t.dst.indexer, t.dst.dialect or "", device)
 
 
 def _gathered(b: _Batch, buf: torch.Tensor, row_bytes: int, check: _Verifier | None) -> torch.Tensor:

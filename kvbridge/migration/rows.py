@@ -115,7 +115,7 @@ def convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first: 
     first + 1, ...`` of ``t``); KV records are written into ``out`` when given; returns (records, KV loss report,
     indexer or state max abs error)."""
     if t.src.kind == "state":
-        convert = convert_state_native if dispatch.state_kernels(records) else convert_state_torch
+        convert = convert_state_native if dispatch.state_kernels(records.device) else convert_state_torch
         return convert(t, records, loss_report, first)
     if t.src.kind == "indexer":
         keys, err = record_ops.convert_key_records(records, t.src.indexer, t.dst.indexer, rule=t.dst.dialect or "",

@@ -243,15 +243,19 @@ def decode_keys(records: torch.Tensor, fmt: IndexerFormat, rule: str | None = No
     return (values * nx.pow2(exp).unsqueeze(-1)).reshape(n, fmt.dim)
 
 
-def native_transcode_applies(records: torch.Tensor, src: IndexerFormat, dst: IndexerFormat, dst_rule: str) -> bool:
-    """Whether ``transcode_keys`` runs the backend's fp4 -> fp8 kernel (``dispatch.key_kernels``: the native
-    backend, CPU records; every fp8 rule; keys that decode to NaN/Inf are handed to the torch path, which refuses
-    them)."""
+def key_kernel_applies(src: IndexerFormat, dst: IndexerFormat, dst_rule: str, device: torch.device) -> bool:
+    """Whether the backend's fp4 -> fp8 key kernel converts ``src`` keys on ``device`` to ``dst`` by ``dst_rule``
+    (``dispatch.key_kernels``: the native backend, CPU; every fp8 rule, UE8M0 scales at dim 128 only)."""
     return (src.name == "fp4" and dst.name == "fp8" and src.dim == dst.dim and dst_rule in dst.rules
-            and isinstance(records, torch.Tensor) and records.device.type == "cpu" and records.dtype == torch.uint8
-            and records.dim() == 2 and records.shape[1] == src.record_bytes
-            and not (dst_rule in UE8M0_SCALE_RULES and dst.dim != 128)
-            and dispatch.key_kernels(records))
+            and not (dst_rule in UE8M0_SCALE_RULES and dst.dim != 128) and dispatch.key_kernels(device))
+
+
+def native_transcode_applies(records: torch.Tensor, src: IndexerFormat, dst: IndexerFormat, dst_rule: str) -> bool:
+    """Whether ``transcode_keys`` runs the backend's fp4 -> fp8 kernel on ``records`` (uint8 ``[N, record
+    bytes]``, see ``key_kernel_applies``; keys that decode to NaN/Inf are handed to the torch path, which refuses
+    them)."""
+    return (isinstance(records, torch.Tensor) and records.dtype == torch.uint8 and records.dim() == 2
+            and records.shape[1] == src.record_bytes and key_kernel_applies(src, dst, dst_rule, records.device))
 
 
 def transcode_keys(

@@ -275,7 +275,9 @@ def test_cli_serves_a_tensorrt_llm_request_to_sglang(tmp_path):
     """``kvbridge serve-sglang-prefill --from trtllm``: TensorRT-LLM's 512-B SWA records, converted to
     SGLang's 584-B pages, reach SGLang's receiver byte for byte as kvbridge's SGLang writer makes them.
     (The first two Flash layers are SWA-only: a request with compressor state cannot move between
-    TensorRT-LLM and SGLang, which store the score with and without the positional bias.)"""
+    TensorRT-LLM and SGLang, which store the score with and without the positional bias.) Run in human
+    mode at ``COLUMNS=80`` (the dump case below checks ``--json``): every line the command prints fits
+    80 columns, the result as key/value lines."""
     _need_sglang()
     from kvbridge.migration import destination_pools, migrate_local
 
@@ -287,13 +289,19 @@ def test_cli_serves_a_tensorrt_llm_request_to_sglang(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "cli.main", "serve-sglang-prefill", "--from", "trtllm", "--layers",
                           "2", "--tokens", str(TOKENS), "--room", str(room), "--first-token", "5",
                           "--register-with", f"127.0.0.1:{port}", "--state-memory",
-                          "DRAM", "--timeout", "90", "--json"],
-                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+                          "DRAM", "--timeout", "90"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1],
+                         env={**os.environ, "COLUMNS": "80"})
     result = _until(next_line, "result")
     proc.wait(60)
     assert cli.returncode == 0, cli.stderr[-2000:]
-    out = json.loads(cli.stdout)
-    assert out["status"] == "Success" and out["kv_layout"] == "v4" and result["result"] == "Success", (out, result)
+    lines = [*cli.stdout.splitlines(), *cli.stderr.splitlines()]
+    assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+    said = " ".join(cli.stderr.split())  # the serving line, wrapped between words at 80 columns
+    assert f"serving room {room} ({TOKENS:,} tokens" in said and "layout v4" in said, cli.stderr
+    assert cli.stdout.splitlines()[0] == f"room {room}: Success", cli.stdout
+    assert cli.stdout.splitlines()[1].startswith("  sent:") and " B in " in cli.stdout, cli.stdout
+    assert result["result"] == "Success", result
     # the same request, converted here as the command did (same seeds)
     plan = plan_migration("trtllm", "sglang", model, TOKENS, include_mtp=False)
     src, src_tables = source_request(plan, seed=0)

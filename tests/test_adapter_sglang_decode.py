@@ -616,7 +616,9 @@ def test_kvbridge_prefill_to_kvbridge_decode_checks_the_digest():
 def test_cli_receives_converts_and_writes_a_dump(tmp_path):
     """``kvbridge sglang-decode --to trtllm --out``: SGLang's prefill sends the first two Flash
     layers, the command converts them to TensorRT-LLM's 512-B records and writes a kvbridge dump whose
-    entries hold exactly the records of kvbridge's direct conversion."""
+    entries hold exactly the records of kvbridge's direct conversion. A second room of the same prefill
+    is received in human mode at ``COLUMNS=80``: every line fits 80 columns, the result as key/value
+    lines, its dump the same records."""
     _need_sglang()
     from kvbridge.dumps.dumpfile import read_dump
     from kvbridge.migration import destination_pools
@@ -625,32 +627,50 @@ def test_cli_receives_converts_and_writes_a_dump(tmp_path):
     model = FLASH.with_layers(2)
     plan = plan_migration("sglang", "sglang", model, TOKENS, include_mtp=False)
     src, src_tables = source_request(plan, seed=5)
-    proc, next_line, layout = _prefill({"compress_ratios": [0, 0]}, tmp_path,
-                                       lambda lay: _sglang_buffers(src, src_tables, lay, TOKENS))
-    out = tmp_path / "request.safetensors"
+    rows = {PREFILL_AUX: ROOM, 0: ROOM + 1}  # metadata row -> room
+    proc, next_line, layout = _prefill({"compress_ratios": [0, 0],
+                                        "requests": [{"room": r, "aux_index": a} for a, r in rows.items()]},
+                                       tmp_path, lambda lay: _sglang_buffers(src, src_tables, lay, TOKENS, rows))
+    out, human_out = tmp_path / "request.safetensors", tmp_path / "h.safetensors"
+
+    def receive(room: int, path: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cli.main", "sglang-decode", "--bootstrap",
+                               layout["bootstrap_addr"], "--room", str(room), "--tokens", str(TOKENS), "--layers",
+                               "2", "--to", "trtllm", "--out", str(path), "--timeout", "60", *extra],
+                              capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1], env=env)
+
     try:
-        cli = subprocess.run([sys.executable, "-m", "cli.main", "sglang-decode", "--bootstrap",
-                              layout["bootstrap_addr"], "--room", str(ROOM), "--tokens", str(TOKENS), "--layers", "2",
-                              "--to", "trtllm", "--out", str(out), "--timeout", "60", "--json"],
-                             capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+        cli = receive(ROOM, out, "--json")
+        human = receive(ROOM + 1, human_out, env={**os.environ, "COLUMNS": "80"})
         result = _until_result(next_line)
     finally:
         _stop(proc)
     assert cli.returncode == 0, cli.stderr[-2000:]
+    assert human.returncode == 0, human.stderr[-2000:]
     assert result["result"] == "Success", result
+    lines = [*human.stdout.splitlines(), *human.stderr.splitlines()]
+    assert all(len(line) <= 80 or str(human_out) in line for line in lines), [x for x in lines if len(x) > 80]
+    said = " ".join(human.stderr.split())  # the asking line, wrapped between words at 80 columns
+    assert f"for room {ROOM + 1} ({TOKENS:,} tokens" in said and "layout v4" in said, human.stderr
+    fields = human.stdout.splitlines()
+    assert fields[0].startswith(f"room {ROOM + 1}: {TOKENS:,} tokens from "), human.stdout
+    assert fields[1].startswith("  received:") and f"first token {FIRST_TOKEN}" in fields[1], human.stdout
+    assert fields[2].startswith("  converted: to trtllm") and fields[3] == f"  wrote:     {human_out}", human.stdout
     summary = json.loads(cli.stdout)
     assert (summary["room"], summary["first_token"], summary["kv_layout"]) == (ROOM, FIRST_TOKEN + PREFILL_AUX, "v4")
     assert summary["converted"]["engine"].startswith("trtllm") and summary["out"] == str(out)
     conv = plan_migration("sglang", "trtllm", model, TOKENS, include_mtp=False)
     direct = destination_pools(conv)
     tables, _ = migrate_local(conv, src, src_tables, direct, loss_report=False)
-    dump = read_dump(out)
-    assert dump.attrs["room"] == str(ROOM) and dump.attrs["layer.0.swa.first_position"] == str(conv.transfers[0].first)
-    for t in conv.transfers:
-        entry = next(e for e in dump.entries if (e.layer, e.role) == (t.spec.layer, t.spec.role.value))
-        want = gather_records(direct.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
-        assert entry.layout == "trtllm-fp8" and entry.num_tokens == t.count
-        assert torch.equal(t.dst.layout.pages_to_records(entry.data, entry.page_size, t.count), want)
+    for room, path in ((ROOM, out), (ROOM + 1, human_out)):
+        dump = read_dump(path)
+        assert dump.attrs["room"] == str(room)
+        assert dump.attrs["layer.0.swa.first_position"] == str(conv.transfers[0].first)
+        for t in conv.transfers:
+            entry = next(e for e in dump.entries if (e.layer, e.role) == (t.spec.layer, t.spec.role.value))
+            want = gather_records(direct.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
+            assert entry.layout == "trtllm-fp8" and entry.num_tokens == t.count
+            assert torch.equal(t.dst.layout.pages_to_records(entry.data, entry.page_size, t.count), want)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Timings, and every number of the benchmarks, are replaced by ``#`` in the snapsh
 stable. Commands run in a temporary directory on small files named relatively (no paths to
 normalise). Not covered here: ``migrate serve`` / ``send`` result lines (they need a real server:
 tests/test_migrate_server.py checks their width at ``COLUMNS=80`` over gloo), the SGLang peers
-(they need SGLang's processes) and ``vllm-config``'s output, one JSON line meant for
+(they need SGLang's processes: tests/test_adapter_sglang.py and test_adapter_sglang_decode.py run
+each in human mode at ``COLUMNS=80`` against SGLang's own classes) and ``vllm-config``'s output, one JSON line meant for
 ``--kv-transfer-config "$(...)"`` (its --help is covered).
 
 Regenerate the snapshots after an intended change of the output:

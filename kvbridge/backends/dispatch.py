@@ -1,7 +1,7 @@
 """The one dispatcher of paged operations: picks the fastest exact backend for the tensors.
 
 Every backend is a module with the same interface, byte-identical to ``kvbridge.backends.reference``:
-``name``, ``supports(*layouts)``, ``all_finite``, ``amax_pages``, ``move_rows``, ``encode_pages(..., out=)``,
+``name``, ``supports(*layouts)``, ``all_finite``, ``amax_pages``, ``move_spans``, ``encode_pages(..., out=)``,
 ``decode_pages(..., out=)``, ``repage(..., out=)``, ``transcode_pages(..., out=)``, ``nonfinite_flags``,
 ``transcode_slots`` and ``gather_transcode`` (a backend whose kernel cannot write into ``out`` builds a temporary and
 copies it in: the reference does) and ``loss_stats`` (one native pass on CPU, ``kvbridge.backends.native.loss``;
@@ -32,7 +32,7 @@ from kvbridge.layouts import Layout
 __all__ = [
     "BACKEND_ENV", "all_finite", "amax_pages", "backend", "backend_name", "convert_state_rows", "decode_pages",
     "encode_pages", "fp4_to_fp8_key_rows", "fp4_to_fp8_key_segments", "fp4_to_fp8_keys", "gather_transcode",
-    "key_kernels", "loss_stats", "move_rows", "move_spans", "nonfinite_flags", "repage", "state_kernels",
+    "key_kernels", "loss_stats", "move_spans", "nonfinite_flags", "repage", "state_kernels",
     "transcode_pages", "transcode_slots",
 ]
 
@@ -104,11 +104,6 @@ def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: 
     """Largest |decoded value| of the first ``num_tokens`` tokens (0.0 for none), or None when a value
     decodes to NaN/Inf (the caller decodes to name it)."""
     return backend(pages, layout).amax_pages(pages, layout, page_size, num_tokens, scale)
-
-
-def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: int, width: int, to_pool: bool) -> None:
-    """Copy row runs between a contiguous pool tensor and contiguous records (see ``reference.move_rows``)."""
-    backend((pool, records)).move_rows(pool, records, runs, lo, width, to_pool)
 
 
 def move_spans(src: torch.Tensor, dst: torch.Tensor, segs: np.ndarray, src_stride: int, dst_stride: int,

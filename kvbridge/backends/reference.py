@@ -92,20 +92,6 @@ def transcode_pages(
     return _into(out, encode_pages(values, dst, dst_page_size, dialect, dst_scale))
 
 
-def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: int, width: int, to_pool: bool) -> None:
-    """For each run (pool byte offset, first record, rows) of int64 ``runs`` ``[k, 3]``: copy ``rows``
-    consecutive ``width``-byte rows of the contiguous ``pool`` tensor to or from (``to_pool``) bytes
-    ``[lo, lo + width)`` of records ``[first, first + rows)`` of ``records`` ``[N, record_bytes]``."""
-    flat = pool.view(-1)
-    for at, first, rows in runs.tolist():
-        span = flat[at : at + rows * width].view(rows, width)
-        part = records[first : first + rows, lo : lo + width]
-        if to_pool:
-            span.copy_(part)
-        else:
-            part.copy_(span)
-
-
 def move_spans(src: torch.Tensor, dst: torch.Tensor, segs: np.ndarray, src_stride: int, dst_stride: int,
                width: int) -> None:
     """For each segment (source byte offset, destination byte offset, rows) of int64 ``segs`` ``[k, 3]``: copy

@@ -36,7 +36,6 @@ from kvbridge.backends.loss_stats import decoded_loss_stats
 from kvbridge.backends.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check_finite
 from kvbridge.backends.reference import amax_pages as reference_amax
 from kvbridge.backends.reference import decode_pages as reference_decode
-from kvbridge.backends.reference import move_rows as reference_move_rows
 from kvbridge.backends.reference import move_spans as reference_move_spans
 from kvbridge.backends.triton_formats import (
     _bf16_bits,
@@ -652,11 +651,6 @@ def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: 
                scale: float) -> float | None:
     """Largest |decoded value| (None when one is NaN/Inf): the torch reference, on the GPU."""
     return reference_amax(pages, layout, page_size, num_tokens, scale)
-
-
-def move_rows(pool: torch.Tensor, records: torch.Tensor, runs, lo: int, width: int, to_pool: bool) -> None:
-    """Row-run copies between a pool and records: torch copies, on the GPU."""
-    reference_move_rows(pool, records, runs, lo, width, to_pool)
 
 
 def move_spans(src: torch.Tensor, dst: torch.Tensor, segs, src_stride: int, dst_stride: int, width: int) -> None:

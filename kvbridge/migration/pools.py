@@ -167,9 +167,17 @@ def merge_spans(streams: list[tuple[np.ndarray, int]], count: int) -> np.ndarray
 
 def move_parts(spans: list[PartSpans], rows: list[tuple[torch.Tensor, int]], to_pool: bool) -> None:
     """Copy each record part between its pool spans and ``rows[k]`` = (contiguous ``[count, row_bytes]``
-    tensor, byte offset of the part in a row): one native span copy per run of entries in one page."""
+    tensor, byte offset of the part in a row): one span copy (``dispatch.move_spans``) per run of entries in one
+    page, the pool's rows ``width`` bytes apart, the records' ``row_bytes`` apart."""
     for (tensor, _, width, sp), (records, at) in zip(spans, rows, strict=True):
-        dispatch.move_rows(tensor, records, sp, at, width, to_pool)
+        row_bytes = records.shape[1]
+        in_records = sp[:, 1] * row_bytes + at
+        if to_pool:
+            dispatch.move_spans(records, tensor, np.stack([in_records, sp[:, 0], sp[:, 2]], axis=1), row_bytes, width,
+                                width)
+        else:
+            dispatch.move_spans(tensor, records, np.stack([sp[:, 0], in_records, sp[:, 2]], axis=1), width, row_bytes,
+                                width)
 
 
 def _move(pool: Pool, storage: Storage, table: Table, first: int, records: torch.Tensor, to_pool: bool) -> bool:

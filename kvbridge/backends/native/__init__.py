@@ -34,7 +34,6 @@ from kvbridge.backends.native.records import (
     _encode_kernel,
     _encode_params,
     _geometry,
-    _move_rows_kernel,
     _move_spans_kernel,
     _nonfinite_kernel,
     _raise_nonfinite,
@@ -197,19 +196,6 @@ def transcode_pages(
 #: more than it saved (a 128K-token request's staged gathers took 0.4-0.9x an ``np.copyto`` of their bytes
 #: on one thread, 0.5-1.6x on two, at load 4-6 on 2 cores).
 INLINE_MOVE_BYTES = 8 << 20
-
-
-def move_rows(pool: torch.Tensor, records: torch.Tensor, runs: np.ndarray, lo: int, width: int, to_pool: bool) -> None:
-    """Copy row runs between a contiguous pool tensor and contiguous records ``[N, record_bytes]``
-    (``reference.move_rows``), in place; runs spread over the threads when they move more than
-    ``INLINE_MOVE_BYTES``."""
-    if not runs.shape[0]:
-        return
-    args = (pool.view(-1).numpy(), records.view(-1).numpy(), runs, records.shape[1], lo, width, to_pool)
-    if int(runs[:, 2].sum()) * width <= INLINE_MOVE_BYTES:
-        _move_rows_kernel(0, runs.shape[0], *args)
-    else:
-        _run_chunks(_move_rows_kernel, runs.shape[0], *args)
 
 
 def move_spans(src: torch.Tensor, dst: torch.Tensor, segs: np.ndarray, src_stride: int, dst_stride: int,

@@ -558,29 +558,6 @@ def _amax_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, e4m3, ue8m0,
 
 
 @njit(cache=True, nogil=True)
-def _move_rows_kernel(c0, c1, pool, records, runs, record_bytes, lo, width, to_pool):
-    """For runs ``[c0, c1)`` (pool byte offset, first record, rows): copy ``rows`` rows of ``width`` bytes
-    between consecutive bytes of ``pool`` and bytes ``[lo, lo + width)`` of consecutive records."""
-    for k in range(c0, c1):
-        at, first, rows = runs[k, 0], runs[k, 1], runs[k, 2]
-        if width == record_bytes:  # whole records: one contiguous span on both sides
-            span = pool[at : at + rows * width]
-            recs = records[first * width : (first + rows) * width]
-            if to_pool:
-                _copy(recs, span)
-            else:
-                _copy(span, recs)
-            continue
-        for r in range(rows):
-            span = pool[at + r * width : at + (r + 1) * width]
-            rec = records[(first + r) * record_bytes + lo : (first + r) * record_bytes + lo + width]
-            if to_pool:
-                _copy(rec, span)
-            else:
-                _copy(span, rec)
-
-
-@njit(cache=True, nogil=True)
 def _move_spans_kernel(c0, c1, src, dst, segs, src_stride, dst_stride, width):
     """For segments ``[c0, c1)`` of ``segs`` (source byte offset, destination byte offset, rows): copy ``rows``
     rows of ``width`` bytes, ``src_stride`` / ``dst_stride`` bytes apart, from ``src`` to ``dst`` (one span when

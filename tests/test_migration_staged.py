@@ -219,6 +219,33 @@ def test_pack_without_checksums_gathers_the_same_records():
     assert all(torch.equal(a, b) for a, b in zip(full.records, bare.records, strict=True))
 
 
+@pytest.mark.parametrize("pair", [("trtllm-fp8", "flashmla-model1"), ("flashmla-model1", "trtllm-fp8"),
+                                  ("flashmla-model1", "v41-fp8")])
+def test_kv_records_convert_in_record_pages_with_each_records_own_bytes(pair):
+    """``convert_kv_records`` runs N records as pages of ``RECORD_PAGE_ROWS`` rows and one page of the rest
+    (600 = 2 x 256 + 88): each converted record holds the bytes of that record converted alone, on the native
+    backend and the reference."""
+    from kvbridge.layouts.registry import get_layout
+    from kvbridge.ops import pages as page_ops
+    from kvbridge.ops.records import RECORD_PAGE_ROWS, convert_kv_records
+
+    src, dst = (get_layout(name) for name in pair)
+    n = 2 * RECORD_PAGE_ROWS + 88
+    x = torch.randn(n, 512, generator=torch.Generator().manual_seed(3)) * 2.0
+    scales = {"src_scale": 1.0 if src.per_tensor_scale else None, "dst_scale": 1.0 if dst.per_tensor_scale else None,
+              "dialect": None}
+    records = src.pages_to_records(page_ops.encode(x, src, page_size=64, scale=scales["src_scale"]), 64, n)
+    want = torch.cat([convert_kv_records(records[i : i + 1], src, dst, **scales)[0]
+                      for i in range(0, n, 37)])
+    got, _ = convert_kv_records(records, src, dst, **scales)
+    assert torch.equal(got[::37], want)
+    ref = torch.empty_like(got)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(dispatch.BACKEND_ENV, "reference")
+        convert_kv_records(records, src, dst, **scales, out=ref)
+    assert torch.equal(got, ref)
+
+
 def test_move_spans_native_equals_the_reference():
     """Row segments between two tensors, whole spans (strides = width) and strided rows, native and reference."""
     g = torch.Generator().manual_seed(5)

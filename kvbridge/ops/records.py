@@ -3,9 +3,9 @@
 Migration moves entries as records (one row per entry, every byte of the entry in it), never as pages:
 KV records convert through the page kernels of ``kvbridge.backends.dispatch`` run on a token-major,
 unpadded view of the layouts (``record_layout``: the same record, so the same compiled segments and the
-same accelerators), so N records are one "page" of N rows and nothing is copied into or out of a page
-form; indexer keys convert through ``kvbridge.ops.keys``. Every record converts on its own, so batching
-records of many transfers together does not change a byte.
+same accelerators), so N records are pages of ``RECORD_PAGE_ROWS`` rows (and one of the rest) and nothing is
+copied into or out of a page form; indexer keys convert through ``kvbridge.ops.keys``. Every record converts on
+its own, so batching records of many transfers together does not change a byte.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from kvbridge.layouts.registry import MAX_PAGE_SIZE, Layout
 from kvbridge.ops import keys as ix
 from kvbridge.ops import pages as page_ops
 from kvbridge.ops.loss import LossReport, transcode_loss
+
+#: Rows per page of the record view a conversion runs on (its last page holds the rest): the native kernels'
+#: unit of work (``CHUNK_TOKENS``), so that one batch of records spreads over their threads.
+RECORD_PAGE_ROWS = 256
 
 
 @cache
@@ -44,12 +48,16 @@ def convert_kv_records(records: torch.Tensor, src: Layout, dst: Layout, *, src_s
     out = torch.empty(n, dst.record_bytes, dtype=torch.uint8, device=records.device) if out is None else out
     if n == 0:
         return out, None
-    pages, written = records.contiguous().view(1, -1), out.view(1, -1)
-    page_ops.transcode(pages, record_layout(src), record_layout(dst), src_page_size=n, dst_page_size=n,
-                       src_scale=src_scale, dst_scale=dst_scale, dialect=dialect, out=written)
+    records = records.contiguous()
+    whole = n - n % RECORD_PAGE_ROWS
+    for lo, hi, rows in ((0, whole, RECORD_PAGE_ROWS), (whole, n, n - whole)):
+        if hi > lo:  # pages of ``rows`` records: the same bytes, in units the kernels spread over their threads
+            page_ops.transcode(records[lo:hi].view(-1, rows * src.record_bytes), record_layout(src),
+                               record_layout(dst), src_page_size=rows, dst_page_size=rows, src_scale=src_scale,
+                               dst_scale=dst_scale, dialect=dialect, out=out[lo:hi].view(-1, rows * dst.record_bytes))
     if not report:
         return out, None
-    return out, kv_loss(pages.view(n, -1), out, src, dst, src_scale=src_scale, dst_scale=dst_scale, dialect=dialect)
+    return out, kv_loss(records, out, src, dst, src_scale=src_scale, dst_scale=dst_scale, dialect=dialect)
 
 
 def kv_loss(records: torch.Tensor, converted: torch.Tensor, src: Layout, dst: Layout, *, src_scale: float,

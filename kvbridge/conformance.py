@@ -289,6 +289,7 @@ INDEXER_WRITERS = (
      "quantize_fp4_indexer_tensor(rne=False) + store_fp4_index_k_cache"),
     ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp4", "sglang-rne", "quantize_fp4_indexer_tensor(rne=True)"),
     ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp8", "sglang-rocm", "triton_fused_store_indexer"),
+    ("SGLang 0.5.23", SGLANG_INDEXER_FIXTURE, "fp8", "sglang-rocm-fnuz", "triton_fused_store_indexer (gfx942)"),
     ("vLLM 0.33.0", VLLM_INDEXER_FIXTURE, "fp8", "vllm", "_fused_kv_compress_norm_rope_insert_indexer_attn"),
     ("vLLM 0.33.0", VLLM_INDEXER_FIXTURE, "fp8", "vllm-ue8m0",
      "_fused_kv_compress_norm_rope_insert_indexer_attn(MX_SCALE)"),
@@ -608,6 +609,7 @@ def identify_writer(
 INDEXER_RULE_WRITERS = {
     "trtllm": "TensorRT-LLM indexer writer", "sglang": "SGLang CUDA (C4 pools)",
     "sglang-triton": "SGLang Triton quantize_fp4_indexer_tensor", "sglang-rocm": "SGLang ROCm store",
+    "sglang-rocm-fnuz": "SGLang ROCm store on gfx942 (E4M3 FNUZ)",
     "sglang-rne": "SGLang Triton fp4 with rne=True", "deepgemm": "DeepGEMM reference",
     "vllm": "vLLM", "vllm-ue8m0": "vLLM on SM100 (UE8M0 scales)",
 }

@@ -50,7 +50,8 @@ def test_every_fixture_check_passes(report):
     writers = [r for r in report.results if r.layout.startswith("indexer") and r.check != "converted = engine writer"]
     golden = {(r.engine, r.layout, r.dialect) for r in writers if "derived" not in r.case}
     assert golden == {("SGLang 0.5.23", "indexer-fp4", "sglang-triton"), ("SGLang 0.5.23", "indexer-fp4", "sglang-rne"),
-                      ("SGLang 0.5.23", "indexer-fp8", "sglang-rocm"), ("vLLM 0.33.0", "indexer-fp8", "vllm"),
+                      ("SGLang 0.5.23", "indexer-fp8", "sglang-rocm"),
+                      ("SGLang 0.5.23", "indexer-fp8", "sglang-rocm-fnuz"), ("vLLM 0.33.0", "indexer-fp8", "vllm"),
                       ("vLLM 0.33.0", "indexer-fp8", "vllm-ue8m0"), ("DeepGEMM", "indexer-fp8", "deepgemm"),
                       ("DeepGEMM", "indexer-fp4", "deepgemm")}
     derived = {(r.engine, r.layout, r.dialect) for r in writers if "derived" in r.case}
@@ -219,5 +220,8 @@ def test_identify_indexer_writer_names_the_engine():
     assert report.matches == ["vllm-ue8m0: vLLM on SM100 (UE8M0 scales)"]
     rocm = identify_indexer_writer(sg["fp8.sglang-rocm.pages"], "fp8", sg["keys"], page_size=64, slots=sg["slots"])
     assert rocm.matches == ["sglang-rocm: SGLang ROCm store"]
+    gfx942 = identify_indexer_writer(sg["fp8.sglang-rocm-fnuz.pages"], "fp8", sg["keys"], page_size=64,
+                                     slots=sg["slots"])
+    assert gfx942.matches == ["sglang-rocm-fnuz: SGLang ROCm store on gfx942 (E4M3 FNUZ)"]
     with pytest.raises(InputError, match="slots must be"):
         identify_indexer_writer(sg["fp4.sglang-rne.pages"], "fp4", sg["keys"], page_size=64, slots=sg["slots"][:3])

@@ -209,9 +209,23 @@ def test_e2m1_rules_on_a_dense_grid(encode, ties_to_even, negative_zero):
     assert torch.equal(encode(x).int(), want.int())
 
 
-# UE8M0 fp8 indexer scales are defined for 128-value keys only.
+def test_fnuz_fp8_keys_take_the_torch_path():
+    """The native fp4 -> fp8 kernel writes OCP E4M3 only: keys for an E4M3 FNUZ rule (SGLang's gfx942 store) are
+    converted by the torch codec, whose bytes are the writer's (tests/test_conformance.py)."""
+    src, dst = ix.indexer_format("fp4"), ix.indexer_format("fp8")
+    gen = torch.Generator().manual_seed(2)
+    records = torch.randint(0, 256, (64, src.record_bytes), dtype=torch.uint8, generator=gen)
+    records[:, src.split :] = 120
+    for rule in ix.FNUZ_RULES:
+        assert not ix.native_transcode_applies(records, src, dst, rule)
+        got, _ = ix.transcode_keys(records, src, dst, rule)
+        assert torch.equal(got, ix.encode_keys(ix.decode_keys(records, src), dst, rule))
+        assert not bool((got[:, : dst.dim] == 0x80).any())  # FNUZ's NaN code: never written for finite keys
+
+
+# UE8M0 fp8 indexer scales are defined for 128-value keys only; the FNUZ rules have no native kernel (above).
 @pytest.mark.parametrize(("rule", "dim"), [(r, d) for r in ix.FP8_RULES for d in (128, 64)
-                                           if not (r == "vllm-ue8m0" and d != 128)])
+                                           if not (r == "vllm-ue8m0" and d != 128) and r not in ix.FNUZ_RULES])
 def test_native_fp4_to_fp8_equals_the_torch_path(monkeypatch, rule, dim):
     """The native fp4 -> fp8 kernel writes the torch path's bytes and measures its error, on every fp4
     byte pattern: random codes and scale bytes (0 and 254 included), all-zero and -0 keys, and keys

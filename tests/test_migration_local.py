@@ -64,10 +64,9 @@ PAIRS = [
     ("trtllm:fp8:tpb=256:state=bf16:draft=1", "vllm:gpu=sm100"),
     ("vllm:kv=flashinfer:gpu=sm100:block=512", "trtllm:fp8-ds-mla:tpb=128:idx=fp8"),
     ("sglang:online=1", "sglang:online=1:idx=fp4"),
-    # ROCm: gfx942 vLLM (FNUZ SWA, OCP compressed) to and from vLLM on H100/H200 and SGLang on MI355
+    # ROCm: gfx942 vLLM (FNUZ SWA, OCP compressed) to and from vLLM on H100/H200
     ("vllm:gpu=mi300", "vllm:gpu=sm90"),
     ("vllm:gpu=sm90:idx=fp4", "vllm:gpu=mi300:idx=fp4"),
-    ("sglang:gpu=mi355", "sglang"),
 ]
 
 

@@ -271,7 +271,8 @@ def sglang(spec: str = "sglang") -> EngineProfile:
     pages hold page / r entries and share the request's page table), ``idx=fp8|fp4``,
     ``draft=N`` (``num_draft_tokens``: compressor-state rings of 16 / 256 rows),
     ``state=fp32|bf16`` (``SGLANG_DSV4_COMPRESS_STATE_DTYPE``), ``online=0|1``
-    (``SGLANG_OPT_USE_ONLINE_COMPRESS``), ``e4m3=fn`` (``fnuz`` refused).
+    (``SGLANG_OPT_USE_ONLINE_COMPRESS``), ``e4m3=fn`` (``fnuz`` refused); ``gpu=cuda`` (``mi300`` and
+    ``mi355``, SGLang's ROCm builds, refused: ``_sglang_rocm`` says why).
     """
     _, *parts = spec.split(":")
     opts = _Options(parts, ("swa", "idx", "draft", "state", "online", "e4m3", "gpu"), spec)
@@ -285,28 +286,24 @@ def sglang(spec: str = "sglang") -> EngineProfile:
     online = opts.pick("online", "0", ("0", "1"), "SGLANG_OPT_USE_ONLINE_COMPRESS") == "1"
     gpu = opts.pick("gpu", "cuda", ("cuda", *ROCM_GPUS), "GPU (ROCm: srt/utils is_hip, is_gfx95_supported)")
     _e4m3_flavour(opts, "SGLang", gpu, f"{_SG}kernels/ops/quantization/fp8_kernel.py is_fp8_fnuz (fp8 KV dtype)")
-    rocm = gpu in ROCM_GPUS
-    if rocm:
-        _sglang_rocm(spec, gpu, idx, online)
+    if gpu in ROCM_GPUS:
+        _sglang_rocm(spec, gpu)
     if online and draft:
         raise InputError(f"engine spec {spec!r}: SGLang's online ratio-128 compressor does not support "
                          "speculative decoding (draft > 0) without SGLANG_EXPERIMENTAL_ONLINE_C128_MTP")
     ring4, ring128 = (16, 256) if draft else (8, 128)
     mem = _SG + "srt/mem_cache/deepseek_v4_memory_pool.py"
-    swa_d = "amax-1e-8" if rocm else "amax-1e-4"
-    kv_source = (f"{_SG}kernels/ops/attention/dsv4/attn.py fused_store_cache -> {_SG}kernels/ops/kvcache/"
-                 "triton_store_cache.py triton_fused_store_flashmla (HIP, V4 layout: SWA and compressed pools)"
-                 if rocm else f"{_SG}kernels/jit/csrc/deepseek_v4/store.cuh FusedStoreCacheFlashMLAKernel")
-    idx_source = (f"{_SG}kernels/ops/kvcache/triton_store_cache.py triton_fused_store_indexer (HIP)" if rocm else
-                  f"{_SG}kernels/jit/csrc/deepseek_v4/fused_norm_rope_v2.cuh FusedNormRopeKernel::"
+    swa_d = "amax-1e-4"
+    kv_source = f"{_SG}kernels/jit/csrc/deepseek_v4/store.cuh FusedStoreCacheFlashMLAKernel"
+    idx_source = (f"{_SG}kernels/jit/csrc/deepseek_v4/fused_norm_rope_v2.cuh FusedNormRopeKernel::"
                   + ("forward" if idx == "fp8" else "forward_fp4")
                   + f" (via {_SG}srt/layers/attention/dsv4/compressor_v2.py compress_norm_rope_store)")
     return EngineProfile(
         engine="sglang", version=SGLANG_VERSION,
-        spec=f"sglang:swa={page}:idx={idx}" + (f":gpu={gpu}" if rocm else "") + (f":draft={draft}" if draft else "")
+        spec=f"sglang:swa={page}:idx={idx}" + (f":draft={draft}" if draft else "")
         + (f":state={dtype}" if dtype != "fp32" else "") + (":online=1" if online else ""),
         kv_layout="flashmla-model1", swa_page=page, compressed_tokens_per_page=page,
-        indexer_fmt=idx, indexer_rule="sglang-rocm" if rocm else "sglang",
+        indexer_fmt=idx, indexer_rule="sglang",
         swa_dialect=swa_d, compress_dialect=swa_d, kv_scale=None, state_dtype=dtype,
         state={4: ("page-ring", ring4, "swa"), 128: ("ring", 1 if online else ring128, "state")},
         tables={Role.SWA: "swa", Role.COMPRESS: "full", Role.INDEXER: "full"},
@@ -324,17 +321,17 @@ def sglang(spec: str = "sglang") -> EngineProfile:
     )
 
 
-def _sglang_rocm(spec: str, gpu: str, idx: str, online: bool) -> None:
-    """Refuse the SGLang ROCm builds kvbridge cannot reproduce, each with its reason."""
-    if gpu == "mi300":
-        raise InputError(f"engine spec {spec!r}: SGLang on gfx942 writes its KV (layout model1-fnuz, dialect "
-                         "amax-1e-8/240) and its fp8 indexer keys in float8_e4m3fnuz (triton_store_cache.py, "
-                         "FP8_MAX=240); kvbridge's indexer formats are OCP E4M3 only, so this pool is not supported")
-    if idx == "fp4":
-        raise InputError(f"engine spec {spec!r}: SGLang on ROCm stores fp4 indexer keys in aiter's layout "
-                         "(uses_aiter_fp4_layout), which kvbridge does not read; use idx=fp8")
-    if online:
-        raise InputError(f"engine spec {spec!r}: SGLang disables the online ratio-128 compressor on HIP (ONLINE_C128)")
+def _sglang_rocm(spec: str, gpu: str) -> None:
+    """Refuse SGLang's ROCm builds: their DeepSeek-V4 pools come from several writers kvbridge does not reproduce."""
+    cast = ("a software E4M3 cast (OCP codes, halves rounded up, 248 and above written as 448)" if gpu == "mi300"
+            else "the hardware E4M3 cast")
+    raise InputError(
+        f"engine spec {spec!r}: SGLang 0.5.23 on ROCm ({ROCM_GPUS[gpu]}) is not supported: its main, compressed and "
+        f"indexer caches are written by JIT kernels with {cast} ({_SG}kernels/ops/attention/dsv4/norm_rope.py, "
+        f"compress.py; sgl_kernel/deepseek_v4/fp8_utils.cuh pack_fp8), some paths by the Triton store "
+        f"(kernels/ops/kvcache/triton_store_cache.py, float8_e4m3fnuz on gfx942), the indexer page pre-shuffled "
+        "with SGLANG_USE_AITER, fp4 keys in aiter's layout; which writer ran depends on the server's flags"
+    )
 
 
 _VL = "vllm/"

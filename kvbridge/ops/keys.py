@@ -7,6 +7,8 @@ scale rows), i.e. value bytes of key t at ``t * split``, its scale bytes at
 
 - ``fp8``: D E4M3 bytes, then a 4-byte scale (D = 128: 132 B): a little-endian fp32, or (rule
   ``vllm-ue8m0``, vLLM on SM100) four UE8M0 bytes, one per 32 values. Decode: fp32(e4m3) * scale.
+  The value bytes are OCP E4M3 (``float8_e4m3fn``), or E4M3 FNUZ (``float8_e4m3fnuz``: bias 8, max
+  240, NaN 0x80, no -0) under the ``FNUZ_RULES`` (SGLang on ROCm gfx942).
 - ``fp4``: D/2 bytes of E2M1 pairs (even element in the low nibble), then D/32 UE8M0 scales,
   one per 32 values (D = 128: 68 B). Decode: e2m1 value * 2^(byte - 127) (exact).
 
@@ -18,6 +20,7 @@ product and quotient is one fp32 operation; E4M3 is round-to-nearest-even, satur
 | ``trtllm`` | amax / 448 | e4m3(x * fl(448 / amax)) |
 | ``sglang``, ``deepgemm`` | max(amax, 1e-4) / 448 | e4m3(x * fl(1 / scale)) |
 | ``sglang-rocm`` | max(amax, 1e-8) / 448 | e4m3(x * fl(1 / scale)) |
+| ``sglang-rocm-fnuz`` | max(amax, 1e-8) / 240 | e4m3fnuz(x * fl(1 / scale)) |
 | ``vllm``, ``vllm-ue8m0`` | 2^ceil(log2(max(amax_bf16, 1e-4) * fl(1/448))) | e4m3(bf16(x) * 2^-e) |
 
 | rule | fp4 scale exponent e | codes of x * 2^-e | all-zero block |
@@ -82,10 +85,13 @@ class IndexerFormat:
 
 
 #: Writer rules per format (see the module docstring); ``deepgemm`` writes the bytes of ``sglang``.
-FP8_RULES = ("trtllm", "sglang", "sglang-rocm", "deepgemm", "vllm", "vllm-ue8m0")
+FP8_RULES = ("trtllm", "sglang", "sglang-rocm", "sglang-rocm-fnuz", "deepgemm", "vllm", "vllm-ue8m0")
 FP4_RULES = ("trtllm", "vllm", "sglang", "sglang-triton", "sglang-rne", "deepgemm")
 #: fp8 rules whose scale is stored as four UE8M0 bytes instead of an fp32.
 UE8M0_SCALE_RULES = ("vllm-ue8m0",)
+#: fp8 rules whose value bytes are E4M3 FNUZ: SGLang's ROCm store built for gfx942
+#: (``triton_store_cache.py`` ``triton_fused_store_indexer``, ``FP8_MAX = finfo(float8_e4m3fnuz).max``).
+FNUZ_RULES = ("sglang-rocm-fnuz",)
 
 
 def indexer_format(name: str, dim: int = 128) -> IndexerFormat:
@@ -152,9 +158,10 @@ def fp8_scales(xf: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]
         mult = torch.where(amax > 0, _f32(nx.E4M3_MAX, dev) / torch.where(amax > 0, amax, 1.0),
                            torch.zeros_like(amax))
         return scale, mult
-    if rule in ("sglang", "deepgemm", "sglang-rocm"):
-        floor = 1e-8 if rule == "sglang-rocm" else 1e-4
-        scale = amax.clamp(min=_f32(floor, dev)) / _f32(nx.E4M3_MAX, dev)
+    if rule in ("sglang", "deepgemm", "sglang-rocm", "sglang-rocm-fnuz"):
+        floor = 1e-8 if rule.startswith("sglang-rocm") else 1e-4
+        top = nx.E4M3FNUZ_MAX if rule in FNUZ_RULES else nx.E4M3_MAX
+        scale = amax.clamp(min=_f32(floor, dev)) / _f32(top, dev)
         return scale, _f32(1.0, dev) / scale
     exp = nx.ceil_log2(amax.clamp(min=_f32(1e-4, dev)) * _f32(1.0 / nx.E4M3_MAX, dev))
     return nx.pow2(exp).to(dev), nx.pow2(-exp).to(dev)
@@ -201,7 +208,8 @@ def encode_keys(x: torch.Tensor, fmt: IndexerFormat, rule: str) -> torch.Tensor:
         xf = _bf16(xf)  # vLLM rounds the rotated key to bf16 before quantizing
     if fmt.name == "fp8":
         scale, mult = fp8_scales(xf, rule)
-        values = _e4m3_bytes(xf * mult.unsqueeze(1))
+        scaled = xf * mult.unsqueeze(1)
+        values = nx.e4m3fnuz_encode(scaled) if rule in FNUZ_RULES else _e4m3_bytes(scaled)
         if rule in UE8M0_SCALE_RULES:
             if fmt.dim != 128:
                 raise InputError("UE8M0 fp8 indexer scales are defined for 128-value keys only")
@@ -218,7 +226,8 @@ def encode_keys(x: torch.Tensor, fmt: IndexerFormat, rule: str) -> torch.Tensor:
 def decode_keys(records: torch.Tensor, fmt: IndexerFormat, rule: str | None = None) -> torch.Tensor:
     """Records uint8 ``[N, record_bytes]`` -> fp32 keys ``[N, D]``.
 
-    ``rule`` matters only for fp8 scales stored as UE8M0 bytes (``vllm-ue8m0``).
+    ``rule`` matters only for fp8 scales stored as UE8M0 bytes (``vllm-ue8m0``) and fp8 values stored as
+    E4M3 FNUZ (``FNUZ_RULES``): without it, fp8 records read as OCP E4M3 with an fp32 scale.
     """
     if not isinstance(records, torch.Tensor) or records.dtype != torch.uint8 or records.dim() != 2 \
             or records.shape[1] != fmt.record_bytes:
@@ -227,7 +236,8 @@ def decode_keys(records: torch.Tensor, fmt: IndexerFormat, rule: str | None = No
         _check_rule(fmt, rule)
     n = records.shape[0]
     if fmt.name == "fp8":
-        values = nx.e4m3_decode(records[:, : fmt.dim])
+        codes = records[:, : fmt.dim]
+        values = nx.e4m3fnuz_decode(codes) if rule in FNUZ_RULES else nx.e4m3_decode(codes)
         if rule in UE8M0_SCALE_RULES:
             if fmt.dim != 128:
                 raise InputError("UE8M0 fp8 indexer scales are defined for 128-value keys only")
@@ -245,9 +255,10 @@ def decode_keys(records: torch.Tensor, fmt: IndexerFormat, rule: str | None = No
 
 def key_kernel_applies(src: IndexerFormat, dst: IndexerFormat, dst_rule: str, device: torch.device) -> bool:
     """Whether the backend's fp4 -> fp8 key kernel converts ``src`` keys on ``device`` to ``dst`` by ``dst_rule``
-    (``dispatch.key_kernels``: the native backend, CPU; every fp8 rule, UE8M0 scales at dim 128 only)."""
+    (``dispatch.key_kernels``: the native backend, CPU; every OCP fp8 rule, UE8M0 scales at dim 128 only)."""
     return (src.name == "fp4" and dst.name == "fp8" and src.dim == dst.dim and dst_rule in dst.rules
-            and not (dst_rule in UE8M0_SCALE_RULES and dst.dim != 128) and dispatch.key_kernels(device))
+            and dst_rule not in FNUZ_RULES and not (dst_rule in UE8M0_SCALE_RULES and dst.dim != 128)
+            and dispatch.key_kernels(device))
 
 
 def native_transcode_applies(records: torch.Tensor, src: IndexerFormat, dst: IndexerFormat, dst_rule: str) -> bool:

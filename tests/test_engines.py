@@ -217,3 +217,11 @@ def test_sglang_trtllm_backend_is_trtllm_fp8_at_unit_scale():
         src, src_tables = source_request(plan, seed=6)
         tables, report = migrate_local(plan, src, src_tables, destination_pools(plan))
         assert report.state_max_abs_error is None
+
+
+def test_sglang_pd_peers_refuse_the_trtllm_backend_pools():
+    from kvbridge.adapters.sglang_protocol import pd_layout
+
+    pools = EnginePools.create("sglang:attn=trtllm", FLASH.with_layers(2), {"full": 4, "swa": 4}, include_mtp=False)
+    with pytest.raises(InputError, match="stores trtllm-fp8; the SGLang peer serves the V4 .584 B. layout"):
+        pd_layout(pools)

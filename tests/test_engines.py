@@ -95,7 +95,7 @@ def test_trtllm_keeps_kv_and_score_in_separate_pools():
     ("vllm:gpu=mi300:e4m3=fn", "gfx942 pools are always FNUZ"),
     ("sglang:gpu=mi300", "fp8 indexer keys in float8_e4m3fnuz"),
     ("sglang:gpu=mi355:idx=fp4", "aiter's layout"),
-    ("vllm:kv=v41", r"DeepSeek-V4.1 rows .*v41-fp8-interleaved, dialect amax-1e-4.*ratios 1 and 2 "
+    ("vllm:kv=v41", r"DeepSeek-V4.1 528-B MXFP8 rows .*v41-fp8-interleaved, dialect amax-1e-4.*ratios 1 and 2 "
                     r"\(vllm/models/deepseek_v41/compressor.py\)"),
     ("sglang:unified=1", r"unified_kv_triton.*request-scoped ratio-4 compressor state .*compressor_v2.py use_req_ring"),
     ("sglang:gpu=mi355:unified=1", "unified-KV build"),

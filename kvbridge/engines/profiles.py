@@ -409,10 +409,11 @@ def vllm(spec: str = "vllm") -> EngineProfile:
     fnuz = _e4m3_flavour(opts, "vLLM", gpu, f"{_VL}models/deepseek_v4/common/ops/cache_utils.py "
                          "quantize_and_insert_k_cache(use_fnuz=current_platform.is_fp8_fnuz())") == "fnuz"
     if kv == "v41":
-        raise InputError(f"engine spec {spec!r}: vLLM's DeepSeek-V4.1 rows (DeepseekV41ForCausalLM, SM100: layout "
-                         "v41-fp8-interleaved, dialect amax-1e-4; kvbridge convert reads them) belong to a model whose "
-                         f"compressed layers have ratios 1 and 2 ({_VL}models/deepseek_v41/compressor.py), outside "
-                         "kvbridge's DeepSeek-V4 topologies (ratios 4 and 128), so there is no migration profile")
+        raise InputError(f"engine spec {spec!r}: vLLM's DeepSeek-V4.1 528-B MXFP8 rows (DeepseekV41ForCausalLM, "
+                         "SM100: layout v41-fp8-interleaved, dialect amax-1e-4; kvbridge convert reads them) belong "
+                         f"to a model whose compressed layers have ratios 1 and 2 ({_VL}models/deepseek_v41/"
+                         "compressor.py), outside kvbridge's DeepSeek-V4 topologies (ratios 4 and 128), so there is "
+                         "no migration profile")
     layout, swa_d, comp_d, align, gpus = _VLLM_KV[kv]
     if gpu not in gpus:
         raise InputError(f"engine spec {spec!r}: vLLM runs kv={kv} on {', '.join(gpus)} only, not {gpu}")

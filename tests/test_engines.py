@@ -225,3 +225,18 @@ def test_sglang_pd_peers_refuse_the_trtllm_backend_pools():
     pools = EnginePools.create("sglang:attn=trtllm", FLASH.with_layers(2), {"full": 4, "swa": 4}, include_mtp=False)
     with pytest.raises(InputError, match="stores trtllm-fp8; the SGLang peer serves the V4 .584 B. layout"):
         pd_layout(pools)
+
+
+def test_vllm_trtllm_gen_rows_move_into_sglang_trtllm_pools_as_bytes():
+    from kvbridge.migration.ape import synthetic_ape
+
+    # both engines' TRTLLM-gen backends keep trtllm-fp8 at scale 1: the KV moves as bytes, the state loses its APE
+    plan = plan_migration("vllm:gpu=sm100:kv=flashinfer", "sglang:attn=trtllm", MODEL, 700, ape=synthetic_ape(MODEL))
+    kv = [t for t in plan.transfers if t.spec.role in (Role.SWA, Role.COMPRESS)]
+    assert {t.conversion for t in kv} == {"byte move"}
+    src, src_tables = source_request(plan, seed=8)
+    dst = destination_pools(plan)
+    tables, _ = migrate_local(plan, src, src_tables, dst)
+    for t in kv:
+        got = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
+        assert torch.equal(got, gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count))

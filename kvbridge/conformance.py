@@ -552,6 +552,9 @@ KNOWN_WRITERS: dict[tuple[str, str], str] = {
     ("amax-1e-8", "bf16"): "TensorRT-LLM fp8_ds_mla writer",
     ("swa", "bf16"): "TensorRT-LLM SWA writer",
     ("compress", "fp32"): "TensorRT-LLM COMPRESS writer",
+    ("compress", "bf16"): "SGLang --dsv4-attn-backend trtllm (unit scale)",
+    ("amax-1e-4/224", "bf16"): "vLLM ROCm gfx942 SWA writer",
+    ("amax-1e-8/240", "bf16"): "SGLang HIP store (gfx942)",
 }
 
 

@@ -192,6 +192,31 @@ def test_identify_trtllm_swa_vs_compress_writer_at_a_scale():
     assert rep.to_dict()["num_tokens"] == 32
 
 
+def test_identify_tells_the_fnuz_writers_apart():
+    from safetensors.torch import load_file
+
+    fx = load_file(str(FIXTURES / "fnuz_reference.safetensors"))
+    x = fx["p64.input"].float()
+    for engine, label in (("vllm", "amax-1e-4/224/bf16: vLLM ROCm gfx942 SWA writer"),
+                          ("sglang", "amax-1e-8/240/bf16: SGLang HIP store (gfx942)")):
+        rep = identify_writer(fx[f"p64.{engine}"], "model1-fnuz", x, page_size=64)
+        assert label in rep.matches  # bf16 values: the fp32-input candidate of the same dialect matches too
+        assert {c.dialect for c in rep.candidates if c.matches} == {label.split("/bf16")[0]}
+        assert all(c.differing_bytes > 0 for c in rep.candidates if not c.matches)
+
+
+def test_identify_sglang_trtllm_uniform_fp8_is_the_trtllm_writer_at_unit_scale():
+    # SGLang's trtllm backend stores bf16 rows as e4m3 at scale 1 (saturating): TensorRT-LLM's writers at s = 1
+    x = (torch.randn(16, 512, generator=torch.Generator().manual_seed(9)) * 200).bfloat16().float()
+    pages = kvbridge.encode(x, "sglang-uniform-fp8", page_size=16, dialect="compress")
+    assert bool((pages == 0x7E).any())  # values beyond 448 saturate
+    # SGLang's compressed-row store (DeepSeekV4UniformFP8KVPool.set_key_buffer_fused): bf16 .to(float8_e4m3fn)
+    assert torch.equal(pages.view(16, 512), x.bfloat16().to(torch.float8_e4m3fn).view(torch.uint8))
+    rep = identify_writer(pages, "trtllm-fp8", x, page_size=16)
+    assert "compress/bf16@s=1: SGLang --dsv4-attn-backend trtllm (unit scale)" in rep.matches
+    assert "swa/bf16@s=1: TensorRT-LLM SWA writer" in rep.matches
+
+
 def test_identify_ignores_pad_bytes_and_checks_arguments():
     x = tiles_with_small_amax()[:5]
     pages = kvbridge.encode(x, "trtllm-fp8-ds-mla", page_size=8, dialect="amax-1e-8")

@@ -95,7 +95,13 @@ def test_trtllm_keeps_kv_and_score_in_separate_pools():
     ("vllm:gpu=mi300:e4m3=fn", "gfx942 pools are always FNUZ"),
     ("sglang:gpu=mi300", "gfx942.*software E4M3 cast.*448"),
     ("sglang:gpu=mi355", "gfx950.*hardware E4M3 cast.*SGLANG_USE_AITER"),
-    ("vllm:kv=v41", "DeepSeek-V4.1 528-B MXFP8 records are not supported"),
+    ("vllm:kv=v41", r"DeepSeek-V4.1 528-B MXFP8 rows .*v41-fp8-interleaved, dialect amax-1e-4.*ratios 1 and 2 "
+                    r"\(vllm/models/deepseek_v41/compressor.py\)"),
+    ("sglang:unified=1", r"unified_kv_triton.*request-scoped ratio-4 compressor state .*compressor_v2.py use_req_ring"),
+    ("sglang:gpu=mi355:unified=1", "unified-KV build"),
+    ("sglang:attn=trtllm:gpu=mi355", "SGLang 0.5.23 on ROCm"),
+    ("sglang:attn=trtllm:online=1", "trtllm does not support SGLANG_OPT_USE_ONLINE_COMPRESS"),
+    ("sglang:attn=flashinfer", "attn must be one of flashmla, trtllm"),
     ("vllm:kv=flashinfer", "kv=flashinfer on sm100, sm120 only, not sm90"),
     ("vllm:block=100", "block must be a multiple of 64"),
     ("vllm:block=64", "ratio-128 layers cannot page"),
@@ -176,3 +182,58 @@ def test_rocm_profiles_name_each_cache_format_and_its_source():
     assert {c.option: c.value for c in mi300.choices}["e4m3"] == "fnuz" and "use_fnuz" in mi300.source
     p = parse_engine("vllm:gpu=mi355")
     assert p.kv_layout == "flashmla-model1" and p.compress_layout is None
+
+
+def test_sglang_trtllm_backend_is_trtllm_fp8_at_unit_scale():
+    st, flashmla = _storages("sglang:attn=trtllm"), _storages("sglang")
+    swa, c4, c128 = st[(Role.SWA, 0)], st[(Role.COMPRESS, 4)], st[(Role.COMPRESS, 128)]
+    assert (swa.fmt, swa.scale, swa.dialect, swa.page_size, swa.page_bytes) == ("trtllm-fp8", 1.0, "swa", 256, 131072)
+    assert (c4.dialect, c4.page_size, c4.page_bytes) == ("compress", 64, 32768)
+    assert (c128.page_size, c128.page_bytes) == (2, 1024)  # 512-B rows, no page pad
+    for key in ((Role.STATE, 4), (Role.STATE, 128), (Role.INDEXER, 4), (Role.INDEXER_STATE, 4)):
+        assert st[key] == flashmla[key]  # the trtllm backend changes only the KV pools
+    prof = parse_engine("sglang:attn=trtllm")
+    assert prof.spec == "sglang:swa=256:idx=fp8:attn=trtllm" and "DeepSeekV4UniformFP8KVPool" in prof.sources["kv"]
+    assert {c.option: (c.value, c.given) for c in prof.choices}["attn"] == ("trtllm", True)
+    # TensorRT-LLM at scale 1 -> SGLang's trtllm pools: the KV records move as they are
+    plan = plan_migration("trtllm:fp8:tpb=256", "sglang:attn=trtllm", FLASH.with_layers(2), 3000)
+    src, src_tables = source_request(plan, seed=4)
+    dst = destination_pools(plan)
+    tables, _ = migrate_local(plan, src, src_tables, dst)
+    for t in plan.transfers:
+        assert t.conversion == "byte move"
+        got = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
+        assert torch.equal(got, gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count))
+    # SGLang's FlashMLA pools <-> its trtllm pools: KV transcoded, state and indexer moved unchanged
+    into = {"transcode flashmla-model1 -> trtllm-fp8, swa, scale 1",
+            "transcode flashmla-model1 -> trtllm-fp8, compress, scale 1"}
+    back = {"transcode trtllm-fp8 -> flashmla-model1, amax-1e-4"}
+    for a, b, conversions in (("sglang", "sglang:attn=trtllm", into), ("sglang:attn=trtllm", "sglang", back)):
+        plan = plan_migration(a, b, MODEL, 700)
+        assert {t.conversion for t in plan.transfers if t.spec.role in (Role.SWA, Role.COMPRESS)} == conversions
+        src, src_tables = source_request(plan, seed=6)
+        tables, report = migrate_local(plan, src, src_tables, destination_pools(plan))
+        assert report.state_max_abs_error is None
+
+
+def test_sglang_pd_peers_refuse_the_trtllm_backend_pools():
+    from kvbridge.adapters.sglang_protocol import pd_layout
+
+    pools = EnginePools.create("sglang:attn=trtllm", FLASH.with_layers(2), {"full": 4, "swa": 4}, include_mtp=False)
+    with pytest.raises(InputError, match="stores trtllm-fp8; the SGLang peer serves the V4 .584 B. layout"):
+        pd_layout(pools)
+
+
+def test_vllm_trtllm_gen_rows_move_into_sglang_trtllm_pools_as_bytes():
+    from kvbridge.migration.ape import synthetic_ape
+
+    # both engines' TRTLLM-gen backends keep trtllm-fp8 at scale 1: the KV moves as bytes, the state loses its APE
+    plan = plan_migration("vllm:gpu=sm100:kv=flashinfer", "sglang:attn=trtllm", MODEL, 700, ape=synthetic_ape(MODEL))
+    kv = [t for t in plan.transfers if t.spec.role in (Role.SWA, Role.COMPRESS)]
+    assert {t.conversion for t in kv} == {"byte move"}
+    src, src_tables = source_request(plan, seed=8)
+    dst = destination_pools(plan)
+    tables, _ = migrate_local(plan, src, src_tables, dst)
+    for t in kv:
+        got = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
+        assert torch.equal(got, gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first, t.count))

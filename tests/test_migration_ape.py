@@ -91,6 +91,31 @@ def test_remove_ape_gives_a_score_that_sums_back_bit_for_bit(key):
         assert not bool(differ[normal].any())  # every ordinary bf16 raw score is the only bf16 preimage element
 
 
+def _native_remove(rows: torch.Tensor, ape: torch.Tensor, first: int):
+    from kvbridge.backends.native.state import convert_state_rows
+
+    res = convert_state_rows(rows.contiguous().view(torch.uint8), False, False, ape, -1, first, False)
+    return res.rows.view(torch.float32), res.unreachable
+
+
+def test_remove_ape_keeps_a_stored_negative_zero_bit_for_bit():
+    # a stored -0.0 is fp32(s + a) only for s = a = -0.0; a +0.0 sum (-0.0 + +0.0, or -a + a) must not stand for it
+    ape = torch.tensor([[-0.0, 0.0, 1.5, -0.0], [0.0, -0.0, -0.0, -0.0]])
+    rows = torch.tensor([[7.0, 7.0, 7.0, 7.0, -0.0, 0.0, 0.0, 3.0],
+                         [7.0, 7.0, 7.0, 7.0, 0.0, -0.0, float("-inf"), -0.0]])
+    for back in (remove_ape(rows, ape, 0, "x"), _native_remove(rows, ape, 0)[0]):
+        assert torch.equal(_bits(back[:, 4:]), _bits(torch.tensor([[-0.0, 0.0, -1.5, 3.0],
+                                                                   [0.0, -0.0, float("-inf"), -0.0]])))
+        assert torch.equal(_bits(add_ape(back, ape, 0)), _bits(rows))  # SGLang's fp32 sum: -0.0 where stored
+    assert _native_remove(rows, ape, 0)[1] is None
+    for a in (0.0, 2.0, -2.0):  # APE +0.0 or nonzero: every fp32 sum of it is +0.0 or nonzero, never -0.0
+        bad_ape = torch.tensor([[a, 1.0], [1.0, 1.0]])
+        bad = torch.tensor([[0.0, 0.0, -0.0, 1.0]])
+        with pytest.raises(InputError, match=r"position 4 \(value 0: -0.0.*only when both addends are -0.0"):
+            remove_ape(bad, bad_ape, 4, "x")
+        assert _native_remove(bad, bad_ape, 4)[1] == (0, 0)
+
+
 def test_remove_ape_refuses_a_score_no_sum_reaches():
     ape = torch.ones(4, 2)
     rows = torch.tensor([[0.0, 0.0, 1e-30, 0.5]])  # 1e-30 is no fp32 sum s + 1

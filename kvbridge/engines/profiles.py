@@ -271,11 +271,13 @@ def sglang(spec: str = "sglang") -> EngineProfile:
     pages hold page / r entries and share the request's page table), ``idx=fp8|fp4``,
     ``draft=N`` (``num_draft_tokens``: compressor-state rings of 16 / 256 rows),
     ``state=fp32|bf16`` (``SGLANG_DSV4_COMPRESS_STATE_DTYPE``), ``online=0|1``
-    (``SGLANG_OPT_USE_ONLINE_COMPRESS``), ``e4m3=fn`` (``fnuz`` refused); ``gpu=cuda`` (``mi300`` and
-    ``mi355``, SGLang's ROCm builds, refused: ``_sglang_rocm`` says why).
+    (``SGLANG_OPT_USE_ONLINE_COMPRESS``), ``e4m3=fn`` (``fnuz`` refused), ``gpu=cuda`` (``mi300`` and
+    ``mi355``, SGLang's ROCm builds, refused: ``_sglang_rocm`` says why), ``attn=flashmla|trtllm``
+    (``--dsv4-attn-backend``; ``trtllm``: uniform 512-B FP8 rows at unit scale, layout ``trtllm-fp8``,
+    SM100 / SM103), ``unified=0|1`` (ROCm unified-KV build, refused).
     """
     _, *parts = spec.split(":")
-    opts = _Options(parts, ("swa", "idx", "draft", "state", "online", "e4m3", "gpu"), spec)
+    opts = _Options(parts, ("swa", "idx", "draft", "state", "online", "e4m3", "gpu", "attn", "unified"), spec)
     page = int(opts.pick("swa", "256", ("256", "128", "64"), "page size (DSV4PoolConfigurator forces 256; NPU 128)"))
     if page < 128:
         raise InputError(f"engine spec {spec!r}: swa={page} gives ratio-128 pages of {page / 128:g} entries; "
@@ -286,6 +288,10 @@ def sglang(spec: str = "sglang") -> EngineProfile:
     online = opts.pick("online", "0", ("0", "1"), "SGLANG_OPT_USE_ONLINE_COMPRESS") == "1"
     gpu = opts.pick("gpu", "cuda", ("cuda", *ROCM_GPUS), "GPU (ROCm: srt/utils is_hip, is_gfx95_supported)")
     _e4m3_flavour(opts, "SGLang", gpu, f"{_SG}kernels/ops/quantization/fp8_kernel.py is_fp8_fnuz (fp8 KV dtype)")
+    attn = opts.pick("attn", "flashmla", ("flashmla", "trtllm"),
+                     f"--dsv4-attn-backend ({_SG}srt/layers/attention/deepseek_v4_trtllm_backend.py)")
+    unified = opts.pick("unified", "0", ("0", "1"), "SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton (HIP)") == "1"
+    _sglang_backend(spec, attn, unified, online)
     if gpu in ROCM_GPUS:
         _sglang_rocm(spec, gpu)
     if online and draft:
@@ -294,17 +300,26 @@ def sglang(spec: str = "sglang") -> EngineProfile:
     ring4, ring128 = (16, 256) if draft else (8, 128)
     mem = _SG + "srt/mem_cache/deepseek_v4_memory_pool.py"
     swa_d = "amax-1e-4"
+    trtllm_attn = attn == "trtllm"
     kv_source = f"{_SG}kernels/jit/csrc/deepseek_v4/store.cuh FusedStoreCacheFlashMLAKernel"
+    if trtllm_attn:
+        kv_source = (f"DeepSeekV4UniformFP8KVPool (512 B rows, no page pad); SWA: {_SG}kernels/ops/attention/dsv4/"
+                     "kv_norm_rope_store.py _kv_norm_rope_fp8_store (bf16 rows stored as e4m3, saturating); "
+                     f"compressed: {_SG}srt/layers/attention/dsv4/compressor_trtllm.py forward_compress_uniform_fp8 "
+                     "-> set_key_buffer_fused (bf16 .to(float8_e4m3fn), saturating); unit scale: "
+                     "deepseek_v4_trtllm_backend.py _get_trtllm_bmm_scales")
     idx_source = (f"{_SG}kernels/jit/csrc/deepseek_v4/fused_norm_rope_v2.cuh FusedNormRopeKernel::"
                   + ("forward" if idx == "fp8" else "forward_fp4")
                   + f" (via {_SG}srt/layers/attention/dsv4/compressor_v2.py compress_norm_rope_store)")
     return EngineProfile(
         engine="sglang", version=SGLANG_VERSION,
         spec=f"sglang:swa={page}:idx={idx}" + (f":draft={draft}" if draft else "")
-        + (f":state={dtype}" if dtype != "fp32" else "") + (":online=1" if online else ""),
-        kv_layout="flashmla-model1", swa_page=page, compressed_tokens_per_page=page,
+        + (f":state={dtype}" if dtype != "fp32" else "") + (":online=1" if online else "")
+        + (":attn=trtllm" if trtllm_attn else ""),
+        kv_layout="trtllm-fp8" if trtllm_attn else "flashmla-model1", swa_page=page, compressed_tokens_per_page=page,
         indexer_fmt=idx, indexer_rule="sglang",
-        swa_dialect=swa_d, compress_dialect=swa_d, kv_scale=None, state_dtype=dtype,
+        swa_dialect="swa" if trtllm_attn else swa_d, compress_dialect="compress" if trtllm_attn else swa_d,
+        kv_scale=1.0 if trtllm_attn else None, state_dtype=dtype,
         state={4: ("page-ring", ring4, "swa"), 128: ("ring", 1 if online else ring128, "state")},
         tables={Role.SWA: "swa", Role.COMPRESS: "full", Role.INDEXER: "full"},
         sources={
@@ -319,6 +334,18 @@ def sglang(spec: str = "sglang") -> EngineProfile:
         choices=tuple(opts.choices), draft_tokens=draft, swa_send_page=True, online_c128=online,
         score_has_ape=False,
     )
+
+
+def _sglang_backend(spec: str, attn: str, unified: bool, online: bool) -> None:
+    """Refuse the SGLang attention backends kvbridge does not model, and trtllm where SGLang does not run it."""
+    if unified:
+        raise InputError(f"engine spec {spec!r}: SGLang's ROCm unified-KV build (SGLANG_HACK_FLASHMLA_BACKEND="
+                         f"unified_kv_triton, {_SG}srt/layers/attention/dsv4/unified_kv_gate.py) keeps request-scoped "
+                         f"ratio-4 compressor state ({_SG}srt/layers/attention/dsv4/compressor_v2.py use_req_ring) and "
+                         "whole-latent rows, which kvbridge does not model; run SGLang without it")
+    if attn == "trtllm" and online:
+        raise InputError(f"engine spec {spec!r}: --dsv4-attn-backend trtllm does not support "
+                         "SGLANG_OPT_USE_ONLINE_COMPRESS (deepseek_v4_trtllm_backend.py)")
 
 
 def _sglang_rocm(spec: str, gpu: str) -> None:
@@ -337,8 +364,10 @@ def _sglang_rocm(spec: str, gpu: str) -> None:
 _VL = "vllm/"
 _VLLM_KV = {
     # kv option -> (layout, SWA dialect, COMPRESS dialect, page alignment, GPU families that run it).
-    # FlashInfer's per-tensor FP8 compressed rows are e4m3(clamp(bf16(x) * (1 / 1.0))) (its cutedsl
-    # compressor): the ``swa`` dialect at scale 1. Its SWA rows come from a compiled op whose source
+    # ``flashinfer`` is FLASHINFER_MLA_SPARSE_DSV4, the TRTLLM-gen sparse MLA backend (models/deepseek_v4/
+    # nvidia/flashinfer_sparse.py DeepseekV4FlashInferMLAAttention). FlashInfer's per-tensor FP8
+    # compressed rows are e4m3(clamp(bf16(x) * (1 / 1.0))) (its cutedsl compressor): the ``swa``
+    # dialect at scale 1. Its SWA rows come from a compiled op whose source
     # is not in the wheel; kvbridge assumes the same rule there.
     "fp8_ds_mla": ("flashmla-model1", "amax-1e-4", "amax-1e-4", 576, ("sm90", "sm100", "sm120", "mi300", "mi355")),
     "flashinfer": ("trtllm-fp8", "swa", "swa", 512, ("sm100", "sm120")),
@@ -352,8 +381,9 @@ def vllm(spec: str = "vllm") -> EngineProfile:
     Options: ``block=256`` (``--block-size``, a multiple of 64: compressed blocks hold
     block / r entries), ``idx=fp8|fp4``, ``gpu=sm90|sm100|sm120``,
     ``kv=fp8_ds_mla|flashinfer|flashinfer-bf16|v41`` (``flashinfer``: 512-B per-tensor FP8 rows of
-    ``FLASHINFER_MLA_SPARSE_DSV4`` on SM10x / SM120, ``flashinfer-bf16`` its bf16 rows on SM10x;
-    ``v41`` refused), ``draft=N`` (recorded; no storage change was found for it), ``gpu=mi300|mi355``
+    ``FLASHINFER_MLA_SPARSE_DSV4``, the TRTLLM-gen backend, on SM10x / SM120, ``flashinfer-bf16`` its
+    bf16 rows on SM10x; ``v41`` refused: DeepSeek-V4.1's compressor ratios 1 / 2), ``draft=N``
+    (recorded; no storage change was found for it), ``gpu=mi300|mi355``
     (ROCm: gfx942 keeps the SWA cache in ``model1-fnuz``, dialect ``amax-1e-4/224``, and the compressed
     cache in OCP ``flashmla-model1``; gfx950 is OCP throughout), ``e4m3=fn|fnuz`` (``fnuz`` on mi300 only).
     SWA blocks of 64 tokens; compressor state fp32 in
@@ -373,8 +403,11 @@ def vllm(spec: str = "vllm") -> EngineProfile:
     fnuz = _e4m3_flavour(opts, "vLLM", gpu, f"{_VL}models/deepseek_v4/common/ops/cache_utils.py "
                          "quantize_and_insert_k_cache(use_fnuz=current_platform.is_fp8_fnuz())") == "fnuz"
     if kv == "v41":
-        raise InputError(f"engine spec {spec!r}: vLLM's DeepSeek-V4.1 528-B MXFP8 records are not supported by "
-                         "kvbridge yet")
+        raise InputError(f"engine spec {spec!r}: vLLM's DeepSeek-V4.1 528-B MXFP8 rows (DeepseekV41ForCausalLM, "
+                         "SM100: layout v41-fp8-interleaved, dialect amax-1e-4; kvbridge convert reads them) belong "
+                         f"to a model whose compressed layers have ratios 1 and 2 ({_VL}models/deepseek_v41/"
+                         "compressor.py), outside kvbridge's DeepSeek-V4 topologies (ratios 4 and 128), so there is "
+                         "no migration profile")
     layout, swa_d, comp_d, align, gpus = _VLLM_KV[kv]
     if gpu not in gpus:
         raise InputError(f"engine spec {spec!r}: vLLM runs kv={kv} on {', '.join(gpus)} only, not {gpu}")
@@ -393,6 +426,8 @@ def vllm(spec: str = "vllm") -> EngineProfile:
         tables={Role.SWA: "swa", Role.COMPRESS: "compress", Role.INDEXER: "compress"},
         sources={
             "kv": f"{_VL}models/deepseek_v4/attention.py (MLAAttentionSpec, alignment 576 / 512)"
+                  + (f"; TRTLLM-gen: {_VL}models/deepseek_v4/nvidia/flashinfer_sparse.py "
+                     "DeepseekV4FlashInferMLAAttention" if kv.startswith("flashinfer") else "")
                   + (f"; gfx942 SWA FNUZ, compressed OCP: {_VL}models/deepseek_v4/amd/rocm.py "
                      "dequantize_and_gather_k_cache(use_fnuz=...) and common/ops/cache_utils.py "
                      "quantize_and_insert_k_cache (fp8_max 224)" if fnuz else ""),

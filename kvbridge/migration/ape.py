@@ -15,12 +15,23 @@ TensorRT-LLM store ``fp32(score + ape[p % r])`` (one IEEE fp32 add, then the sta
   are bf16, the output of its GEMM; the only bf16 value of the preimage is that raw score), else
   ``fp32(t - a)`` moved to the nearest preimage element. Where the preimage holds several
   candidates, ``s'`` may differ from the raw score the source computed. A ``t`` that no fp32
-  sum reaches (not written by an APE add with these weights) is refused.
+  sum reaches (not written by an APE add with these weights) is refused. Sums compare bit for bit:
+  a stored -0.0 comes back as -0.0 (the only fp32 ``s'`` with ``fp32(s' + a) == -0.0``, which
+  needs ``a == -0.0``; any other APE value refuses it, since IEEE addition gives +0.0 there).
+
+Only the checkpoint's APE tensors are valid input. SGLang rearranges the ratio-4 APE in memory
+when it loads it (``srt/layers/attention/dsv4/compressor.py`` ``Compressor._apply_ape_hotfix``,
+not on NPU): the ``[4, 2 * dim]`` tensor's two column halves ``A0 | A1`` become the rows of
+``cat(A0, A1)`` ``[8, dim]``, read back as ``[4, 2 * dim]`` (row i = blocks 2i, 2i + 1), a
+permutation of the same values under the same name and shape. It cannot be told from the
+checkpoint's tensor by shape, dtype or content, so kvbridge cannot refuse it; with it the
+scores come out wrong (or, removing APE, unreachable and refused).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -187,24 +198,37 @@ def _next(x: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.nextafter(x, torch.full_like(x, float("inf") if up else float("-inf")))
 
 
+#: int32 bits of fp32 -0.0.
+_NEG_ZERO_BITS = -(2**31)
+
+
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Element-wise bit equality of fp32 tensors (-0.0 differs from +0.0)."""
+    return x.contiguous().view(torch.int32) == y.contiguous().view(torch.int32)
+
+
 def _prefer_bf16(s: torch.Tensor, a: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """A bf16 value of the preimage where there is one (the two bf16 neighbours of ``s``), else ``s``."""
     bits = s.view(torch.int32)
     low = (bits & -65536).view(torch.float32)  # bf16 truncation toward zero
     high = (((bits & -65536) + 65536) & -1).view(torch.float32)  # next bf16 away from zero
     finite = torch.isfinite(s) & torch.isfinite(high)
-    return torch.where(finite & ((low + a) == t), low, torch.where(finite & ((high + a) == t), high, s))
+    return torch.where(finite & _same_bits(low + a, t), low, torch.where(finite & _same_bits(high + a, t), high, s))
 
 
 def unreachable_score(where: str, position: int, col: int, stored: float, ape: float, bf16: bool) -> InputError:
     """The refusal of a stored score + APE ``stored`` that no fp32 score ``s'`` gives as ``fp32(s' + ape)``
     (``bf16``: the source stores its state as bf16)."""
-    if bf16 and abs(stored) < abs(ape) * 2.0**-16:  # a bf16 sum finer than the fp32 sums' grid near -ape
+    if stored == 0 and math.copysign(1.0, stored) < 0 and not bf16:
+        why = ("an fp32 sum is -0.0 only when both addends are -0.0 (IEEE round-to-nearest gives +0.0 otherwise), "
+               "so this APE value cannot have been added: was the state written with these APE weights?")
+    elif bf16 and abs(stored) < abs(ape) * 2.0**-16:  # a bf16 sum finer than the fp32 sums' grid near -ape
         why = ("the source's bf16 state rounded score + APE where the score nearly cancels the APE (|sum| < "
                "2^-16 |APE|), which no fp32 score reproduces: run the source with fp32 compressor state "
                "(TensorRT-LLM's default, state=fp32)")
     else:
-        why = "was the state written with these APE weights?"
+        why = ("was the state written with these APE weights? Pass the checkpoint's tensors, not SGLang's "
+               "in-memory ones (Compressor._apply_ape_hotfix rearranges the ratio-4 APE)")
     return InputError(f"{where}: the compressor score + APE of position {position} (value {col}: {stored!r}, APE "
                       f"{ape!r}) is no fp32 sum of a score and the APE, so SGLang's raw score cannot reproduce it; "
                       + why)
@@ -220,13 +244,15 @@ def remove_ape(values: torch.Tensor, ape: torch.Tensor, first: int, where: str, 
         raise nan_score(where, first + int(torch.isnan(t).any(dim=1).nonzero()[0]))
     s = t - a
     s = torch.where(torch.isinf(t), t, s)  # cleared rows (-inf) stay cleared
+    # -0.0 is an fp32 sum only of -0.0 + -0.0: its one candidate is -0.0 (t - a would give +0.0)
+    s = torch.where(t.contiguous().view(torch.int32) == _NEG_ZERO_BITS, t, s)
     for _ in range(4):  # fp32(t - a) is within a few ulps of the preimage
         low = (s + a) < t
         high = (s + a) > t
         if not bool((low | high).any()):
             break
         s = torch.where(low, _next(s, True), torch.where(high, _next(s, False), s))
-    bad = (s + a) != t
+    bad = ~_same_bits(s + a, t)  # bit for bit: a +0.0 sum does not stand for a stored -0.0
     if not bool(bad.any()):
         s = _prefer_bf16(s, a, t)
     else:

@@ -11,7 +11,8 @@ change lost, with the arithmetic of the torch rules it replaces, bit for bit:
 - APE added: one fp32 add (``migration.ape.add_ape``);
 - APE removed (``migration.ape.remove_ape``): ``s = fp32(t - a)`` (``t`` kept where infinite),
   up to four one-ulp steps toward ``fp32(s + a) == t``, then the bf16 truncation of ``s`` or the
-  next bf16 value away from zero where that one also sums to ``t``;
+  next bf16 value away from zero where that one also sums to ``t``; sums compare bit for bit
+  (a stored -0.0 keeps its sign: its one candidate is -0.0);
 - loss (``migration.rows.state_error``): max ``|fp32(back - v)|`` over finite values ``v``; a
   non-finite ``v`` whose written value differs (NaN always does) is reported.
 
@@ -29,6 +30,7 @@ from numba import njit
 
 _TOP = np.uint32(0xFFFF0000)
 _BF16_ULP = np.uint32(0x10000)
+_NEG_ZERO = np.uint32(0x80000000)
 
 
 @njit(cache=True, inline="always")
@@ -55,7 +57,10 @@ def _step(s, up):
 @njit(cache=True, inline="always")
 def _preimage(t, a):
     """(s', reached): the raw score kvbridge writes for stored score ``t`` and APE ``a`` (module docstring)."""
-    s = t if np.isinf(t) else np.float32(t - a)
+    if _bits(t) == _NEG_ZERO:  # -0.0 is an fp32 sum only of -0.0 + -0.0 (t - a would give +0.0)
+        s = t
+    else:
+        s = t if np.isinf(t) else np.float32(t - a)
     for _ in range(4):
         y = np.float32(s + a)
         if y < t:
@@ -64,14 +69,14 @@ def _preimage(t, a):
             s = _step(s, False)
         else:
             break
-    if np.float32(s + a) != t:
+    if _bits(np.float32(s + a)) != _bits(t):  # bit for bit: a +0.0 sum does not stand for a stored -0.0
         return s, False
     low = _bits(s) & _TOP
     lo, hi = _f32(low), _f32(low + _BF16_ULP)
     if np.isfinite(s) and np.isfinite(hi):
-        if np.float32(lo + a) == t:
+        if _bits(np.float32(lo + a)) == _bits(t):
             return lo, True
-        if np.float32(hi + a) == t:
+        if _bits(np.float32(hi + a)) == _bits(t):
             return hi, True
     return s, True
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import struct
 from dataclasses import dataclass
 from functools import partial
 
@@ -53,7 +54,7 @@ from kvbridge.errors import LayoutError
 from kvbridge.layouts import Layout
 from kvbridge.layouts.codec import HEAD_DIM, tensor_multiplier, ue8m0_dialect
 from kvbridge.layouts.registry import OP_BF16, OP_ZERO
-from kvbridge.numerics import DIALECT_MIN_EXPONENT, FNUZ_DIALECT_RULES
+from kvbridge.numerics import DIALECT_MIN_EXPONENT, FNUZ_DIALECT_RULES, NVFP4_RCP6_BITS
 
 #: True when the kernels below were decorated under ``TRITON_INTERPRET=1`` (CPU tensors then work).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -68,6 +69,8 @@ KEY_KERNELS = STATE_KERNELS = False
 #: the slot is out of range.
 _FLAG_NONFINITE = tl.constexpr(FLAG_NONFINITE)  # the same values as kernel-visible globals
 _FLAG_OUT_OF_RANGE = tl.constexpr(FLAG_OUT_OF_RANGE)
+#: fp32(1/6), the NVFP4 writer's amax multiplier (``numerics.NVFP4_RCP6_BITS``), exact as a Python float.
+_NVFP4_RCP6 = tl.constexpr(struct.unpack("<f", struct.pack("<I", NVFP4_RCP6_BITS))[0])
 
 #: Launch shape (tuning knobs; ``scripts/gpu_check.py`` times alternatives): tokens per program and warps.
 #: 8 tokens on 8 warps keeps each thread at 16 values (sm_90, TensorRT-LLM FP8 -> MODEL1: about 100 registers,
@@ -174,7 +177,7 @@ def _decode_field(x, d, src, src16, data, foot, valid, scale, HW_FP8: tl.constex
         s_at = _field_at(data, foot, SOFF, S)
         sb = tl.load(src + s_at + j // TILE, mask=m, other=127).to(tl.int32)
         v = _e4m3fnuz_decode(tl.load(src + at + j, mask=m, other=0).to(tl.int32)) * _ue8m0_decode(sb)
-    elif OP == 3:  # E2M1 pairs with E4M3 scales
+    elif OP == 3 or OP == 6:  # E2M1 pairs with E4M3 scales (V4.1 fp4 and NVFP4 alike)
         s_at = _field_at(data, foot, SOFF, S)
         sb = tl.load(src + s_at + j // TILE, mask=m, other=0x38).to(tl.int32)
         byte = tl.load(src + at + j // 2, mask=m, other=0).to(tl.int32)
@@ -190,6 +193,12 @@ def _tile_amax(x, seg, BLOCK_T: tl.constexpr, TILE: tl.constexpr):
     t = tl.max(tl.reshape(tl.where(seg, tl.abs(x), 0.0), [BLOCK_T, 512 // TILE, TILE]), axis=2)
     wide = tl.reshape(tl.broadcast_to(t[:, :, None], [BLOCK_T, 512 // TILE, TILE]), [BLOCK_T, 512])
     return wide, t
+
+
+@triton.jit
+def _tile_any(flag, BLOCK_T: tl.constexpr, TILE: tl.constexpr):
+    """Per tile ``[T, 512 / TILE]``: whether any of its ``flag`` ``[T, 512]`` is set."""
+    return tl.max(tl.reshape(flag.to(tl.int32), [BLOCK_T, 512 // TILE, TILE]), axis=2) > 0
 
 
 @triton.jit
@@ -222,6 +231,20 @@ def _encode_field(x, d, dst, dst16, data, foot, row, valid, mult, min_exp, HW_FP
             inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # exact 2^-k
             tl.store(dst + at + j, _e4m3fnuz_bits_from_f32(x * inv).to(tl.uint8), mask=m)
             sb = tl.where(valid, _fnuz_exponent(tile_amax, min_exp) + 127, 0)
+        elif OP == 6:  # NVFP4: scale e4m3(amax * fp32(1/6)), codes of x * fp32(1/scale); NaN/Inf poisons a tile
+            poison = _tile_any(((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000) & seg, BLOCK_T, TILE)
+            q = tl.minimum(tile_amax * _NVFP4_RCP6, 448.0)
+            sb = tl.where(poison, 0x7F, _e4m3_encode(tl.where(poison, 0.0, q), HW_FP8))
+            sv = tl.reshape(tl.broadcast_to(_e4m3_decode(sb, HW_FP8)[:, :, None], [BLOCK_T, 512 // TILE, TILE]),
+                            [BLOCK_T, 512])
+            codes = _e2m1_code(tl.where(x == 0.0, x, x * tl.math.div_rn(tl.full(sv.shape, 1.0, tl.float32), sv)))
+            wide_poison = tl.reshape(tl.broadcast_to(poison[:, :, None], [BLOCK_T, 512 // TILE, TILE]), [BLOCK_T, 512])
+            codes = tl.where(wide_poison, 0, codes)
+            lo, hi = tl.split(tl.reshape(codes, [BLOCK_T, 256, 2]))
+            pair = tl.arange(0, 256)[None, :]
+            p_seg = (2 * pair >= D0) & (2 * pair < D0 + ND)
+            tl.store(dst + at + pair - D0 // 2, (lo | (hi << 4)).to(tl.uint8), mask=row & p_seg)
+            sb = tl.where(valid, sb, 0)
         else:  # E2M1 pairs with E4M3 scales e4m3(clamp(amax / 6, 2^-9, 448)), codes of x / scale
             q = tl.minimum(tl.maximum(tl.math.div_rn(tile_amax, 6.0), 0.001953125), 448.0)
             sb = _e4m3_encode(q, HW_FP8)

@@ -9,7 +9,8 @@ Two layouts nobody ships, built only from existing element formats and scale rul
 - ``test-fp4-nope-bf16-rope``: E2M1 nope in tiles of 32 with E4M3 scales, bf16 rope, block-split
   at byte 352, pages padded to 256 B.
 
-The registered ``flashinfer-nvfp4`` record (its own NVFP4 scale rule) runs through the same tests.
+The registered experimental FP4 records ``flashinfer-nvfp4`` and ``sglang-mxfp4`` (each with a scale
+rule of its own) run through the same tests.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ FP4_BF16 = Layout(
     page_align=256,
 )
 #: The registered experimental FP4 records go through the same checks (they add an op of their own).
-NEW = (TILE16, FP4_BF16, get_layout("flashinfer-nvfp4"))
+NEW = (TILE16, FP4_BF16, get_layout("flashinfer-nvfp4"), get_layout("sglang-mxfp4"))
 ids = lambda v: getattr(v, "name", str(v))  # noqa: E731
 
 

@@ -18,6 +18,7 @@ from kvbridge.layouts.registry import (
     OP_BF16,
     OP_E2M1_E4M3,
     OP_E2M1_NVFP4,
+    OP_E2M1_UE8M0,
     OP_E4M3_TENSOR,
     OP_E4M3_UE8M0,
     OP_E4M3FNUZ_UE8M0,
@@ -72,7 +73,8 @@ class RecordCodec:
     (``numerics.scale_exponent``) and value bytes ``e4m3(x / 2^k)`` (exact division); FNUZ tiles
     likewise with ``numerics.fnuz_scale_exponent`` and ``e4m3fnuz``;
     E4M3-scaled E2M1 tiles get ``numerics.fp4_tile_scale`` and codes of ``x / scale``; NVFP4 tiles
-    ``numerics.nvfp4_tile_scale`` and codes of ``x * fp32(1 / scale)`` (``nvfp4_encode_tiles``).
+    ``numerics.nvfp4_tile_scale`` and codes of ``x * fp32(1 / scale)`` (``nvfp4_encode_tiles``);
+    UE8M0-scaled E2M1 (MXFP4) tiles ``numerics.mxfp4_scale_byte`` and codes of ``x / 2^k``.
     Pad bytes are 0.
     """
 
@@ -108,6 +110,11 @@ class RecordCodec:
                 codes = (nx.nvfp4_encode_tiles if nv else nx.fp4_encode_tiles)(tiles, scale_bytes).reshape(n, nd)
                 rec[:, off : off + nd // 2] = nx.e2m1_pack(codes)
                 rec[:, soff : soff + nd // tile] = scale_bytes
+            elif op == OP_E2M1_UE8M0:
+                tiles = v.reshape(n, nd // tile, tile)
+                scale_bytes = nx.mxfp4_scale_byte(tiles.abs().amax(dim=-1))
+                rec[:, off : off + nd // 2] = nx.e2m1_pack(nx.mxfp4_encode_tiles(tiles, scale_bytes).reshape(n, nd))
+                rec[:, soff : soff + nd // tile] = scale_bytes
         return rec
 
     def decode(self, records: torch.Tensor, *, scale: float) -> torch.Tensor:
@@ -125,8 +132,13 @@ class RecordCodec:
                 exp = records[:, soff : soff + nd // tile].to(torch.int64) - 127
                 tile_scale = torch.where(exp == 128, torch.nan, nx.pow2(exp))  # UE8M0 0xFF is NaN
                 out[:, d0 : d0 + nd] = (values * tile_scale.unsqueeze(-1)).reshape(n, nd)
-            elif op in (OP_E2M1_E4M3, OP_E2M1_NVFP4):
+            elif op in (OP_E2M1_E4M3, OP_E2M1_NVFP4, OP_E2M1_UE8M0):
                 values = nx.e2m1_decode(nx.e2m1_unpack(records[:, off : off + nd // 2])).reshape(n, nd // tile, tile)
-                tile_scale = nx.e4m3_decode(records[:, soff : soff + nd // tile])
+                scale_bytes = records[:, soff : soff + nd // tile]
+                if op == OP_E2M1_UE8M0:
+                    exp = scale_bytes.to(torch.int64) - 127
+                    tile_scale = torch.where(exp == 128, torch.nan, nx.pow2(exp.clamp(max=127)))
+                else:
+                    tile_scale = nx.e4m3_decode(scale_bytes)
                 out[:, d0 : d0 + nd] = (values * tile_scale.unsqueeze(-1)).reshape(n, nd)
         return out

@@ -33,6 +33,7 @@ from kvbridge.layouts.formats import (  # the ops are defined beside the format 
     OP_BF16,  # noqa: F401
     OP_E2M1_E4M3,  # noqa: F401
     OP_E2M1_NVFP4,  # noqa: F401
+    OP_E2M1_UE8M0,  # noqa: F401
     OP_E4M3_TENSOR,  # noqa: F401
     OP_E4M3_UE8M0,  # noqa: F401
     OP_E4M3FNUZ_UE8M0,  # noqa: F401

@@ -1,6 +1,7 @@
-"""The NVFP4 record ``flashinfer-nvfp4`` (FlashInfer's DeepSeek-V4 sparse-MLA cache, 384 B/token):
-its scale rule at the edges FlashInfer's own tests pin, the tiles below the E4M3 range, poisoned
-tiles, and its listing apart as an experimental layout.
+"""The FP4 main-cache records ``flashinfer-nvfp4`` (FlashInfer's DeepSeek-V4 NVFP4 sparse-MLA cache,
+384 B/token) and ``sglang-mxfp4`` (SGLang's DeepSeek-V4 MXFP4 cache, 368 B/token): their scale
+rules at the edges the writers' own tests pin, tiles below the scale range, poisoned tiles, and
+their listing apart as experimental layouts.
 
 Byte-exactness on every backend, transcodes and slot operations run in ``test_new_layout.py``; the
 derived fixture in ``test_layout_fixtures.py``.
@@ -20,6 +21,7 @@ from kvbridge.layouts import all_layouts, get_layout
 from kvbridge.layouts.codec import record_codec
 
 LAYOUT = get_layout("flashinfer-nvfp4")
+MXFP4 = get_layout("sglang-mxfp4")
 
 
 def _record(x: torch.Tensor) -> torch.Tensor:
@@ -75,9 +77,34 @@ def test_layouts_lists_experimental_layouts_apart():
     out = CliRunner().invoke(cli, ["layouts"], env={"COLUMNS": "80"})
     assert out.exit_code == 0, out.output
     shipped, _, rest = out.output.partition("experimental layouts")
-    assert "flashinfer-nvfp4" not in shipped and "flashinfer-nvfp4" in rest and "#4955" in rest
+    for name, pr in (("flashinfer-nvfp4", "#4955"), ("sglang-mxfp4", "#37136")):
+        assert name not in shipped and name in rest and pr in rest
     records = json.loads(CliRunner().invoke(cli, ["layouts", "--json"]).output)
     marked = {r["name"]: r["experimental"] for r in records}
-    assert "SGLang #38646" in marked["flashinfer-nvfp4"]
+    assert "SGLang #38646" in marked["flashinfer-nvfp4"] and "#37138" in marked["sglang-mxfp4"]
     assert {n for n, e in marked.items() if e} == {lay.name for lay in all_layouts() if lay.experimental}
     assert marked["flashmla-model1"] is None
+
+
+def test_mxfp4_scale_byte_rounds_log2_to_nearest():
+    """byte = round(log2(amax / 6)) + 127: the boundary 6 * 2^(k + 1/2) lies between bf16 neighbours."""
+    amax = torch.tensor([6.0, 8.4375, 8.5, 3.0, 4.2, 0.0, 1e-39, 2.0**-124, 3.0e38, float("inf"), float("nan")])
+    assert nx.mxfp4_scale_byte(amax).tolist() == [127, 127, 128, 126, 126, 0, 0, 0, 252, 0xFF, 0xFF]
+    exact = torch.log2(amax[:5].double() / 6).round() + 127
+    assert nx.mxfp4_scale_byte(amax[:5]).double().tolist() == exact.tolist()
+
+
+def test_mxfp4_codes_saturate_above_six_times_the_scale():
+    """Rounding the scale to nearest lets a tile's maximum reach about 8.5 times it: those codes saturate."""
+    x = torch.zeros(1, 512)
+    x[0, :4] = torch.tensor([8.4375, -7.0, 6.0, -0.0])  # amax 8.4375 -> scale 1
+    rec = record_codec(MXFP4).encode(x, dialect=None, scale=1.0)[0]
+    assert rec[224] == 127 and rec[:2].tolist() == [0xF7, 0x87] and not rec[238:240].any()
+    assert kb.decode(MXFP4.records_to_pages(rec[None], 1), MXFP4, page_size=1)[0, :4].tolist() == [6.0, -6.0, 6.0, -0.0]
+
+
+def test_mxfp4_nonfinite_tile_is_poisoned():
+    x = torch.ones(1, 1, 32)
+    x[0, 0, 5] = float("inf")
+    sb = nx.mxfp4_scale_byte(x.abs().amax(-1))
+    assert sb.tolist() == [[0xFF]] and not nx.mxfp4_encode_tiles(x, sb).any()

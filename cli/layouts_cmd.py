@@ -35,6 +35,7 @@ def layout_record(lay: Layout) -> dict:
         "dialects": list(lay.dialects),
         "per_tensor_scale": lay.per_tensor_scale,
         "source": lay.source,
+        "experimental": lay.experimental or None,
     }
 
 
@@ -46,18 +47,10 @@ def fields_text(record: dict) -> str:
     )
 
 
-@click.command("layouts", short_help="List the KV layouts: bytes per token, pages, fields, dialects.")
-@json_option
-def command(as_json: bool) -> None:
-    """List every registered KV layout: bytes per token, page rule, fields, dialects."""
-    from kvbridge.layouts import all_layouts
-
-    records = [layout_record(lay) for lay in all_layouts()]
-    if as_json:
-        print_json(records)
-        return
+def layouts_table(title: str, records: list[dict]) -> Table:
+    """One row per layout: name and aliases, bytes per token, example page bytes, placement, dialects."""
     sizes = "/".join(map(str, EXAMPLE_PAGE_SIZES))
-    table = Table(title="kvbridge layouts", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("layout (aliases)")
     table.add_column("B/tok", justify="right")
     table.add_column(f"page bytes P={sizes}", min_width=17)
@@ -73,7 +66,33 @@ def command(as_json: bool) -> None:
             ("\n".join(r["dialects"]) or "-") + ("\n[dim](per-tensor scale)[/dim]" if r["per_tensor_scale"] else ""),
             end_section=True,
         )
-    console.print(table)
+    return table
+
+
+@click.command("layouts", short_help="List the KV layouts: bytes per token, pages, fields, dialects.")
+@json_option
+def command(as_json: bool) -> None:
+    """List every registered KV layout: bytes per token, page rule, fields, dialects.
+
+    Experimental layouts (written only by open pull requests or unreleased kernels, no engine
+    release yet) are listed apart, each with where it comes from."""
+    from kvbridge.layouts import all_layouts
+
+    records = [layout_record(lay) for lay in all_layouts()]
+    if as_json:
+        print_json(records)
+        return
+    shipped = [r for r in records if not r["experimental"]]
+    experimental = [r for r in records if r["experimental"]]
+    console.print(layouts_table("kvbridge layouts", shipped))
+    if experimental:
+        console.print(layouts_table("experimental layouts (no engine release writes them yet)", experimental))
+        origin = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        origin.add_column("experimental layout", no_wrap=True)
+        origin.add_column("from", overflow="fold")
+        for r in experimental:
+            origin.add_row(r["name"], r["experimental"])
+        console.print(origin)
     fields = Table(title="token record fields (format @byte offset+bytes)", box=box.SIMPLE_HEAD, pad_edge=False)
     fields.add_column("layout", no_wrap=True)
     fields.add_column("fields", overflow="fold")

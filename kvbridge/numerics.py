@@ -335,6 +335,64 @@ def fp4_encode_tiles(x: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor
     return e2m1_encode(x / scale)
 
 
+#: fp32 bits of RN(1/6) (0x3E2AAAAB): the NVFP4 writer's amax multiplier (it multiplies by a reciprocal of 6).
+NVFP4_RCP6_BITS = 0x3E2AAAAB
+
+
+def nvfp4_tile_scale(amax: torch.Tensor) -> torch.Tensor:
+    """E4M3 scale byte of an NVFP4 tile of absolute maximum ``amax`` (fp32), global scale 1:
+    ``e4m3_rne(amax * fp32(1/6))`` (an fp32 product, then saturation at 448), with no lower clamp,
+    so a tile whose amax * fp32(1/6) rounds below 2^-10 gets scale 0 (an all-zero tile too).
+    A non-finite amax gives the NaN byte 0x7F, which poisons the tile on decode.
+    """
+    rcp6 = torch.tensor(NVFP4_RCP6_BITS, dtype=torch.int32).view(torch.float32).to(amax.device)
+    code = e4m3_encode(torch.nan_to_num(amax * rcp6, nan=0.0))
+    bad = (f32_bits(amax) & 0x7FFFFFFF) >= _F32_INF_BITS
+    return torch.where(bad, torch.full_like(code, E4M3_NAN), code)
+
+
+def nvfp4_encode_tiles(x: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of fp32 tiles ``x`` ``[..., tiles, tile]`` with NVFP4 scale bytes ``[..., tiles]``:
+    ``e2m1_rne(x * fp32(1/scale))`` (a multiply by the rounded scale's fp32 reciprocal, which can land
+    on the other side of an E2M1 tie than a division); a zero element keeps its signed zero code, a
+    nonzero one in a scale-0 tile saturates to +-6 (its reciprocal is +Inf), and a poisoned tile
+    (scale 0x7F) gets code 0 everywhere."""
+    scale = e4m3_decode(scale_bytes).unsqueeze(-1)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    y = torch.where(x == 0, x, x * (one / scale))
+    codes = e2m1_encode(y)
+    return torch.where((scale_bytes == E4M3_NAN).unsqueeze(-1), torch.zeros_like(codes), codes)
+
+
+#: UE8M0's NaN byte (an MXFP4 tile holding NaN or Inf gets it).
+UE8M0_NAN = 0xFF
+#: An fp32 mantissa m in [1, 2) (24-bit integer M = m * 2^23) rounds log2(m / 6) up when m^2 >= 1.125,
+#: i.e. M^2 >= 9 * 2^43 (the boundary m = 6 * 2^-2.5 is irrational, so no fp32 amax lies on it).
+MXFP4_ROUND_UP_SQUARE = 9 << 43
+
+
+def mxfp4_scale_byte(amax: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scale byte of an MXFP4 tile of absolute maximum ``amax`` (fp32): ``round(log2(amax / 6))
+    + 127`` clamped to [0, 255] (SGLang's DSV4 MXFP4 writer), computed exactly from amax's bits:
+    amax = M * 2^(E - 150) gives E - 3, plus 1 when M^2 >= 9 * 2^43. Zero and subnormal amax give
+    byte 0; a non-finite amax (the tile holds NaN or Inf) gives 0xFF (NaN, poisoning the tile)."""
+    bits = f32_bits(amax) & 0x7FFFFFFF
+    exp = bits >> 23
+    mant = (bits & 0x7FFFFF) | 0x800000
+    byte = (exp - 3 + (mant * mant >= MXFP4_ROUND_UP_SQUARE).to(torch.int64)).clamp(0, 255)
+    byte = torch.where(exp == 0, torch.zeros_like(byte), byte)
+    return torch.where(bits >= _F32_INF_BITS, torch.full_like(byte, UE8M0_NAN), byte).to(torch.uint8)
+
+
+def mxfp4_encode_tiles(x: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of fp32 tiles ``x`` ``[..., tiles, tile]`` with UE8M0 scale bytes ``[..., tiles]``:
+    ``e2m1_rne(x / 2^(byte - 127))`` (exact: a power of two), saturating at +-6, sign kept; a
+    poisoned tile (0xFF) gets code 0 everywhere."""
+    exp = scale_bytes.to(torch.int64) - 127
+    codes = e2m1_encode(x * pow2(-exp.clamp(max=127)).unsqueeze(-1))
+    return torch.where((scale_bytes == UE8M0_NAN).unsqueeze(-1), torch.zeros_like(codes), codes)
+
+
 def ceil_log2(x: torch.Tensor) -> torch.Tensor:
     """Exact ceil(log2(x)) of positive finite fp32 ``x`` as int64, from its bits (subnormals included)."""
     bits = f32_bits(x) & 0x7FFFFFFF

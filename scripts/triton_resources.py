@@ -51,7 +51,13 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from kvbridge.backends import triton_kernels as tk  # noqa: E402
 from kvbridge.layouts import Layout, all_layouts, get_layout  # noqa: E402
-from kvbridge.layouts.registry import OP_BF16, OP_E2M1_E4M3, OP_E4M3_TENSOR, OP_E4M3_UE8M0  # noqa: E402
+from kvbridge.layouts.registry import (  # noqa: E402
+    OP_BF16,
+    OP_E2M1_E4M3,
+    OP_E2M1_NVFP4,
+    OP_E4M3_TENSOR,
+    OP_E4M3_UE8M0,
+)
 
 #: Page size of every specialisation (alignment 16 for every registered layout at this size).
 PAGE_SIZE = 64
@@ -62,7 +68,7 @@ SCRATCH_LAYOUTS = ("flashmla-model1", "v41-fp8-interleaved")
 #: 32-bit registers, shared memory bytes; plus the 1 KiB the runtime reserves per block.
 SM_LIMITS = {90: (32, 64, 65536, 233472), 100: (32, 64, 65536, 233472), 120: (32, 48, 65536, 102400)}
 RESERVED_SMEM = 1024
-E4M3_OPS = (OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_E2M1_E4M3)  # fields whose values or scales are E4M3 bytes
+E4M3_OPS = (OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_E2M1_E4M3, OP_E2M1_NVFP4)  # fields whose values or scales are E4M3 bytes
 VECTOR_OPS = (OP_BF16, OP_E4M3_TENSOR, OP_E4M3_UE8M0)  # fields read / written as whole rows of bytes
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 

@@ -8,6 +8,9 @@ Two layouts nobody ships, built only from existing element formats and scale rul
   token-major, pages padded to 64 B;
 - ``test-fp4-nope-bf16-rope``: E2M1 nope in tiles of 32 with E4M3 scales, bf16 rope, block-split
   at byte 352, pages padded to 256 B.
+
+The registered experimental FP4 records ``flashinfer-nvfp4`` and ``sglang-mxfp4`` (each with a scale
+rule of its own) run through the same tests.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ FP4_BF16 = Layout(
     split=352,
     page_align=256,
 )
-NEW = (TILE16, FP4_BF16)
+#: The registered experimental FP4 records go through the same checks (they add an op of their own).
+NEW = (TILE16, FP4_BF16, get_layout("flashinfer-nvfp4"), get_layout("sglang-mxfp4"))
 ids = lambda v: getattr(v, "name", str(v))  # noqa: E731
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import struct
 from dataclasses import dataclass
 from functools import partial
 
@@ -52,7 +53,7 @@ from kvbridge.errors import LayoutError
 from kvbridge.layouts import Layout
 from kvbridge.layouts.codec import HEAD_DIM, tensor_multiplier, ue8m0_dialect
 from kvbridge.layouts.registry import OP_BF16, OP_ZERO
-from kvbridge.numerics import DIALECT_MIN_EXPONENT, FNUZ_DIALECT_RULES
+from kvbridge.numerics import DIALECT_MIN_EXPONENT, FNUZ_DIALECT_RULES, MXFP4_ROUND_UP_SQUARE, NVFP4_RCP6_BITS
 
 #: True when the kernels below were decorated under ``TRITON_INTERPRET=1`` (CPU tensors then work).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -67,6 +68,10 @@ KEY_KERNELS = STATE_KERNELS = False
 #: the slot is out of range.
 _FLAG_NONFINITE = tl.constexpr(FLAG_NONFINITE)  # the same values as kernel-visible globals
 _FLAG_OUT_OF_RANGE = tl.constexpr(FLAG_OUT_OF_RANGE)
+#: fp32(1/6), the NVFP4 writer's amax multiplier (``numerics.NVFP4_RCP6_BITS``), exact as a Python float.
+_NVFP4_RCP6 = tl.constexpr(struct.unpack("<f", struct.pack("<I", NVFP4_RCP6_BITS))[0])
+#: MXFP4: an amax mantissa M (24-bit) rounds log2(amax / 6) up when M^2 >= this (``numerics.mxfp4_scale_byte``).
+_MXFP4_ROUND_UP_SQUARE = tl.constexpr(MXFP4_ROUND_UP_SQUARE)
 
 #: Launch shape (tuning knobs; ``scripts/gpu_check.py`` times alternatives): tokens per program and warps.
 #: 8 tokens on 8 warps keeps each thread at 16 values (sm_90, TensorRT-LLM FP8 -> MODEL1: about 100 registers,
@@ -173,7 +178,12 @@ def _decode_field(x, d, src, src16, data, foot, valid, scale, HW_FP8: tl.constex
         s_at = _field_at(data, foot, SOFF, S)
         sb = tl.load(src + s_at + j // TILE, mask=m, other=127).to(tl.int32)
         v = _e4m3fnuz_decode(tl.load(src + at + j, mask=m, other=0).to(tl.int32)) * _ue8m0_decode(sb)
-    elif OP == 3:  # E2M1 pairs with E4M3 scales
+    elif OP == 7:  # E2M1 pairs with UE8M0 scales (MXFP4)
+        s_at = _field_at(data, foot, SOFF, S)
+        sb = tl.load(src + s_at + j // TILE, mask=m, other=127).to(tl.int32)
+        byte = tl.load(src + at + j // 2, mask=m, other=0).to(tl.int32)
+        v = _e2m1_value((byte >> ((j & 1) * 4)) & 0xF) * _ue8m0_decode(sb)
+    elif OP == 3 or OP == 6:  # E2M1 pairs with E4M3 scales (V4.1 fp4 and NVFP4 alike)
         s_at = _field_at(data, foot, SOFF, S)
         sb = tl.load(src + s_at + j // TILE, mask=m, other=0x38).to(tl.int32)
         byte = tl.load(src + at + j // 2, mask=m, other=0).to(tl.int32)
@@ -189,6 +199,12 @@ def _tile_amax(x, seg, BLOCK_T: tl.constexpr, TILE: tl.constexpr):
     t = tl.max(tl.reshape(tl.where(seg, tl.abs(x), 0.0), [BLOCK_T, 512 // TILE, TILE]), axis=2)
     wide = tl.reshape(tl.broadcast_to(t[:, :, None], [BLOCK_T, 512 // TILE, TILE]), [BLOCK_T, 512])
     return wide, t
+
+
+@triton.jit
+def _tile_any(flag, BLOCK_T: tl.constexpr, TILE: tl.constexpr):
+    """Per tile ``[T, 512 / TILE]``: whether any of its ``flag`` ``[T, 512]`` is set."""
+    return tl.max(tl.reshape(flag.to(tl.int32), [BLOCK_T, 512 // TILE, TILE]), axis=2) > 0
 
 
 @triton.jit
@@ -221,6 +237,31 @@ def _encode_field(x, d, dst, dst16, data, foot, row, valid, mult, min_exp, HW_FP
             inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # exact 2^-k
             tl.store(dst + at + j, _e4m3fnuz_bits_from_f32(x * inv).to(tl.uint8), mask=m)
             sb = tl.where(valid, _fnuz_exponent(tile_amax, min_exp) + 127, 0)
+        elif OP == 6 or OP == 7:  # NVFP4 / MXFP4 tiles; a NaN or Inf poisons its tile (NaN scale, codes 0)
+            poison = _tile_any(((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000) & seg, BLOCK_T, TILE)
+            if OP == 6:  # scale e4m3(amax * fp32(1/6)), codes of x * fp32(1/scale)
+                q = tl.minimum(tile_amax * _NVFP4_RCP6, 448.0)
+                sb = tl.where(poison, 0x7F, _e4m3_encode(tl.where(poison, 0.0, q), HW_FP8))
+                sv = tl.reshape(tl.broadcast_to(_e4m3_decode(sb, HW_FP8)[:, :, None], [BLOCK_T, 512 // TILE, TILE]),
+                                [BLOCK_T, 512])
+                codes = _e2m1_code(tl.where(x == 0.0, x, x * tl.math.div_rn(tl.full(sv.shape, 1.0, tl.float32), sv)))
+            else:  # UE8M0 byte round(log2(amax / 6)) + 127 from amax's bits, codes of x / 2^(byte - 127)
+                ab = tile_amax.to(tl.int32, bitcast=True)
+                e = ab >> 23
+                mant = ((ab & 0x7FFFFF) | 0x800000).to(tl.int64)
+                up = (mant * mant >= _MXFP4_ROUND_UP_SQUARE).to(tl.int32)
+                sb = tl.where(e == 0, 0, tl.minimum(tl.maximum(e - 3 + up, 0), 255))
+                sb = tl.where(poison, 0xFF, sb)
+                wide_sb = tl.reshape(tl.broadcast_to(sb[:, :, None], [BLOCK_T, 512 // TILE, TILE]), [BLOCK_T, 512])
+                inv = ((254 - tl.minimum(wide_sb, 254)) << 23).to(tl.float32, bitcast=True)  # exact 2^(127 - byte)
+                codes = _e2m1_code(x * inv)
+            wide_poison = tl.reshape(tl.broadcast_to(poison[:, :, None], [BLOCK_T, 512 // TILE, TILE]), [BLOCK_T, 512])
+            codes = tl.where(wide_poison, 0, codes)
+            lo, hi = tl.split(tl.reshape(codes, [BLOCK_T, 256, 2]))
+            pair = tl.arange(0, 256)[None, :]
+            p_seg = (2 * pair >= D0) & (2 * pair < D0 + ND)
+            tl.store(dst + at + pair - D0 // 2, (lo | (hi << 4)).to(tl.uint8), mask=row & p_seg)
+            sb = tl.where(valid, sb, 0)
         else:  # E2M1 pairs with E4M3 scales e4m3(clamp(amax / 6, 2^-9, 448)), codes of x / scale
             q = tl.minimum(tl.maximum(tl.math.div_rn(tile_amax, 6.0), 0.001953125), 448.0)
             sb = _e4m3_encode(q, HW_FP8)

@@ -17,6 +17,8 @@ from kvbridge.layouts.registry import (
     HEAD_DIM,
     OP_BF16,
     OP_E2M1_E4M3,
+    OP_E2M1_NVFP4,
+    OP_E2M1_UE8M0,
     OP_E4M3_TENSOR,
     OP_E4M3_UE8M0,
     OP_E4M3FNUZ_UE8M0,
@@ -70,7 +72,9 @@ class RecordCodec:
     UE8M0-scaled E4M3 tiles get scale 2^k with k from the dialect's rule
     (``numerics.scale_exponent``) and value bytes ``e4m3(x / 2^k)`` (exact division); FNUZ tiles
     likewise with ``numerics.fnuz_scale_exponent`` and ``e4m3fnuz``;
-    E4M3-scaled E2M1 tiles get ``numerics.fp4_tile_scale`` and codes of ``x / scale``.
+    E4M3-scaled E2M1 tiles get ``numerics.fp4_tile_scale`` and codes of ``x / scale``; NVFP4 tiles
+    ``numerics.nvfp4_tile_scale`` and codes of ``x * fp32(1 / scale)`` (``nvfp4_encode_tiles``);
+    UE8M0-scaled E2M1 (MXFP4) tiles ``numerics.mxfp4_scale_byte`` and codes of ``x / 2^k``.
     Pad bytes are 0.
     """
 
@@ -99,11 +103,17 @@ class RecordCodec:
                 encode = nx.e4m3fnuz_encode if fnuz else nx.e4m3_encode
                 rec[:, off : off + nd] = encode(tiles * nx.pow2(-exp).unsqueeze(-1)).reshape(n, nd)
                 rec[:, soff : soff + nd // tile] = nx.ue8m0_byte(exp)
-            elif op == OP_E2M1_E4M3:
+            elif op in (OP_E2M1_E4M3, OP_E2M1_NVFP4):
                 tiles = v.reshape(n, nd // tile, tile)
-                scale_bytes = nx.fp4_tile_scale(tiles.abs().amax(dim=-1))
-                codes = nx.fp4_encode_tiles(tiles, scale_bytes).reshape(n, nd)
+                nv = op == OP_E2M1_NVFP4
+                scale_bytes = (nx.nvfp4_tile_scale if nv else nx.fp4_tile_scale)(tiles.abs().amax(dim=-1))
+                codes = (nx.nvfp4_encode_tiles if nv else nx.fp4_encode_tiles)(tiles, scale_bytes).reshape(n, nd)
                 rec[:, off : off + nd // 2] = nx.e2m1_pack(codes)
+                rec[:, soff : soff + nd // tile] = scale_bytes
+            elif op == OP_E2M1_UE8M0:
+                tiles = v.reshape(n, nd // tile, tile)
+                scale_bytes = nx.mxfp4_scale_byte(tiles.abs().amax(dim=-1))
+                rec[:, off : off + nd // 2] = nx.e2m1_pack(nx.mxfp4_encode_tiles(tiles, scale_bytes).reshape(n, nd))
                 rec[:, soff : soff + nd // tile] = scale_bytes
         return rec
 
@@ -122,8 +132,13 @@ class RecordCodec:
                 exp = records[:, soff : soff + nd // tile].to(torch.int64) - 127
                 tile_scale = torch.where(exp == 128, torch.nan, nx.pow2(exp))  # UE8M0 0xFF is NaN
                 out[:, d0 : d0 + nd] = (values * tile_scale.unsqueeze(-1)).reshape(n, nd)
-            elif op == OP_E2M1_E4M3:
+            elif op in (OP_E2M1_E4M3, OP_E2M1_NVFP4, OP_E2M1_UE8M0):
                 values = nx.e2m1_decode(nx.e2m1_unpack(records[:, off : off + nd // 2])).reshape(n, nd // tile, tile)
-                tile_scale = nx.e4m3_decode(records[:, soff : soff + nd // tile])
+                scale_bytes = records[:, soff : soff + nd // tile]
+                if op == OP_E2M1_UE8M0:
+                    exp = scale_bytes.to(torch.int64) - 127
+                    tile_scale = torch.where(exp == 128, torch.nan, nx.pow2(exp.clamp(max=127)))
+                else:
+                    tile_scale = nx.e4m3_decode(scale_bytes)
                 out[:, d0 : d0 + nd] = (values * tile_scale.unsqueeze(-1)).reshape(n, nd)
         return out

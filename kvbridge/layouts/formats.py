@@ -43,8 +43,18 @@ OP_ZERO = 4
 #: E4M3 FNUZ (``float8_e4m3fnuz``, ROCm gfx942) per tile, scaled by 2^k with the UE8M0 byte k + 127;
 #: k = ceil(log2(max(amax, eps) / 224)), the ROCm writers' rule (``numerics.fnuz_scale_exponent``).
 OP_E4M3FNUZ_UE8M0 = 5
+#: E2M1 pairs per tile with an NVFP4 E4M3 scale byte (FlashInfer's writer, global scale 1):
+#: ``e4m3_rne(amax * fp32(1/6))`` with no lower clamp, codes of ``x * fp32(1/scale)``
+#: (``numerics.nvfp4_tile_scale`` / ``nvfp4_encode_tiles``); decoded like ``OP_E2M1_E4M3``.
+OP_E2M1_NVFP4 = 6
+#: E2M1 pairs per tile with a UE8M0 scale 2^k (MXFP4, SGLang's DSV4 writer): k = round(log2(amax / 6)),
+#: byte k + 127 clamped to [0, 255], codes of x / 2^k (``numerics.mxfp4_scale_byte`` / ``mxfp4_encode_tiles``).
+OP_E2M1_UE8M0 = 7
 #: Every op the backends (reference codec, numba, C, Triton) execute.
-SEGMENT_OPS = (OP_BF16, OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_E2M1_E4M3, OP_ZERO, OP_E4M3FNUZ_UE8M0)
+SEGMENT_OPS = (OP_BF16, OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_E2M1_E4M3, OP_ZERO, OP_E4M3FNUZ_UE8M0, OP_E2M1_NVFP4,
+               OP_E2M1_UE8M0)
+#: Ops whose fields are E2M1 pairs scaled by one E4M3 byte per tile (decoded alike).
+E2M1_E4M3_OPS = (OP_E2M1_E4M3, OP_E2M1_NVFP4)
 #: Ops that use the layout's per-tensor scale (a field compiling to one needs a per-tensor layout).
 PER_TENSOR_OPS = (OP_E4M3_TENSOR,)
 KINDS = ("value", "scale", "pad")
@@ -146,6 +156,8 @@ def all_formats() -> list[Format]:
 
 register_format(Format("ue8m0", "scale", 8, nonfinite=CodeRule(1, 0xFF, 0xFF), exponent_bias=127))
 register_format(Format("e4m3-scale", "scale", 8, nonfinite=E4M3_NAN))
+#: NVFP4's per-16 E4M3 scale (relative to a per-tensor fp32 global scale, 1 in FlashInfer's DSV4 record).
+register_format(Format("nvfp4-scale", "scale", 8, nonfinite=E4M3_NAN))
 register_format(Format("pad", "pad", 8, nonfinite=None))
 register_format(Format(
     "e4m3", "value", 8, nonfinite=E4M3_NAN, ops=((None, OP_E4M3_TENSOR), ("ue8m0", OP_E4M3_UE8M0)),
@@ -155,7 +167,10 @@ register_format(Format(  # float8_e4m3fnuz: bias 8, max 240 (0x7F / 0xFF), NaN 0
     "e4m3fnuz", "value", 8, nonfinite=CodeRule(1, 0xFF, 0x80), ops=(("ue8m0", OP_E4M3FNUZ_UE8M0),),
     at_max=CodeRule(1, 0x7F, 0x7F), subnormal=CodeRule(1, 0x78, 0x00), zero=CodeRule(1, 0xFF, 0x00),
 ))
-register_format(Format("e2m1", "value", 4, nonfinite=None, ops=(("e4m3-scale", OP_E2M1_E4M3),)))
+register_format(Format(
+    "e2m1", "value", 4, nonfinite=None,
+    ops=(("e4m3-scale", OP_E2M1_E4M3), ("nvfp4-scale", OP_E2M1_NVFP4), ("ue8m0", OP_E2M1_UE8M0)),
+))
 register_format(Format(
     "bf16", "value", 16, nonfinite=CodeRule(2, 0x7F80, 0x7F80), ops=((None, OP_BF16),),
     inf=CodeRule(2, 0x7FFF, 0x7F80),

@@ -32,6 +32,8 @@ from kvbridge.errors import LayoutError
 from kvbridge.layouts.formats import (  # the ops are defined beside the format table; re-exported for the backends
     OP_BF16,  # noqa: F401
     OP_E2M1_E4M3,  # noqa: F401
+    OP_E2M1_NVFP4,  # noqa: F401
+    OP_E2M1_UE8M0,  # noqa: F401
     OP_E4M3_TENSOR,  # noqa: F401
     OP_E4M3_UE8M0,  # noqa: F401
     OP_E4M3FNUZ_UE8M0,  # noqa: F401
@@ -239,6 +241,9 @@ class Layout:
     source: str = ""
     #: Said in every loss report of a transcode into this layout (how coarse it is, what it quantizes).
     loss_note: str = ""
+    #: Non-empty for a layout no engine release writes yet: the open pull requests (or unreleased
+    #: writer) it comes from. ``kvbridge layouts`` lists such layouts apart.
+    experimental: str = ""
 
     def __post_init__(self) -> None:
         if self.split is not None and not 0 < self.split < self.record_bytes:

@@ -33,6 +33,8 @@ from kvbridge.layouts.codec import tensor_multiplier, ue8m0_dialect
 from kvbridge.layouts.registry import (
     OP_BF16,
     OP_E2M1_E4M3,
+    OP_E2M1_NVFP4,
+    OP_E2M1_UE8M0,
     OP_E4M3_TENSOR,
     OP_E4M3_UE8M0,
     OP_E4M3FNUZ_UE8M0,
@@ -43,6 +45,8 @@ HEAD_DIM = 512
 
 _E4M3_NAN = nx.E4M3_NAN
 _FP4_SCALE_MIN_BITS = nx.FP4_SCALE_MIN_BITS
+_NVFP4_RCP6_BITS = nx.NVFP4_RCP6_BITS
+_MXFP4_ROUND_UP_SQUARE = nx.MXFP4_ROUND_UP_SQUARE
 #: Scratch floats per thread: a scaled tile (up to 512 values), then E4M3 work space.
 _TMP = 2 * HEAD_DIM
 
@@ -210,10 +214,10 @@ def _decode_record(prog, rec, scale, e4m3, ue8m0, e2m1, vals, bits) -> None:
                 dst = vals[d0 + t * tile : d0 + (t + 1) * tile]
                 for i in range(tile):
                     dst[i] = codes[src[i]] * s
-        elif op == OP_E2M1_E4M3:
+        elif op == OP_E2M1_E4M3 or op == OP_E2M1_NVFP4 or op == OP_E2M1_UE8M0:
             half = tile // 2
             for t in range(nd // tile):
-                s = e4m3[rec[soff + t]]
+                s = ue8m0[rec[soff + t]] if op == OP_E2M1_UE8M0 else e4m3[rec[soff + t]]
                 src = rec[off + t * half : off + (t + 1) * half]
                 dst = vals[d0 + t * tile : d0 + (t + 1) * tile]
                 for i in range(half):
@@ -313,6 +317,66 @@ def _fnuz_tiles(src, src_bits, tile: int, min_exp: int, pow2, tmp, tmp_bits, out
 
 
 @njit(cache=True, inline="always")
+def _nvfp4_tiles(src, src_bits, tile: int, e4m3, tmp, tmp_bits, out, scales) -> None:
+    """NVFP4 tiles (``numerics.nvfp4_tile_scale`` / ``nvfp4_encode_tiles``): scale byte
+    ``e4m3(amax * fp32(1/6))`` (0x7F and all codes 0 when the tile holds NaN or Inf), codes of
+    ``x * fp32(1/scale)``, a zero element keeping its signed zero."""
+    half = tile // 2
+    for t in range(src.shape[0] // tile):
+        lo = t * tile
+        amax_bits = 0
+        for i in range(tile):
+            amax_bits = max(amax_bits, np.int64(src_bits[lo + i]) & 0x7FFFFFFF)
+        dst = out[t * half : (t + 1) * half]
+        if amax_bits >= 0x7F800000:
+            scales[t] = _E4M3_NAN
+            for i in range(half):
+                dst[i] = 0
+            continue
+        tmp_bits[0] = np.uint32(amax_bits)
+        tmp_bits[1] = np.uint32(_NVFP4_RCP6_BITS)
+        tmp[0] = tmp[0] * tmp[1]
+        code = _e4m3_code(np.int64(tmp_bits[0]))
+        scales[t] = code
+        inv = np.float32(np.inf) if code == 0 else np.float32(1.0) / e4m3[code]  # 1/0 is +Inf
+        for i in range(tile):
+            v = src[lo + i]
+            tmp[i] = v if v == 0 else v * inv
+        for i in range(half):
+            dst[i] = _e2m1_code(np.int64(tmp_bits[2 * i])) | (_e2m1_code(np.int64(tmp_bits[2 * i + 1])) << 4)
+
+
+@njit(cache=True, inline="always")
+def _mxfp4_tiles(src, src_bits, tile: int, pow2, tmp, tmp_bits, out, scales) -> None:
+    """MXFP4 tiles (``numerics.mxfp4_scale_byte`` / ``mxfp4_encode_tiles``): UE8M0 byte
+    round(log2(amax / 6)) + 127 in [0, 255] from amax's bits (0xFF and all codes 0 when the tile
+    holds NaN or Inf), codes of x / 2^(byte - 127)."""
+    half = tile // 2
+    for t in range(src.shape[0] // tile):
+        lo = t * tile
+        amax_bits = 0
+        for i in range(tile):
+            amax_bits = max(amax_bits, np.int64(src_bits[lo + i]) & 0x7FFFFFFF)
+        dst = out[t * half : (t + 1) * half]
+        if amax_bits >= 0x7F800000:
+            scales[t] = 0xFF
+            for i in range(half):
+                dst[i] = 0
+            continue
+        exp = amax_bits >> 23
+        mant = (amax_bits & 0x7FFFFF) | 0x800000
+        byte = 0
+        if exp > 0:
+            byte = min(255, max(0, exp - 3 + (1 if mant * mant >= _MXFP4_ROUND_UP_SQUARE else 0)))
+        scales[t] = byte
+        m = pow2[149 + 127 - byte]  # 2^(127 - byte), exact
+        for i in range(tile):
+            tmp[i] = src[lo + i] * m
+        for i in range(half):
+            dst[i] = _e2m1_code(np.int64(tmp_bits[2 * i])) | (_e2m1_code(np.int64(tmp_bits[2 * i + 1])) << 4)
+
+
+@njit(cache=True, inline="always")
 def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, rec) -> None:
     """512 fp32 values -> record bytes, field by field. ``mult``: per-tensor E4M3 multiplier;
     ``min_exp``: the UE8M0 rule's exponent floor."""
@@ -364,6 +428,12 @@ def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, r
                 out = rec[off + t * half : off + (t + 1) * half]
                 for i in range(half):
                     out[i] = _e2m1_code(np.int64(tmp_bits[2 * i])) | (_e2m1_code(np.int64(tmp_bits[2 * i + 1])) << 4)
+        elif op == OP_E2M1_NVFP4:
+            _nvfp4_tiles(vals[d0 : d0 + nd], bits[d0 : d0 + nd], tile, e4m3, tmp, tmp_bits,
+                         rec[off : off + nd // 2], rec[soff : soff + nd // tile])
+        elif op == OP_E2M1_UE8M0:
+            _mxfp4_tiles(vals[d0 : d0 + nd], bits[d0 : d0 + nd], tile, pow2, tmp, tmp_bits,
+                         rec[off : off + nd // 2], rec[soff : soff + nd // tile])
         elif op == OP_ZERO:
             for i in range(nd):
                 rec[off + i] = 0
@@ -540,7 +610,7 @@ def _amax_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, e4m3, ue8m0,
                             flag = 1
                         else:
                             best = max(best, v)
-                elif op == OP_E2M1_E4M3:
+                elif op == OP_E2M1_E4M3 or op == OP_E2M1_NVFP4 or op == OP_E2M1_UE8M0:
                     h = tile // 2
                     for j in range(nd // tile):
                         codes = rec[off + j * h : off + (j + 1) * h]
@@ -548,7 +618,8 @@ def _amax_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, e4m3, ue8m0,
                         for i in range(h):
                             c = codes[i]
                             m = max(m, np.uint8(c & np.uint8(7)), np.uint8((c >> np.uint8(4)) & np.uint8(7)))
-                        v = abs(e2m1[m] * e4m3[rec[soff + j]])
+                        s = ue8m0[rec[soff + j]] if op == OP_E2M1_UE8M0 else e4m3[rec[soff + j]]
+                        v = abs(e2m1[m] * s)
                         if not np.isfinite(v):
                             flag = 1
                         else:

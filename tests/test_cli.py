@@ -174,12 +174,12 @@ def test_debug_shows_the_exception(tmp_path: Path):
 def test_verify_passes_on_the_repository_fixtures():
     result = run("verify")
     assert result.exit_code == 0, result.output
-    assert "250/250 checks passed" in result.output and "FAIL" not in result.output
-    for line in ("kvbridge codecs: 33/33", "SGLang 0.5.23: 108/108", "vLLM 0.33.0: 45/45", "TensorRT-LLM main: 22/22",
-                 "DeepGEMM: 22/22", "FlashMLA: 20/20"):
+    assert "265/265 checks passed" in result.output and "FAIL" not in result.output
+    for line in ("kvbridge codecs: 33/33", "SGLang 0.5.23: 114/114", "vLLM 0.33.0: 45/45", "TensorRT-LLM main: 22/22",
+                 "DeepGEMM: 22/22", "FlashMLA: 29/29"):
         assert line in result.output  # reported per engine
     report = json.loads(run("verify", "--json").output)
-    assert report["passed"] and report["num_checks"] == 250
+    assert report["passed"] and report["num_checks"] == 265
     assert {r["layout"] for r in report["results"]} == {"flashmla-model1", "trtllm-fp8-ds-mla", "trtllm-fp8",
                                                         "indexer-fp8", "indexer-fp4", "state-fp32", "v41-fp8",
                                                         "v41-fp8-interleaved", "v41-fp4", "v41-fp4-pad512",

@@ -356,11 +356,10 @@ def fp4_tile_scale(amax: torch.Tensor) -> torch.Tensor:
 def fp4_encode_tiles(x: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes of fp32 tiles ``x`` ``[..., tiles, tile]`` with E4M3 scale bytes ``[..., tiles]``:
     ``e2m1_rne(x / scale)``, an IEEE fp32 division by the rounded scale (a multiply by its
-    reciprocal can land on the other side of an E2M1 tie). A NaN scale gives code 0 for every
-    element: x / NaN is CUDA's canonical NaN, whose sign is +."""
+    reciprocal can land on the other side of an E2M1 tie). A NaN scale gives code 0 for finite
+    elements and keeps a NaN element's sign bit, as the division propagates the NaN operand."""
     scale = e4m3_decode(scale_bytes).unsqueeze(-1)
-    codes = e2m1_encode(x / scale)
-    return torch.where(torch.isnan(scale), torch.zeros_like(codes), codes)
+    return e2m1_encode(x / scale)
 
 
 def ceil_log2(x: torch.Tensor) -> torch.Tensor:

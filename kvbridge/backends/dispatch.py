@@ -96,7 +96,7 @@ def encode_pages_nonfinite(x: torch.Tensor, layout: Layout, page_size: int, dial
                            *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``encode_pages`` of latents holding NaN/Inf (``nonfinite="propagate"``): always the reference codec,
     whose NaN/Inf tiles follow the dialect's writer; the numba and Triton kernels are never given them."""
-    return reference.encode_pages(x, layout, page_size, dialect, scale, out=out)
+    return reference.encode_pages(x, layout, page_size, dialect, scale, out=out, propagate=True)
 
 
 def decode_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
@@ -151,7 +151,7 @@ def transcode_slots_nonfinite(
     """``transcode_slots`` of source tokens that decode to NaN/Inf (``nonfinite="propagate"``): always the
     reference codec, as ``encode_pages_nonfinite``."""
     reference.transcode_slots(src_pages, src, src_page_size, dst_pages, dst, dst_page_size, src_slots, dst_slots,
-                              src_scale, dst_scale, dialect, False)
+                              src_scale, dst_scale, dialect, False, propagate=True)
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

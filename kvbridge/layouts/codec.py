@@ -80,7 +80,10 @@ class RecordCodec:
         self.layout = layout
         self.record_bytes = layout.record_bytes
 
-    def encode(self, x: torch.Tensor, *, dialect: str | None, scale: float) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, *, dialect: str | None, scale: float, propagate: bool = False) -> torch.Tensor:
+        """Records of ``x``; ``propagate``: tiles holding NaN/Inf as the writers store them (``nonfinite=
+        "propagate"``, checked by ``ops.pages``); without it NaN/Inf run through the finite rules, as in the
+        fast kernels (the public API refuses or replaces them before)."""
         n = x.shape[0]
         rec = torch.zeros(n, self.record_bytes, dtype=torch.uint8, device=x.device)
         for op, d0, nd, off, tile, soff in self.layout.segments:
@@ -95,23 +98,29 @@ class RecordCodec:
             elif op in (OP_E4M3_UE8M0, OP_E4M3FNUZ_UE8M0):
                 tiles = v.reshape(n, nd // tile, tile)
                 amax = tiles.abs().amax(dim=-1)  # NaN when the tile holds one, else +Inf when it holds +-Inf
-                bad = ~torch.isfinite(amax)
-                amax = torch.where(bad, torch.zeros_like(amax), amax)
+                bad = ~torch.isfinite(amax) if propagate else None
+                if bad is not None:
+                    amax = torch.where(bad, torch.zeros_like(amax), amax)
                 fnuz = op == OP_E4M3FNUZ_UE8M0
                 exp = nx.fnuz_scale_exponent(amax, fnuz_dialect(dialect)) if fnuz else \
                     nx.scale_exponent(amax, ue8m0_dialect(dialect))
                 encode = nx.e4m3fnuz_encode if fnuz else nx.e4m3_encode
                 codes = encode(tiles * nx.pow2(-exp).unsqueeze(-1))
                 scale_bytes = nx.ue8m0_byte(exp)
-                if bool(bad.any()):  # only nonfinite="propagate" passes NaN/Inf here (ops.pages checks the dialect)
+                if bad is not None and bool(bad.any()):  # ops.pages has checked the dialect's rule
                     codes = torch.where(bad.unsqueeze(-1), nx.e4m3_nonfinite_tile_codes(tiles), codes)
                     scale_bytes = torch.where(bad, torch.full_like(scale_bytes, nx.UE8M0_NAN), scale_bytes)
                 rec[:, off : off + nd] = codes.reshape(n, nd)
                 rec[:, soff : soff + nd // tile] = scale_bytes
             elif op == OP_E2M1_E4M3:
                 tiles = v.reshape(n, nd // tile, tile)
-                scale_bytes = nx.fp4_tile_scale(nx.fp4_tile_amax(tiles))
-                codes = nx.fp4_encode_tiles(tiles, scale_bytes).reshape(n, nd)
+                amax = nx.fp4_tile_amax(tiles) if propagate else tiles.abs().amax(dim=-1)
+                scale_bytes = nx.fp4_tile_scale(amax)
+                codes = nx.fp4_encode_tiles(tiles, scale_bytes)
+                if propagate:  # x / NaN is CUDA's canonical NaN (sign +): code 0 in a NaN-scaled tile
+                    nan_scale = torch.isnan(nx.e4m3_decode(scale_bytes)).unsqueeze(-1)
+                    codes = torch.where(nan_scale, torch.zeros_like(codes), codes)
+                codes = codes.reshape(n, nd)
                 rec[:, off : off + nd // 2] = nx.e2m1_pack(codes)
                 rec[:, soff : soff + nd // tile] = scale_bytes
         return rec

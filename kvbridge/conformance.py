@@ -442,8 +442,10 @@ def state_addressing_checks(path: Path, device: torch.device) -> list[CheckResul
 
 
 def _writer_engine(writer: str) -> str:
-    """The engine (and version, where the writer names one) of a fixture's writer string."""
+    """The engine (and version, or the open PR, where the writer names one) of a fixture's writer string."""
     words = writer.split()
+    if len(words) > 2 and words[1] == "PR" and words[2].startswith("#"):
+        return " ".join(words[:3])
     return " ".join(words[:2]) if len(words) > 1 and words[1][:1].isdigit() else words[0]
 
 
@@ -454,7 +456,8 @@ def _tensor_tag(name: str) -> str:
 
 def layout_fixture_checks(root: Path, device: torch.device) -> list[CheckResult]:
     """Fixtures whose metadata lists ``entries`` (pages a peer's own writer made for a layout, e.g.
-    the DeepSeek-V4.1 files): ``encode`` reproduces each page tensor byte for byte, and ``decode``
+    the DeepSeek-V4.1 files): ``encode`` reproduces each page tensor byte for byte (with the entry's
+    ``nonfinite`` policy: ``propagate`` for the writers' NaN/Inf tiles, check "NaN/Inf"), and ``decode``
     equals the peer's dequantized values where the entry has them (exact: the products are bf16)."""
     results = []
     for path in sorted(root.glob("*.safetensors")):
@@ -467,8 +470,10 @@ def layout_fixture_checks(root: Path, device: torch.device) -> list[CheckResult]
         for e in entries:
             x, want, p = tensors[e["input"]], tensors[e["pages"]], int(e["page_size"])
             engine, case = _writer_engine(e["writer"]), f"P={p}"
-            got = encode(x, e["layout"], page_size=p, dialect=e["dialect"])
-            results.append(CheckResult(e["layout"], e["dialect"], case, f"encode = {_tensor_tag(e['pages'])}",
+            nonfinite = e.get("nonfinite", "error")  # "propagate": the writer's NaN/Inf tiles
+            got = encode(x, e["layout"], page_size=p, dialect=e["dialect"], nonfinite=nonfinite)
+            what = "encode" if nonfinite == "error" else "NaN/Inf"
+            results.append(CheckResult(e["layout"], e["dialect"], case, f"{what} = {_tensor_tag(e['pages'])}",
                                        *byte_diff(got, want), engine=engine))
             if "dequant" in e:
                 values = decode(want, e["layout"], page_size=p, num_tokens=x.shape[0])

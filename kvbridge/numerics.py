@@ -189,6 +189,26 @@ def scale_exponent(amax: torch.Tensor, dialect: str) -> torch.Tensor:
     return ceil_log2_div448(amax).clamp(min=floor)
 
 
+#: UE8M0 dialects whose writers' bytes for a tile holding NaN or Inf are established (``nonfinite=
+#: "propagate"``, docs/layouts.md): ``flashmla``, as FlashMLA's ``tests/quant.py`` (MODEL1) and SGLang's
+#: V4.1 reference write it on CUDA: the tile's amax propagates the NaN, its scale is that NaN or +Inf (the
+#: UE8M0 byte 0xFF) and its codes are ``e4m3_nonfinite_tile_codes``. The other dialects' writers
+#: (vLLM's Triton store, TensorRT-LLM's CUDA writer) are not established: those dialects refuse it.
+UE8M0_NONFINITE_DIALECTS: tuple[str, ...] = ("flashmla",)
+#: The UE8M0 byte of a NaN or infinite scale (UE8M0 has no infinity: 0xFF is NaN).
+UE8M0_NAN = 0xFF
+
+
+def e4m3_nonfinite_tile_codes(tiles: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes (uint8 ``[..., tile]``) of fp32 tiles whose amax is NaN or Inf, divided by that scale as a
+    CUDA writer does: in a tile holding a NaN every element is x / NaN = NaN, code 0x7F (CUDA's canonical
+    NaN 0x7FFFFFFF is positive); in a tile holding +-Inf but no NaN, a finite x / Inf is a zero of x's sign
+    (0x00 / 0x80) and +-Inf / Inf is NaN (0x7F)."""
+    sign = ((f32_bits(tiles) >> 31) << 7).to(torch.uint8)
+    nan = torch.isnan(tiles).any(dim=-1, keepdim=True) | torch.isinf(tiles)
+    return torch.where(nan, torch.full_like(sign, E4M3_NAN), sign)
+
+
 def ue8m0_byte(exponent: torch.Tensor) -> torch.Tensor:
     """UE8M0 byte for scale 2^exponent (byte = exponent + 127); exponent must be in [-127, 127]."""
     if exponent.numel() and (int(exponent.min()) < -127 or int(exponent.max()) > 127):
@@ -311,6 +331,13 @@ def e2m1_pack(codes: torch.Tensor) -> torch.Tensor:
 def e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
     """Bytes ``[..., n]`` -> E2M1 codes ``[..., 2n]`` (inverse of ``e2m1_pack``)."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def fp4_tile_amax(tiles: torch.Tensor) -> torch.Tensor:
+    """amax of fp32 tiles ``[..., tile]`` as the V4.1 FP4 writers take it (FlashMLA's and SGLang's torch
+    references: ``nan_to_num(|x|, nan=inf).amax``): a NaN counts as +Inf, so the tile's scale is NaN, and
+    +-Inf as the largest fp32, so a tile holding one but no NaN gets the scale 448 and saturated codes."""
+    return torch.nan_to_num(tiles.abs(), nan=float("inf")).amax(dim=-1)
 
 
 def fp4_tile_scale(amax: torch.Tensor) -> torch.Tensor:

@@ -174,12 +174,12 @@ def test_debug_shows_the_exception(tmp_path: Path):
 def test_verify_passes_on_the_repository_fixtures():
     result = run("verify")
     assert result.exit_code == 0, result.output
-    assert "262/262 checks passed" in result.output and "FAIL" not in result.output
-    for line in ("kvbridge codecs: 33/33", "SGLang 0.5.23: 109/109", "vLLM 0.33.0: 45/45", "TensorRT-LLM main: 22/22",
-                 "DeepGEMM: 22/22", "FlashMLA: 20/20", "FlashInfer: 6/6", "SGLang: 5/5"):
+    assert "277/277 checks passed" in result.output and "FAIL" not in result.output
+    for line in ("kvbridge codecs: 33/33", "SGLang 0.5.23: 115/115", "vLLM 0.33.0: 45/45", "TensorRT-LLM main: 22/22",
+                 "DeepGEMM: 22/22", "FlashMLA: 29/29", "FlashInfer: 6/6", "SGLang PR #37136: 5/5"):
         assert line in result.output  # reported per engine
     report = json.loads(run("verify", "--json").output)
-    assert report["passed"] and report["num_checks"] == 262
+    assert report["passed"] and report["num_checks"] == 277
     assert {r["layout"] for r in report["results"]} == {"flashmla-model1", "trtllm-fp8-ds-mla", "trtllm-fp8",
                                                         "indexer-fp8", "indexer-fp4", "state-fp32", "v41-fp8",
                                                         "v41-fp8-interleaved", "v41-fp4", "v41-fp4-pad512",

@@ -1,19 +1,24 @@
 """The byte-level scan of stored codes: the numba kernels equal the torch reference on every layout
-and geometry, count exactly and name the first bad token and field."""
+and geometry, count exactly and name the first bad token and field. ``nonfinite="propagate"``: encode
+and transcode store NaN/Inf tiles byte for byte as each writer of ``fixtures/nonfinite_reference`` does."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 import kvbridge as kb
 from cli.main import cli
+from kvbridge.backends import dispatch
 from kvbridge.dumps.dumpfile import DumpEntry
 from kvbridge.dumps.writer import write_dump
-from kvbridge.errors import NonFiniteError
+from kvbridge.errors import InputError, NonFiniteError
 from kvbridge.layouts import all_layouts, get_layout, scan
 
 
@@ -89,3 +94,120 @@ def test_value_stats_kernel_equals_torch():
     assert scan.value_stats(x) == (big, 2)
     assert scan.value_stats(x.double()) == (big, 2)  # the torch path
     assert scan.value_stats(torch.zeros(0)) == (0.0, 0)
+
+
+# --- nonfinite="propagate": NaN/Inf tiles as each dialect's writer stores them (fixtures/README.md) ---
+
+NONFINITE_FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "nonfinite_reference.safetensors"
+
+
+def _fixture() -> tuple[dict[str, torch.Tensor], list[dict], list[dict]]:
+    with safe_open(str(NONFINITE_FIXTURE), "pt") as f:
+        meta = f.metadata()
+    return load_file(str(NONFINITE_FIXTURE)), json.loads(meta["entries"]), json.loads(meta["transcodes"])
+
+
+TENSORS, ENTRIES, TRANSCODES = _fixture()
+
+
+def test_fixture_covers_each_writer_and_every_kind_of_tile():
+    writers = {(e["writer"].split(" tests/")[0].split(" 0.5")[0], e["layout"]) for e in ENTRIES}
+    assert writers == {("FlashMLA", "flashmla-model1"), ("FlashMLA", "v41-fp8"), ("FlashMLA", "v41-fp4-pad512"),
+                       ("SGLang", "v41-fp8"), ("SGLang", "v41-fp4")}
+    x = TENSORS["p64.input"].float()
+    assert torch.isnan(x).any() and torch.isposinf(x).any() and torch.isneginf(x).any()
+    tiles = x[:, :448].reshape(64, 7, 64)
+    assert (torch.isnan(tiles).any(-1) & torch.isinf(tiles).any(-1)).any()  # a tile with both
+    assert torch.isnan(tiles).all(-1).any()  # an all-NaN tile
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e["pages"] + ":" + e["layout"])
+def test_propagate_reproduces_each_writer(entry, backend, monkeypatch):
+    monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
+    x = TENSORS[entry["input"]]
+    got = kb.encode(x, entry["layout"], page_size=entry["page_size"], dialect=entry["dialect"], nonfinite="propagate")
+    assert torch.equal(got, TENSORS[entry["pages"]]), entry["writer"]
+    with pytest.raises(NonFiniteError, match="or 'propagate' to store them"):  # the default stays "error"
+        kb.encode(x, entry["layout"], page_size=entry["page_size"], dialect=entry["dialect"])
+
+
+def test_propagate_tile_bytes_of_the_flashmla_dialect():
+    """MODEL1: a NaN tile is scale 0xFF and codes 0x7F; an Inf tile scale 0xFF, signed zeros and 0x7F at the Inf."""
+    lay = get_layout("flashmla-model1")
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(3))
+    x[0, 5], x[0, 64], x[0, 65], x[0, 66] = float("nan"), float("inf"), -2.0, 0.0
+    rec = lay.pages_to_records(kb.encode(x, lay, page_size=1, nonfinite="propagate"), 1)[0]
+    assert rec[576:578].tolist() == [0xFF, 0xFF] and rec[578:583].tolist() == kb.encode(
+        torch.nan_to_num(x, nan=0.0, posinf=0.0), lay, page_size=1)[0, 578:583].tolist()
+    assert set(rec[:64].tolist()) == {0x7F}
+    assert rec[64:67].tolist() == [0x7F, 0x80, 0x00] and set(rec[67:128].tolist()) <= {0x00, 0x80}
+    finite = x.clone()
+    finite[0, :128] = 1.0
+    assert torch.equal(kb.encode(finite, lay, page_size=1, nonfinite="propagate"), kb.encode(finite, lay, page_size=1))
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("case", TRANSCODES, ids=lambda c: c["dst"])
+def test_transcode_propagate_gives_the_destination_writers_bytes(case, backend, monkeypatch):
+    monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
+    src = TENSORS[case["src"]]
+    got = kb.transcode(src, case["src_layout"], case["dst_layout"], src_page_size=case["src_page_size"],
+                       dst_page_size=case["dst_page_size"], dialect=case["dialect"], nonfinite="propagate")
+    assert torch.equal(got, TENSORS[case["dst"]]), case["writer"]
+    with pytest.raises(NonFiniteError):  # the default stays "error"
+        kb.transcode(src, case["src_layout"], case["dst_layout"], src_page_size=case["src_page_size"])
+
+
+def test_transcode_propagate_byte_move_keeps_the_codes_and_refuses_report():
+    src = TENSORS["p64.flashmla"]
+    with pytest.raises(NonFiniteError):
+        kb.transcode(src, "flashmla-model1", "trtllm-fp8-ds-mla", src_page_size=64)
+    moved = kb.transcode(src, "flashmla-model1", "trtllm-fp8-ds-mla", src_page_size=64, nonfinite="propagate")
+    back = kb.transcode(moved, "trtllm-fp8-ds-mla", "flashmla-model1", src_page_size=64, nonfinite="propagate")
+    assert torch.equal(back, src)
+    with pytest.raises(InputError, match="report=True"):
+        kb.transcode(src, "flashmla-model1", "v41-fp8", src_page_size=64, nonfinite="propagate", report=True)
+
+
+@pytest.mark.parametrize(("layout", "dialect"), [("flashmla-model1", "amax-1e-4"), ("trtllm-fp8-ds-mla", "amax-1e-8"),
+                                                 ("v41-fp8", "amax-1e-4"), ("trtllm-fp8", None), ("model1-fnuz", None)])
+def test_propagate_is_refused_where_the_writer_is_not_established(layout, dialect):
+    x = torch.zeros(2, 512)
+    with pytest.raises(InputError, match="nonfinite='propagate' is not available"):
+        kb.encode(x, layout, page_size=2, dialect=dialect, nonfinite="propagate")
+    with pytest.raises(InputError, match="nonfinite='propagate' is not available"):
+        kb.transcode(kb.encode(x, "v41-fp4", page_size=2), "v41-fp4", layout, src_page_size=2, dialect=dialect,
+                     nonfinite="propagate")
+
+
+@pytest.mark.parametrize("bad", ["Propagate", "keep", 1, None])
+def test_bad_nonfinite_names_raise_input_error(bad):
+    x = torch.zeros(1, 512)
+    with pytest.raises(InputError, match="nonfinite must be one of error, zero, saturate, propagate"):
+        kb.encode(x, "flashmla-model1", page_size=1, nonfinite=bad)
+    pages = kb.encode(x, "flashmla-model1", page_size=1)
+    with pytest.raises(InputError, match="nonfinite must be one of error, propagate"):
+        kb.transcode(pages, "flashmla-model1", "v41-fp8", src_page_size=1, nonfinite=bad)
+    with pytest.raises(InputError, match="nonfinite must be one of error, propagate"):
+        kb.transcode(pages, "flashmla-model1", "v41-fp8", src_page_size=1, nonfinite="zero")
+
+
+@pytest.mark.parametrize("case", TRANSCODES, ids=lambda c: c["dst"])
+def test_transcode_slots_propagate_writes_the_destination_writers_records(case):
+    src_lay, dst_lay = get_layout(case["src_layout"]), get_layout(case["dst_layout"])
+    src, want = TENSORS[case["src"]], TENSORS[case["dst"]]
+    src_slots = torch.randperm(64, generator=torch.Generator().manual_seed(8))[:40]
+    dst_slots = torch.arange(40) * 3 + 1  # a pool of 2 pages of 64
+    dst = torch.full((2, dst_lay.page_bytes(64)), 0x5A, dtype=torch.uint8)
+    with pytest.raises(NonFiniteError, match="nothing was written"):  # the default stays "error"
+        kb.transcode_slots(src, src_lay, dst, dst_lay, src_page_size=64, dst_page_size=64, src_slots=src_slots,
+                           dst_slots=dst_slots, dialect=case["dialect"])
+    assert bool((dst == 0x5A).all())
+    kb.transcode_slots(src, src_lay, dst, dst_lay, src_page_size=64, dst_page_size=64, src_slots=src_slots,
+                       dst_slots=dst_slots, dialect=case["dialect"], nonfinite="propagate")
+    got = dst_lay.pages_to_records(dst, 64)[dst_slots]
+    assert torch.equal(got, dst_lay.pages_to_records(want, 64)[src_slots])
+    with pytest.raises(InputError, match="nonfinite must be one of error, propagate"):
+        kb.transcode_slots(src, src_lay, dst, dst_lay, src_page_size=64, dst_page_size=64, src_slots=src_slots,
+                           dst_slots=dst_slots, nonfinite="zero")

@@ -31,9 +31,9 @@ from kvbridge.layouts import Layout
 
 __all__ = [
     "BACKEND_ENV", "all_finite", "amax_pages", "backend", "backend_name", "convert_state_rows", "decode_pages",
-    "encode_pages", "fp4_to_fp8_key_rows", "fp4_to_fp8_key_segments", "fp4_to_fp8_keys", "gather_transcode",
-    "key_kernels", "loss_stats", "move_spans", "nonfinite_flags", "repage", "state_kernels",
-    "transcode_pages", "transcode_slots",
+    "encode_pages", "encode_pages_nonfinite", "fp4_to_fp8_key_rows", "fp4_to_fp8_key_segments", "fp4_to_fp8_keys",
+    "gather_transcode", "key_kernels", "loss_stats", "move_spans", "nonfinite_flags", "repage",
+    "state_kernels", "transcode_pages", "transcode_slots", "transcode_slots_nonfinite",
 ]
 
 #: Environment variable selecting the implementation: ``auto`` (default) or ``reference``.
@@ -92,6 +92,13 @@ def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str |
     return backend(group, layout).encode_pages(x, layout, page_size, dialect, scale, out=out)
 
 
+def encode_pages_nonfinite(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float,
+                           *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``encode_pages`` of latents holding NaN/Inf (``nonfinite="propagate"``): always the reference codec,
+    whose NaN/Inf tiles follow the dialect's writer; the numba and Triton kernels are never given them."""
+    return reference.encode_pages(x, layout, page_size, dialect, scale, out=out, propagate=True)
+
+
 def decode_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
                  scale: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pages -> fp32 ``[num_tokens, 512]`` (see ``reference.decode_pages``), into ``out`` when given."""
@@ -129,6 +136,17 @@ def transcode_pages(
     return backend(group, src, dst).transcode_pages(
         pages, src, src_page_size, dst, dst_page_size, num_tokens, src_scale, dst_scale, dialect, out=out
     )
+
+
+def transcode_slots_nonfinite(
+    src_pages: torch.Tensor, src: Layout, src_page_size: int, dst_pages: torch.Tensor, dst: Layout,
+    dst_page_size: int, src_slots: torch.Tensor, dst_slots: torch.Tensor, src_scale: float, dst_scale: float,
+    dialect: str | None,
+) -> None:
+    """``transcode_slots`` of source tokens that decode to NaN/Inf (``nonfinite="propagate"``): always the
+    reference codec, as ``encode_pages_nonfinite``."""
+    reference.transcode_slots(src_pages, src, src_page_size, dst_pages, dst, dst_page_size, src_slots, dst_slots,
+                              src_scale, dst_scale, dialect, False, propagate=True)
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

@@ -41,11 +41,11 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
 
 
 def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str | None, scale: float,
-                 *, out: torch.Tensor | None = None) -> torch.Tensor:
+                 *, out: torch.Tensor | None = None, propagate: bool = False) -> torch.Tensor:
     """fp32 (or bf16, widened exactly) ``[N, 512]`` -> pages ``[ceil(N/P), page_bytes]`` (built, then
-    copied into ``out`` when given)."""
-    return _into(out, layout.records_to_pages(record_codec(layout).encode(x.float(), dialect=dialect, scale=scale),
-                                              page_size))
+    copied into ``out`` when given); ``propagate``: NaN/Inf tiles as their writers store them."""
+    records = record_codec(layout).encode(x.float(), dialect=dialect, scale=scale, propagate=propagate)
+    return _into(out, layout.records_to_pages(records, page_size))
 
 
 def decode_pages(
@@ -123,15 +123,15 @@ def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: 
 def transcode_slots(
     src_pages: torch.Tensor, src: Layout, src_page_size: int, dst_pages: torch.Tensor, dst: Layout,
     dst_page_size: int, src_slots: torch.Tensor, dst_slots: torch.Tensor, src_scale: float, dst_scale: float,
-    dialect: str | None, byte_move: bool,
+    dialect: str | None, byte_move: bool, *, propagate: bool = False,
 ) -> None:
     """Write source slot ``src_slots[i]`` into ``dst_slots[i]`` in place (slots validated, sources
-    already checked finite when re-encoding)."""
+    already checked finite when re-encoding, unless ``propagate``: NaN/Inf re-encoded as the writers do)."""
     for start in range(0, src_slots.numel(), CHUNK_TOKENS):
         records = records_at(src_pages, src, src_page_size, src_slots[start : start + CHUNK_TOKENS])
         if not byte_move:
             values = record_codec(src).decode(records, scale=src_scale)
-            records = record_codec(dst).encode(values, dialect=dialect, scale=dst_scale)
+            records = record_codec(dst).encode(values, dialect=dialect, scale=dst_scale, propagate=propagate)
         index = dst.geometry.byte_index(dst_page_size, dst_slots[start : start + CHUNK_TOKENS])
         dst_pages.view(-1)[index] = records
 

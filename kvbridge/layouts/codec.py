@@ -70,7 +70,9 @@ class RecordCodec:
     Per field (``Segment``): bf16 is rounded to nearest even; per-tensor E4M3 is
     ``e4m3(x * m)`` with ``m = tensor_multiplier(dialect, scale)``, decoded ``e4m3 * scale``;
     UE8M0-scaled E4M3 tiles get scale 2^k with k from the dialect's rule
-    (``numerics.scale_exponent``) and value bytes ``e4m3(x / 2^k)`` (exact division); FNUZ tiles
+    (``numerics.scale_exponent``) and value bytes ``e4m3(x / 2^k)`` (exact division); a tile holding
+    NaN or Inf (``nonfinite="propagate"``, dialects ``numerics.UE8M0_NONFINITE_DIALECTS``) gets the
+    scale byte 0xFF and ``numerics.e4m3_nonfinite_tile_codes``; FNUZ tiles
     likewise with ``numerics.fnuz_scale_exponent`` and ``e4m3fnuz``;
     E4M3-scaled E2M1 tiles get ``numerics.fp4_tile_scale`` and codes of ``x / scale``; NVFP4 tiles
     ``numerics.nvfp4_tile_scale`` and codes of ``x * fp32(1 / scale)`` (``nvfp4_encode_tiles``);
@@ -82,7 +84,10 @@ class RecordCodec:
         self.layout = layout
         self.record_bytes = layout.record_bytes
 
-    def encode(self, x: torch.Tensor, *, dialect: str | None, scale: float) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, *, dialect: str | None, scale: float, propagate: bool = False) -> torch.Tensor:
+        """Records of ``x``; ``propagate``: tiles holding NaN/Inf as the writers store them (``nonfinite=
+        "propagate"``, checked by ``ops.pages``); without it NaN/Inf run through the finite rules, as in the
+        fast kernels (the public API refuses or replaces them before)."""
         n = x.shape[0]
         rec = torch.zeros(n, self.record_bytes, dtype=torch.uint8, device=x.device)
         for op, d0, nd, off, tile, soff in self.layout.segments:
@@ -96,18 +101,35 @@ class RecordCodec:
                 rec[:, off : off + nd] = nx.e4m3_encode(v if dialect == "compress" else v * m)
             elif op in (OP_E4M3_UE8M0, OP_E4M3FNUZ_UE8M0):
                 tiles = v.reshape(n, nd // tile, tile)
-                amax = tiles.abs().amax(dim=-1)
+                amax = tiles.abs().amax(dim=-1)  # NaN when the tile holds one, else +Inf when it holds +-Inf
+                bad = ~torch.isfinite(amax) if propagate else None
+                if bad is not None:
+                    amax = torch.where(bad, torch.zeros_like(amax), amax)
                 fnuz = op == OP_E4M3FNUZ_UE8M0
                 exp = nx.fnuz_scale_exponent(amax, fnuz_dialect(dialect)) if fnuz else \
                     nx.scale_exponent(amax, ue8m0_dialect(dialect))
                 encode = nx.e4m3fnuz_encode if fnuz else nx.e4m3_encode
-                rec[:, off : off + nd] = encode(tiles * nx.pow2(-exp).unsqueeze(-1)).reshape(n, nd)
-                rec[:, soff : soff + nd // tile] = nx.ue8m0_byte(exp)
-            elif op in (OP_E2M1_E4M3, OP_E2M1_NVFP4):
+                codes = encode(tiles * nx.pow2(-exp).unsqueeze(-1))
+                scale_bytes = nx.ue8m0_byte(exp)
+                if bad is not None and bool(bad.any()):  # ops.pages has checked the dialect's rule
+                    codes = torch.where(bad.unsqueeze(-1), nx.e4m3_nonfinite_tile_codes(tiles), codes)
+                    scale_bytes = torch.where(bad, torch.full_like(scale_bytes, nx.UE8M0_NAN), scale_bytes)
+                rec[:, off : off + nd] = codes.reshape(n, nd)
+                rec[:, soff : soff + nd // tile] = scale_bytes
+            elif op == OP_E2M1_E4M3:
                 tiles = v.reshape(n, nd // tile, tile)
-                nv = op == OP_E2M1_NVFP4
-                scale_bytes = (nx.nvfp4_tile_scale if nv else nx.fp4_tile_scale)(tiles.abs().amax(dim=-1))
-                codes = (nx.nvfp4_encode_tiles if nv else nx.fp4_encode_tiles)(tiles, scale_bytes).reshape(n, nd)
+                amax = nx.fp4_tile_amax(tiles) if propagate else tiles.abs().amax(dim=-1)
+                scale_bytes = nx.fp4_tile_scale(amax)
+                codes = nx.fp4_encode_tiles(tiles, scale_bytes)
+                if propagate:  # x / NaN is CUDA's canonical NaN (sign +): code 0 in a NaN-scaled tile
+                    nan_scale = torch.isnan(nx.e4m3_decode(scale_bytes)).unsqueeze(-1)
+                    codes = torch.where(nan_scale, torch.zeros_like(codes), codes)
+                rec[:, off : off + nd // 2] = nx.e2m1_pack(codes.reshape(n, nd))
+                rec[:, soff : soff + nd // tile] = scale_bytes
+            elif op == OP_E2M1_NVFP4:
+                tiles = v.reshape(n, nd // tile, tile)
+                scale_bytes = nx.nvfp4_tile_scale(tiles.abs().amax(dim=-1))
+                codes = nx.nvfp4_encode_tiles(tiles, scale_bytes).reshape(n, nd)
                 rec[:, off : off + nd // 2] = nx.e2m1_pack(codes)
                 rec[:, soff : soff + nd // tile] = scale_bytes
             elif op == OP_E2M1_UE8M0:

@@ -18,13 +18,15 @@ from kvbridge.backends.loss_stats import LossStats
 from kvbridge.backends.reference import check_finite
 from kvbridge.errors import InputError, NonFiniteError, OutputBufferError
 from kvbridge.layouts import Layout, get_layout, scan
-from kvbridge.layouts.codec import HEAD_DIM, reciprocal_f32
-from kvbridge.layouts.registry import check_device
+from kvbridge.layouts.codec import HEAD_DIM, reciprocal_f32, ue8m0_dialect
+from kvbridge.layouts.registry import OP_BF16, OP_E2M1_E4M3, OP_E4M3_UE8M0, OP_ZERO, check_device
 from kvbridge.ops.checks import _check_auto, _check_byte_move_dialect, _check_dialect, _check_scale
 from kvbridge.ops.loss import LossReport, loss_report, transcode_loss
 
-NonFinitePolicy = Literal["error", "zero", "saturate"]
-NONFINITE_POLICIES = ("error", "zero", "saturate")
+NonFinitePolicy = Literal["error", "zero", "saturate", "propagate"]
+NONFINITE_POLICIES = ("error", "zero", "saturate", "propagate")
+#: The policies a transcode takes: the source's NaN/Inf refused, or re-encoded as the destination's writer does.
+TRANSCODE_NONFINITE_POLICIES = ("error", "propagate")
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -47,12 +49,30 @@ def _check_latents(x: torch.Tensor) -> None:
     check_device(x, "latents x")
 
 
+def _check_nonfinite(policy: object, layout: Layout | None, dialect: str | None,
+                     policies: tuple[str, ...] = NONFINITE_POLICIES) -> str:
+    """``policy`` when it is one of ``policies`` and, for ``propagate`` with a ``layout``, every field of
+    ``layout`` encoded with ``dialect`` has a known writer rule for NaN/Inf tiles; ``InputError`` otherwise."""
+    if not isinstance(policy, str) or policy not in policies:
+        raise InputError(f"nonfinite must be one of {', '.join(policies)}, got {policy!r:.40}")
+    if policy == "propagate" and layout is not None:
+        for op, *_ in layout.segments:
+            if op in (OP_BF16, OP_ZERO, OP_E2M1_E4M3) or (
+                    op == OP_E4M3_UE8M0 and ue8m0_dialect(dialect) in nx.UE8M0_NONFINITE_DIALECTS):
+                continue
+            raise InputError(
+                f"nonfinite='propagate' is not available for {layout.name} with dialect {dialect!r}: what its "
+                "writer stores for a NaN/Inf tile is not established (docs/layouts.md, non-finite values); "
+                "pass nonfinite='zero' or 'saturate', or a dialect among "
+                f"{', '.join(nx.UE8M0_NONFINITE_DIALECTS)} for a UE8M0 layout"
+            )
+    return policy
+
+
 def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
-    """Return ``x`` (fp32, or bf16 passed through unchanged) with NaN/Inf handled per ``policy``
-    (see ``encode``); any replacement is done, and returned, in fp32."""
-    if not isinstance(policy, str) or policy not in NONFINITE_POLICIES:
-        raise InputError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {policy!r}")
-    if dispatch.all_finite(x):
+    """Return ``x`` (fp32, or bf16 passed through unchanged) with NaN/Inf handled per the checked ``policy``
+    (see ``encode``); any replacement is done, and returned, in fp32; ``propagate`` returns ``x`` as it is."""
+    if policy == "propagate" or dispatch.all_finite(x):
         return x
     bad = ~torch.isfinite(x)
     if policy == "error":
@@ -60,7 +80,8 @@ def _apply_nonfinite(x: torch.Tensor, policy: str) -> torch.Tensor:
         value = float(x[token, dim])
         raise NonFiniteError(
             f"non-finite value {value} at token {token}, dim {dim} "
-            f"({int(bad.sum())} non-finite values in all); pass nonfinite='zero' or 'saturate' to encode anyway"
+            f"({int(bad.sum())} non-finite values in all); pass nonfinite='zero' or 'saturate' to encode anyway, "
+            "or 'propagate' to store them as the dialect's writer does"
         )
     x = x.float()
     x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
@@ -112,7 +133,10 @@ def encode(
     ``trtllm-fp8``: ``swa`` default, ``compress``). ``scale`` is the per-tensor scale of
     ``trtllm-fp8`` (default 1.0; ``"auto"`` picks ``auto_scale(x)``).
     ``nonfinite``: ``error`` (default) raises naming the first bad token and dim; ``zero``
-    writes NaN and +-Inf as 0; ``saturate`` writes NaN as 0 and +-Inf as the format's max.
+    writes NaN and +-Inf as 0; ``saturate`` writes NaN as 0 and +-Inf as the format's max;
+    ``propagate`` stores each NaN/Inf tile as the dialect's own writer does (docs/layouts.md; refused with
+    ``InputError`` for a layout or dialect whose writer's bytes are not established), always on the
+    reference codec.
     ``out``: an existing contiguous uint8 tensor of exactly that shape, on ``x``'s device and not
     sharing memory with ``x``, to write into instead of allocating (reused across calls, it saves
     the first-touch cost of fresh memory); every byte of it is written, and it is returned. All
@@ -123,13 +147,16 @@ def encode(
     x = x.detach()  # encoding is not differentiable: an input that requires grad is read as values
     lay.check_page_size(page_size)
     d = _check_dialect(dialect, lay)
+    policy = _check_nonfinite(nonfinite, lay, d)
     if out is not None:
         _check_out(out, dtype=torch.uint8, shape=[lay.num_pages(x.shape[0], page_size), lay.page_bytes(page_size)],
                    source=x, what=lay.name, source_name="latents x")
-    xf = _apply_nonfinite(x if x.dtype == torch.bfloat16 else x.float(), nonfinite)  # bf16: no fp32 copy
+    xf = _apply_nonfinite(x if x.dtype == torch.bfloat16 else x.float(), policy)  # bf16: no fp32 copy
     if _check_auto(scale, lay):
         scale = auto_scale(xf)
     s = _check_scale(scale, lay)
+    if policy == "propagate" and not dispatch.all_finite(xf):
+        return dispatch.encode_pages_nonfinite(xf.contiguous(), lay, page_size, d, s, out=out)
     return dispatch.encode_pages(xf.contiguous(), lay, page_size, d, s, out=out)
 
 
@@ -211,6 +238,7 @@ def transcode(
     src_scale: float | None = None,
     dst_scale: float | str | None = None,
     dialect: str | None = None,
+    nonfinite: Literal["error", "propagate"] = "error",
     report: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, LossReport]:
@@ -225,7 +253,10 @@ def transcode(
     device, contiguous, not overlapping ``pages``) to write into instead of allocating; every byte of
     it is written, and it is returned; one that does not fit raises ``OutputBufferError``. Arguments
     are checked before ``out`` is touched, but a source found to hold NaN/Inf while converting may
-    leave ``out`` partly written.
+    leave ``out`` partly written. ``nonfinite``: ``error`` (default) refuses a source holding NaN/Inf codes;
+    ``propagate`` decodes it and re-encodes the values as the destination dialect's writer does
+    (``encode(..., nonfinite="propagate")``, on the reference codec; refused where that is not available),
+    and a byte move then keeps the source's codes as they are. ``report`` is refused with ``propagate``.
     """
     if not isinstance(report, bool):
         raise InputError(f"report must be True or False, got {type(report).__name__}")
@@ -241,14 +272,22 @@ def transcode(
     if out is not None:
         _check_out(out, dtype=torch.uint8, shape=[dst.num_pages(n, dps), dst.page_bytes(dps)], source=pages,
                    what=dst.name, source_name="pages")
+    policy = _check_nonfinite(nonfinite, None, None, TRANSCODE_NONFINITE_POLICIES)
+    if policy == "propagate" and report:
+        raise InputError("report=True measures a finite conversion; it is not available with nonfinite='propagate'")
     if not auto and is_byte_move(src, dst, s_in, s_out):
         _check_byte_move_dialect(src, dst, dialect)
-        scan.check_pages(pages, src, src_page_size, n, scale=s_in)  # the stored codes, at the actual scale
+        if policy == "error":
+            scan.check_pages(pages, src, src_page_size, n, scale=s_in)  # the stored codes, at the actual scale
         out = dispatch.repage(pages, src, src_page_size, dst, dps, num_tokens, out=out)
         if not report:
             return out
         return out, loss_report(LossStats(num_tokens=n), src, dst, byte_move=True, dst_scale=s_out)
     d = _check_dialect(dialect, dst)
+    if policy == "propagate":  # decoded NaN/Inf re-encoded as dst's writer does (a per-tensor dst is refused)
+        _check_nonfinite(policy, dst, d)
+        values = dispatch.decode_pages(pages, src, src_page_size, num_tokens, s_in)
+        return encode(values, dst, page_size=dps, dialect=d, nonfinite="propagate", out=out)
     if auto:  # the amax from codes and scale bytes (one read pass)
         amax = dispatch.amax_pages(pages, src, src_page_size, num_tokens, s_in)
         if amax is None:  # a value decodes to NaN/Inf: the decoded values name it

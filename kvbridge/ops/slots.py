@@ -13,7 +13,13 @@ import torch
 from kvbridge.backends import dispatch, reference
 from kvbridge.errors import InputError, LayoutError, NonFiniteError
 from kvbridge.layouts import Layout, get_layout, scan
-from kvbridge.ops.pages import _check_dialect, _check_scale, is_byte_move
+from kvbridge.ops.pages import (
+    TRANSCODE_NONFINITE_POLICIES,
+    _check_dialect,
+    _check_nonfinite,
+    _check_scale,
+    is_byte_move,
+)
 
 #: Layout of the scratch cache ``gather_transcode`` writes (FlashMLA's sparse decode reads it).
 SCRATCH_LAYOUT = "flashmla-model1"
@@ -98,6 +104,7 @@ def transcode_slots(
     src_scale: float | None = None,
     dst_scale: float | None = None,
     dialect: str | None = None,
+    nonfinite: str = "error",
 ) -> torch.Tensor:
     """Write the token at ``src_slots[i]`` of the source pool into ``dst_slots[i]`` of ``dst_pages``, in place.
 
@@ -107,7 +114,9 @@ def transcode_slots(
     Same token record in both layouts (re-paging, ``flashmla-model1`` <-> ``trtllm-fp8-ds-mla``,
     per-tensor at equal scale): the bytes are copied and ``dialect`` is refused. Otherwise each
     token is decoded (``src_scale``) and re-encoded (``dialect``, ``dst_scale``); a non-finite
-    decoded source raises ``NonFiniteError`` before anything is written.
+    decoded source raises ``NonFiniteError`` before anything is written, unless ``nonfinite="propagate"``:
+    then the tokens are re-encoded as the destination dialect's writer does (``transcode``; on the reference
+    codec), and a byte move copies the source's codes as they are.
     Returns ``dst_pages``.
     """
     src = get_layout(src_layout)
@@ -130,6 +139,7 @@ def transcode_slots(
         )
     s_in = _check_scale(src_scale, src, "src_scale")
     s_out = _check_scale(dst_scale, dst, "dst_scale")
+    policy = _check_nonfinite(nonfinite, None, None, TRANSCODE_NONFINITE_POLICIES)
     byte_move = is_byte_move(src, dst, s_in, s_out)
     if byte_move and dialect is not None:
         raise InputError(
@@ -137,6 +147,8 @@ def transcode_slots(
             f"dialect={dialect!r} would not be applied"
         )
     d = None if byte_move else _check_dialect(dialect, dst)
+    if not byte_move:
+        _check_nonfinite(policy, dst, d)
     for slots, pages, page_size, what in (
         (src_slots, src_pages, src_page_size, "src_slots"),
         (dst_slots, dst_pages, dst_page_size, "dst_slots"),
@@ -152,14 +164,18 @@ def transcode_slots(
     if src_slots.numel() == 0:
         return dst_pages
     src_slots, dst_slots = src_slots.contiguous(), dst_slots.contiguous()
-    if byte_move:
+    if byte_move and policy == "error":
         bad = _first_nonfinite_code(src_pages, src, src_page_size, src_slots)
         if bad is not None:
             _raise_nonfinite_slot(src_slots, bad)
     if not byte_move:  # a first pass, so that nothing is written when any source token is bad
         flags = dispatch.nonfinite_flags(src_pages, src, src_page_size, src_slots, s_in)
         if bool(flags.any()):
-            _raise_nonfinite_slot(src_slots, int(flags.nonzero()[0, 0]))
+            if policy == "error":
+                _raise_nonfinite_slot(src_slots, int(flags.nonzero()[0, 0]))
+            dispatch.transcode_slots_nonfinite(src_pages, src, src_page_size, dst_pages, dst, dst_page_size,
+                                               src_slots, dst_slots, s_in, s_out, d)
+            return dst_pages
     dispatch.transcode_slots(src_pages, src, src_page_size, dst_pages, dst, dst_page_size, src_slots, dst_slots,
                              s_in, s_out, d, byte_move)
     return dst_pages

@@ -3,7 +3,8 @@ nibble; nope bytes 0-223, rope bytes 224-255), then 32 E4M3 scales, one per 16 v
 tiles 0-27 at 256-283, rope tiles at 284-287).
 
 Scale rule (no dialects): ``e4m3(clamp(amax / 6, 2^-9, 448))``, codes ``e2m1(x / scale)`` with an
-IEEE division by the rounded scale; a NaN or Inf poisons its tile (scale byte 0x7F).
+IEEE division by the rounded scale; a NaN poisons its tile (scale byte 0x7F, codes 0) and a +-Inf
+without NaN counts as the largest fp32 (scale 448; reached only with ``nonfinite="propagate"``).
 ``v41-fp4`` is block-split at 256 with pages padded to 256 B (SGLang ``v41_fp4``);
 ``v41-fp4-pad512`` the same bytes with pages padded to 512 B (FlashMLA's test ``V41_FP4``);
 ``v41-fp4-interleaved`` stores each token's scales right after its data, pages unpadded

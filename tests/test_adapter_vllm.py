@@ -520,9 +520,9 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
         summary = _send(sender, eng.address, long_plan, long_src, "hit")
         assert not isinstance(summary, Exception), summary
         rest = long_plan.past(512).transfers
-        if transport == "gloo":  # the consumer's accept names its hit: only the rest moves (NIXL moves it all)
-            assert summary["payload_bytes"] == sum(t.src_bytes for t in rest) < sum(
-                t.src_bytes for t in long_plan.transfers), summary
+        # the consumer's accept names its hit (over gloo and NIXL alike): only the rest moves
+        assert summary["payload_bytes"] == sum(t.src_bytes for t in rest) < sum(
+            t.src_bytes for t in long_plan.transfers), summary
         state = eng("wait hit")
         assert "hit" not in state["failed"] and not state["errors"][1:], state
         cached, intact = state["intact"]["hit"]
@@ -545,25 +545,131 @@ def test_vllm_consumer_requests_are_independent(tmp_path, transport, num_tokens=
         state = eng("run")
         assert state["status"]["whole"] == "FINISHED_LENGTH_CAPPED" and "whole" not in state["received"], state
         assert state["status"]["hit"] == "FINISHED_LENGTH_CAPPED", state
-        # TP > 1 is refused when vLLM creates the connector, with one line naming the remedy
-        eng.proc.stdin.write("tp 2\n")
-        eng.proc.stdin.flush()
-        line = eng._line()
-        while not line.startswith("REFUSED "):
+        # refused when vLLM creates the connector, with one line naming the remedy: PP > 1, and TP > 1 with
+        # listen port 0 (rank r listens on the port + r: producers need a fixed port)
+        for command, why in (("parallel 1 2", "pipeline parallel size 1, this vLLM runs 2; serve with -pp 1"),
+                             ("parallel 2 1", "at tensor parallel size 2 rank r listens on its port + r")):
+            eng.proc.stdin.write(command + "\n")
+            eng.proc.stdin.flush()
             line = eng._line()
-        refused = json.loads(line[8:])
-        assert all(e and e.startswith("InputError") and "runs 2 x 1" in e and "-tp 1" in e
-                   for e in refused.values()), refused
+            while not line.startswith("REFUSED "):
+                line = eng._line()
+            refused = json.loads(line[8:])
+            assert all(e and e.startswith("InputError") and why in e for e in refused.values()), refused
         assert state["free"] == state["free_at_start"], state
         assert state["stats"]["recv_requests"] == 24 * 4 + 4 and state["stats"]["recv_failed"] == 1, state["stats"]
         # bytes written into vLLM's blocks: every request's converted records, the hit's only past its prefix
         written = (24 * 4 + 3) * sum(t.dst_bytes for t in plan.transfers) + sum(
             t.dst_bytes for t in long_plan.past(512).transfers)
         assert state["stats"]["recv_written_MB"] == round(written / 1e6, 3), state["stats"]
+        # bytes moved (the connector's metrics): the hit's only past its prefix, over gloo and NIXL alike
+        moved = (24 * 4 + 3) * sum(t.src_bytes for t in plan.transfers) + sum(
+            t.src_bytes for t in long_plan.past(512).transfers)
+        assert state["stats"]["recv_MB"] == round(moved / 1e6, 3), state["stats"]
     finally:
         if sender is not None:
             sender.close()
         eng.close()
+
+
+def _free_pair() -> int:
+    """A port p such that p and p + 1 are free on 127.0.0.1 (rank r of a TP-2 end listens on p + r)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_vllm_at_tensor_parallel_2_every_rank_moves_the_whole_request(tmp_path, num_tokens=300):
+    """vLLM at TP = 2 (role ``kv_both``): one scheduler, a worker connector per rank in its own daemonic process
+    inside vLLM's TP group, rank results merged by vLLM's ``KVOutputAggregator``. DeepSeek-V4's caches are
+    replicated per rank, so each rank receives the whole request from its producer rank (rank r listens on
+    port + r) and each rank's blocks hold it byte-exact; producers that are not at the consumer's rank and
+    size are refused at the handshake, before any block is written. Then each rank sends a finished request
+    to its peer rank (port + r); both peers receive TensorRT-LLM's writer bytes; vLLM frees the blocks once
+    both ranks sent."""
+    python = _vllm_python()
+    model_dir = _model(tmp_path)
+    out = tmp_path / "out"
+    model = from_hf_config(str(model_dir / "config.json"))
+    send_plan = plan_migration(VLLM, TRTLLM, model, num_tokens, include_mtp=False)
+    peer = _free_pair()
+    dsts = [destination_pools(send_plan, spare_pages=2) for _ in range(2)]
+    servers = [GlooServer(dsts[r], plan=send_plan, port=peer + r, tp=(r, 2)) for r in range(2)]
+    got: dict = {}
+
+    def receive(r: int) -> None:
+        try:
+            got[r] = servers[r].receive(timeout=250, accept_timeout=250, request_id="req-tp-out")
+        except Exception as exc:  # reported by the assertion below
+            got[r] = exc
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    proc = _engine(python, "tp", "gloo", str(model_dir), str(out), "2", str(_free_pair()), str(_free_pair()),
+                   str(num_tokens), TRTLLM, TRTLLM, f"127.0.0.1:{peer}")
+    try:
+        ports = {}
+        while len(ports) < 2:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-4000:]
+            if line.startswith("LISTEN"):
+                _, host, port, rank = line.split()
+                ports[int(rank)] = int(port)
+        assert ports[1] == ports[0] + 1
+        plan = plan_migration(TRTLLM, VLLM, model, num_tokens, include_mtp=False)
+        src_pools, src_tables = source_request(plan, spare_pages=2, seed=3)
+
+        def send(rank_port: int, tp):
+            try:
+                return send_request_tcp(plan, src_pools, src_tables, host=host, port=rank_port, request_id="req-tp",
+                                        timeout=120, tp=tp)
+            except MigrationError as exc:
+                return exc
+
+        for rank_port, tp, why in ((ports[0], (0, 1), "rank 0 of tensor parallel size 1, this receiver rank 0 of 2"),
+                                   (ports[1], (0, 2), "rank 0 of tensor parallel size 2, this receiver rank 1 of 2")):
+            refused = send(rank_port, tp)
+            assert isinstance(refused, MigrationError) and why in str(refused) and "same -tp" in str(refused), refused
+        for r in range(2):
+            summary = send(ports[r], (r, 2))
+            assert not isinstance(summary, Exception), summary
+    finally:
+        _finish(proc)
+        for thread in threads:
+            thread.join(timeout=60)
+        for server in servers:
+            server.close()
+    for r in range(2):
+        result, raw, caches = _vllm_buffer(out / f"rank{r}" / "in", plan, model)
+        assert result["received"] == ["in"] and result["errors"] == [], result
+        _assert_landed(plan, src_pools, src_tables, result, raw, caches)
+    result = json.loads((out / "rank0" / "out" / "result.json").read_text())
+    assert result["finished"] == "FINISHED_LENGTH_CAPPED" and result["sent"] == ["out"], result
+    assert result["freed_after_send"] and result["errors"] == [], result
+    assert result["stats"]["recv_requests"] == 2 and result["stats"]["send_requests"] == 2, result["stats"]
+    records = load_file(str(out / "records.safetensors"))
+    for r in range(2):
+        assert not isinstance(got.get(r), Exception) and got.get(r) is not None, got
+        _, rid, tables, _ = got[r]
+        assert rid == "req-tp-out"
+        _, _, caches = _vllm_buffer(out / f"rank{r}" / "out", send_plan, model)
+        src = caches.tables(result["out_block_ids"])
+        for i, t in enumerate(send_plan.transfers):
+            key = (t.spec.layer, t.spec.role)
+            held = gather_records(caches.pools.pool(t.spec), t.src, src[caches.group[key]], t.first, t.count)
+            assert torch.equal(held, records[str(i)]), f"rank {r}: layer {t.spec.layer} {t.spec.role.value}"
+            landed = gather_records(dsts[r].pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
+            assert torch.equal(landed, expected_records(t, held)), f"rank {r}: layer {t.spec.layer}"
 
 
 def test_vllm_producer_reports_a_failed_send(tmp_path, num_tokens=300):

@@ -551,3 +551,55 @@ def test_sender_survives_a_receiver_that_dies_mid_request():
     assert error.startswith("TransferError: ") and "\n" not in error, error
     assert "nothing was published" in error
     assert sender.exitcode == 0  # the sender's own process did not die of the agent
+
+
+def test_prefix_cache_hit_moves_only_the_rest_and_tp_ranks_must_match():
+    """A receiver that computed tokens [0, 1088) itself (``computed``) names them in its accept: the sender
+    moves ``plan.past(1088)`` only (converted on either side), its layer groups renumbered; the rest lands
+    as the reference writers store it. A receiver at TP rank 1 of 2 refuses a sender at another rank or
+    size before anything moves."""
+    from kvbridge.migration import MigrationError, destination_pools
+    from kvbridge.migration.stream import layer_groups, past_groups
+
+    plan = _plan(TRTLLM, VLLM)
+    rest = plan.past(1088)
+    assert len(rest.transfers) < len(plan.transfers)  # whole transfers held (all 8 C128 entries lie before 1088)
+    groups = past_groups(plan, layer_groups(plan), 1088)
+    assert groups == layer_groups(rest) and sorted(i for g in groups for i in g) == list(range(len(rest.transfers)))
+    src, src_tables = source_request(plan, spare_pages=2, seed=4)
+    dst = destination_pools(plan, spare_pages=2)
+    got: list = []
+    landed: list[list[torch.Tensor]] = []
+    with NixlReceiver(dst, plan=lambda info: plan, computed=lambda: 1088, tp=(1, 2)) as rx:
+        import threading
+
+        def serve(n: int) -> None:
+            for _ in range(n):
+                try:
+                    got.append(rx.receive(timeout=RECV_TIMEOUT_S, accept_timeout=RECV_TIMEOUT_S))
+                except KVBridgeError as exc:
+                    got.append(exc)
+                    continue
+                tables = got[-1].tables  # what landed, then its pages freed for the next request
+                landed.append([gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
+                               for t in rest.transfers])
+                dst.release(tables)
+
+        thread = threading.Thread(target=serve, args=(4,))
+        thread.start()
+        with NixlSender(*rx.address, timeout=RECV_TIMEOUT_S) as sender:
+            for tp in ((0, 2), (0, 1)):
+                with pytest.raises(MigrationError, match="tensor parallel size"):
+                    sender.send_request(plan, src, src_tables, tp=tp)
+            summaries = [sender.send_request(plan, src, src_tables, tp=(1, 2), convert_on=side)
+                         for side in ("receiver", "sender")]
+        thread.join(RECV_TIMEOUT_S)
+    assert [type(g).__name__ for g in got] == ["MigrationError", "MigrationError", "Received", "Received"], got
+    want_bytes = {"receiver": sum(t.src_bytes for t in rest.transfers),
+                  "sender": sum(t.dst_bytes for t in rest.transfers)}
+    for side, summary, records in zip(("receiver", "sender"), summaries, landed, strict=True):
+        assert summary["payload_bytes"] == want_bytes[side] < sum(t.src_bytes for t in plan.transfers), summary
+        for t, rec in zip(rest.transfers, records, strict=True):
+            want = expected_records(t, gather_records(src.pool(t.spec), t.src, table_of(src_tables, t.src), t.first,
+                                                      t.count))
+            assert torch.equal(rec, want), f"{side}: layer {t.spec.layer} {t.spec.role.value}"

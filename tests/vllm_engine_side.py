@@ -4,6 +4,8 @@ Usage: python tests/vllm_engine_side.py consumer TRANSPORT MODEL_DIR OUT_DIR REQ
                                           [fail|recompute] [ape=PATH] [daemonic]
        python tests/vllm_engine_side.py producer TRANSPORT MODEL_DIR OUT_DIR REQUEST_ID NUM_TOKENS DST_SPEC HOST:PORT
        python tests/vllm_engine_side.py commands TRANSPORT MODEL_DIR OUT_DIR [fail|recompute]   (see ``commands``)
+       python tests/vllm_engine_side.py tp TRANSPORT MODEL_DIR OUT_DIR SIZE PORT DIST_PORT NUM_TOKENS SRC DST HOST:PORT
+                                          (see ``tp``)
 
 TRANSPORT (gloo or nixl) is the connector's ``transport`` key.
 
@@ -69,7 +71,11 @@ class Engine:
     """vLLM's config, KV-cache groups and allocation, the connector (both sides) and the scheduler."""
 
     def __init__(self, model_dir: str, role: str, transport: str, on_load_failure: str | None = None,
-                 ape: str | None = None) -> None:
+                 ape: str | None = None, tp: int = 1, listen: str | None = None,
+                 sides: tuple[str, ...] = ("scheduler", "worker"), rank: tuple[int, int] | None = None) -> None:
+        """``tp``: vLLM's tensor parallel size; ``sides``: the scheduler, the worker or both (at TP > 1 one
+        scheduler and a worker per rank); ``rank``: a worker's (TP rank, port of vLLM's process-group store),
+        its TP group formed as vLLM's workers form it before they create their connector."""
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -89,13 +95,22 @@ class Engine:
 
         # what ``kvbridge vllm-config`` prints
         kt = KVTransferConfig(**kv_transfer_config(role, timeout=120, on_load_failure=on_load_failure,
-                                                   transport=transport, ape=[ape] if ape else None))
+                                                   transport=transport, ape=[ape] if ape else None, listen=listen))
         vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
                         device_config=DeviceConfig("cpu"), kv_transfer_config=kt,
                         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_len, max_num_seqs=8,
                                                          max_model_len=max_len, is_encoder_decoder=False))
         # vLLM's CPU platform turns the hybrid allocator off; a GPU platform keeps it on (DeepSeek-V4 needs it)
         vc.scheduler_config.disable_hybrid_kv_cache_manager = False
+        vc.parallel_config.tensor_parallel_size = tp
+        if rank is not None:
+            from vllm.config import set_current_vllm_config
+            from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+            with set_current_vllm_config(vc):
+                init_distributed_environment(world_size=tp, rank=rank[0], local_rank=rank[0], backend="gloo",
+                                             distributed_init_method=f"tcp://127.0.0.1:{rank[1]}")
+                initialize_model_parallel(tp, backend="gloo")
         ratios = json.load(open(os.path.join(model_dir, "config.json")))["compress_ratios"]
         self.specs, self.layers = specs_for(vc, ratios)
         backends = [DeepseekSparseSWABackend, CompressorBackend, DeepseekV4IndexerBackend]
@@ -104,15 +119,18 @@ class Engine:
         groups = get_global_kv_cache_groups(vc, [self.specs])
         self.config = get_kv_cache_configs(vc, [self.specs], [32 << 20], groups)[0]
         self.config.kv_cache_layout = self.layout.name
-        # worker: vLLM's own allocation of the KV cache and its per-layer views (as its model runner does)
-        self.kv_caches = allocate_kv_cache(self.config, torch.device("cpu"), self.layout)
-        self.worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, self.config)
-        self.worker.register_kv_caches({n: self.kv_caches[n] for n in self.specs})
+        self.vc = vc
+        if "worker" in sides:
+            # worker: vLLM's own allocation of the KV cache and its per-layer views (as its model runner does)
+            self.kv_caches = allocate_kv_cache(self.config, torch.device("cpu"), self.layout)
+            self.worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, self.config)
+            self.worker.register_kv_caches({n: self.kv_caches[n] for n in self.specs})
+        if "scheduler" not in sides:
+            return
         sched_config = generate_scheduler_kv_cache_config([self.config])
         # what vLLM's engine core does between the KV-cache config and the scheduler
         vc.cache_config.num_gpu_blocks = sched_config.num_blocks
         block_size, hash_block_size = resolve_kv_cache_block_sizes(sched_config, vc)
-        self.vc = vc
         self.scheduler = Scheduler(vc, sched_config, StructuredOutputManager(vc), block_size=block_size,
                                    hash_block_size=hash_block_size)
         assert type(self.scheduler.connector).__name__ == "KVBridgeConnector", type(self.scheduler.connector)
@@ -358,7 +376,7 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
         elif cmd == "abort":
             eng.scheduler.finish_requests(args[0], RequestStatus.FINISHED_ABORTED)
             advance()
-        elif cmd == "tp":  # the connector for this vLLM at tensor parallel size N (both roles): refused or not
+        elif cmd == "parallel":  # the connector at tensor parallel size TP, pipeline parallel size PP (both roles)
             import copy
 
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -367,6 +385,7 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
             vc = copy.copy(eng.vc)
             vc.parallel_config = copy.copy(eng.vc.parallel_config)
             vc.parallel_config.tensor_parallel_size = int(args[0])
+            vc.parallel_config.pipeline_parallel_size = int(args[1])
             refused = {}
             for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
                 try:
@@ -388,6 +407,150 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
                  "status": {n: r.status.name for n, r in reqs.items()}}
         print("OK " + json.dumps(state), flush=True)
     eng.worker.shutdown()
+
+
+def tp_worker(rank: int, size: int, dist_port: int, conn, transport: str, model_dir: str, listen: str) -> None:
+    """One TP rank's worker (a daemonic process, as vLLM's multiprocess executor runs it): vLLM's TP group
+    formed first (gloo), then its KV cache and its worker connector; it runs what ``tp`` sends through
+    ``conn``: ``step`` (the worker connector over one scheduler step: its transfer results and stats),
+    ``fill`` (a producer request's blocks written with the seed-11 records) and ``dump`` (vLLM's KV buffer)."""
+    eng = Engine(model_dir, "both", transport, tp=size, listen=listen, sides=("worker",), rank=(rank, dist_port))
+    w = eng.worker
+    conn.send((w.server.address, w.tp))
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "step":
+            w.bind_connector_metadata(args[0])
+            w.start_load_kv(None)
+            w.wait_for_save()
+            w.clear_connector_metadata()
+            results = w.get_transfer_results(args[1])
+            conn.send((results, w.get_kv_connector_stats(), list(w.errors)))
+        elif cmd == "fill":
+            from kvbridge.migration.plan import plan_migration
+
+            plan = plan_migration(w.profile, args[1], w.model, args[2], include_mtp=False)
+            w.caches.write(plan.transfers, synthetic_records(plan, seed=11), args[0], side="src")
+            conn.send(None)
+        elif cmd == "dump":
+            os.makedirs(args[0], exist_ok=True)
+            eng.dump(args[0], args[1])
+            conn.send(None)
+        else:
+            w.shutdown()
+            conn.send(None)
+            return
+
+
+def tp(transport: str, model_dir: str, out_dir: str, size: int, port: int, dist_port: int, num_tokens: int,
+       src: str, dst: str, peer: str) -> None:
+    """vLLM at tensor parallel size ``size``, role ``kv_both``: one scheduler (this process) and a worker per
+    rank (daemonic processes in vLLM's TP group); rank results aggregated by vLLM's ``KVOutputAggregator``.
+    Prints ``LISTEN host port rank`` per rank; receives request ``req-tp`` (from ``src`` pools, every rank
+    from its producer) and dumps each rank's KV buffer to OUT_DIR/rankR/in; then sends a finished request
+    ``req-tp-out`` (its blocks filled on every rank, records to OUT_DIR/records.safetensors) to ``dst``
+    pools at ``peer`` (rank r to its port + r) and dumps again, to OUT_DIR/rankR/out."""
+    import multiprocessing
+    from copy import copy
+
+    from safetensors.torch import save_file
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    from kvbridge.adapters.vllm import KVBridgeStats
+    from kvbridge.migration.plan import plan_migration
+
+    listen = f"127.0.0.1:{port}"
+    eng = Engine(model_dir, "both", transport, tp=size, listen=listen, sides=("scheduler",))
+    ctx = multiprocessing.get_context("spawn")
+    conns, procs = [], []
+    for rank in range(size):
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=tp_worker, args=(rank, size, dist_port, theirs, transport, model_dir, listen),
+                           daemon=True)
+        proc.start()
+        conns.append(mine)
+        procs.append(proc)
+    for rank, conn in enumerate(conns):
+        (host, rank_port), position = conn.recv()
+        assert tuple(position) == (rank, size), position
+        print(f"LISTEN {host} {rank_port} {rank}", flush=True)
+    aggregator = KVOutputAggregator(size)  # what vLLM's multiprocess executor makes for a KV connector
+    stats = KVBridgeStats()
+    result: dict = {"errors": []}
+
+    def step(out, sampled: dict[str, list[int]]):
+        outputs = []
+        for conn in conns:
+            conn.send(("step", out.kv_connector_metadata, set(out.finished_req_ids)))
+        for conn in conns:
+            results, rank_stats, errors = conn.recv()
+            result["errors"] += errors
+            output = copy(EMPTY_MODEL_RUNNER_OUTPUT)
+            output.req_ids = list(sampled)
+            output.req_id_to_index = {r: i for i, r in enumerate(sampled)}
+            output.sampled_token_ids = list(sampled.values())
+            output.kv_connector_output = KVConnectorOutput(
+                finished_sending=results.finished_sending or None, finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving, kv_connector_stats=rank_stats)
+            outputs.append(output)
+        merged = aggregator.aggregate(outputs)
+        stats.aggregate(merged.kv_connector_output.kv_connector_stats or KVBridgeStats())
+        eng.scheduler.update_from_output(out, merged)
+        return merged.kv_connector_output
+
+    def until(req, what: str) -> list[str]:
+        deadline, seen = time.monotonic() + 200, set()
+        while time.monotonic() < deadline:
+            out = eng.scheduler.schedule()
+            done = step(out, {r: [7] for r in out.num_scheduled_tokens})
+            seen |= (done.finished_recving if what == "received" else done.finished_sending) or set()
+            seen |= done.failed_recving or set()
+            if req.request_id in seen:
+                break
+            time.sleep(0.05)
+        return sorted(seen)
+
+    from vllm.v1.outputs import KVConnectorOutput
+
+    req = eng.request(num_tokens, {"kvbridge_src": src, "kvbridge_request_id": "req-tp"}, max_tokens=2,
+                      request_id="in")
+    result["received"] = until(req, "received")
+    result["block_ids"] = [list(ids) for ids in eng.scheduler.kv_cache_manager.get_block_ids("in")]
+    result["status_after_load"] = req.status.name
+    for rank, conn in enumerate(conns):
+        conn.send(("dump", os.path.join(out_dir, f"rank{rank}", "in"), dict(result)))
+        conn.recv()
+    while not req.is_finished():
+        out = eng.scheduler.schedule()
+        step(out, {r: [7] for r in out.num_scheduled_tokens})
+    result["finished"] = req.status.name
+    # the producer side: a request computed on every rank, sent by every rank to its peer rank
+    out_req = eng.request(num_tokens, {"kvbridge_peer": peer, "kvbridge_dst": dst, "kvbridge_request_id": "req-tp-out"},
+                          max_tokens=1, request_id="out")
+    out = eng.scheduler.schedule()
+    block_ids = eng.scheduler.kv_cache_manager.get_block_ids("out")
+    for conn in conns:
+        conn.send(("fill", block_ids, dst, num_tokens))
+        conn.recv()
+    worker_profile = eng.scheduler.connector.profile
+    plan = plan_migration(worker_profile, dst, eng.scheduler.connector.model, num_tokens, include_mtp=False)
+    save_file({str(i): r for i, r in enumerate(synthetic_records(plan, seed=11))},
+              os.path.join(out_dir, "records.safetensors"))
+    step(out, {"out": [5]})  # the request finishes; the next schedule hands its send to every rank
+    result["sent"] = until(out_req, "sent")
+    eng.scheduler.schedule()
+    result["freed_after_send"] = "out" not in eng.scheduler.requests
+    result["out_block_ids"] = [list(ids) for ids in block_ids]
+    result["stats"] = stats.reduce()
+    for rank, conn in enumerate(conns):
+        conn.send(("dump", os.path.join(out_dir, f"rank{rank}", "out"), dict(result)))
+        conn.recv()
+        conn.send(("quit",))
+        conn.recv()
+    for proc in procs:
+        proc.join(60)
+        assert proc.exitcode == 0, proc.exitcode
 
 
 def synthetic_records(plan, seed: int) -> list[torch.Tensor]:
@@ -419,6 +582,9 @@ def main() -> None:
     mode, transport, model_dir, out_dir, *rest = sys.argv[1:]
     if mode == "commands":
         commands(transport, model_dir, out_dir, *rest)
+    elif mode == "tp":
+        size, port, dist_port, num_tokens, src, dst, peer = rest
+        tp(transport, model_dir, out_dir, int(size), int(port), int(dist_port), int(num_tokens), src, dst, peer)
     elif mode == "consumer" and "daemonic" in rest:
         # as vLLM's multiprocess executor runs its workers: in a daemonic process (which cannot have children)
         import multiprocessing

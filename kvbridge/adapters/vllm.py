@@ -31,7 +31,14 @@ applies (DeepSeek-V4 has several KV-cache groups, where vLLM refuses block-level
 A request aborted while it waits cancels its load; its blocks are released once no transfer
 thread can write them. A failed send is logged as failed and counted in the connector's stats;
 its blocks are released (vLLM has no failed-send state). Everything runs in threads of the
-worker process (vLLM's multiprocess executor runs daemonic workers). Tensor parallel size 1.
+worker process (vLLM's multiprocess executor runs daemonic workers).
+
+Tensor parallel: DeepSeek-V4's caches (compressed KV, SWA KV, indexer keys, compressor states) are
+replicated on every TP rank (vLLM's cache specs say ``max_tp_shards=1``), so each rank's worker moves
+the whole request on its own: rank r of a consumer listens on ``listen``'s port + r, rank r of a
+producer sends to ``kvbridge_peer``'s port + r, and both ends' TP sizes must match (a sender at
+another rank or size is refused at the handshake, before any block is written). vLLM reports a
+transfer finished once every rank did (its ``KVOutputAggregator``); it fails if any rank's failed.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -191,10 +199,19 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         parallel = vllm_config.parallel_config
-        ranks = {"tensor": parallel.tensor_parallel_size, "pipeline": parallel.pipeline_parallel_size}
-        if any(n != 1 for n in ranks.values()):
-            raise InputError(f"KVBridgeConnector supports tensor and pipeline parallel size 1, this vLLM runs "
-                             f"{ranks['tensor']} x {ranks['pipeline']}; serve with -tp 1 -pp 1 (docs/adapters.md)")
+        if parallel.pipeline_parallel_size != 1:
+            raise InputError(f"KVBridgeConnector supports pipeline parallel size 1, this vLLM runs "
+                             f"{parallel.pipeline_parallel_size}; serve with -pp 1 (docs/adapters.md)")
+        self.is_consumer = self._kv_transfer_config.is_kv_consumer
+        self.is_producer = self._kv_transfer_config.is_kv_producer
+        size = parallel.tensor_parallel_size
+        host, port = host_port(extra.get("listen", "127.0.0.1:0"), "kv_connector_extra_config listen")
+        if self.is_consumer and size > 1 and not 0 < port <= 65536 - size:
+            raise InputError(f"kv_connector_extra_config listen: at tensor parallel size {size} rank r listens on "
+                             f"its port + r, so give a fixed port of 1..{65536 - size} (got {port}: producers "
+                             "could not find the ranks' ports)")
+        #: This worker's tensor-parallel (rank, size); the scheduler side's rank is 0.
+        self.tp = self._tp_position(role, size)
         self.model = connector_model(vllm_config, extra.get("model"))
         gpu = device_gpu_family() if role == KVConnectorRole.WORKER else None
         self.profile = connector_profile(extra.get("engine"), vllm_config.cache_config.block_size, gpu)
@@ -217,8 +234,6 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.ape: ApeWeights | None = None
         if paths is not None and role == KVConnectorRole.WORKER:
             self.ape = load_ape(paths, self.model, ape_needed(parse_engine("sglang"), self.profile, self.model, False))
-        self.is_consumer = self._kv_transfer_config.is_kv_consumer
-        self.is_producer = self._kv_transfer_config.is_kv_producer
         # scheduler side
         self._loads: dict[str, Load] = {}
         self._sends: dict[str, Send] = {}
@@ -242,14 +257,26 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._senders: dict[str, Any] = {}  # NIXL senders by peer
         self._senders_lock = threading.Lock()
         if role == KVConnectorRole.WORKER and self.is_consumer:
-            host, port = host_port(extra.get("listen", "127.0.0.1:0"), "kv_connector_extra_config listen")
+            port += self.tp[0]
             if self.transport == "nixl":
                 self.server = self._nixl_receiver(extra.get("landing_tokens", vllm_config.model_config.max_model_len),
                                                   host, port)
             else:
                 self.server = GlooServer(EnginePools(self.profile, self.model, False, {}), plan=self._plan_for,
-                                         host=host, port=port, computed=self._computed)
-            log.info("kvbridge connector listening on %s:%d (%s)", *self.server.address, self.transport)
+                                         host=host, port=port, computed=self._computed, tp=self.tp)
+            log.info("kvbridge connector listening on %s:%d (%s, tensor parallel rank %d of %d)",
+                     *self.server.address, self.transport, *self.tp)
+
+    @staticmethod
+    def _tp_position(role: KVConnectorRole, size: int) -> tuple[int, int]:
+        """(rank, size) of this connector in vLLM's tensor-parallel group (a worker asks vLLM's group, which
+        vLLM forms before its connector; the scheduler side runs once, as rank 0)."""
+        if size == 1 or role != KVConnectorRole.WORKER:
+            return 0, size
+        rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        if world != size:
+            raise InputError(f"vLLM's tensor-parallel group has {world} ranks, its config says {size}")
+        return rank, size
 
     def _nixl_receiver(self, landing_tokens: Any, host: str, port: int):
         """A NIXL receiver whose pools are the landing area: one request of ``landing_tokens`` tokens in this
@@ -265,7 +292,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 held[name] = max(held.get(name, 0), pages)
         landing = EnginePools.create(self.profile, self.model, held, include_mtp=False)
         self.landing_tokens = landing_tokens
-        return NixlReceiver(landing, plan=self._plan_for, host=host, port=port, loss_report=False)
+        return NixlReceiver(landing, plan=self._plan_for, host=host, port=port, loss_report=False,
+                            computed=self._computed, tp=self.tp)
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -393,7 +421,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return plan
 
     def _computed(self) -> int:
-        """The prefix-cache hit of the load this transfer thread receives (gloo moves only the rest)."""
+        """The prefix-cache hit of the load this transfer thread receives (only the rest moves)."""
         return self._local.pending.load.computed_tokens
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
@@ -523,15 +551,16 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         plan = plan_migration(self.profile, send.dst, self.model, send.num_tokens, include_mtp=False, ape=self.ape)
         pools, tables = self.caches.request_pools(plan, send.block_ids)
         host, port = host_port(send.peer, "kvbridge_peer")
+        port += self.tp[0]  # rank r sends to the consumer's rank r
         if self.transport == "nixl":
             with self._senders_lock:
                 sender = self._senders.get(send.peer)
                 if sender is None:
                     sender = self._senders[send.peer] = NixlSender(host, port, timeout=self.timeout)
                 return sender.send_request(plan, pools, tables, convert_on=self.convert_on, loss_report=False,
-                                           request_id=send.request_id)
+                                           request_id=send.request_id, tp=self.tp)
         return send_request_tcp(plan, pools, tables, host=host, port=port, convert_on=self.convert_on,
-                                timeout=self.timeout, request_id=send.request_id)
+                                timeout=self.timeout, request_id=send.request_id, tp=self.tp)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

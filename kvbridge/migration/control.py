@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.errors import MigrationError, TransferError
 
 MAGIC = b"KVBRIDGE-MIGRATE"
@@ -51,6 +51,29 @@ def check_name(value: object, what: str) -> str:
         raise MigrationError(f"{what} {value[:40]!r} is not a plain name (printable characters, no path separator, "
                              "no leading dot)")
     return value
+
+
+def tp_position(value: object, what: str = "tp") -> tuple[int, int]:
+    """A tensor-parallel ``(rank, size)`` (``(0, 1)``: not tensor parallel) checked: ``0 <= rank < size``."""
+    ok = isinstance(value, (tuple, list)) and len(value) == 2 and \
+        all(isinstance(v, int) and not isinstance(v, bool) for v in value) and 0 <= value[0] < value[1]
+    if not ok:
+        raise InputError(f"{what} must be a tensor-parallel (rank, size) with 0 <= rank < size, got {value!r:.40}")
+    return int(value[0]), int(value[1])
+
+
+def check_tp(hello: dict, mine: tuple[int, int], refuse: Callable[[str], KVBridgeError]) -> None:
+    """Refuse a sender whose tensor-parallel position (hello ``tp``, ``[0, 1]`` when absent) is not this
+    receiver's ``mine``: DeepSeek-V4's caches are replicated per TP rank, so rank r of a producer sends to rank r
+    of a consumer of the same TP size (docs/adapters.md)."""
+    try:
+        theirs = tp_position(hello.get("tp", [0, 1]), "the sender's tp")
+    except InputError as exc:
+        raise refuse(str(exc)) from None
+    if theirs != mine:
+        raise refuse(f"the sender is rank {theirs[0]} of tensor parallel size {theirs[1]}, this receiver rank "
+                     f"{mine[0]} of {mine[1]}; serve producer and consumer with the same -tp (rank r sends to "
+                     "rank r)")
 
 
 class Channel:

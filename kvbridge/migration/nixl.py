@@ -64,9 +64,11 @@ from kvbridge.migration.control import (
     Listener,
     check_name,
     check_room,
+    check_tp,
     first_line,
     handshake,
     send_error,
+    tp_position,
 )
 from kvbridge.migration.errors import ChecksumError, MigrationError, TransferError
 from kvbridge.migration.execute import ConvertSide, MigrationReport, Payload, check_pools
@@ -95,6 +97,7 @@ from kvbridge.migration.stream import (
     RequestAssembly,
     check_groups,
     layer_groups,
+    past_groups,
     wire_fingerprint,
 )
 from kvbridge.ops.loss import LossReport
@@ -157,12 +160,17 @@ class NixlReceiver:
     ``dst``: the pools requests land in (moved into shared memory and registered once).
     ``dump_target``/``dump_dir``: accept dumps too, converted like ``kvbridge convert`` and
     written atomically into ``dump_dir``.
+    ``computed``: called (on the receiving thread) once a request's plan is agreed, the tokens this receiver
+    computed itself (its prefix-cache hit); when nonzero the accept names them and both ends move only
+    ``plan.past(computed)`` (its layer groups renumbered: ``past_groups``). ``tp``: this receiver's
+    tensor-parallel ``(rank, size)``; a sender at another position is refused (``check_tp``).
     """
 
     def __init__(self, dst: EnginePools | None = None, *, plan: MigrationPlan | PlanFor | None = None,
                  host: str = "127.0.0.1", port: int = 0, dump_target: DumpTarget | None = None,
                  dump_dir: str | os.PathLike | None = None, overwrite: bool = False, loss_report: bool = True,
-                 handshake_s: float = DEFAULT_HANDSHAKE_S):
+                 handshake_s: float = DEFAULT_HANDSHAKE_S, computed: Callable[[], int] | None = None,
+                 tp: tuple[int, int] = (0, 1)):
         if dst is None and dump_target is None:
             raise InputError("a receiver needs destination pools (requests), a dump target (dumps), or both")
         if dump_target is not None and dump_dir is None:
@@ -176,7 +184,7 @@ class NixlReceiver:
                         raise InputError(f"pool of layer {layer} {role.value} must be contiguous CPU tensors for "
                                          f"NIXL (this version registers DRAM only), got {t.device} "
                                          f"{'contiguous' if t.is_contiguous() else 'strided'}")
-        self.dst, self.plan = dst, plan
+        self.dst, self.plan, self.computed, self.tp = dst, plan, computed, tp_position(tp)
         self.dump_target, self.overwrite, self.loss_report = dump_target, overwrite, loss_report
         self.dump_dir = None if dump_dir is None else Path(dump_dir)
         self.listener = Listener(host, port)
@@ -276,6 +284,8 @@ class _Session:
         self.remote: str | None = None
         self.notifs: set[bytes] = set()
         self.plan: MigrationPlan | None = None
+        self.groups: list[list[int]] = []  # the request's layer groups (of the plan past its prefix-cache hit)
+        self.computed = 0  # the receiver's prefix-cache hit, in tokens
         self.request_id = "?"
         self.failed = False
 
@@ -336,6 +346,7 @@ class _Session:
             raise self._refuse(f"this receiver waits for request {self.expect_id}")
         kind = hello.get("kind")
         if kind == "request":
+            check_tp(hello, self.rx.tp, self._refuse)
             return self._plan(hello)
         if kind == "dump":
             return self._dump_path(hello)
@@ -364,7 +375,7 @@ class _Session:
         the data on this side), the connection watched for a dead sender."""
         agent = self.rx.agent
         assert agent is not None
-        groups = hello["groups"]
+        groups = self.groups if hello["kind"] == "request" else hello["groups"]
         for g in range(len(groups)):
             what = f"group {g + 1}/{len(groups)}'s checksums"
             tag = f"kvb:{hello['request_id']}:{g}".encode()
@@ -411,7 +422,11 @@ class _Session:
                                f"{req.get('num_tokens')} tokens) differs from this receiver's ({plan.src.spec} -> "
                                f"{plan.dst.spec}, {plan.model.name}); plan fingerprints differ")
         check_pools(plan, rx.dst, "dst")
-        check_groups(plan, hello["groups"])
+        groups = check_groups(plan, hello["groups"])
+        self.computed = rx.computed() if rx.computed is not None else 0
+        if self.computed:  # the receiver holds a prefix itself: both ends move the rest only
+            groups, plan = past_groups(plan, groups, self.computed), plan.past(self.computed)
+        self.groups = groups
         check_room(plan, rx.dst, self._refuse)  # before anything moves; the claim itself is under the lock
         return plan
 
@@ -419,7 +434,7 @@ class _Session:
         rx, chan = self.rx, self.chan
         assert rx.dst is not None
         self.plan = plan
-        groups = check_groups(plan, hello["groups"])
+        groups = self.groups
         converted = hello.get("convert_on") == "sender"
         t0 = time.perf_counter()
         assembly = RequestAssembly(plan, loss_report=rx.loss_report)
@@ -429,14 +444,14 @@ class _Session:
             except InputError as exc:
                 raise self._refuse(first_line(exc)) from None
             regions = sorted({key for t in plan.transfers for key in _pool_keys(t)})
-            self._connect(meta, regions, {"tables": self.claimed})
+            self._connect(meta, regions, {"tables": self.claimed, "computed_tokens": self.computed})
             layouts = [[c for c, _ in _pool_chunks(t, self.claimed,
                                                      [x.shape[0] for x in pool_tensors(rx.dst.pool(t.spec))])]
                        for t in plan.transfers]
         else:
             bases = np.cumsum([0] + [t.src_bytes for t in plan.transfers]).tolist()
             rx._ensure_staging(int(bases[-1]))
-            self._connect(meta, ["staging"], {"tables": None})
+            self._connect(meta, ["staging"], {"tables": None, "computed_tokens": self.computed})
             layouts = [_staging_chunks(chunk_rows(t, t.src), t.src.record_bytes, bases[i])
                        for i, t in enumerate(plan.transfers)]
         for g, head in self._groups(hello):
@@ -611,16 +626,19 @@ class NixlSender:
 
     def start_request(self, plan: MigrationPlan, src: EnginePools, tables: RequestTables, *,
                       convert_on: ConvertSide = "receiver", layers_per_group: int = 1, loss_report: bool = True,
-                      progress: Progress | None = None, request_id: str | None = None) -> RequestStream:
+                      progress: Progress | None = None, request_id: str | None = None,
+                      tp: tuple[int, int] = (0, 1)) -> RequestStream:
         """Open a request: handshake now, then ``send_group()`` once per layer group, then ``close()``.
-        ``request_id`` names it to the receiver (default: a random id; up to 64 characters)."""
+        ``request_id`` names it to the receiver (default: a random id; up to 64 characters); ``tp``: this
+        sender's tensor-parallel ``(rank, size)`` (a receiver at another position refuses it)."""
         if convert_on not in ("sender", "receiver"):
             raise InputError(f"convert_on must be 'sender' or 'receiver', got {convert_on!r}")
         if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):
             raise InputError(f"request_id must be a string of 1 to 64 characters, got {repr(request_id)[:40]}")
         check_pools(plan, src, "src")
         return RequestStream(functools.partial(self._open, progress=progress, request_id=request_id), plan, src,
-                             tables, convert_on == "sender", layer_groups(plan, layers_per_group), loss_report)
+                             tables, convert_on == "sender", layer_groups(plan, layers_per_group), loss_report,
+                             tp_position(tp))
 
     def send_request(self, plan: MigrationPlan, src: EnginePools, tables: RequestTables, **kwargs: Any) -> dict:
         """Send a whole request (``start_request`` options); returns the receiver's report (a dict)."""

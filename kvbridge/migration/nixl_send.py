@@ -20,7 +20,7 @@ from kvbridge.migration.nixl_agent import AGENT_CALL_S, _Agent, _LocalAgent
 from kvbridge.migration.nixl_wire import Piece, _descriptors, _pieces_of, _pool_chunks, _stage_runs, _staging_chunks
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables
-from kvbridge.migration.stream import pack_group, request_info, wire_fingerprint
+from kvbridge.migration.stream import pack_group, past_groups, request_info, wire_fingerprint
 
 #: Called with (bytes sent so far, total bytes) after each group.
 Progress = Callable[[int, int], None]
@@ -47,6 +47,8 @@ class _Connection:
             accept, their_meta = self.chan.expect("accept", self.deadline, "the receiver's accept")
             self.regions = {k: int(v[0]) for k, v in accept["regions"].items()}
             self.tables = accept.get("tables")
+            #: The receiver's prefix-cache hit (tokens it computed itself: only the rest moves).
+            self.computed = accept.get("computed_tokens", 0)
             self.remote = self.agent.call("adding the receiver's agent", "add_remote", their_meta)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             self.chan.close()
@@ -140,19 +142,29 @@ class RequestStream:
 
     Each ``send_group`` packs the group's layers from ``src`` at that moment (so a prefill
     engine calls it once those layers are written), stages them and posts one WRITE; it returns
-    while NIXL moves them. ``close`` waits for the receiver's verdict and returns its report.
+    while NIXL moves them. ``close`` waits for the receiver's verdict and returns its report. A receiver
+    that accepts with a prefix-cache hit gets ``plan.past(hit)`` only (``plan`` and ``groups`` then are those).
     """
 
     def __init__(self, connect: Callable[[dict, int], _Connection], plan: MigrationPlan, src: EnginePools,
-                 tables: RequestTables, convert: bool, groups: list[list[int]], loss_report: bool):
-        """``connect(hello, nbytes)``: the sender's connection for this request."""
-        self.plan, self.src, self.tables, self.convert = plan, src, tables, convert
-        self.groups, self.loss_report = groups, loss_report
+                 tables: RequestTables, convert: bool, groups: list[list[int]], loss_report: bool,
+                 tp: tuple[int, int] = (0, 1)):
+        """``connect(hello, nbytes)``: the sender's connection for this request; ``tp``: this sender's
+        tensor-parallel ``(rank, size)``."""
+        self.src, self.tables, self.convert, self.loss_report = src, tables, convert, loss_report
         self.next_group = 0
         sizes = [t.dst_bytes if convert else t.src_bytes for t in plan.transfers]
         hello = {"kind": "request", "request": request_info(plan), "fingerprint": wire_fingerprint(plan),
-                 "convert_on": "sender" if convert else "receiver", "groups": groups}
+                 "convert_on": "sender" if convert else "receiver", "groups": groups, "tp": list(tp)}
         self.conn = connect(hello, sum(sizes))
+        try:  # the receiver computed a prefix itself: both ends move the rest only
+            self.plan = plan.past(self.conn.computed)
+            self.groups = past_groups(plan, groups, self.conn.computed)
+        except (InputError, TypeError) as exc:
+            self.abort()
+            raise MigrationError(f"{self.conn.chan.peer} accepted with a prefix-cache hit this plan cannot skip: "
+                                 f"{exc}") from None
+        sizes = [t.dst_bytes if convert else t.src_bytes for t in self.plan.transfers]
         self.bases = np.cumsum([0] + sizes).tolist()
         if convert and not isinstance(self.conn.tables, dict):
             self.abort()

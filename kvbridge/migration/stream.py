@@ -32,7 +32,7 @@ from kvbridge.migration.execute import (
     publish,
     verify,
 )
-from kvbridge.migration.plan import MigrationPlan
+from kvbridge.migration.plan import MigrationPlan, beyond_computed
 from kvbridge.migration.pools import EnginePools, RequestTables
 from kvbridge.ops.loss import LossReport
 
@@ -77,6 +77,15 @@ def check_groups(plan: MigrationPlan, groups: Sequence[Sequence[int]]) -> list[l
         raise MigrationError(f"the sender's {len(groups)} layer groups do not cover the plan's "
                              f"{len(plan.transfers)} transfers exactly once")
     return [list(g) for g in groups]
+
+
+def past_groups(plan: MigrationPlan, groups: Sequence[Sequence[int]], computed_tokens: int) -> list[list[int]]:
+    """``groups`` (of ``plan``'s transfer indices) as groups of ``plan.past(computed_tokens)``: each index
+    renumbered, the transfers a destination holds whole left out, then the groups left empty; both ends of a
+    transfer with a prefix-cache hit build them the same way."""
+    kept = {i: k for k, (i, _, _) in enumerate(beyond_computed(plan.transfers, computed_tokens))}
+    out = [[kept[i] for i in g if i in kept] for g in groups]
+    return [g for g in out if g]
 
 
 def group_plan(plan: MigrationPlan, indices: Sequence[int]) -> MigrationPlan:

@@ -43,9 +43,11 @@ from kvbridge.migration.control import (
     Listener,
     check_name,
     check_room,
+    check_tp,
     first_line,
     handshake,
     send_error,
+    tp_position,
 )
 from kvbridge.migration.errors import MigrationError, TransferError
 from kvbridge.migration.execute import ConvertSide, MigrationReport, Payload, check_pools
@@ -440,7 +442,8 @@ class GlooServer:
     the end). ``plan`` is the plan or a callable building it from the sender's request info (with the
     request id it announced under ``request_id``). ``computed``: called (on the connection's thread) once
     the plan is agreed, the tokens this receiver computed itself (its prefix-cache hit); when nonzero, the
-    accept message names them and both ends move only ``plan.past(computed)``.
+    accept message names them and both ends move only ``plan.past(computed)``. ``tp``: this receiver's
+    tensor-parallel ``(rank, size)``; a sender at another position is refused at the handshake (``check_tp``).
 
     ``receive`` serves one connection; ``serve`` serves connections concurrently (each request
     its own gloo pair; publishing and releasing pages hold ``lock``). While data flows the
@@ -448,9 +451,10 @@ class GlooServer:
 
     def __init__(self, dst: EnginePools, *, plan: MigrationPlan | Callable[[dict], MigrationPlan],
                  host: str = "127.0.0.1", port: int = 0, loss_report: bool = True,
-                 handshake_s: float = DEFAULT_HANDSHAKE_S, computed: Callable[[], int] | None = None):
+                 handshake_s: float = DEFAULT_HANDSHAKE_S, computed: Callable[[], int] | None = None,
+                 tp: tuple[int, int] = (0, 1)):
         self.dst, self.plan, self.loss_report, self.handshake_s = dst, plan, loss_report, handshake_s
-        self.computed = computed
+        self.computed, self.tp = computed, tp_position(tp)
         self.listener = Listener(host, port)
         self.lock = threading.Lock()
         self.expect_id: str | None = None
@@ -507,6 +511,7 @@ class GlooServer:
         if self.expect_id is not None and rid != self.expect_id:
             raise MigrationError(f"refused request {rid} from {chan.peer}: this receiver waits for request "
                                  f"{self.expect_id}")
+        check_tp(hello, self.tp, lambda why: MigrationError(f"refused request {rid} from {chan.peer}: {why}"))
         try:
             plan = self.plan({**hello["request"], "request_id": rid}) if callable(self.plan) else self.plan
         except KVBridgeError as exc:
@@ -545,10 +550,12 @@ class GlooServer:
 def send_request_tcp(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, host: str, port: int,
                      convert_on: ConvertSide = "receiver", layers_per_group: int = 1, timeout: float = 60.0,
                      progress: Progress | None = None, loss_report: bool = True,
-                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, request_id: str | None = None) -> dict:
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES, request_id: str | None = None,
+                     tp: tuple[int, int] = (0, 1)) -> dict:
     """Prefill side for a ``GlooServer``: handshake, form the gloo pair, stream the request; returns the
     receiver's report (a dict), or raises its error. ``request_id`` names the request to the receiver
-    (default: a random id; up to 64 characters)."""
+    (default: a random id; up to 64 characters); ``tp``: this sender's tensor-parallel ``(rank, size)``."""
+    tp = tp_position(tp)
     deadline = time.monotonic() + _check_timeout(timeout)
     if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):
         raise InputError(f"request_id must be a string of 1 to 64 characters, got {repr(request_id)[:40]}")
@@ -557,7 +564,7 @@ def send_request_tcp(plan: MigrationPlan, src: EnginePools, tables: RequestTable
     try:
         chan.send({"type": "hello", "kvbridge": __version__, "transport": "gloo", "kind": "request",
                    "request_id": rid, "request": request_info(plan), "fingerprint": wire_fingerprint(plan),
-                   "convert_on": convert_on}, deadline=deadline)
+                   "convert_on": convert_on, "tp": list(tp)}, deadline=deadline)
         accept, _ = chan.expect("accept", deadline, "the receiver's accept")
         try:  # the receiver computed a prefix itself: both ends move the rest only
             plan = plan.past(accept.get("computed_tokens", 0))

@@ -161,6 +161,16 @@ def _scatter(rec, pool, data_at: int, foot_at: int, split: int, record_bytes: in
 
 
 @njit(cache=True, inline="always")
+def _amax_bits(bits) -> int:
+    """The largest magnitude's bit pattern among fp32 bit patterns ``bits`` (finite non-negative floats order
+    like their bit patterns; 0x7F800000 and above: the tile holds Inf or NaN)."""
+    amax = 0
+    for i in range(bits.shape[0]):
+        amax = max(amax, np.int64(bits[i]) & 0x7FFFFFFF)
+    return amax
+
+
+@njit(cache=True, inline="always")
 def _zero(pool, start: int, stop: int) -> None:
     span = pool[start:stop]
     for i in range(span.shape[0]):
@@ -254,9 +264,7 @@ def _ue8m0_e4m3_tiles(src, src_bits, tile: int, min_exp: int, pow2, tmp, tmp_bit
     for t in range(src.shape[0] // tile):
         vals = src[t * tile : (t + 1) * tile]
         vbits = src_bits[t * tile : (t + 1) * tile]
-        amax_bits = 0  # finite non-negative floats order like their bit patterns
-        for i in range(tile):
-            amax_bits = max(amax_bits, np.int64(vbits[i]) & 0x7FFFFFFF)
+        amax_bits = _amax_bits(vbits)
         exp = amax_bits >> 23
         e = min_exp
         if exp > 0:  # amax normal: ceil(log2(amax / 448)) = E - 8 (+1 above mantissa 1.75)
@@ -301,9 +309,7 @@ def _fnuz_tiles(src, src_bits, tile: int, min_exp: int, pow2, tmp, tmp_bits, out
     max_frac = (_FNUZ_B_MAX if min_exp == _FNUZ_B_FLOOR else _FNUZ_A_MAX) & 0x7FFFFF
     for t in range(src.shape[0] // tile):
         vbits = src_bits[t * tile : (t + 1) * tile]
-        amax_bits = 0
-        for i in range(tile):
-            amax_bits = max(amax_bits, np.int64(vbits[i]) & 0x7FFFFFFF)
+        amax_bits = _amax_bits(vbits)
         exp = amax_bits >> 23
         e = min_exp
         if exp > 0:  # amax = A * 2^E, M = B * 2^7: E - 7 (+1 when A > B)
@@ -324,9 +330,7 @@ def _nvfp4_tiles(src, src_bits, tile: int, e4m3, tmp, tmp_bits, out, scales) -> 
     half = tile // 2
     for t in range(src.shape[0] // tile):
         lo = t * tile
-        amax_bits = 0
-        for i in range(tile):
-            amax_bits = max(amax_bits, np.int64(src_bits[lo + i]) & 0x7FFFFFFF)
+        amax_bits = _amax_bits(src_bits[lo : lo + tile])
         dst = out[t * half : (t + 1) * half]
         if amax_bits >= 0x7F800000:
             scales[t] = _E4M3_NAN
@@ -354,9 +358,7 @@ def _mxfp4_tiles(src, src_bits, tile: int, pow2, tmp, tmp_bits, out, scales) -> 
     half = tile // 2
     for t in range(src.shape[0] // tile):
         lo = t * tile
-        amax_bits = 0
-        for i in range(tile):
-            amax_bits = max(amax_bits, np.int64(src_bits[lo + i]) & 0x7FFFFFFF)
+        amax_bits = _amax_bits(src_bits[lo : lo + tile])
         dst = out[t * half : (t + 1) * half]
         if amax_bits >= 0x7F800000:
             scales[t] = 0xFF
@@ -412,9 +414,7 @@ def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, r
             half = tile // 2
             for t in range(nd // tile):
                 lo = d0 + t * tile
-                amax_bits = 0
-                for i in range(tile):
-                    amax_bits = max(amax_bits, np.int64(bits[lo + i]) & 0x7FFFFFFF)
+                amax_bits = _amax_bits(bits[lo : lo + tile])
                 if amax_bits >= 0x7F800000:  # NaN or Inf poisons the tile
                     code = _E4M3_NAN
                 else:  # e4m3(clamp(amax / 6, 2^-9, 448)), amax / 6 an fp32 division

@@ -16,7 +16,8 @@ from kvbridge.adapters.vllm_options import CONVERT_SIDES, LOAD_FAILURE_POLICIES,
 
 @click.command("vllm-config", short_help="Print vLLM's --kv-transfer-config for the kvbridge connector.")
 @click.argument("role", type=click.Choice(list(ROLES)))
-@click.option("--listen", metavar="HOST:PORT", help="Consumer: where kvbridge producers send (default 127.0.0.1:0).")
+@click.option("--listen", metavar="HOST:PORT",
+              help="Consumer: where kvbridge producers send (default 127.0.0.1:0; TP rank r listens on PORT + r).")
 @click.option("--engine", metavar="SPEC", help="kvbridge spec of these vLLM pools (default vllm:block=<--block-size>).")
 @click.option("--model", metavar="MODEL", help="kvbridge model: preset or config.json (default: the served model's).")
 @click.option("--timeout", type=float, help="Seconds one transfer may take (default 120).")

@@ -391,8 +391,6 @@ def nvfp4_encode_tiles(x: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tens
     return torch.where((scale_bytes == E4M3_NAN).unsqueeze(-1), torch.zeros_like(codes), codes)
 
 
-#: UE8M0's NaN byte (an MXFP4 tile holding NaN or Inf gets it).
-UE8M0_NAN = 0xFF
 #: An fp32 mantissa m in [1, 2) (24-bit integer M = m * 2^23) rounds log2(m / 6) up when m^2 >= 1.125,
 #: i.e. M^2 >= 9 * 2^43 (the boundary m = 6 * 2^-2.5 is irrational, so no fp32 amax lies on it).
 MXFP4_ROUND_UP_SQUARE = 9 << 43

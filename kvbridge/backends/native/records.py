@@ -171,6 +171,13 @@ def _amax_bits(bits) -> int:
 
 
 @njit(cache=True, inline="always")
+def _pack_e2m1(bits, out) -> None:
+    """E2M1 codes of fp32 bit patterns ``bits`` (two per byte, even element in the low nibble) into ``out``."""
+    for i in range(out.shape[0]):
+        out[i] = _e2m1_code(np.int64(bits[2 * i])) | (_e2m1_code(np.int64(bits[2 * i + 1])) << 4)
+
+
+@njit(cache=True, inline="always")
 def _zero(pool, start: int, stop: int) -> None:
     span = pool[start:stop]
     for i in range(span.shape[0]):
@@ -334,8 +341,7 @@ def _nvfp4_tiles(src, src_bits, tile: int, e4m3, tmp, tmp_bits, out, scales) -> 
         dst = out[t * half : (t + 1) * half]
         if amax_bits >= 0x7F800000:
             scales[t] = _E4M3_NAN
-            for i in range(half):
-                dst[i] = 0
+            _zero(dst, 0, half)
             continue
         tmp_bits[0] = np.uint32(amax_bits)
         tmp_bits[1] = np.uint32(_NVFP4_RCP6_BITS)
@@ -346,8 +352,7 @@ def _nvfp4_tiles(src, src_bits, tile: int, e4m3, tmp, tmp_bits, out, scales) -> 
         for i in range(tile):
             v = src[lo + i]
             tmp[i] = v if v == 0 else v * inv
-        for i in range(half):
-            dst[i] = _e2m1_code(np.int64(tmp_bits[2 * i])) | (_e2m1_code(np.int64(tmp_bits[2 * i + 1])) << 4)
+        _pack_e2m1(tmp_bits, dst)
 
 
 @njit(cache=True, inline="always")
@@ -362,8 +367,7 @@ def _mxfp4_tiles(src, src_bits, tile: int, pow2, tmp, tmp_bits, out, scales) -> 
         dst = out[t * half : (t + 1) * half]
         if amax_bits >= 0x7F800000:
             scales[t] = 0xFF
-            for i in range(half):
-                dst[i] = 0
+            _zero(dst, 0, half)
             continue
         exp = amax_bits >> 23
         mant = (amax_bits & 0x7FFFFF) | 0x800000
@@ -374,8 +378,7 @@ def _mxfp4_tiles(src, src_bits, tile: int, pow2, tmp, tmp_bits, out, scales) -> 
         m = pow2[149 + 127 - byte]  # 2^(127 - byte), exact
         for i in range(tile):
             tmp[i] = src[lo + i] * m
-        for i in range(half):
-            dst[i] = _e2m1_code(np.int64(tmp_bits[2 * i])) | (_e2m1_code(np.int64(tmp_bits[2 * i + 1])) << 4)
+        _pack_e2m1(tmp_bits, dst)
 
 
 @njit(cache=True, inline="always")
@@ -425,9 +428,7 @@ def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, r
                 s = e4m3[code]
                 for i in range(tile):
                     tmp[i] = vals[lo + i] / s
-                out = rec[off + t * half : off + (t + 1) * half]
-                for i in range(half):
-                    out[i] = _e2m1_code(np.int64(tmp_bits[2 * i])) | (_e2m1_code(np.int64(tmp_bits[2 * i + 1])) << 4)
+                _pack_e2m1(tmp_bits, rec[off + t * half : off + (t + 1) * half])
         elif op == OP_E2M1_NVFP4:
             _nvfp4_tiles(vals[d0 : d0 + nd], bits[d0 : d0 + nd], tile, e4m3, tmp, tmp_bits,
                          rec[off : off + nd // 2], rec[soff : soff + nd // tile])

@@ -67,10 +67,10 @@ def _vllm_python(transport: str = "gloo") -> str:
     pytest.skip("KVBRIDGE_VLLM_PYTHON (the python of a vLLM 0.33.0 venv, see .ci/engine-vllm.sh) is unset")
 
 
-def _model(tmp_path: Path) -> Path:
+def _model(tmp_path: Path, config: dict = CONFIG) -> Path:
     model_dir = tmp_path / "dsv4-mini"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(CONFIG))
+    (model_dir / "config.json").write_text(json.dumps(config))
     (tmp_path / "out").mkdir()
     return model_dir
 
@@ -90,7 +90,7 @@ def _finish(proc: subprocess.Popen) -> str:
     return stdout
 
 
-def _vllm_buffer(out: Path, plan, model):
+def _vllm_buffer(out: Path, plan, model, num_groups: int = 7):
     """vLLM's KV buffer as the engine side left it, its layers as kvbridge pools, and the result JSON."""
     result = json.loads((out / "result.json").read_text())
     raw = load_file(str(out / "buffer.safetensors"))["raw"]
@@ -100,8 +100,9 @@ def _vllm_buffer(out: Path, plan, model):
                                   info["offset"]) for name, info in layers.items()}
     # vLLM's own grouping: a group per SWA layer, compressed KV and indexer keys of both ratios in one,
     # the ratio-4 compressor states in one, the ratio-128 state in one
-    assert len(result["groups"]) == 7, result["groups"]
-    caches = VllmCaches(plan.dst if plan.dst.engine == "vllm" else plan.src, model, views, result["groups"])
+    assert len(result["groups"]) == num_groups, result["groups"]
+    caches = VllmCaches(plan.dst if plan.dst.engine == "vllm" else plan.src, model, views, result["groups"],
+                        include_mtp=plan.include_mtp)
     return result, raw, caches
 
 
@@ -262,7 +263,7 @@ def test_vllm_producer_sends_finished_blocks_to_a_kvbridge_peer(tmp_path, transp
     try:
         host, port = server.address
         _finish(_engine(python, "producer", transport, str(model_dir), str(out), "req-9", str(num_tokens), peer,
-                        f"{host}:{port}", *ape))
+                        f"{host}:{port}", *(f"ape={path}" for path in ape)))
     finally:
         stop.set()
         thread.join(timeout=150)
@@ -691,15 +692,85 @@ def test_vllm_producer_reports_a_failed_send(tmp_path, num_tokens=300):
     assert result["freed_after_send"]
 
 
+#: The 4-layer model with one MTP layer (SWA-only, as DeepSeek-V4's), which vLLM's MTP draft serves.
+CONFIG_MTP = {**CONFIG, "compress_ratios": [*CONFIG["compress_ratios"], 0], "num_nextn_predict_layers": 1}
+
+
+def test_vllm_with_its_mtp_draft_moves_the_mtp_layers_both_ways(tmp_path, num_tokens=300):
+    """vLLM serving with the model's MTP draft (its ``SpeculativeConfig``, method ``mtp``) registers the MTP
+    layer's cache too: a request planned without MTP layers is refused by name before anything is written,
+    one planned with them lands byte-exact in every group, the MTP layer's included; a finished request of a
+    producer with the draft reaches a kvbridge peer with its MTP layer."""
+    python = _vllm_python("gloo")
+    model_dir = _model(tmp_path, CONFIG_MTP)
+    out = tmp_path / "out"
+    model = from_hf_config(str(model_dir / "config.json"))
+    assert model.num_mtp_layers == 1
+    with_mtp = plan_migration(TRTLLM, VLLM, model, num_tokens, include_mtp=True)
+    without = plan_migration(TRTLLM, VLLM, model, num_tokens, include_mtp=False)
+    assert any(model.is_mtp(t.spec.layer) for t in with_mtp.transfers)
+    src = source_request(with_mtp, spare_pages=2, seed=4)
+    eng = _Commands(python, "gloo", model_dir, out, "fail", "mtp")
+    try:
+        eng(f"add plain {num_tokens} {TRTLLM} plain")
+        eng(f"add drafted {num_tokens} {TRTLLM} drafted")
+        eng("step")
+        refused = _send(None, eng.address, without, src, "plain")
+        assert isinstance(refused, MigrationError), refused
+        assert "the producer sends no MTP layer caches" in str(refused) and "include_mtp=True" in str(refused)
+        summary = _send(None, eng.address, with_mtp, src, "drafted")
+        assert not isinstance(summary, Exception), summary
+        state = eng("wait plain drafted")
+        assert state["failed"] == ["plain"] and state["received"] == ["drafted", "plain"], state
+        _landed(out, "drafted", with_mtp, _expected(with_mtp, src))
+        state = eng("run")
+        assert state["free"] == state["free_at_start"], state
+        # vLLM's own configs: an n-gram draft has no caches; a draft model from this checkpoint is its MTP draft
+        eng.proc.stdin.write("speculative ngram draft_model\n")
+        eng.proc.stdin.flush()
+        line = eng._line()
+        while not line.startswith("SPECULATIVE "):
+            line = eng._line()
+        assert json.loads(line.split(" ", 1)[1]) == {"ngram": ["ngram", False], "draft_model": ["mtp", True]}
+    finally:
+        eng.close()
+
+    # the producer side: vLLM with the draft sends the MTP layer to a peer planned with it
+    plan = plan_migration(VLLM, TRTLLM, model, num_tokens, include_mtp=True)
+    dst = destination_pools(plan, spare_pages=2)
+    server = GlooServer(dst, plan=plan)
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(result=server.receive(timeout=120, request_id="req-9")))
+    thread.start()
+    try:
+        _finish(_engine(python, "producer", "gloo", str(model_dir), str(out), "req-9", str(num_tokens), TRTLLM,
+                        "{}:{}".format(*server.address), "mtp"))
+    finally:
+        thread.join(timeout=150)
+        server.close()
+    _, rid, tables, _ = got["result"]
+    result = json.loads((out / "result.json").read_text())
+    assert rid == "req-9" and result["sent"] == ["vllm-req-0"] and not result["errors"], result
+    records = load_file(str(out / "records.safetensors"))
+    _, _, caches = _vllm_buffer(out, plan, model, num_groups=8)
+    src_tables = caches.tables(result["block_ids"])
+    for i, t in enumerate(plan.transfers):
+        held = gather_records(caches.pools.pool(t.spec), t.src, src_tables[caches.group[(t.spec.layer, t.spec.role)]],
+                              t.first, t.count)
+        assert torch.equal(held, records[str(i)])
+        landed = gather_records(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, t.count)
+        assert torch.equal(landed, expected_records(t, held)), f"layer {t.spec.layer} {t.spec.role.value}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Without vLLM: the connector's view of vLLM's caches, and its configuration
 
 
-def _packed_caches(model, profile, num_blocks: int = 16, pad: int = 64):
+def _packed_caches(model, profile, num_blocks: int = 16, pad: int = 64, include_mtp: bool = False):
     """Caches laid out as vLLM's block-outermost layouts do: per block, every layer's page, padded;
     one int8 buffer, one strided view per layer (content only, as vLLM's views show it)."""
     names, pages = [], []
-    for spec in model.all_caches(include_mtp=False):
+    for spec in model.all_caches(include_mtp):
         a = f"model.layers.{spec.layer}.attn"
         suffix = {"swa": ".swa_cache", "compress": "", "indexer_compress": ".indexer.k_cache",
                   "compressor_state": ".compressor.state_cache",
@@ -769,6 +840,37 @@ def test_write_refuses_a_null_or_foreign_block_before_writing_anything():
     with pytest.raises(InputError, match="KV-cache groups"):
         caches.write(plan.transfers, records, [[1] * need, [2] * need])
     assert not buf.any()
+
+
+def test_caches_take_the_mtp_layers_exactly_when_vllm_serves_the_mtp_draft():
+    from types import SimpleNamespace
+
+    from kvbridge.adapters.vllm_config import connector_mtp
+    from kvbridge.errors import InputError
+
+    model, profile = from_hf_config(CONFIG_MTP), parse_engine(VLLM)
+    _, views, pages = _packed_caches(model, profile, include_mtp=True)
+    caches = VllmCaches(profile, model, views, [list(views)], pages, include_mtp=True)
+    assert caches.pools.include_mtp and (4, Role.SWA) in caches.group
+    with pytest.raises(InputError, match="an MTP layer of .* but vLLM serves without its MTP draft"):
+        VllmCaches(profile, model, views, [list(views)], pages)
+    _, plain, plain_pages = _packed_caches(model, profile)
+    with pytest.raises(InputError, match=r"no cache for layer 4 swa \(an MTP layer"):
+        VllmCaches(profile, model, plain, [list(plain)], plain_pages, include_mtp=True)
+    _, small, small_pages = _packed_caches(_small_model(), profile)
+    beyond = {**small, "model.layers.4.attn.swa_cache": views["model.layers.4.attn.swa_cache"]}
+    with pytest.raises(InputError, match="past .* 4 layers and 0 MTP layers"):
+        VllmCaches(profile, _small_model(), beyond, [list(beyond)], {**small_pages, **pages})
+
+    def draft(method, kv=True):
+        return SimpleNamespace(method=method, uses_draft_kv_cache=lambda: kv)
+
+    assert connector_mtp(None, model) is False and connector_mtp(draft("ngram", kv=False), model) is False
+    assert connector_mtp(draft("mtp"), model) is True
+    with pytest.raises(InputError, match="speculative method 'eagle3'.* MTP layers only"):
+        connector_mtp(draft("eagle3"), model)
+    with pytest.raises(InputError, match="no MTP layers"):
+        connector_mtp(draft("mtp"), _small_model())
 
 
 def test_caches_refuse_a_profile_that_does_not_match_vllms_pages():

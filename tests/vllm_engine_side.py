@@ -72,11 +72,23 @@ class Engine:
 
     def __init__(self, model_dir: str, role: str, transport: str, on_load_failure: str | None = None,
                  ape: str | None = None, tp: int = 1, listen: str | None = None,
-                 sides: tuple[str, ...] = ("scheduler", "worker"), rank: tuple[int, int] | None = None) -> None:
+                 sides: tuple[str, ...] = ("scheduler", "worker"), rank: tuple[int, int] | None = None,
+                 mtp: bool = False) -> None:
         """``tp``: vLLM's tensor parallel size; ``sides``: the scheduler, the worker or both (at TP > 1 one
         scheduler and a worker per rank); ``rank``: a worker's (TP rank, port of vLLM's process-group store),
-        its TP group formed as vLLM's workers form it before they create their connector."""
-        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        its TP group formed as vLLM's workers form it before they create their connector; ``mtp``: vLLM serves
+        with the model's MTP draft (its ``SpeculativeConfig``, method ``mtp``), whose layers' caches it
+        registers after the model's."""
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            SpeculativeConfig,
+            VllmConfig,
+        )
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.models.deepseek_v4.attention import DeepseekV4IndexerBackend
@@ -96,8 +108,12 @@ class Engine:
         # what ``kvbridge vllm-config`` prints
         kt = KVTransferConfig(**kv_transfer_config(role, timeout=120, on_load_failure=on_load_failure,
                                                    transport=transport, ape=[ape] if ape else None, listen=listen))
+        pc = ParallelConfig()
+        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=mc,
+                                 target_parallel_config=pc) if mtp else None
         vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
-                        device_config=DeviceConfig("cpu"), kv_transfer_config=kt,
+                        device_config=DeviceConfig("cpu"), kv_transfer_config=kt, parallel_config=pc,
+                        speculative_config=spec,
                         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_len, max_num_seqs=8,
                                                          max_model_len=max_len, is_encoder_decoder=False))
         # vLLM's CPU platform turns the hybrid allocator off; a GPU platform keeps it on (DeepSeek-V4 needs it)
@@ -111,7 +127,9 @@ class Engine:
                 init_distributed_environment(world_size=tp, rank=rank[0], local_rank=rank[0], backend="gloo",
                                              distributed_init_method=f"tcp://127.0.0.1:{rank[1]}")
                 initialize_model_parallel(tp, backend="gloo")
-        ratios = json.load(open(os.path.join(model_dir, "config.json")))["compress_ratios"]
+        hf = json.load(open(os.path.join(model_dir, "config.json")))
+        # the model's layers, then (with the MTP draft) its MTP layers, SWA-only
+        ratios = hf["compress_ratios"][:hf["num_hidden_layers"]] + [0] * (hf["num_nextn_predict_layers"] if mtp else 0)
         self.specs, self.layers = specs_for(vc, ratios)
         backends = [DeepseekSparseSWABackend, CompressorBackend, DeepseekV4IndexerBackend]
         self.layout = resolve_kv_cache_layout(vc, [[x.name for x in get_supported_kv_cache_layouts(backends)]],
@@ -246,19 +264,22 @@ def consumer(transport: str, model_dir: str, out_dir: str, request_id: str, num_
 
 
 def producer(transport: str, model_dir: str, out_dir: str, request_id: str, num_tokens: int, dst: str,
-             peer: str, ape: str | None = None) -> None:
+             peer: str, *options: str) -> None:
+    """``options``: ``ape=PATH`` (the connector's APE weights), ``mtp`` (vLLM serves with the MTP draft)."""
     from safetensors.torch import save_file
 
     from kvbridge.migration.plan import plan_migration
 
-    eng = Engine(model_dir, "producer", transport, ape=ape)
+    ape = next((o[4:] for o in options if o.startswith("ape=")), None)
+    eng = Engine(model_dir, "producer", transport, ape=ape, mtp="mtp" in options)
     req = eng.request(num_tokens, {"kvbridge_peer": peer, "kvbridge_dst": dst, "kvbridge_request_id": request_id},
                       max_tokens=1)
     out = eng.scheduler.schedule()
     assert out.num_scheduled_tokens[req.request_id] == num_tokens, out.num_scheduled_tokens
     block_ids = eng.scheduler.kv_cache_manager.get_block_ids(req.request_id)
     # the prefill "computes" the prompt: each cache's live entries as vLLM's writers store them
-    plan = plan_migration(eng.worker.profile, dst, eng.worker.model, num_tokens, include_mtp=False, ape=eng.worker.ape)
+    plan = plan_migration(eng.worker.profile, dst, eng.worker.model, num_tokens, include_mtp=eng.worker.include_mtp,
+                          ape=eng.worker.ape)
     records = synthetic_records(plan, seed=11)
     eng.worker.caches.write(plan.transfers, records, block_ids, side="src")
     save_file({str(i): r for i, r in enumerate(records)}, os.path.join(out_dir, "records.safetensors"))
@@ -287,7 +308,9 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
     0xA5; ``step``: one engine step; ``wait NAME...``: step until each named request's load was reported
     (received or failed; a received request's records in its vLLM blocks go to OUT_DIR/NAME.safetensors as
     it is reported, and whether its sentinel blocks are intact to the state); ``abort NAME``: the client
-    aborts it (then one step); ``run``: step until every request finished; ``quit``.
+    aborts it (then one step); ``speculative METHOD...``: vLLM's ``SpeculativeConfig`` for each method (``ngram``,
+    ``draft_model`` with this model) and what the connector makes of it; ``run``: step until every request
+    finished; ``quit``.
     Each command answers one ``OK <json>`` line: reported loads, failures, errors, free blocks, statuses,
     the prefix-cache hit of each load (tokens) and the sentinel check of each received request."""
     from safetensors.torch import save_file
@@ -296,8 +319,8 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
     from kvbridge.migration.plan import plan_migration
     from kvbridge.migration.pools import gather_records
 
-    policy = next((o for o in options if not o.startswith("ape=")), None)
-    eng = Engine(model_dir, "consumer", transport, policy)
+    policy = next((o for o in options if not o.startswith("ape=") and o != "mtp"), None)
+    eng = Engine(model_dir, "consumer", transport, policy, mtp="mtp" in options)
     host, port = eng.worker.server.address
     print(f"LISTEN {host} {port}", flush=True)
     from kvbridge.adapters.vllm import KVBridgeStats
@@ -313,7 +336,7 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
 
     def layers_of(g: int):
         caches = eng.worker.caches
-        return [caches.pools.pool(spec) for spec in eng.worker.model.all_caches(include_mtp=False)
+        return [caches.pools.pool(spec) for spec in eng.worker.model.all_caches(eng.worker.include_mtp)
                 if caches.group[(spec.layer, spec.role)] == g]
 
     def save(name: str) -> None:
@@ -324,7 +347,7 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
                 if b in sentinel]
         intact[name] = [len(held), all(bool((pool[b] == 0xA5).all()) for b, g in held for pool in layers_of(g))]
         plan = plan_migration(srcs[name], eng.worker.profile, eng.worker.model, len(req.prompt_token_ids),
-                              include_mtp=False)
+                              include_mtp=eng.worker.include_mtp)
         caches = eng.worker.caches
         tables = caches.tables(eng.scheduler.kv_cache_manager.get_block_ids(name))
         save_file({str(i): gather_records(caches.pools.pool(t.spec), t.dst,
@@ -394,6 +417,19 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
                 except Exception as exc:  # reported to the test
                     refused[role.name] = f"{type(exc).__name__}: {exc}"
             print("REFUSED " + json.dumps(refused), flush=True)
+        elif cmd == "speculative":  # what connector_mtp makes of vLLM's own SpeculativeConfig for these methods
+            from vllm.config import ParallelConfig, SpeculativeConfig
+
+            from kvbridge.adapters.vllm_config import connector_mtp
+
+            answers = {}
+            for method in args:
+                extra = {"model": model_dir} if method == "draft_model" else {"prompt_lookup_max": 3}
+                spec = SpeculativeConfig(method=method, num_speculative_tokens=1,
+                                         target_model_config=eng.vc.model_config,
+                                         target_parallel_config=ParallelConfig(), **extra)
+                answers[method] = [spec.method, connector_mtp(spec, eng.worker.model)]
+            print("SPECULATIVE " + json.dumps(answers), flush=True)
         elif cmd == "run":
             deadline = time.monotonic() + 200
             while any(not r.is_finished() for r in reqs.values()) and time.monotonic() < deadline:

@@ -66,6 +66,7 @@ from kvbridge.adapters.vllm_config import (
     CONVERT_SIDES,
     TRANSPORTS,
     ape_paths,
+    connector_mtp,
     connector_profile,
     device_gpu_family,
     host_port,
@@ -213,6 +214,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         #: This worker's tensor-parallel (rank, size); the scheduler side's rank is 0.
         self.tp = self._tp_position(role, size)
         self.model = connector_model(vllm_config, extra.get("model"))
+        #: Whether requests move with the MTP layers' caches (vLLM serves with the model's MTP draft).
+        self.include_mtp = connector_mtp(vllm_config.speculative_config, self.model)
         gpu = device_gpu_family() if role == KVConnectorRole.WORKER else None
         self.profile = connector_profile(extra.get("engine"), vllm_config.cache_config.block_size, gpu)
         self.timeout = extra.get("timeout", 120.0)
@@ -233,7 +236,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         #: The model's APE weights (worker side, read once), for pairs with SGLang pools.
         self.ape: ApeWeights | None = None
         if paths is not None and role == KVConnectorRole.WORKER:
-            self.ape = load_ape(paths, self.model, ape_needed(parse_engine("sglang"), self.profile, self.model, False))
+            self.ape = load_ape(paths, self.model, ape_needed(parse_engine("sglang"), self.profile, self.model,
+                                                             self.include_mtp))
         # scheduler side
         self._loads: dict[str, Load] = {}
         self._sends: dict[str, Send] = {}
@@ -262,8 +266,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 self.server = self._nixl_receiver(extra.get("landing_tokens", vllm_config.model_config.max_model_len),
                                                   host, port)
             else:
-                self.server = GlooServer(EnginePools(self.profile, self.model, False, {}), plan=self._plan_for,
-                                         host=host, port=port, computed=self._computed, tp=self.tp)
+                self.server = GlooServer(EnginePools(self.profile, self.model, self.include_mtp, {}),
+                                         plan=self._plan_for, host=host, port=port, computed=self._computed,
+                                         tp=self.tp)
             log.info("kvbridge connector listening on %s:%d (%s, tensor parallel rank %d of %d)",
                      *self.server.address, self.transport, *self.tp)
 
@@ -288,9 +293,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         held: dict[str, int] = {}
         for n in range(max(1, landing_tokens - 2 * block + 1), landing_tokens + 1):
             for name, pages in plan_migration(self.profile, self.profile, self.model, n,
-                                              include_mtp=False).held_pages("dst").items():
+                                              include_mtp=self.include_mtp).held_pages("dst").items():
                 held[name] = max(held.get(name, 0), pages)
-        landing = EnginePools.create(self.profile, self.model, held, include_mtp=False)
+        landing = EnginePools.create(self.profile, self.model, held, include_mtp=self.include_mtp)
         self.landing_tokens = landing_tokens
         return NixlReceiver(landing, plan=self._plan_for, host=host, port=port, loss_report=False,
                             computed=self._computed, tp=self.tp)
@@ -389,11 +394,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             specs = getattr(g.kv_cache_spec, "kv_cache_specs", None)
             for name in g.layer_names:
                 pages[name] = (specs[name] if specs is not None else g.kv_cache_spec).page_size_bytes
-        self.caches = VllmCaches(self.profile, self.model, kv_caches, [g.layer_names for g in groups], pages)
+        self.caches = VllmCaches(self.profile, self.model, kv_caches, [g.layer_names for g in groups], pages,
+                                 include_mtp=self.include_mtp)
 
     def _plan(self, info: dict):
+        if bool(info.get("include_mtp", False)) != self.include_mtp:
+            sends, serves = (("no MTP layer caches", "with its MTP draft, whose layers would stay unfilled")
+                             if self.include_mtp else ("the MTP layers' caches", "without an MTP draft"))
+            raise InputError(f"the producer sends {sends}, but this vLLM serves {serves}: plan the producer's "
+                             f"request with include_mtp={self.include_mtp}")
         return plan_migration(info["src"], self.profile, self.model, int(info["num_tokens"]),
-                              draft_tokens=int(info.get("draft_tokens", 0)), include_mtp=False, ape=self.ape)
+                              draft_tokens=int(info.get("draft_tokens", 0)), include_mtp=self.include_mtp,
+                              ape=self.ape)
 
     def _check_sender(self, plan, load: Load) -> None:
         if plan.src.spec != parse_engine(load.src).spec or plan.num_tokens != load.num_tokens:
@@ -548,7 +560,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _send(self, send: Send) -> dict:
         assert self.caches is not None
-        plan = plan_migration(self.profile, send.dst, self.model, send.num_tokens, include_mtp=False, ape=self.ape)
+        plan = plan_migration(self.profile, send.dst, self.model, send.num_tokens, include_mtp=self.include_mtp,
+                              ape=self.ape)
         pools, tables = self.caches.request_pools(plan, send.block_ids)
         host, port = host_port(send.peer, "kvbridge_peer")
         port += self.tp[0]  # rank r sends to the consumer's rank r

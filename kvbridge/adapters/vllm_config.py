@@ -8,6 +8,7 @@ import torch
 
 from kvbridge.adapters.vllm_options import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, TRANSPORTS
 from kvbridge.engines.profiles import EngineProfile, parse_engine
+from kvbridge.engines.topology import ModelTopology
 from kvbridge.errors import InputError
 
 
@@ -42,6 +43,25 @@ def device_gpu_family() -> str | None:
         return None
     major, _ = torch.cuda.get_device_capability()
     return f"sm{major}0"
+
+
+def connector_mtp(speculative_config: Any, model: ModelTopology) -> bool:
+    """Whether the connector moves the model's MTP layers' caches: True when vLLM serves ``model`` with its own
+    MTP draft (``--speculative-config '{"method": "mtp", ...}'``: vLLM then registers the caches of layers
+    ``num_layers ..`` as ``model.layers.<i>.attn...``), False without a draft model's caches (no speculative
+    config, or n-gram / suffix drafts); any other draft model's caches are refused by name."""
+    if speculative_config is None or not speculative_config.uses_draft_kv_cache():
+        return False
+    method = getattr(speculative_config, "method", None)
+    if method != "mtp":
+        raise InputError(f"vLLM serves with speculative method {method!r}, whose draft model has KV caches of its "
+                         "own: kvbridge moves DeepSeek-V4's own MTP layers only (method mtp); serve with "
+                         "--speculative-config '{\"method\": \"mtp\", ...}' or without a draft model")
+    if not model.num_mtp_layers:
+        raise InputError(f"vLLM serves with an MTP draft, but model {model.name}'s config has no MTP layers "
+                         "(num_nextn_predict_layers = 0); give kv_connector_extra_config model the served model's "
+                         "config.json")
+    return True
 
 
 def connector_profile(spec: str | None, block_size: int, gpu: str | None) -> EngineProfile:

@@ -70,32 +70,41 @@ class VllmCaches:
 
     ``group_layers[g]``: the layer names of KV-cache group g (``KVCacheConfig.kv_cache_groups``).
     ``page_bytes``: vLLM's page size per layer name (its specs' ``page_size_bytes``), checked against
-    the profile. Every cache of ``model`` (without MTP layers) must be registered; names that are
-    not DeepSeek-V4 caches are refused.
+    the profile. Every cache of ``model`` must be registered, its MTP layers' (``num_layers ..``) exactly
+    when ``include_mtp`` (vLLM serves with the model's MTP draft); names that are not DeepSeek-V4 caches,
+    or of layers the model does not have, are refused.
     """
 
     def __init__(self, profile: EngineProfile, model: ModelTopology, kv_caches: Mapping[str, torch.Tensor],
-                 group_layers: Sequence[Sequence[str]], page_bytes: Mapping[str, int] | None = None):
-        self.profile, self.model = profile, model
+                 group_layers: Sequence[Sequence[str]], page_bytes: Mapping[str, int] | None = None,
+                 include_mtp: bool = False):
+        self.profile, self.model, self.include_mtp = profile, model, include_mtp
         self.group: dict[tuple[int, Role], int] = {}
         self.names: dict[tuple[int, Role], str] = {}
+        last = model.total_layers if include_mtp else model.num_layers
         for g, names in enumerate(group_layers):
             for name in names:
                 key = cache_of(name)
                 if key is None:
                     raise InputError(f"vLLM cache layer {name!r} is not a DeepSeek-V4 cache kvbridge knows")
+                if key[0] >= last:
+                    what = (f"an MTP layer of {model.name}, but vLLM serves without its MTP draft"
+                            if key[0] < model.total_layers else
+                            f"past {model.name}'s {model.num_layers} layers and {model.num_mtp_layers} MTP layers")
+                    raise InputError(f"vLLM cache layer {name!r} is {what}; is the model {model.name}?")
                 self.group[key], self.names[key] = g, name
         pools = {}
-        for spec in model.all_caches(include_mtp=False):
+        for spec in model.all_caches(include_mtp):
             key = (spec.layer, spec.role)
             name = self.names.get(key)
             if name is None or name not in kv_caches:
-                raise InputError(f"vLLM registered no cache for layer {spec.layer} {spec.role.value} "
+                mtp = " (an MTP layer: vLLM's MTP draft registers it)" if model.is_mtp(spec.layer) else ""
+                raise InputError(f"vLLM registered no cache for layer {spec.layer} {spec.role.value}{mtp} "
                                  f"(expected {name or f'model.layers.{spec.layer}.attn...'}); is the model "
                                  f"{model.name}?")
             pools[key] = block_bytes(kv_caches[name], profile.storage(spec).page_bytes,
                                      None if page_bytes is None else page_bytes[name])
-        self.pools = EnginePools.wrap(profile, model, pools, include_mtp=False)
+        self.pools = EnginePools.wrap(profile, model, pools, include_mtp=include_mtp)
 
     def tables(self, block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
         """A request's block ids per group, vLLM's null block read as released (-1)."""
@@ -161,7 +170,7 @@ class VllmCaches:
             for k, slot in enumerate(slots):
                 request[name][slot] = k
         pools = {}
-        for spec in self.model.all_caches(include_mtp=False):
+        for spec in self.model.all_caches(self.include_mtp):
             key, st = (spec.layer, spec.role), self.profile.storage(spec)
             ids, pool = tables[self.group[key]], self.pools.pool(spec)
             picked = []
@@ -171,4 +180,4 @@ class VllmCaches:
                                      f"block-table index {slot} of its group")
                 picked.append(ids[slot])
             pools[key] = pool[torch.tensor(picked, dtype=torch.long)].contiguous()
-        return EnginePools.wrap(self.profile, self.model, pools, include_mtp=False), request
+        return EnginePools.wrap(self.profile, self.model, pools, include_mtp=self.include_mtp), request

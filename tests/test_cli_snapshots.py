@@ -49,7 +49,7 @@ ALL_NUMBERS = [
     (re.compile(r"\s+".join(map(re.escape, machine()["cpu"].split()))), "<cpu>"),
     (re.compile(r"\d{4}-\d\d-\d\d\s+\d\d:\d\d(:\d\d)?( UTC)?"), "<date>"),
     (re.compile(r"(native MODEL1 kernels|backend): .*"), r"\1: <here>"),
-    (re.compile(r"\((\d+) cores[^)]*\), torch \S+"), r"(\1 cores), torch <version>"),
+    (re.compile(r"\((\d+)\s+cores[^)]*\),\s+torch\s+\S+"), r"(\1 cores), torch <version>"),  # wraps by the CPU's flags
     (NUMBER, "#"), (re.compile(r"#(?:[ ,.]*#)+"), "#"),
     (re.compile(r"\s+"), " "),
     (re.compile(r"(.{1,79})(?: |$)"), "\\1\n"),

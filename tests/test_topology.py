@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -105,6 +106,27 @@ def test_from_hf_config_without_mtp_ratios_and_window_size_key():
     cfg["window_size"] = 64
     topo = from_hf_config(cfg, name="x")
     assert topo.compress_ratios[-1] == 0 and topo.sliding_window == 64
+
+
+HF_CONFIGS = Path(__file__).parents[1] / "fixtures" / "hf_configs"
+
+
+@pytest.mark.parametrize("preset", [FLASH, PRO], ids=lambda p: p.name)
+def test_transformers5_saved_config_gives_the_preset(preset):
+    """``DeepseekV4Config.save_pretrained`` (transformers 5.20.2) writes ``layer_types`` + ``compress_rates``
+    for the main layers only and no ``compress_ratios``; the MTP layer is SWA-only."""
+    path = HF_CONFIGS / f"{preset.name}.transformers-5.20.2.json"
+    data = json.loads(path.read_text())
+    assert "compress_ratios" not in data and len(data["layer_types"]) == preset.num_layers
+    topo = from_hf_config(path, name=preset.name)
+    assert topo == preset
+    del data["qk_rope_head_dim"]  # its rope dims then come from partial_rotary_factor alone
+    assert from_hf_config(data, name=preset.name) == preset
+    with pytest.raises(InputError, match=r"layer_types holds \['linear_attention'\]"):
+        from_hf_config({**data, "layer_types": ["linear_attention"] * preset.num_layers}, name="bad")
+    del data["layer_types"]
+    with pytest.raises(InputError, match="lacks 'compress_ratios' \\(or transformers 5's 'layer_types'\\)"):
+        from_hf_config(data, name="bad")
 
 
 @pytest.mark.parametrize(

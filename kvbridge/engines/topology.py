@@ -165,6 +165,23 @@ PRO = ModelTopology("deepseek-v4-pro", 61, 1, (128, 128) + _alternating(61)[2:] 
 PRESETS: dict[str, ModelTopology] = {FLASH.name: FLASH, PRO.name: PRO}
 
 
+#: transformers 5's ``DeepseekV4Config`` layer types and its default ``compress_rates``.
+HF_LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def _hf_ratios(data: dict[str, Any]) -> list[int]:
+    """Main layers' ratios of a transformers 5 config: ``layer_types`` through ``compress_rates``."""
+    if "layer_types" not in data:
+        raise InputError("config.json lacks 'compress_ratios' (or transformers 5's 'layer_types'); it is not a "
+                         "DeepSeek-V4 config")
+    layer_types = data["layer_types"]
+    rates = {**HF_LAYER_TYPES, **(data.get("compress_rates") or {}), "sliding_attention": 0}
+    unknown = sorted({t for t in layer_types if t not in rates})
+    if unknown:
+        raise InputError(f"config.json layer_types holds {unknown}; DeepSeek-V4 layers are {sorted(HF_LAYER_TYPES)}")
+    return [int(rates[t]) for t in layer_types]
+
+
 def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelTopology:
     """Build a topology from a Hugging Face ``config.json`` (a path or its parsed dict).
 
@@ -172,6 +189,11 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
     ``sliding_window`` (or ``window_size``), ``num_attention_heads``, ``head_dim``,
     ``qk_rope_head_dim`` and ``index_head_dim``. ``compress_ratios`` may omit the MTP entries
     (they are SWA-only and default to 0).
+
+    A config saved by transformers 5 (``DeepseekV4Config.save_pretrained``) has no ``compress_ratios``:
+    each main layer's ratio is ``compress_rates[layer_types[i]]`` (a sliding-window layer 0) and the MTP
+    layers, which ``layer_types`` drops, are SWA-only (the rule of vLLM's ``get_compress_ratios``); the rope
+    dims are ``head_dim * partial_rotary_factor`` when ``qk_rope_head_dim`` is absent.
     """
     if isinstance(config, (str, Path)):
         path = Path(config)
@@ -195,9 +217,14 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
 
     num_layers = int(need("num_hidden_layers"))
     num_mtp = int(data.get("num_nextn_predict_layers", 0))
-    ratios = [int(r) for r in need("compress_ratios")]
+    ratios = _hf_ratios(data) if "compress_ratios" not in data else [int(r) for r in data["compress_ratios"]]
     if len(ratios) == num_layers:
         ratios += [0] * num_mtp
+    head_dim = int(data.get("head_dim", 512))
+    if "qk_rope_head_dim" in data or data.get("partial_rotary_factor") is None:
+        rope_head_dim = int(data.get("qk_rope_head_dim", 64))
+    else:
+        rope_head_dim = round(head_dim * float(data["partial_rotary_factor"]))
     return ModelTopology(
         name=name or str(data.get("model_type", "deepseek_v4")),
         num_layers=num_layers,
@@ -205,8 +232,8 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
         compress_ratios=tuple(ratios),
         num_attention_heads=int(need("num_attention_heads")),
         sliding_window=int(need("sliding_window", "window_size")),
-        head_dim=int(data.get("head_dim", 512)),
-        rope_head_dim=int(data.get("qk_rope_head_dim", 64)),
+        head_dim=head_dim,
+        rope_head_dim=rope_head_dim,
         index_head_dim=int(data.get("index_head_dim", 128)),
     )
 

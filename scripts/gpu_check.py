@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         else []
     flashmla_note = flashmla_section(device, checker, timings) if not args.smoke else "skipped in --smoke"
     sglang_pd_section(device, checker)
+    vllm_section(device, checker)
     report(checker.checks, timings, flashmla_note, device, time.perf_counter() - started, args)
     if args.json:
         write_json(args.json, checker.checks, timings, flashmla_note, device)
@@ -654,6 +655,67 @@ def sglang_pd_section(device, checker: Validator) -> None:
                    lambda: kv_digest(i.to(device) for i in items) == kv_checksum(i.numpy().tobytes() for i in items))
     checker.record(section, "kvbridge prefill -> kvbridge decode, pools on the device (NIXL)",
                    sglang_pd_roundtrip, device)
+
+
+def vllm_caches_roundtrip(device) -> bool | str:
+    """The vLLM connector's two device paths on vLLM-shaped caches (one buffer, a strided view per cache
+    layer, as vLLM registers them) on ``device``: ``VllmCaches.write`` of host records (the consumer: one
+    copy onto the device, scattered there on a stream of its own, finished before it returns) and
+    ``request_pools`` (the producer: gathered on the device after an event on the current stream, then
+    copied to the host once) give the bytes of the same calls on CPU caches."""
+    import torch
+
+    from kvbridge.adapters.vllm_layout import VllmCaches, ready_event
+    from kvbridge.engines.profiles import parse_engine
+    from kvbridge.engines.topology import FLASH
+    from kvbridge.migration import plan_migration
+    from kvbridge.migration.pools import gather_records
+
+    model, profile = FLASH.with_layers(4), parse_engine("vllm:block=256")
+    names, pages = [], []
+    suffix = {"swa": ".swa_cache", "compress": "", "indexer_compress": ".indexer.k_cache",
+              "compressor_state": ".compressor.state_cache",
+              "indexer_compressor_state": ".indexer.compressor.state_cache"}
+    for spec in model.all_caches(False):
+        names.append(f"model.layers.{spec.layer}.attn{suffix[spec.role.value]}")
+        pages.append(profile.storage(spec).page_bytes)
+    stride = sum(pages) + 64
+    plan = plan_migration("trtllm:fp8:tpb=128:scale=0.5", "vllm:block=256", model, 700, include_mtp=False)
+    g = torch.Generator().manual_seed(4)
+    records = [torch.randint(0, 256, (t.count, t.dst.record_bytes), dtype=torch.uint8, generator=g)
+               for t in plan.transfers]
+    held = sorted({slot for t in plan.transfers for slot in t.table_slots(t.dst)})
+    block_ids = ([1 + slot if slot in held else 0 for slot in range(held[-1] + 1)],)  # 0: vLLM's null block
+    num_blocks = held[-1] + 2
+    got = {}
+    for where in (torch.device("cpu"), device):
+        buf = torch.zeros(num_blocks * stride, dtype=torch.uint8, device=where)
+        views, offset = {}, 0
+        for name, page in zip(names, pages, strict=True):
+            views[name] = buf.as_strided((num_blocks, page), (stride, 1), offset)
+            offset += page
+        caches = VllmCaches(profile, model, views, [names], dict(zip(names, pages, strict=True)))
+        caches.write(plan.transfers, records, block_ids)
+        back = plan_migration("vllm:block=256", "trtllm:fp8:tpb=128:scale=0.5", model, 700, include_mtp=False)
+        pools, tables = caches.request_pools(back, block_ids, ready_event(caches.device))
+        sent = [gather_records(pools.pool(t.spec), t.src, tables[t.src.table], t.first, t.count) for t in back.transfers]
+        if any(p.device.type != "cpu" for p in sent):
+            return f"request_pools on {where} left records on the device"
+        got[where.type] = (buf.cpu(), sent)
+    (cpu_buf, cpu_sent), (dev_buf, dev_sent) = got["cpu"], got[device.type]
+    if not torch.equal(cpu_buf, dev_buf):
+        return f"the caches written on {device} differ from the same write on CPU"
+    if not all(torch.equal(a, b) for a, b in zip(cpu_sent, dev_sent, strict=True)):
+        return f"request_pools on {device} differs from CPU"
+    if not all(torch.equal(r, s) for r, s in zip(records, cpu_sent, strict=True)):
+        return "the records sent back are not the records written"
+    return True
+
+
+def vllm_section(device, checker: Validator) -> None:
+    """The vLLM connector's cache paths with device tensors (docs/adapters.md names them as GPU-only cases)."""
+    checker.record("vllm", "connector caches: write and request_pools on the device = on CPU", vllm_caches_roundtrip,
+                   device)
 
 
 def report(checks: list[Check], timings: list[Timing], flashmla_note: str, device, seconds: float,

@@ -824,6 +824,18 @@ def test_write_goes_through_each_groups_blocks_only():
     assert not buf.view(16, -1)[0].any(), "the null block was written"
 
 
+def test_the_connectors_device_paths_on_cpu_caches(tmp_path):
+    """``scripts/gpu_check.py``'s vLLM case, run here on CPU caches: writes and ``request_pools`` through
+    the same code as on CUDA (``device_order`` and ``ready_event`` order nothing on the CPU), the sent
+    records on the host and equal to what was written. The device side needs a GPU: the script."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts" / "gpu_check.py")
+    gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.vllm_caches_roundtrip(torch.device("cpu")) is True
+
+
 def test_write_refuses_a_null_or_foreign_block_before_writing_anything():
     from kvbridge.errors import InputError
 

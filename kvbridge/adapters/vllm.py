@@ -72,7 +72,7 @@ from kvbridge.adapters.vllm_config import (
     host_port,
     positive_int,
 )
-from kvbridge.adapters.vllm_layout import VllmCaches
+from kvbridge.adapters.vllm_layout import VllmCaches, ready_event
 from kvbridge.adapters.vllm_requests import Pending, RequestTable
 from kvbridge.engines.profiles import parse_engine
 from kvbridge.engines.topology import from_hf_config, get_model
@@ -521,7 +521,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return got.report
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: a request's pages are written whole, before vLLM schedules it again."""
+        """Nothing to wait for: a request's pages are written whole, and on CUDA finished on the device
+        (``device_order``), before it is reported to the scheduler, which only then schedules it again."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         """Nothing per layer: a finished request is sent whole from its blocks (``wait_for_save``)."""
@@ -537,13 +538,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 raise InputError("KVBridgeConnector: a send before register_kv_caches")
             if self._send_pool is None:
                 self._send_pool = ThreadPoolExecutor(self.max_inflight, thread_name_prefix="kvbridge-send")
+            ready = ready_event(self.caches.device)  # after this step's writes into the blocks being sent
             for send in meta.sends:
-                self._send_pool.submit(self._send_reported, send)
+                self._send_pool.submit(self._send_reported, send, ready)
 
-    def _send_reported(self, send: Send) -> None:
+    def _send_reported(self, send: Send, ready: Any = None) -> None:
         t0 = time.monotonic()
         try:
-            summary = self._send(send)
+            summary = self._send(send, ready)
         except Exception as exc:  # a failed send: logged, counted, its blocks released (vLLM has no failed send)
             line = f"request {send.request_id}: send to {send.peer} failed: {_one_line(exc)}"
             log.error("kvbridge: %s", line)
@@ -558,11 +560,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._stats.observe("send", time.monotonic() - t0, nbytes, float(summary.get("convert_s", 0.0)), nbytes)
             self._done_send.add(send.req_id)
 
-    def _send(self, send: Send) -> dict:
+    def _send(self, send: Send, ready: Any = None) -> dict:
         assert self.caches is not None
         plan = plan_migration(self.profile, send.dst, self.model, send.num_tokens, include_mtp=self.include_mtp,
                               ape=self.ape)
-        pools, tables = self.caches.request_pools(plan, send.block_ids)
+        pools, tables = self.caches.request_pools(plan, send.block_ids, ready)
         host, port = host_port(send.peer, "kvbridge_peer")
         port += self.tp[0]  # rank r sends to the consumer's rank r
         if self.transport == "nixl":

@@ -13,7 +13,9 @@ request); block id 0 is vLLM's null block (a released or never-held block).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -29,6 +31,37 @@ _ROLE = {".swa_cache": Role.SWA, None: Role.COMPRESS, ".indexer.k_cache": Role.I
          ".compressor.state_cache": Role.STATE, ".indexer.compressor.state_cache": Role.INDEXER_STATE}
 #: vLLM's null block: what a block table holds for a block the request does not (or no longer) hold.
 NULL_BLOCK = 0
+
+
+def ready_event(device: torch.device) -> Any:
+    """On CUDA, an event recorded on the calling thread's current stream (vLLM's, in its step): work that
+    waits on it sees every cache write vLLM queued before it. None on the CPU (its writes are done)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+@contextmanager
+def device_order(device: torch.device, after: Any = None) -> Iterator[None]:
+    """Run the enclosed device work of a transfer thread on a stream of its own, ordered after ``after``
+    (a ``ready_event``) or else after the device's current stream, and finished on the device before this
+    returns, raising or not (so a request reported done, or failed and freed, has no write in flight).
+    On the CPU there is nothing to order: the work is done when each call returns."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device)
+    if after is not None:
+        stream.wait_event(after)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()
 
 
 def cache_of(layer_name: str) -> tuple[int, Role] | None:
@@ -105,6 +138,7 @@ class VllmCaches:
             pools[key] = block_bytes(kv_caches[name], profile.storage(spec).page_bytes,
                                      None if page_bytes is None else page_bytes[name])
         self.pools = EnginePools.wrap(profile, model, pools, include_mtp=include_mtp)
+        self.device = next(iter(pools.values())).device
 
     def tables(self, block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
         """A request's block ids per group, vLLM's null block read as released (-1)."""
@@ -149,13 +183,16 @@ class VllmCaches:
             if tuple(rec.shape) != (t.count, st.record_bytes):
                 raise InputError(f"layer {t.spec.layer} {t.spec.role.value}: {list(rec.shape)} records, the plan "
                                  f"wants [{t.count}, {st.record_bytes}]; nothing was written")
-        for t, rec in pairs:
-            scatter_records(self.pools.pool(t.spec), getattr(t, side), tables[self.group[(t.spec.layer, t.spec.role)]],
-                            t.first, rec)
+        with device_order(self.device):  # one copy of each transfer's records onto the device, then scattered there
+            for t, rec in pairs:
+                scatter_records(self.pools.pool(t.spec), getattr(t, side),
+                                tables[self.group[(t.spec.layer, t.spec.role)]], t.first, rec.to(self.device))
 
-    def request_pools(self, plan: MigrationPlan, block_ids: Sequence[Sequence[int]]
+    def request_pools(self, plan: MigrationPlan, block_ids: Sequence[Sequence[int]], ready: Any = None
                       ) -> tuple[EnginePools, RequestTables]:
-        """A finished request's blocks as compact source pools for ``plan`` (one copy of its held blocks).
+        """A finished request's blocks as compact source pools for ``plan`` in host memory, where the
+        transports stage (one copy of its held blocks: gathered on the device after ``ready``, the
+        ``ready_event`` of the step that wrote them, then copied to the host once).
 
         vLLM may give caches that kvbridge addresses through one block table (e.g. every layer's
         SWA) groups of their own, with block ids of their own: each cache's held blocks are copied
@@ -169,7 +206,7 @@ class VllmCaches:
         for name, slots in order.items():
             for k, slot in enumerate(slots):
                 request[name][slot] = k
-        pools = {}
+        picks = {}
         for spec in self.model.all_caches(self.include_mtp):
             key, st = (spec.layer, spec.role), self.profile.storage(spec)
             ids, pool = tables[self.group[key]], self.pools.pool(spec)
@@ -179,5 +216,7 @@ class VllmCaches:
                     raise InputError(f"layer {spec.layer} {spec.role.value}: the request holds no vLLM block at "
                                      f"block-table index {slot} of its group")
                 picked.append(ids[slot])
-            pools[key] = pool[torch.tensor(picked, dtype=torch.long)].contiguous()
+            picks[key] = (pool, torch.tensor(picked, dtype=torch.long, device=self.device))
+        with device_order(self.device, ready):
+            pools = {key: pool[idx].to("cpu") for key, (pool, idx) in picks.items()}
         return EnginePools.wrap(self.profile, self.model, pools, include_mtp=self.include_mtp), request

@@ -698,7 +698,8 @@ def vllm_caches_roundtrip(device) -> bool | str:
         caches.write(plan.transfers, records, block_ids)
         back = plan_migration("vllm:block=256", "trtllm:fp8:tpb=128:scale=0.5", model, 700, include_mtp=False)
         pools, tables = caches.request_pools(back, block_ids, ready_event(caches.device))
-        sent = [gather_records(pools.pool(t.spec), t.src, tables[t.src.table], t.first, t.count) for t in back.transfers]
+        sent = [gather_records(pools.pool(t.spec), t.src, tables[t.src.table], t.first, t.count)
+                for t in back.transfers]
         if any(p.device.type != "cpu" for p in sent):
             return f"request_pools on {where} left records on the device"
         got[where.type] = (buf.cpu(), sent)

@@ -665,22 +665,18 @@ def vllm_caches_roundtrip(device) -> bool | str:
     copied to the host once) give the bytes of the same calls on CPU caches."""
     import torch
 
-    from kvbridge.adapters.vllm_layout import VllmCaches, ready_event
+    from kvbridge.adapters.vllm_layout import VllmCaches, cache_name, ready_event
     from kvbridge.engines.profiles import parse_engine
     from kvbridge.engines.topology import FLASH
     from kvbridge.migration import plan_migration
     from kvbridge.migration.pools import gather_records
 
     model, profile = FLASH.with_layers(4), parse_engine("vllm:block=256")
-    names, pages = [], []
-    suffix = {"swa": ".swa_cache", "compress": "", "indexer_compress": ".indexer.k_cache",
-              "compressor_state": ".compressor.state_cache",
-              "indexer_compressor_state": ".indexer.compressor.state_cache"}
-    for spec in model.all_caches(False):
-        names.append(f"model.layers.{spec.layer}.attn{suffix[spec.role.value]}")
-        pages.append(profile.storage(spec).page_bytes)
+    names = [cache_name(spec.layer, spec.role) for spec in model.all_caches(False)]
+    pages = [profile.storage(spec).page_bytes for spec in model.all_caches(False)]
     stride = sum(pages) + 64
     plan = plan_migration("trtllm:fp8:tpb=128:scale=0.5", "vllm:block=256", model, 700, include_mtp=False)
+    back = plan_migration("vllm:block=256", "trtllm:fp8:tpb=128:scale=0.5", model, 700, include_mtp=False)
     g = torch.Generator().manual_seed(4)
     records = [torch.randint(0, 256, (t.count, t.dst.record_bytes), dtype=torch.uint8, generator=g)
                for t in plan.transfers]
@@ -696,7 +692,6 @@ def vllm_caches_roundtrip(device) -> bool | str:
             offset += page
         caches = VllmCaches(profile, model, views, [names], dict(zip(names, pages, strict=True)))
         caches.write(plan.transfers, records, block_ids)
-        back = plan_migration("vllm:block=256", "trtllm:fp8:tpb=128:scale=0.5", model, 700, include_mtp=False)
         pools, tables = caches.request_pools(back, block_ids, ready_event(caches.device))
         sent = [gather_records(pools.pool(t.spec), t.src, tables[t.src.table], t.first, t.count)
                 for t in back.transfers]

@@ -33,6 +33,18 @@ def expected_records(t, src_records: torch.Tensor) -> torch.Tensor:
     return src_records
 
 
+def gpu_check_module():
+    """``scripts/gpu_check.py`` as a module, for the tests that run its device cases on CPU tensors."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts" / "gpu_check.py")
+    module = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

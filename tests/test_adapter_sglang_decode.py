@@ -28,7 +28,7 @@ from kvbridge.adapters.sglang_protocol import pd_layout
 from kvbridge.engines.topology import FLASH, Role
 from kvbridge.migration import EnginePools, migrate_local, plan_migration, source_request
 from kvbridge.migration.pools import gather_records, table_of
-from tests.migration_helpers import free_port, need_sglang
+from tests.migration_helpers import free_port, gpu_check_module, need_sglang
 
 SGLANG_PY = os.environ.get("KVBRIDGE_SGLANG_PYTHON")
 PREFILL_SIDE = Path(__file__).with_name("sglang_prefill_peer.py")
@@ -605,12 +605,7 @@ def test_kvbridge_prefill_to_kvbridge_decode_checks_the_digest():
     case with every pool in VRAM."""
     pytest.importorskip("zmq")
     pytest.importorskip("nixl")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts" / "gpu_check.py")
-    gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
-    spec.loader.exec_module(gpu_check)
-    assert gpu_check.sglang_pd_roundtrip(torch.device("cpu")) is True
+    assert gpu_check_module().sglang_pd_roundtrip(torch.device("cpu")) is True
 
 
 def test_cli_receives_converts_and_writes_a_dump(tmp_path):

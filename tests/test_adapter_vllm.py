@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvbridge.adapters.vllm_layout import VllmCaches
+from kvbridge.adapters.vllm_layout import VllmCaches, cache_name
 from kvbridge.engines.profiles import parse_engine
 from kvbridge.engines.topology import Role, from_hf_config
 from kvbridge.migration import (
@@ -41,7 +41,7 @@ from kvbridge.migration.nixl import NixlReceiver, NixlSender
 from kvbridge.migration.nixl_agent import nixl_available
 from kvbridge.migration.plan import beyond_computed
 from kvbridge.migration.transport import GlooServer, send_request_tcp
-from tests.migration_helpers import expected_records
+from tests.migration_helpers import expected_records, gpu_check_module
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = os.environ.get("KVBRIDGE_VLLM_PYTHON")
@@ -769,14 +769,8 @@ def test_vllm_with_its_mtp_draft_moves_the_mtp_layers_both_ways(tmp_path, num_to
 def _packed_caches(model, profile, num_blocks: int = 16, pad: int = 64, include_mtp: bool = False):
     """Caches laid out as vLLM's block-outermost layouts do: per block, every layer's page, padded;
     one int8 buffer, one strided view per layer (content only, as vLLM's views show it)."""
-    names, pages = [], []
-    for spec in model.all_caches(include_mtp):
-        a = f"model.layers.{spec.layer}.attn"
-        suffix = {"swa": ".swa_cache", "compress": "", "indexer_compress": ".indexer.k_cache",
-                  "compressor_state": ".compressor.state_cache",
-                  "indexer_compressor_state": ".indexer.compressor.state_cache"}[spec.role.value]
-        names.append(a + suffix)
-        pages.append(profile.storage(spec).page_bytes)
+    names = [cache_name(spec.layer, spec.role) for spec in model.all_caches(include_mtp)]
+    pages = [profile.storage(spec).page_bytes for spec in model.all_caches(include_mtp)]
     stride = sum(pages) + pad
     buf = torch.zeros(num_blocks * stride, dtype=torch.int8)
     views, offset = {}, 0
@@ -799,6 +793,7 @@ def test_cache_names():
     assert cache_of("model.layers.2.attn.compressor.state_cache") == (2, Role.STATE)
     assert cache_of("model.layers.2.attn.indexer.compressor.state_cache") == (2, Role.INDEXER_STATE)
     assert cache_of("model.layers.2.mlp") is None
+    assert all(cache_of(cache_name(7, role)) == (7, role) for role in Role)
 
 
 def test_write_goes_through_each_groups_blocks_only():
@@ -824,16 +819,11 @@ def test_write_goes_through_each_groups_blocks_only():
     assert not buf.view(16, -1)[0].any(), "the null block was written"
 
 
-def test_the_connectors_device_paths_on_cpu_caches(tmp_path):
+def test_the_connectors_device_paths_on_cpu_caches():
     """``scripts/gpu_check.py``'s vLLM case, run here on CPU caches: writes and ``request_pools`` through
     the same code as on CUDA (``device_order`` and ``ready_event`` order nothing on the CPU), the sent
     records on the host and equal to what was written. The device side needs a GPU: the script."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).parents[1] / "scripts" / "gpu_check.py")
-    gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
-    spec.loader.exec_module(gpu_check)
-    assert gpu_check.vllm_caches_roundtrip(torch.device("cpu")) is True
+    assert gpu_check_module().vllm_caches_roundtrip(torch.device("cpu")) is True
 
 
 def test_write_refuses_a_null_or_foreign_block_before_writing_anything():

@@ -70,6 +70,12 @@ def cache_of(layer_name: str) -> tuple[int, Role] | None:
     return None if m is None else (int(m.group(1)), _ROLE[m.group(2)])
 
 
+def cache_name(layer: int, role: Role) -> str:
+    """The vLLM cache layer name of a DeepSeek-V4 cache (the inverse of ``cache_of``)."""
+    suffix = next(s for s, r in _ROLE.items() if r is role)
+    return f"model.layers.{layer}.attn{suffix or ''}"
+
+
 def block_bytes(tensor: torch.Tensor, page_bytes: int, engine_page_bytes: int | None = None) -> torch.Tensor:
     """uint8 ``[num_blocks, page_bytes]`` view of each block's page of a vLLM cache tensor (no copy).
 
@@ -133,7 +139,7 @@ class VllmCaches:
             if name is None or name not in kv_caches:
                 mtp = " (an MTP layer: vLLM's MTP draft registers it)" if model.is_mtp(spec.layer) else ""
                 raise InputError(f"vLLM registered no cache for layer {spec.layer} {spec.role.value}{mtp} "
-                                 f"(expected {name or f'model.layers.{spec.layer}.attn...'}); is the model "
+                                 f"(expected {name or cache_name(spec.layer, spec.role)}); is the model "
                                  f"{model.name}?")
             pools[key] = block_bytes(kv_caches[name], profile.storage(spec).page_bytes,
                                      None if page_bytes is None else page_bytes[name])

@@ -660,16 +660,17 @@ def sglang_pd_section(device, checker: Validator) -> None:
 def vllm_caches_roundtrip(device) -> bool | str:
     """The vLLM connector's two device paths on vLLM-shaped caches (one buffer, a strided view per cache
     layer, as vLLM registers them) on ``device``: ``VllmCaches.write`` of host records (the consumer: one
-    copy onto the device, scattered there on a stream of its own, finished before it returns) and
-    ``request_pools`` (the producer: gathered on the device after an event on the current stream, then
-    copied to the host once) give the bytes of the same calls on CPU caches."""
+    copy onto the device, scattered there on a stream of its own, finished before it returns), ``write_from``
+    of host landing pools (the consumer over NIXL: the same bytes as ``write``) and ``request_pools`` (the
+    producer: gathered on the device after an event on the current stream, then copied to the host once) give
+    the bytes of the same calls on CPU caches."""
     import torch
 
     from kvbridge.adapters.vllm_layout import VllmCaches, cache_name, ready_event
     from kvbridge.engines.profiles import parse_engine
     from kvbridge.engines.topology import FLASH
-    from kvbridge.migration import plan_migration
-    from kvbridge.migration.pools import gather_records
+    from kvbridge.migration import EnginePools, plan_migration
+    from kvbridge.migration.pools import gather_records, scatter_records, table_of
 
     model, profile = FLASH.with_layers(4), parse_engine("vllm:block=256")
     names = [cache_name(spec.layer, spec.role) for spec in model.all_caches(False)]
@@ -683,15 +684,27 @@ def vllm_caches_roundtrip(device) -> bool | str:
     held = sorted({slot for t in plan.transfers for slot in t.table_slots(t.dst)})
     block_ids = ([1 + slot if slot in held else 0 for slot in range(held[-1] + 1)],)  # 0: vLLM's null block
     num_blocks = held[-1] + 2
-    got = {}
-    for where in (torch.device("cpu"), device):
+    landing = EnginePools.create(profile, model, plan.held_pages("dst"), include_mtp=False, seed=3)  # host memory
+    landed = landing.claim(plan.table_lengths("dst"), plan.released("dst"))
+    for t, rec in zip(plan.transfers, records, strict=True):
+        scatter_records(landing.pool(t.spec), t.dst, table_of(landed, t.dst), t.first, rec)
+
+    def vllm_caches(where):
         buf = torch.zeros(num_blocks * stride, dtype=torch.uint8, device=where)
         views, offset = {}, 0
         for name, page in zip(names, pages, strict=True):
             views[name] = buf.as_strided((num_blocks, page), (stride, 1), offset)
             offset += page
-        caches = VllmCaches(profile, model, views, [names], dict(zip(names, pages, strict=True)))
+        return buf, VllmCaches(profile, model, views, [names], dict(zip(names, pages, strict=True)))
+
+    got = {}
+    for where in (torch.device("cpu"), device):
+        from_landing, caches = vllm_caches(where)
+        caches.write_from(plan.transfers, landing, landed, block_ids)
+        buf, caches = vllm_caches(where)
         caches.write(plan.transfers, records, block_ids)
+        if not torch.equal(buf.cpu(), from_landing.cpu()):
+            return f"write_from of host landing pools on {where} differs from write"
         pools, tables = caches.request_pools(back, block_ids, ready_event(caches.device))
         sent = [gather_records(pools.pool(t.spec), t.src, tables[t.src.table], t.first, t.count)
                 for t in back.transfers]

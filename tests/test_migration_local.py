@@ -30,7 +30,7 @@ from kvbridge.migration import (
     source_request,
     verify,
 )
-from kvbridge.migration.pools import pool_tensors, scatter_records, table_of
+from kvbridge.migration.pools import part_spans, pool_tensors, scatter_records, table_of
 
 MODEL = FLASH.with_layers(4)
 TOKENS = 700
@@ -230,9 +230,10 @@ def test_wrapping_engine_owned_pool_tensors():
 
 @pytest.mark.parametrize("spec", ["vllm", "trtllm:fp8:tpb=128", "sglang"])
 def test_record_moves_native_reference_and_strided_pools_agree(monkeypatch, spec):
-    """Gathering and scattering records moves the same bytes on the native span copies, the reference's
-    torch copies and the sliced-view path that serves non-contiguous pools (e.g. views of an engine's
-    buffers), for every cache of the model (block-split, token-major, separate pools, rings)."""
+    """Gathering and scattering records moves the same bytes on the native span copies and the reference's
+    torch copies, in contiguous pools and in pools whose pages lie a fixed stride apart with other bytes between
+    them (views of an engine's buffer, as vLLM's cache layers are: moved as spans of the underlying bytes), for
+    every cache of the model (block-split, token-major, separate pools, rings)."""
     plan = plan_migration(spec, spec, MODEL, TOKENS, draft_tokens=2)
     src, tables = source_request(plan, spare_pages=2, seed=5)
     for t in plan.transfers:
@@ -246,6 +247,7 @@ def test_record_moves_native_reference_and_strided_pools_agree(monkeypatch, spec
             x.copy_(y)
         strided_pool = strided if isinstance(pool, tuple) else strided[0]
         assert not strided[0].is_contiguous()
+        assert part_spans(strided_pool, t.src, table, t.first, t.count) is not None  # span copies, not slices
         assert torch.equal(gather_records(strided_pool, t.src, table, t.first, t.count), want)
         noise = torch.randint(0, 256, want.shape, dtype=torch.uint8)
         for backend in ("auto", "reference"):

@@ -80,7 +80,7 @@ from kvbridge.errors import InputError
 from kvbridge.migration.ape import ApeWeights, load_ape
 from kvbridge.migration.nixl import NixlReceiver, NixlSender
 from kvbridge.migration.plan import ape_needed, plan_migration
-from kvbridge.migration.pools import EnginePools, gather_records, table_of
+from kvbridge.migration.pools import EnginePools
 from kvbridge.migration.transport import GlooServer, send_request_tcp
 
 log = logging.getLogger("kvbridge.vllm")
@@ -512,9 +512,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         p, transfers, landing = self._local.pending, self._local.rest, server.dst
         try:  # verified in the landing area: write it through the request's block ids
             self.table.writing(p)
-            records = [gather_records(landing.pool(t.spec), t.dst, table_of(got.tables, t.dst), t.first, t.count)
-                       for t in transfers]
-            caches.write(transfers, records, p.load.block_ids, keep=p.load.cached)
+            caches.write_from(transfers, landing, got.tables, p.load.block_ids, keep=p.load.cached)
         finally:
             landing.release(got.tables)
         log.info("kvbridge: received request %s from %s over NIXL", got.request_id, got.peer)

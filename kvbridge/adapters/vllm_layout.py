@@ -23,7 +23,7 @@ from kvbridge.engines.profiles import EngineProfile
 from kvbridge.engines.topology import ModelTopology, Role
 from kvbridge.errors import InputError
 from kvbridge.migration.plan import MigrationPlan
-from kvbridge.migration.pools import EnginePools, RequestTables, scatter_records
+from kvbridge.migration.pools import EnginePools, RequestTables, copy_entries, gather_records, scatter_records, table_of
 
 _NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.attn(\.swa_cache|\.indexer\.k_cache|\.compressor\.state_cache"
                    r"|\.indexer\.compressor\.state_cache)?$")
@@ -193,6 +193,23 @@ class VllmCaches:
             for t, rec in pairs:
                 scatter_records(self.pools.pool(t.spec), getattr(t, side),
                                 tables[self.group[(t.spec.layer, t.spec.role)]], t.first, rec.to(self.device))
+
+    def write_from(self, transfers: Sequence, src: EnginePools, src_tables: RequestTables,
+                   block_ids: Sequence[Sequence[int]], *, keep: Sequence[Sequence[int]] = ()) -> None:
+        """``write`` of each transfer's entries held in ``src`` (pools in this vLLM's layout, such as the NIXL
+        landing area) at ``src_tables``: straight from ``src``'s pages into the blocks, one span copy per run
+        in one page of each, where both are on one device; gathered first and written (``write``: one copy onto
+        the device) where they are not. Checked as ``write`` checks, before any byte is written."""
+        tables = self.check(transfers, block_ids, keep=keep)
+        pending = []
+        with device_order(self.device):
+            for t in transfers:
+                pool, table = src.pool(t.spec), table_of(src_tables, t.dst)
+                if not copy_entries(pool, table, self.pools.pool(t.spec),
+                                    tables[self.group[(t.spec.layer, t.spec.role)]], t.dst, t.first, t.count):
+                    pending.append((t, gather_records(pool, t.dst, table, t.first, t.count)))
+        if pending:
+            self.write([t for t, _ in pending], [rec for _, rec in pending], block_ids, keep=keep)
 
     def request_pools(self, plan: MigrationPlan, block_ids: Sequence[Sequence[int]], ready: Any = None
                       ) -> tuple[EnginePools, RequestTables]:

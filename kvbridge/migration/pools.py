@@ -131,24 +131,40 @@ def part_bounds(pool: Pool, storage: Storage) -> list[tuple[int, int]]:
 PartSpans = tuple[torch.Tensor, int, int, np.ndarray]
 
 
+def _paged_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """A pool tensor ``[pages, page_bytes]`` (uint8) as one flat byte tensor from its first page's first byte to
+    its last page's last, and its page stride in bytes: the tensor itself when contiguous, a view of its storage
+    when its pages lie ``stride(0)`` bytes apart with other bytes between them (a vLLM cache layer's blocks in
+    the buffer its layers share); None for any other striding."""
+    if tensor.is_contiguous():
+        return tensor, tensor.shape[1]
+    if tensor.dim() != 2 or tensor.element_size() != 1 or tensor.stride(1) != 1 or tensor.stride(0) < tensor.shape[1]:
+        return None
+    pages, page = tensor.shape
+    return tensor.as_strided(((pages - 1) * tensor.stride(0) + page if pages else 0,), (1,)), tensor.stride(0)
+
+
 def part_spans(pool: Pool, storage: Storage, table: Table, first: int, count: int) -> list[PartSpans] | None:
     """The spans of entries ``[first, first + count)`` in each record part of ``pool`` (each run of entries
-    in one page is consecutive rows of that part), or None when a pool tensor is not contiguous.
+    in one page is consecutive rows of that part), or None when a pool tensor is neither contiguous nor made
+    of pages a fixed stride apart (``_paged_bytes``; the spans are then offsets into that flat view).
     Refuses (``InputError``) a table that does not hold the entries."""
     tensors = pool_tensors(pool)
-    if not all(t.is_contiguous() for t in tensors):
+    flats = [_paged_bytes(t) for t in tensors]
+    if any(f is None for f in flats):
         return None
     parts = []
     runs_of: dict[str, np.ndarray] = {}
     views = _page_views(pool, storage)
     for k, ((_, lo, hi), (name, ids)) in enumerate(zip(views, _part_tables(storage, table, len(views)), strict=True)):
-        tensor = tensors[k if isinstance(pool, tuple) else 0]
+        i = k if isinstance(pool, tuple) else 0
+        tensor, page_stride = flats[i]  # type: ignore[misc]
         width = hi - lo
         region = 0 if isinstance(pool, tuple) else storage.page_size * lo
         if name not in runs_of:
-            runs_of[name] = _run_array(storage, ids, first, count, tensor.shape[0], name)
+            runs_of[name] = _run_array(storage, ids, first, count, tensors[i].shape[0], name)
         runs = runs_of[name]
-        spans = np.stack([runs[:, 0] * tensor.shape[1] + region + runs[:, 1] * width, runs[:, 3], runs[:, 2]], axis=1)
+        spans = np.stack([runs[:, 0] * page_stride + region + runs[:, 1] * width, runs[:, 3], runs[:, 2]], axis=1)
         parts.append((tensor, lo, width, spans))
     return parts
 
@@ -216,6 +232,24 @@ def scatter_records(pool: Pool, storage: Storage, table: Table, first: int, reco
     for (view, lo, hi), (name, ids) in zip(views, _part_tables(storage, table, len(views)), strict=True):
         for page, row, n, off in _runs(storage, ids, first, records.shape[0], view.shape[0], name):
             view[page, row : row + n] = records[off : off + n, lo:hi]
+
+
+def copy_entries(src: Pool, src_table: Table, dst: Pool, dst_table: Table, storage: Storage, first: int,
+                 count: int) -> bool:
+    """Copy entries ``[first, first + count)`` of ``storage`` from pool ``src`` (at ``src_table``) into pool ``dst``
+    (at ``dst_table``), both in that storage: one span copy per run that lies in one page of each, no records in
+    between. Both tables are checked before any byte moves. False (nothing moved) when the pools are on two
+    devices or a pool tensor is neither contiguous nor page-strided (``part_spans``)."""
+    if pool_tensors(src)[0].device != pool_tensors(dst)[0].device:
+        return False
+    src_parts = part_spans(src, storage, src_table, first, count)
+    dst_parts = part_spans(dst, storage, dst_table, first, count)
+    if src_parts is None or dst_parts is None:
+        return False
+    for (s_tensor, _, width, s_sp), (d_tensor, _, _, d_sp) in zip(src_parts, dst_parts, strict=True):
+        dispatch.move_spans(s_tensor, d_tensor, merge_spans([(s_sp, width), (d_sp, width)], count), width, width,
+                            width)
+    return True
 
 
 @dataclass

@@ -6,6 +6,7 @@ Usage: python tests/vllm_engine_side.py consumer TRANSPORT MODEL_DIR OUT_DIR REQ
        python tests/vllm_engine_side.py commands TRANSPORT MODEL_DIR OUT_DIR [fail|recompute]   (see ``commands``)
        python tests/vllm_engine_side.py tp TRANSPORT MODEL_DIR OUT_DIR SIZE PORT DIST_PORT NUM_TOKENS SRC DST HOST:PORT
                                           (see ``tp``)
+       python tests/vllm_engine_side.py bench TRANSPORT MODEL_DIR OUT_DIR MAX_LEN KV_MIB   (see ``bench``)
 
 TRANSPORT (gloo or nixl) is the connector's ``transport`` key.
 
@@ -73,12 +74,15 @@ class Engine:
     def __init__(self, model_dir: str, role: str, transport: str, on_load_failure: str | None = None,
                  ape: str | None = None, tp: int = 1, listen: str | None = None,
                  sides: tuple[str, ...] = ("scheduler", "worker"), rank: tuple[int, int] | None = None,
-                 mtp: bool = False) -> None:
+                 mtp: bool = False, max_len: int = 1024, kv_bytes: int = 32 << 20,
+                 chunk: int | None = None) -> None:
         """``tp``: vLLM's tensor parallel size; ``sides``: the scheduler, the worker or both (at TP > 1 one
         scheduler and a worker per rank); ``rank``: a worker's (TP rank, port of vLLM's process-group store),
         its TP group formed as vLLM's workers form it before they create their connector; ``mtp``: vLLM serves
         with the model's MTP draft (its ``SpeculativeConfig``, method ``mtp``), whose layers' caches it
-        registers after the model's."""
+        registers after the model's; ``max_len``: vLLM's ``max_model_len``; ``kv_bytes``: the memory vLLM may
+        give its KV cache; ``chunk``: prefill in chunks of this many tokens (vLLM's chunked prefill; otherwise
+        a whole prompt per step)."""
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -101,7 +105,6 @@ class Engine:
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.worker.utils import allocate_kv_cache
 
-        max_len = 1024
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_len, dtype="bfloat16")
         from kvbridge.adapters.vllm_config import kv_transfer_config
 
@@ -114,8 +117,9 @@ class Engine:
         vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=256, cache_dtype="fp8_ds_mla"),
                         device_config=DeviceConfig("cpu"), kv_transfer_config=kt, parallel_config=pc,
                         speculative_config=spec,
-                        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_len, max_num_seqs=8,
-                                                         max_model_len=max_len, is_encoder_decoder=False))
+                        scheduler_config=SchedulerConfig(max_num_batched_tokens=chunk or max_len, max_num_seqs=8,
+                                                         max_model_len=max_len, is_encoder_decoder=False,
+                                                         enable_chunked_prefill=chunk is not None))
         # vLLM's CPU platform turns the hybrid allocator off; a GPU platform keeps it on (DeepSeek-V4 needs it)
         vc.scheduler_config.disable_hybrid_kv_cache_manager = False
         vc.parallel_config.tensor_parallel_size = tp
@@ -135,7 +139,7 @@ class Engine:
         self.layout = resolve_kv_cache_layout(vc, [[x.name for x in get_supported_kv_cache_layouts(backends)]],
                                               list(self.specs.values()))
         groups = get_global_kv_cache_groups(vc, [self.specs])
-        self.config = get_kv_cache_configs(vc, [self.specs], [32 << 20], groups)[0]
+        self.config = get_kv_cache_configs(vc, [self.specs], [kv_bytes], groups)[0]
         self.config.kv_cache_layout = self.layout.name
         self.vc = vc
         if "worker" in sides:
@@ -445,6 +449,44 @@ def commands(transport: str, model_dir: str, out_dir: str, *options: str) -> Non
     eng.worker.shutdown()
 
 
+def bench(transport: str, model_dir: str, out_dir: str, max_len: str, kv_mib: str) -> None:
+    """The consumer of ``scripts/bench_vllm_connector.py``: vLLM at ``max_model_len`` ``max_len`` with ``kv_mib``
+    MiB of KV cache and chunked prefill (2,048 tokens a step, so that its sliding-window groups need blocks for a
+    chunk, not a whole prompt), driven from stdin. ``load RID NUM_TOKENS SRC``: a request whose producer sends
+    under RID; answers ``READY <vLLM's number of blocks>`` once vLLM allocated its blocks and handed the load to
+    the worker, then steps (every millisecond, as a busy engine loop would) until the worker reports it and
+    answers ``RECEIVED <json>`` (``at``: ``time.monotonic()`` then; the connector's stats and errors), then aborts
+    it (its blocks return to the pool). ``quit``."""
+    from vllm.v1.request import RequestStatus
+
+    eng = Engine(model_dir, "consumer", transport, max_len=int(max_len), kv_bytes=int(kv_mib) << 20, chunk=2048)
+    host, port = eng.worker.server.address
+    print(f"LISTEN {host} {port}", flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "quit":
+            break
+        rid, n, src = args
+        req = eng.request(int(n), {"kvbridge_src": src, "kvbridge_request_id": rid}, max_tokens=1, request_id=rid)
+        out = eng.scheduler.schedule()
+        assert len(out.kv_connector_metadata.loads) == 1, f"vLLM could not allocate {n} tokens: raise kv_mib"
+        print(f"READY {eng.config.num_blocks}", flush=True)
+        failed: set[str] = set()
+        while True:
+            _, received = eng.step(out, None, failed)
+            if received:
+                done = time.monotonic()
+                break
+            time.sleep(0.001)
+            out = eng.scheduler.schedule()
+        stats = (eng.worker.get_kv_connector_stats() or eng.worker.build_kv_connector_stats()).reduce()
+        print("RECEIVED " + json.dumps({"at": done, "failed": sorted(failed), "errors": list(eng.worker.errors),
+                                        "stats": stats}), flush=True)
+        eng.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+        eng.step(eng.scheduler.schedule())
+    eng.worker.shutdown()
+
+
 def tp_worker(rank: int, size: int, dist_port: int, conn, transport: str, model_dir: str, listen: str) -> None:
     """One TP rank's worker (a daemonic process, as vLLM's multiprocess executor runs it): vLLM's TP group
     formed first (gloo), then its KV cache and its worker connector; it runs what ``tp`` sends through
@@ -618,6 +660,8 @@ def main() -> None:
     mode, transport, model_dir, out_dir, *rest = sys.argv[1:]
     if mode == "commands":
         commands(transport, model_dir, out_dir, *rest)
+    elif mode == "bench":
+        bench(transport, model_dir, out_dir, *rest)
     elif mode == "tp":
         size, port, dist_port, num_tokens, src, dst, peer = rest
         tp(transport, model_dir, out_dir, int(size), int(port), int(dist_port), int(num_tokens), src, dst, peer)

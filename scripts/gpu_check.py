@@ -21,6 +21,8 @@
 4. SGLang PD with device memory: NIXL memory kinds of CUDA pools, ``kv_digest`` reduced on the GPU,
    and a request from kvbridge's SGLang prefill peer to its SGLang decode peer with every pool in
    VRAM (needs nixl with a CUDA-enabled UCX, and pyzmq; a failed check says why otherwise).
+5. The vLLM connector's cache paths on CUDA caches laid out as vLLM registers them, against the same
+   calls on CPU caches, and its consumer and producer one process each over gloo on loopback.
 The summary table is printed last. See docs/gpu.md.
 """
 
@@ -83,6 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--vllm-producer"]:  # the producer process of vllm_loopback
+        vllm_producer(*argv[1:3])
+        return 0
     args = parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
@@ -657,57 +663,86 @@ def sglang_pd_section(device, checker: Validator) -> None:
                    sglang_pd_roundtrip, device)
 
 
+class VllmShape:
+    """vLLM-shaped caches of a 4-layer DeepSeek-V4-Flash cut (one buffer, a strided view per cache layer, as vLLM
+    registers them, pages 64 B apart more than their sum) and a 700-token request's block ids in them: the
+    records ``plan`` (TensorRT-LLM FP8 -> vLLM) writes, seeded, the plan back (vLLM -> TensorRT-LLM) and the
+    plan between two vLLMs (``same``)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        from kvbridge.adapters.vllm_layout import cache_name
+        from kvbridge.engines.profiles import parse_engine
+        from kvbridge.engines.topology import FLASH
+        from kvbridge.migration import plan_migration
+
+        self.model, self.profile = FLASH.with_layers(4), parse_engine("vllm:block=256")
+        specs = list(self.model.all_caches(False))
+        self.names = [cache_name(spec.layer, spec.role) for spec in specs]
+        self.pages = [self.profile.storage(spec).page_bytes for spec in specs]
+        self.plan = plan_migration("trtllm:fp8:tpb=128:scale=0.5", "vllm:block=256", self.model, 700,
+                                   include_mtp=False)
+        self.back = plan_migration("vllm:block=256", "trtllm:fp8:tpb=128:scale=0.5", self.model, 700,
+                                   include_mtp=False)
+        self.same = plan_migration(self.profile, self.profile, self.model, 700, include_mtp=False)
+        g = torch.Generator().manual_seed(4)
+        self.records = [torch.randint(0, 256, (t.count, t.dst.record_bytes), dtype=torch.uint8, generator=g)
+                        for t in self.plan.transfers]
+        held = sorted({slot for t in self.plan.transfers for slot in t.table_slots(t.dst)})
+        self.block_ids = ([1 + slot if slot in held else 0 for slot in range(held[-1] + 1)],)  # 0: vLLM's null block
+        self.num_blocks = held[-1] + 2
+
+    def caches(self, where):
+        """A zeroed buffer on ``where`` and its ``VllmCaches``."""
+        import torch
+
+        from kvbridge.adapters.vllm_layout import VllmCaches
+
+        stride = sum(self.pages) + 64
+        buf = torch.zeros(self.num_blocks * stride, dtype=torch.uint8, device=where)
+        views, offset = {}, 0
+        for name, page in zip(self.names, self.pages, strict=True):
+            views[name] = buf.as_strided((self.num_blocks, page), (stride, 1), offset)
+            offset += page
+        return buf, VllmCaches(self.profile, self.model, views, [self.names], dict(zip(self.names, self.pages,
+                                                                                        strict=True)))
+
+    def sent(self, pools, tables) -> list:
+        """The records of ``back`` in a request's (compact, host) pools, as a producer sends them."""
+        from kvbridge.migration.pools import gather_records
+
+        return [gather_records(pools.pool(t.spec), t.src, tables[t.src.table], t.first, t.count)
+                for t in self.back.transfers]
+
+
 def vllm_caches_roundtrip(device) -> bool | str:
-    """The vLLM connector's two device paths on vLLM-shaped caches (one buffer, a strided view per cache
-    layer, as vLLM registers them) on ``device``: ``VllmCaches.write`` of host records (the consumer: one
-    copy onto the device, scattered there on a stream of its own, finished before it returns), ``write_from``
-    of host landing pools (the consumer over NIXL: the same bytes as ``write``) and ``request_pools`` (the
-    producer: gathered on the device after an event on the current stream, then copied to the host once) give
-    the bytes of the same calls on CPU caches."""
+    """The vLLM connector's device paths on ``VllmShape``'s caches on ``device``: ``VllmCaches.write`` of host
+    records (the consumer: one copy onto the device, scattered there on a stream of its own, finished before it
+    returns), ``write_from`` of host landing pools (the consumer over NIXL: the same bytes as ``write``) and
+    ``request_pools`` (the producer: gathered on the device after an event on the current stream, then copied to
+    the host once) give the bytes of the same calls on CPU caches."""
     import torch
 
-    from kvbridge.adapters.vllm_layout import VllmCaches, cache_name, ready_event
-    from kvbridge.engines.profiles import parse_engine
-    from kvbridge.engines.topology import FLASH
-    from kvbridge.migration import EnginePools, plan_migration
-    from kvbridge.migration.pools import gather_records, scatter_records, table_of
+    from kvbridge.adapters.vllm_layout import ready_event
+    from kvbridge.migration import EnginePools
+    from kvbridge.migration.pools import scatter_records, table_of
 
-    model, profile = FLASH.with_layers(4), parse_engine("vllm:block=256")
-    names = [cache_name(spec.layer, spec.role) for spec in model.all_caches(False)]
-    pages = [profile.storage(spec).page_bytes for spec in model.all_caches(False)]
-    stride = sum(pages) + 64
-    plan = plan_migration("trtllm:fp8:tpb=128:scale=0.5", "vllm:block=256", model, 700, include_mtp=False)
-    back = plan_migration("vllm:block=256", "trtllm:fp8:tpb=128:scale=0.5", model, 700, include_mtp=False)
-    g = torch.Generator().manual_seed(4)
-    records = [torch.randint(0, 256, (t.count, t.dst.record_bytes), dtype=torch.uint8, generator=g)
-               for t in plan.transfers]
-    held = sorted({slot for t in plan.transfers for slot in t.table_slots(t.dst)})
-    block_ids = ([1 + slot if slot in held else 0 for slot in range(held[-1] + 1)],)  # 0: vLLM's null block
-    num_blocks = held[-1] + 2
-    landing = EnginePools.create(profile, model, plan.held_pages("dst"), include_mtp=False, seed=3)  # host memory
-    landed = landing.claim(plan.table_lengths("dst"), plan.released("dst"))
+    shape = VllmShape()
+    plan, records = shape.plan, shape.records
+    landing = EnginePools.create(shape.profile, shape.model, plan.held_pages("dst"), include_mtp=False, seed=3)
+    landed = landing.claim(plan.table_lengths("dst"), plan.released("dst"))  # host memory, other page ids
     for t, rec in zip(plan.transfers, records, strict=True):
         scatter_records(landing.pool(t.spec), t.dst, table_of(landed, t.dst), t.first, rec)
-
-    def vllm_caches(where):
-        buf = torch.zeros(num_blocks * stride, dtype=torch.uint8, device=where)
-        views, offset = {}, 0
-        for name, page in zip(names, pages, strict=True):
-            views[name] = buf.as_strided((num_blocks, page), (stride, 1), offset)
-            offset += page
-        return buf, VllmCaches(profile, model, views, [names], dict(zip(names, pages, strict=True)))
-
     got = {}
     for where in (torch.device("cpu"), device):
-        from_landing, caches = vllm_caches(where)
-        caches.write_from(plan.transfers, landing, landed, block_ids)
-        buf, caches = vllm_caches(where)
-        caches.write(plan.transfers, records, block_ids)
+        from_landing, caches = shape.caches(where)
+        caches.write_from(plan.transfers, landing, landed, shape.block_ids)
+        buf, caches = shape.caches(where)
+        caches.write(plan.transfers, records, shape.block_ids)
         if not torch.equal(buf.cpu(), from_landing.cpu()):
             return f"write_from of host landing pools on {where} differs from write"
-        pools, tables = caches.request_pools(back, block_ids, ready_event(caches.device))
-        sent = [gather_records(pools.pool(t.spec), t.src, tables[t.src.table], t.first, t.count)
-                for t in back.transfers]
+        sent = shape.sent(*caches.request_pools(shape.back, shape.block_ids, ready_event(caches.device)))
         if any(p.device.type != "cpu" for p in sent):
             return f"request_pools on {where} left records on the device"
         got[where.type] = (buf.cpu(), sent)
@@ -721,10 +756,64 @@ def vllm_caches_roundtrip(device) -> bool | str:
     return True
 
 
+def vllm_producer(peer: str, device: str) -> None:
+    """The producer process of ``vllm_loopback`` (``gpu_check.py --vllm-producer HOST:PORT DEVICE``): ``VllmShape``'s
+    records written into caches on ``device``, then sent from them as the connector's producer sends a finished
+    request (``request_pools`` after a ``ready_event``, then kvbridge's gloo transport) to another vLLM."""
+    import torch
+
+    from kvbridge.adapters.vllm_layout import ready_event
+    from kvbridge.migration.transport import send_request_tcp
+
+    shape = VllmShape()
+    _, caches = shape.caches(torch.device(device))
+    caches.write(shape.plan.transfers, shape.records, shape.block_ids)
+    pools, tables = caches.request_pools(shape.same, shape.block_ids, ready_event(caches.device))
+    host, port = peer.rsplit(":", 1)
+    send_request_tcp(shape.same, pools, tables, host=host, port=int(port), request_id="gpu-check-vllm", timeout=120)
+
+
+def vllm_loopback(device) -> bool | str:
+    """The vLLM connector's consumer and producer paths with caches on ``device``, one process each over
+    kvbridge's gloo transport on loopback: a producer process (``vllm_producer``) sends from its device caches;
+    this process receives as the connector's consumer does (a ``GlooServer`` publishing through
+    ``VllmCaches.write`` into device caches). The caches here then hold the producer's records byte for byte
+    (vLLM to vLLM: ``VllmShape``'s records are arbitrary bytes, moved, not converted)."""
+    import subprocess
+
+    import torch
+
+    from kvbridge.migration import EnginePools
+    from kvbridge.migration.transport import GlooServer
+
+    shape = VllmShape()
+    _, caches = shape.caches(device)
+    server = GlooServer(EnginePools(shape.profile, shape.model, False, {}), plan=shape.same)
+    host, port = server.address
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen([sys.executable, __file__, "--vllm-producer", f"{host}:{port}", device.type],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path})
+    try:
+        got = server.receive(timeout=120, publish=lambda assembly: (caches.write(
+            assembly.plan.transfers, assembly.records, shape.block_ids), {})[1])
+        _, errors = proc.communicate(timeout=120)
+    finally:
+        server.close()
+        if proc.poll() is None:
+            proc.kill()
+    if got is None or proc.returncode:
+        return f"the producer process failed: {(errors or '').strip().splitlines()[-1:]}"
+    back = shape.sent(*caches.request_pools(shape.back, shape.block_ids))
+    return all(torch.equal(r, s) for r, s in zip(shape.records, back, strict=True)) or \
+        "the records received are not the producer's"
+
+
 def vllm_section(device, checker: Validator) -> None:
     """The vLLM connector's cache paths with device tensors (docs/adapters.md names them as GPU-only cases)."""
     checker.record("vllm", "connector caches: write and request_pools on the device = on CPU", vllm_caches_roundtrip,
                    device)
+    checker.record("vllm", "connector consumer and producer, one process each (gloo loopback), caches on the device",
+                   vllm_loopback, device)
 
 
 def report(checks: list[Check], timings: list[Timing], flashmla_note: str, device, seconds: float,

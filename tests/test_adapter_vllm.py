@@ -820,10 +820,14 @@ def test_write_goes_through_each_groups_blocks_only():
 
 
 def test_the_connectors_device_paths_on_cpu_caches():
-    """``scripts/gpu_check.py``'s vLLM case, run here on CPU caches: writes and ``request_pools`` through
-    the same code as on CUDA (``device_order`` and ``ready_event`` order nothing on the CPU), the sent
-    records on the host and equal to what was written. The device side needs a GPU: the script."""
-    assert gpu_check_module().vllm_caches_roundtrip(torch.device("cpu")) is True
+    """``scripts/gpu_check.py``'s vLLM cases, run here on CPU caches: writes (from records and from landing
+    pools) and ``request_pools`` through the same code as on CUDA (``device_order`` and ``ready_event`` order
+    nothing on the CPU), the sent records on the host and equal to what was written; then a producer process
+    and this one as consumer over gloo on loopback, the request landing byte for byte. The device side needs
+    a GPU: the script."""
+    gpu_check = gpu_check_module()
+    assert gpu_check.vllm_caches_roundtrip(torch.device("cpu")) is True
+    assert gpu_check.vllm_loopback(torch.device("cpu")) is True
 
 
 def test_write_refuses_a_null_or_foreign_block_before_writing_anything():

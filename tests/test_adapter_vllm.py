@@ -161,13 +161,14 @@ def _assert_landed(plan, src_pools, src_tables, result, raw, caches) -> None:
 
 
 @pytest.mark.parametrize(("transport", "convert_on", "options"), [("gloo", "receiver", ()),
-                                                                  ("nixl", "receiver", ("daemonic",))])
+                                                                  ("nixl", "receiver", ("daemonic",)),
+                                                                  ("nixl", "sender", ())])
 def test_vllm_consumer_receives_a_trtllm_request(tmp_path, transport, convert_on, options, num_tokens=600):
-    """Over NIXL the request lands in the connector's host-memory landing area first (converted there; a
-    sender that converts writes pages there the same way, see the request-id test below), then goes through
-    the same block-id writes as over gloo. The NIXL case runs the engine side in a daemonic process, as vLLM's
-    multiprocess executor runs its workers (no child process: the connector's NIXL agent runs in the worker).
-    (``convert_on="sender"`` through vLLM passed too; it is left out to keep the run short.)"""
+    """Over NIXL, source records land in the receiver's staging buffer and are converted and written through
+    the block ids as over gloo (``NixlReceiver.receive``'s ``publish``); pages a sender converted land in the
+    connector's host-memory landing area and are copied from there (``VllmCaches.write_from``). The first NIXL
+    case runs the engine side in a daemonic process, as vLLM's multiprocess executor runs its workers (no child
+    process: the connector's NIXL agent runs in the worker)."""
     summary, plan, model, src_pools, src_tables = _consumer(tmp_path, num_tokens, TRTLLM, *options,
                                                             transport=transport, convert_on=convert_on)
     out = tmp_path / "out"

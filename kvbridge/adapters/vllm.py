@@ -489,32 +489,36 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.table.finish(p, error)
 
     def _receive_one(self):
-        """Receive one request (None when no producer connected within ``ACCEPT_POLL_S``); its report."""
+        """Receive one request (None when no producer connected within ``ACCEPT_POLL_S``); its report. A request
+        this side converts is written through its block ids as it is published (both transports); over NIXL, one
+        the producer converted lands in the landing area's pages and is copied from there."""
         caches, server = self.caches, self.server
         assert caches is not None and server is not None
-        if self.transport == "gloo":
-            def publish(assembly):
-                p = self._local.pending
-                if assembly.missing():
-                    raise InputError(f"{assembly.missing()} transfers never arrived")
-                self.table.writing(p)
-                caches.write(assembly.plan.transfers, assembly.records, p.load.block_ids, keep=p.load.cached)
-                return {}
 
+        def publish(assembly):
+            p = self._local.pending
+            if assembly.missing():
+                raise InputError(f"{assembly.missing()} transfers never arrived")
+            self.table.writing(p)
+            caches.write(assembly.plan.transfers, assembly.records, p.load.block_ids, keep=p.load.cached)
+            return {}
+
+        if self.transport == "gloo":
             got = server.receive(timeout=self.timeout, accept_timeout=ACCEPT_POLL_S, publish=publish)
             if got is None:
                 return None
             log.info("kvbridge: received request %s from %s", got[1], got[0])
             return got[3]
-        got = server.receive(timeout=self.timeout, accept_timeout=ACCEPT_POLL_S)
+        got = server.receive(timeout=self.timeout, accept_timeout=ACCEPT_POLL_S, publish=publish)
         if got is None:
             return None
-        p, transfers, landing = self._local.pending, self._local.rest, server.dst
-        try:  # verified in the landing area: write it through the request's block ids
-            self.table.writing(p)
-            caches.write_from(transfers, landing, got.tables, p.load.block_ids, keep=p.load.cached)
-        finally:
-            landing.release(got.tables)
+        if got.report.converted_on == "sender":  # verified in the landing area: copied through the block ids
+            p, landing = self._local.pending, server.dst
+            try:
+                self.table.writing(p)
+                caches.write_from(self._local.rest, landing, got.tables, p.load.block_ids, keep=p.load.cached)
+            finally:
+                landing.release(got.tables)
         log.info("kvbridge: received request %s from %s over NIXL", got.request_id, got.peer)
         return got.report
 

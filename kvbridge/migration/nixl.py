@@ -19,7 +19,8 @@ and the verdict:
    sends the group's XXH3-64 checksums (one per page chunk). The receiver waits for both, verifies
    every chunk on the bytes that landed, and converts the group while the next one flies;
 4. after the last group the receiver publishes (returns the block tables; or claims pages and
-   scatters the converted records; or writes the dump atomically) and sends the ``result``.
+   scatters the converted records, or hands them to the caller's ``publish``, e.g. an engine writing
+   them through its own block ids; or writes the dump atomically) and sends the ``result``.
 
 Guarantees: every chunk verified before anything is published; a dead sender (connection
 closed), a stalled one or a wedged agent is a ``TransferError`` within the caller's timeout;
@@ -94,6 +95,7 @@ from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
 from kvbridge.migration.rows import CHECKSUM, chunk_rows
 from kvbridge.migration.stream import (
+    Publish,
     RequestAssembly,
     check_groups,
     layer_groups,
@@ -242,9 +244,13 @@ class NixlReceiver:
         self.close()
 
     def receive(self, *, timeout: float = 60.0, accept_timeout: float | None = None,
-                on_group: Callable[[int, int], None] | None = None, request_id: str | None = None) -> Received | None:
+                on_group: Callable[[int, int], None] | None = None, request_id: str | None = None,
+                publish: Publish | None = None) -> Received | None:
         """Wait for one sender (None after ``accept_timeout`` seconds without one) and receive its request
         within ``timeout`` seconds. ``request_id``: refuse a sender announcing another request id.
+        ``publish``: where a request this side converts goes once every group is verified and converted,
+        instead of claiming pages of ``dst`` (an engine writing it into its own blocks; its ``tables`` are what
+        ``publish`` returns); a request the sender converted lands in ``dst``'s pages as always.
         Raises ``MigrationError``/``TransferError`` with one line; the receiver stays usable."""
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InputError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -254,7 +260,7 @@ class NixlReceiver:
         if chan is None:
             return None
         deadline = time.monotonic() + timeout
-        session = _Session(self, chan, deadline, on_group, request_id)
+        session = _Session(self, chan, deadline, on_group, request_id, publish)
         try:
             return session.serve(lambda: handshake(chan, deadline, self.handshake_s))
         finally:
@@ -277,9 +283,10 @@ class NixlReceiver:
 class _Session:
     """One connection on the receiver."""
 
-    def __init__(self, rx: NixlReceiver, chan: Channel, deadline: float, on_group, expect_id: str | None = None):
+    def __init__(self, rx: NixlReceiver, chan: Channel, deadline: float, on_group, expect_id: str | None = None,
+                 publish: Publish | None = None):
         self.rx, self.chan, self.deadline, self.on_group = rx, chan, deadline, on_group
-        self.expect_id = expect_id
+        self.expect_id, self.publish = expect_id, publish
         self.claimed: RequestTables | None = None
         self.remote: str | None = None
         self.notifs: set[bytes] = set()
@@ -481,6 +488,8 @@ class _Session:
         t2 = time.perf_counter()
         if converted:
             tables = self.claimed
+        elif self.publish is not None:
+            tables = self.publish(assembly)
         else:
             tables = assembly.publish(rx.dst)
         self.claimed = None

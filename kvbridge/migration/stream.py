@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -173,3 +173,7 @@ class RequestAssembly:
                             loss=self.loss, indexer_err=self.indexer_max_abs_error,
                             state_err=self.state_max_abs_error, pack_s=0.0, convert_s=self.convert_s, wire_s=wire_s,
                             publish_s=publish_s)
+
+
+#: Writes a fully received, verified and converted request into its destination; returns its block tables.
+Publish = Callable[[RequestAssembly], RequestTables]

@@ -54,6 +54,7 @@ from kvbridge.migration.execute import ConvertSide, MigrationReport, Payload, ch
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables
 from kvbridge.migration.stream import (
+    Publish,
     RequestAssembly,
     check_groups,
     layer_groups,
@@ -398,8 +399,6 @@ def send_request(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *
 
 #: Called after each layer group verified, with (groups verified, total groups).
 GroupDone = Callable[[int, int], None]
-#: Writes a fully received, verified and converted request into its destination; returns its block tables.
-Publish = Callable[[RequestAssembly], RequestTables]
 
 
 def receive_request(plan: MigrationPlan, dst: EnginePools, *, src_rank: int, group: dist.ProcessGroup | None = None,

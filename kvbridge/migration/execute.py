@@ -36,6 +36,7 @@ from kvbridge.migration.pools import (
     EnginePools,
     PartSpans,
     RequestTables,
+    coalesce_segments,
     gather_records,
     merge_spans,
     move_parts,
@@ -528,6 +529,11 @@ class _Pass:
 
 
 def _stage_rows(t: Transfer) -> int:
+    """Rows per staged batch: ``STAGE_BYTES`` of source records, or a byte move's whole transfer (it runs straight
+    from the source into the destination pages, ``_direct``: one span-move call per record part covers every page
+    of the transfer, spread over the native backend's threads, with no per-batch Python work)."""
+    if not needs_conversion(t):
+        return max(1, t.count)
     return max(1, STAGE_BYTES // t.src.record_bytes)
 
 
@@ -717,8 +723,8 @@ Move = tuple[torch.Tensor, torch.Tensor, np.ndarray, int, int]
 
 def _move_segments(piece: _Piece) -> list[Move] | None:
     """A piece's byte move straight from its source (pool pages or payload records) into its destination pages, one
-    span copy per run that lies in one source and one destination page; None when a destination part is not inside
-    one source part."""
+    span copy per run that lies in one source and one destination page (runs adjacent on both sides merged); None
+    when a destination part is not inside one source part."""
     src = _sources(piece)
     moves = []
     for tensor, lo, width, sp in piece.dst:
@@ -726,7 +732,8 @@ def _move_segments(piece: _Piece) -> list[Move] | None:
         if found is None:
             return None
         flat, src_sp, stride = found
-        moves.append((flat, tensor.view(-1), merge_spans([(src_sp, stride), (sp, width)], piece.count), stride, width))
+        segs = coalesce_segments(merge_spans([(src_sp, stride), (sp, width)], piece.count), stride, width)
+        moves.append((flat, tensor.view(-1), segs, stride, width))
     return moves
 
 

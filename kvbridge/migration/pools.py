@@ -173,12 +173,31 @@ def merge_spans(streams: list[tuple[np.ndarray, int]], count: int) -> np.ndarray
     """Segments over records ``[0, count)`` that lie in one run of every stream: ``streams`` are (spans ``[k, 3]``
     of (byte offset, first record, rows), row stride in bytes) covering the records in order; returns int64
     ``[S, len(streams) + 1]``: each stream's byte offset of the segment's first record, then its rows."""
+    first = streams[0][0]  # runs that start alike in every stream (the same page size both sides) are the segments
+    if all(sp.shape == first.shape and np.array_equal(sp[:, 1], first[:, 1]) for sp, _ in streams[1:]):
+        return np.stack([*(sp[:, 0] for sp, _ in streams), np.diff(np.append(first[:, 1], count))], axis=1)
     starts = np.unique(np.concatenate([sp[:, 1] for sp, _ in streams]))
     cols = []
     for sp, stride in streams:
         run = np.searchsorted(sp[:, 1], starts, side="right") - 1
         cols.append(sp[run, 0] + (starts - sp[run, 1]) * stride)
     return np.stack([*cols, np.diff(np.append(starts, count))], axis=1)
+
+
+def coalesce_segments(segs: np.ndarray, src_stride: int, dst_stride: int) -> np.ndarray:
+    """Move segments ``[S, 3]`` of (source byte offset, destination byte offset, rows) with each segment that
+    continues the previous one on both sides (rows ``src_stride`` / ``dst_stride`` apart: adjacent pages) merged
+    into it: the same bytes move, in fewer and longer copies."""
+    if segs.shape[0] < 2:
+        return segs
+    rows = segs[:-1, 2]
+    joins = (segs[1:, 0] == segs[:-1, 0] + rows * src_stride) & (segs[1:, 1] == segs[:-1, 1] + rows * dst_stride)
+    if not bool(joins.any()):
+        return segs
+    heads = np.flatnonzero(np.concatenate([[True], ~joins]))
+    out = segs[heads].copy()
+    out[:, 2] = np.add.reduceat(segs[:, 2], heads)
+    return out
 
 
 def move_parts(spans: list[PartSpans], rows: list[tuple[torch.Tensor, int]], to_pool: bool) -> None:

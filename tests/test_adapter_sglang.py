@@ -398,3 +398,34 @@ def test_cli_serves_a_dump_to_sglang(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def _start_in_daemon(out) -> None:
+    """A daemonic process (a worker of vLLM's multiprocess executor) starting the peer: no child process."""
+    from kvbridge.adapters.sglang import SGLangPrefillPeer
+    from kvbridge.engines.profiles import parse_engine
+    from kvbridge.migration.pools import EnginePools
+
+    prof = parse_engine("sglang")
+    pools = EnginePools.create(prof, MODEL, plan_migration(prof, prof, MODEL, 64, include_mtp=False).held_pages("dst"),
+                               include_mtp=False)
+    try:
+        with SGLangPrefillPeer(pools) as peer:
+            out.put(("started", type(peer._agent).__name__))
+    except Exception as exc:
+        out.put(("failed", repr(exc)))
+
+
+def test_the_peer_starts_in_a_daemonic_process():
+    """vLLM's workers are daemonic: the peer's NIXL agent runs in that process (``_new_agent``)."""
+    pytest.importorskip("nixl")
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_start_in_daemon, args=(out,), daemon=True)
+    proc.start()
+    try:
+        assert out.get(timeout=120) == ("started", "_LocalAgent")
+    finally:
+        proc.join(30)

@@ -85,7 +85,7 @@ from kvbridge.engines.topology import CacheSpec, Role
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.errors import TransferError
 from kvbridge.migration.execute import migrate_local
-from kvbridge.migration.nixl_agent import _Agent, memory_kind
+from kvbridge.migration.nixl_agent import _Agent, _LocalAgent, _new_agent, memory_kind
 from kvbridge.migration.plan import MigrationPlan, plan_migration
 from kvbridge.migration.pools import EnginePools, RequestTables, gather_records, pool_tensors, scatter_records, table_of
 
@@ -224,7 +224,7 @@ class SGLangPrefillPeer:
         self._work: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._agent: _Agent | None = None
+        self._agent: _Agent | _LocalAgent | None = None
         self._http: _Bootstrap | None = None
         self._zmq: Any = None
         self.bootstrap_addr = ""
@@ -244,7 +244,8 @@ class SGLangPrefillPeer:
         self._zmq = zmq.Context()
         pull = self._zmq.socket(zmq.PULL)
         self.rank_port = pull.bind_to_random_port(f"tcp://{ip}")
-        self._agent = _Agent(f"kvbridge-sglang-{uuid.uuid4().hex[:12]}")
+        # in this process where it is daemonic (a vLLM worker of the multiprocess executor: no children)
+        self._agent = _new_agent(f"kvbridge-sglang-{uuid.uuid4().hex[:12]}")
         self._regions: dict[tuple[int, Role], int] = {}
         for specs in (self.layout.kv, self.layout.swa_state, self.layout.request_state):
             for spec in specs:

@@ -793,9 +793,12 @@ def vllm_loopback(device) -> bool | str:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, __file__, "--vllm-producer", f"{host}:{port}", device.type],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path})
+    def publish(assembly):  # as the connector's consumer publishes
+        caches.write(assembly.plan.transfers, assembly.records, shape.block_ids)
+        return {}
+
     try:
-        got = server.receive(timeout=120, publish=lambda assembly: (caches.write(
-            assembly.plan.transfers, assembly.records, shape.block_ids), {})[1])
+        got = server.receive(timeout=120, publish=publish)
         _, errors = proc.communicate(timeout=120)
     finally:
         server.close()

@@ -503,15 +503,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             caches.write(assembly.plan.transfers, assembly.records, p.load.block_ids, keep=p.load.cached)
             return {}
 
-        if self.transport == "gloo":
-            got = server.receive(timeout=self.timeout, accept_timeout=ACCEPT_POLL_S, publish=publish)
-            if got is None:
-                return None
-            log.info("kvbridge: received request %s from %s", got[1], got[0])
-            return got[3]
         got = server.receive(timeout=self.timeout, accept_timeout=ACCEPT_POLL_S, publish=publish)
         if got is None:
             return None
+        if self.transport == "gloo":
+            log.info("kvbridge: received request %s from %s", got[1], got[0])
+            return got[3]
         if got.report.converted_on == "sender":  # verified in the landing area: copied through the block ids
             p, landing = self._local.pending, server.dst
             try:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from kvbridge.engines.topology import FLASH, from_hf_config
 from kvbridge.migration import plan_migration, source_request
 from kvbridge.migration.nixl import NixlSender
 from kvbridge.migration.transport import send_request_tcp
+from kvbridge.study.bench import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_SIDE = ROOT / "tests" / "vllm_engine_side.py"
@@ -54,13 +54,6 @@ CONFIG = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4
           "compress_ratios": list(FLASH.compress_ratios[:FLASH.num_layers]), "sliding_window": 128,
           "index_head_dim": 128, "index_n_heads": 4, "index_topk": 64, "num_nextn_predict_layers": 0,
           "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6}
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def _expect(proc: subprocess.Popen, word: str) -> str:
@@ -154,16 +147,17 @@ def main() -> None:
     if not args.vllm_python:
         sys.exit("give --vllm-python (or set KVBRIDGE_VLLM_PYTHON): the python of a vLLM 0.33.0 venv")
     out = {"tokens": args.tokens, "src": args.src, "dst": "vllm:block=256", "model": "deepseek-v4-flash (43 layers)",
-           "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                       "torch": torch.__version__, "load_average": list(os.getloadavg())},
+           "machine": {**machine(), "load_average": list(os.getloadavg())},
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "repeat": args.repeat, "runs": []}
     for transport in (("gloo", "nixl") if args.transport == "both" else (args.transport,)):
         out["runs"].append(run(args.vllm_python, args.tokens, args.src, transport, args.repeat, args.kv_mib))
     if args.json:
         print(json.dumps(out, indent=2))
         return
-    print(f"{out['model']}, {args.tokens} tokens, {args.src} -> vllm:block=256; {out['machine']['cpu']} "
-          f"({out['machine']['cores']} cores), load {out['machine']['load_average'][0]:.1f}, {out['date']}")
+    m = out["machine"]
+    print(f"{out['model']}, {args.tokens} tokens, {args.src} -> vllm:block=256; {m['cpu']} ({m['cpu_cores']} cores, "
+          f"{' '.join(m['cpu_vector'])}), native kernels: {m['native_kernels']}, torch {m['torch']}, "
+          f"load {m['load_average'][0]:.1f}, {out['date']}")
     for run_ in out["runs"]:
         print(f"\n{run_['transport']}: payload {run_['payload_bytes'] / 1e6:.1f} MB, written into vLLM's blocks "
               f"{run_['written_bytes'] / 1e6:.1f} MB (medians of {args.repeat})")

@@ -396,10 +396,6 @@ def test_cli_serves_a_dump_to_sglang(tmp_path):
                 src.pool(spec)[tables["swa"][first + k]].numpy().tobytes()
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v"]))
-
-
 def _start_in_daemon(out) -> None:
     """A daemonic process (a worker of vLLM's multiprocess executor) starting the peer: no child process."""
     from kvbridge.adapters.sglang import SGLangPrefillPeer
@@ -429,3 +425,7 @@ def test_the_peer_starts_in_a_daemonic_process():
         assert out.get(timeout=120) == ("started", "_LocalAgent")
     finally:
         proc.join(30)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

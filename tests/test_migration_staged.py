@@ -255,8 +255,8 @@ def test_move_spans_native_equals_the_reference():
     for src_stride, dst_stride, width in ((64, 64, 64), (68, 132, 64), (8, 4, 4)):
         want, got = torch.zeros(40000, dtype=torch.uint8), torch.zeros(40000, dtype=torch.uint8)
         from kvbridge.backends import reference
-        reference.move_spans(src, want, segs, src_stride, dst_stride, width)
-        native.move_spans(src, got, segs, src_stride, dst_stride, width)
+        reference.move_spans([(src, want, segs, src_stride, dst_stride, width)])
+        native.move_spans([(src, got, segs, src_stride, dst_stride, width)])
         assert torch.equal(got, want) and bool(want.any())
 
 
@@ -286,6 +286,50 @@ def test_fp4_to_fp8_key_segments_from_unaligned_records_equal_the_torch_path(mon
     assert torch.equal(got, want) and got_err == 0.0
 
 
+@pytest.mark.parametrize("kernels", ["C", "numba"])
+def test_large_span_moves_split_over_threads_equal_the_reference(monkeypatch, kernels):
+    """Moves over the inline and streaming thresholds (runs cut into row ranges across threads, non-temporal
+    stores), several moves in one call, strided rows: the C span copy and numba's loop write the reference's bytes."""
+    from kvbridge.backends import reference
+    from kvbridge.backends.native import accel
+
+    if kernels == "numba":
+        monkeypatch.setattr(accel, "_SPANS", None)
+    elif accel._SPANS is None:
+        pytest.skip("the C extension is not built")
+    g = torch.Generator().manual_seed(9)
+    n = native.STREAMING_MOVE_BYTES + (3 << 20)
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    rows = (n - 4096) // 1024
+
+    def moves(outs):  # one long span, then strided rows
+        return [(src, outs[0], np.array([[0, 512, rows]], np.int64), 1024, 1024, 1024),
+                (src, outs[1], np.array([[7, 3, 900], [200000, 100000, 5000]], np.int64), 68, 64, 64)]
+
+    want = [torch.zeros(n, dtype=torch.uint8) for _ in range(2)]
+    got = [torch.zeros(n, dtype=torch.uint8) for _ in range(2)]
+    reference.move_spans(moves(want))
+    native.move_spans(moves(got))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and bool(want[1].any())
+
+
+@pytest.mark.parametrize("kernels", ["C", "numba"])
+def test_a_span_move_out_of_bounds_is_refused_before_any_byte_moves(monkeypatch, kernels):
+    """Every segment of every move is checked against both tensors before any copy (the C copy sees only
+    addresses, numba's loop runs without bounds checks)."""
+    from kvbridge.backends.native import accel
+
+    if kernels == "numba":
+        monkeypatch.setattr(accel, "_SPANS", None)
+    src, dst = torch.ones(1000, dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)
+    for segs, strides in (([[0, 0, 2], [990, 0, 1]], (64, 64)), ([[0, 980, 1]], (64, 64)), ([[-1, 0, 1]], (64, 64)),
+                          ([[0, 0, -1]], (64, 64)), ([[0, 0, 1]], (32, 64))):
+        with pytest.raises(InputError, match="span move out of bounds"):
+            native.move_spans([(src, dst, np.array([[0, 0, 1]], np.int64), 64, 64, 64),
+                               (src, dst, np.array(segs, np.int64), *strides, 64)])
+        assert not bool(dst.any())
+
+
 def test_direct_batches_serve_the_keys_and_byte_moves(monkeypatch):
     """``migrate_local`` and ``finish`` convert fp4 -> fp8 keys straight between pages and byte-move straight from
     the source (no staging), with the transports' unfused bytes."""
@@ -307,7 +351,7 @@ def test_direct_batches_serve_the_keys_and_byte_moves(monkeypatch):
     want_dst = destination_pools(same, seed=4)
     ex.publish(same, ex.convert_payload(same, pack(same, src, tables, convert=False)), want_dst)
     moved = []
-    monkeypatch.setattr(dispatch, "move_spans", lambda *a, _f=dispatch.move_spans: moved.append(1) or _f(*a))
+    monkeypatch.setattr(dispatch, "move_spans", lambda moves, _f=dispatch.move_spans: moved.append(1) or _f(moves))
     got_dst = destination_pools(same, seed=4)
     migrate_local(same, src, tables, got_dst)
     assert moved and all(torch.equal(a, b) for a, b in zip(_pools(got_dst).values(), _pools(want_dst).values(),
@@ -333,7 +377,11 @@ def test_adjacent_runs_merge_into_one_move_with_the_same_bytes(monkeypatch):
     want_dst.free = {name: ids[::-1] for name, ids in want_dst.free.items()}
     ex.publish(same, ex.convert_payload(same, pack(same, src, tables, convert=False)), want_dst)
     rows = []
-    monkeypatch.setattr(dispatch, "move_spans", lambda *a, _f=dispatch.move_spans: rows.append(a[2].shape[0]) or _f(*a))
+    def counted(moves, _f=dispatch.move_spans):
+        rows.append(sum(m[2].shape[0] for m in moves))
+        _f(moves)
+
+    monkeypatch.setattr(dispatch, "move_spans", counted)
     counts = []
     for merge in (False, True):
         if not merge:

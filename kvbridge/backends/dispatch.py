@@ -19,6 +19,7 @@ execute the layouts' own record descriptions, so every registered layout runs on
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from types import ModuleType
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 
 from kvbridge.backends import reference
 from kvbridge.backends.loss_stats import LossStats
+from kvbridge.backends.reference import SpanMove
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 
@@ -113,10 +115,11 @@ def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: 
     return backend(pages, layout).amax_pages(pages, layout, page_size, num_tokens, scale)
 
 
-def move_spans(src: torch.Tensor, dst: torch.Tensor, segs: np.ndarray, src_stride: int, dst_stride: int,
-               width: int) -> None:
-    """Copy row segments from one contiguous tensor into another (see ``reference.move_spans``)."""
-    backend((src, dst)).move_spans(src, dst, segs, src_stride, dst_stride, width)
+def move_spans(moves: Sequence[SpanMove]) -> None:
+    """Copy row segments between contiguous tensors, all on one device, in one call (see ``reference.move_spans``:
+    a backend may spread the moves over its threads)."""
+    if moves:
+        backend(tuple(t for m in moves for t in m[:2])).move_spans(moves)
 
 
 def repage(pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,

@@ -8,6 +8,7 @@ placed by its geometry; this module is also the ``reference`` backend of ``kvbri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 
 import numpy as np
@@ -92,16 +93,22 @@ def transcode_pages(
     return _into(out, encode_pages(values, dst, dst_page_size, dialect, dst_scale))
 
 
-def move_spans(src: torch.Tensor, dst: torch.Tensor, segs: np.ndarray, src_stride: int, dst_stride: int,
-               width: int) -> None:
-    """For each segment (source byte offset, destination byte offset, rows) of int64 ``segs`` ``[k, 3]``: copy
-    ``rows`` rows of ``width`` bytes, ``src_stride`` / ``dst_stride`` bytes apart, from the contiguous tensor
-    ``src`` into the contiguous tensor ``dst``."""
-    flat_src, flat_dst = src.view(-1), dst.view(-1)
-    for at, to, rows in segs.tolist():
-        if rows:
-            part = flat_src[at : at + (rows - 1) * src_stride + width].as_strided((rows, width), (src_stride, 1))
-            flat_dst[to : to + (rows - 1) * dst_stride + width].as_strided((rows, width), (dst_stride, 1)).copy_(part)
+#: One span move: (source tensor, destination tensor, int64 segments ``[k, 3]`` of (source byte offset,
+#: destination byte offset, rows), source row stride, destination row stride, row width), all in bytes; both
+#: tensors contiguous, on one device.
+SpanMove = tuple[torch.Tensor, torch.Tensor, np.ndarray, int, int, int]
+
+
+def move_spans(moves: Sequence[SpanMove]) -> None:
+    """For each move and each of its segments: copy ``rows`` rows of ``width`` bytes, the strides apart, from the
+    move's source tensor into its destination tensor (the moves write disjoint bytes, so their order is free)."""
+    for src, dst, segs, src_stride, dst_stride, width in moves:
+        flat_src, flat_dst = src.view(-1), dst.view(-1)
+        for at, to, rows in segs.tolist():
+            if rows:
+                part = flat_src[at : at + (rows - 1) * src_stride + width].as_strided((rows, width), (src_stride, 1))
+                flat_dst[to : to + (rows - 1) * dst_stride + width].as_strided((rows, width),
+                                                                               (dst_stride, 1)).copy_(part)
 
 
 def records_at(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor) -> torch.Tensor:

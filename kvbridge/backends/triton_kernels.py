@@ -26,6 +26,7 @@ import contextlib
 import math
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from kvbridge.backends.loss_stats import decoded_loss_stats
-from kvbridge.backends.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, check_finite
+from kvbridge.backends.reference import FLAG_NONFINITE, FLAG_OUT_OF_RANGE, SpanMove, check_finite
 from kvbridge.backends.reference import amax_pages as reference_amax
 from kvbridge.backends.reference import decode_pages as reference_decode
 from kvbridge.backends.reference import move_spans as reference_move_spans
@@ -694,9 +695,9 @@ def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: 
     return reference_amax(pages, layout, page_size, num_tokens, scale)
 
 
-def move_spans(src: torch.Tensor, dst: torch.Tensor, segs, src_stride: int, dst_stride: int, width: int) -> None:
-    """Row copies between two tensors: torch copies, on the GPU."""
-    reference_move_spans(src, dst, segs, src_stride, dst_stride, width)
+def move_spans(moves: Sequence[SpanMove]) -> None:
+    """Row copies between tensors (``reference.move_spans``): torch copies, on the GPU."""
+    reference_move_spans(moves)
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

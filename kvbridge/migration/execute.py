@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvbridge.backends import dispatch
+from kvbridge.backends.reference import SpanMove
 from kvbridge.engines.profiles import Storage
 from kvbridge.errors import InputError
 from kvbridge.migration.errors import ChecksumError, MigrationError
@@ -36,6 +37,7 @@ from kvbridge.migration.pools import (
     EnginePools,
     PartSpans,
     RequestTables,
+    RunCache,
     coalesce_segments,
     gather_records,
     merge_spans,
@@ -362,6 +364,8 @@ def check_block_tables(plan: MigrationPlan, tables: object, what: str) -> None:
         table = tables[name]
         if isinstance(table, (str, bytes)) or not isinstance(table, (list, tuple)):
             raise InputError(f"{what}[{name!r}] must be a list of page ids, got {type(table).__name__}")
+        if _plain_page_ids(table):
+            continue
         seen: dict[int, int] = {}
         for i, page in enumerate(table):
             if isinstance(page, bool) or not isinstance(page, int):
@@ -371,6 +375,21 @@ def check_block_tables(plan: MigrationPlan, tables: object, what: str) -> None:
             if page >= 0 and page in seen:
                 raise InputError(f"{what}[{name!r}] names page {page} twice (indices {seen[page]} and {i})")
             seen[page] = i
+
+
+def _plain_page_ids(table: list | tuple) -> bool:
+    """True when every entry is an ``int`` (not a bool) in ``[-1, 2**63)`` and no id >= 0 repeats, found with array
+    operations; False means ``check_block_tables`` looks entry by entry to name the first problem."""
+    if not table or set(map(type, table)) != {int}:
+        return not table
+    try:
+        ids = np.asarray(table, dtype=np.int64)
+    except OverflowError:
+        return False
+    if int(ids.min()) < -1:
+        return False
+    live = np.sort(ids[ids >= 0])
+    return not bool((live[1:] == live[:-1]).any())
 
 
 def check_pools(plan: MigrationPlan, pools: EnginePools, side: str) -> None:
@@ -575,9 +594,11 @@ def _stage(plan: MigrationPlan, src: EnginePools, tables: RequestTables, dst: En
     if not _contiguous(src, dst) or _device(src) != _device(dst):
         return None
 
+    runs: RunCache = {}
+
     def piece(i: int, lo: int, count: int, offset: int) -> _Piece:
         t = plan.transfers[i]
-        spans = part_spans(src.pool(t.spec), t.src, table_of(tables, t.src), t.first + lo, count)
+        spans = part_spans(src.pool(t.spec), t.src, table_of(tables, t.src), t.first + lo, count, runs)
         assert spans is not None  # contiguous pools, checked above
         return _Piece(i, lo, count, offset, spans)
 
@@ -597,7 +618,8 @@ def _stage_payload(plan: MigrationPlan, payload: Payload, dst: EnginePools) -> _
 def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_report: bool,
                 check: _Verifier | None = None) -> _Pass:
     """Claim the destination pages, then gather, convert and scatter batch by batch (pieces read from a payload
-    are used in place when a batch is one piece; ``check`` verifies their chunks first). With ``loss_report`` a
+    are used in place when a batch is one piece; ``check`` verifies their chunks first); the byte moves that need
+    no staging run last, all in one span-move call (their pages are disjoint). With ``loss_report`` a
     KV batch's loss statistics run on a worker thread (their kernels release the GIL) while the next
     batches are gathered, converted and scattered; the stage buffers alternate between two pairs so that
     a batch's are not overwritten before its statistics are done."""
@@ -611,12 +633,14 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_rep
         buffers.append((torch.empty_like(staged.src_buf), torch.empty_like(staged.dst_buf)))
     busy: list[Future | None] = [None] * len(buffers)  # the statistics still reading each pair
     reports: list[Future] = []
+    moves: list[SpanMove] = []
+    runs: RunCache = {}
     try:
         for b in staged.batches:
             for piece in b.pieces:
                 t = plan.transfers[piece.index]
                 piece.dst = part_spans(dst.pool(t.spec), t.dst, table_of(tables, t.dst), t.first + piece.first,
-                                       piece.count) or []
+                                       piece.count, runs) or []
         publish_s = time.perf_counter() - t0
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-loss") as stats:
             for i, b in enumerate(staged.batches):
@@ -627,7 +651,7 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_rep
                     busy[k].result()
                     busy[k] = None
                 src_buf, dst_buf = buffers[k]
-                if _direct(b, staged.converted, loss, check):
+                if _direct(b, staged.converted, loss, check, moves):
                     t2 = time.perf_counter()
                     kind = "indexer" if needs_conversion(t) and not staged.converted else None
                     if kind:
@@ -659,6 +683,9 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_rep
                 if not staged.converted and needs_conversion(t):
                     parts[t.src.kind] = parts.get(t.src.kind, 0.0) + t3 - t2
                 publish_s += time.perf_counter() - t3
+            t4 = time.perf_counter()
+            dispatch.move_spans(moves)  # the direct byte moves of every batch: disjoint pages, one call
+            publish_s += time.perf_counter() - t4
             if check is not None:
                 check.finish()
             t4 = time.perf_counter()
@@ -673,10 +700,11 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_rep
     return _Pass(tables, loss, gather_s, convert_s, publish_s, parts)
 
 
-def _direct(b: _Batch, converted: bool, loss: _Loss, check: _Verifier | None) -> bool:
+def _direct(b: _Batch, converted: bool, loss: _Loss, check: _Verifier | None, moves: list[SpanMove]) -> bool:
     """Run batch ``b`` with no staging when it can: a byte move (or records the sender converted) span by span from
-    the source into the destination pages, fp4 -> fp8 indexer keys by the strided kernel from the source's parts
-    into the destination's (``check`` verifies each piece's chunks first); False (nothing done) otherwise."""
+    the source into the destination pages (added to ``moves``, which the caller runs in one call), fp4 -> fp8
+    indexer keys by the strided kernel from the source's parts into the destination's (``check`` verifies each
+    piece's chunks first); False (nothing done) otherwise."""
     t = b.transfer
     moving = converted or not needs_conversion(t)
     first = b.pieces[0]
@@ -690,8 +718,7 @@ def _direct(b: _Batch, converted: bool, loss: _Loss, check: _Verifier | None) ->
         if check is not None:
             check.upto(piece.index, piece.first + piece.count)
         if moving:
-            for flat, out, segs, stride, width in w:  # type: ignore[union-attr]
-                dispatch.move_spans(flat, out, segs, stride, width, width)
+            moves.extend(w)  # type: ignore[arg-type]
         else:
             loss.add(t, None, _convert_keys_direct(t, piece, w, loss.indexer is not None))  # type: ignore[arg-type]
     return True
@@ -716,12 +743,7 @@ def _sources(piece: _Piece) -> list[PartSpans]:
     return [(rec, 0, rec.shape[1], np.array([[0, 0, piece.count]], dtype=np.int64))]
 
 
-#: A direct byte move of one destination part: (source flat tensor, destination flat tensor, segments of (source
-#: byte offset, destination byte offset, rows), source row stride, part width).
-Move = tuple[torch.Tensor, torch.Tensor, np.ndarray, int, int]
-
-
-def _move_segments(piece: _Piece) -> list[Move] | None:
+def _move_segments(piece: _Piece) -> list[SpanMove] | None:
     """A piece's byte move straight from its source (pool pages or payload records) into its destination pages, one
     span copy per run that lies in one source and one destination page (runs adjacent on both sides merged); None
     when a destination part is not inside one source part."""
@@ -733,7 +755,7 @@ def _move_segments(piece: _Piece) -> list[Move] | None:
             return None
         flat, src_sp, stride = found
         segs = coalesce_segments(merge_spans([(src_sp, stride), (sp, width)], piece.count), stride, width)
-        moves.append((flat, tensor.view(-1), segs, stride, width))
+        moves.append((flat, tensor.view(-1), segs, stride, width, width))
     return moves
 
 

@@ -144,11 +144,31 @@ def _paged_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return tensor.as_strided(((pages - 1) * tensor.stride(0) + page if pages else 0,), (1,)), tensor.stride(0)
 
 
-def part_spans(pool: Pool, storage: Storage, table: Table, first: int, count: int) -> list[PartSpans] | None:
+#: Page runs already found (``part_spans``'s ``runs``), keyed by the table's identity and what addresses it; each
+#: value keeps its table, so that the identity stays its own while the cache lives.
+RunCache = dict[tuple, tuple[Sequence[int], np.ndarray]]
+
+
+def _cached_runs(runs: RunCache | None, storage: Storage, ids: Sequence[int], first: int, count: int, num_pages: int,
+                 name: str) -> np.ndarray:
+    """``_run_array``, once per table, entry range and addressing while ``runs`` (None: no cache) lives: the
+    layers of a model share their block tables."""
+    if runs is None:
+        return _run_array(storage, ids, first, count, num_pages, name)
+    key = (id(ids), name, first, count, num_pages, storage.page_size, storage.addressing, storage.span)
+    hit = runs.get(key)
+    if hit is None or hit[0] is not ids:
+        hit = runs[key] = (ids, _run_array(storage, ids, first, count, num_pages, name))
+    return hit[1]
+
+
+def part_spans(pool: Pool, storage: Storage, table: Table, first: int, count: int, runs: RunCache | None = None
+               ) -> list[PartSpans] | None:
     """The spans of entries ``[first, first + count)`` in each record part of ``pool`` (each run of entries
     in one page is consecutive rows of that part), or None when a pool tensor is neither contiguous nor made
     of pages a fixed stride apart (``_paged_bytes``; the spans are then offsets into that flat view).
-    Refuses (``InputError``) a table that does not hold the entries."""
+    Refuses (``InputError``) a table that does not hold the entries. ``runs``: a cache of page runs for calls over
+    tables that do not change meanwhile (one migration's)."""
     tensors = pool_tensors(pool)
     flats = [_paged_bytes(t) for t in tensors]
     if any(f is None for f in flats):
@@ -162,9 +182,9 @@ def part_spans(pool: Pool, storage: Storage, table: Table, first: int, count: in
         width = hi - lo
         region = 0 if isinstance(pool, tuple) else storage.page_size * lo
         if name not in runs_of:
-            runs_of[name] = _run_array(storage, ids, first, count, tensors[i].shape[0], name)
-        runs = runs_of[name]
-        spans = np.stack([runs[:, 0] * page_stride + region + runs[:, 1] * width, runs[:, 3], runs[:, 2]], axis=1)
+            runs_of[name] = _cached_runs(runs, storage, ids, first, count, tensors[i].shape[0], name)
+        found = runs_of[name]
+        spans = np.stack([found[:, 0] * page_stride + region + found[:, 1] * width, found[:, 3], found[:, 2]], axis=1)
         parts.append((tensor, lo, width, spans))
     return parts
 
@@ -202,17 +222,17 @@ def coalesce_segments(segs: np.ndarray, src_stride: int, dst_stride: int) -> np.
 
 def move_parts(spans: list[PartSpans], rows: list[tuple[torch.Tensor, int]], to_pool: bool) -> None:
     """Copy each record part between its pool spans and ``rows[k]`` = (contiguous ``[count, row_bytes]``
-    tensor, byte offset of the part in a row): one span copy (``dispatch.move_spans``) per run of entries in one
-    page, the pool's rows ``width`` bytes apart, the records' ``row_bytes`` apart."""
+    tensor, byte offset of the part in a row): one span copy per run of entries in one page (all in one
+    ``dispatch.move_spans`` call), the pool's rows ``width`` bytes apart, the records' ``row_bytes`` apart."""
+    moves = []
     for (tensor, _, width, sp), (records, at) in zip(spans, rows, strict=True):
         row_bytes = records.shape[1]
         in_records = sp[:, 1] * row_bytes + at
         if to_pool:
-            dispatch.move_spans(records, tensor, np.stack([in_records, sp[:, 0], sp[:, 2]], axis=1), row_bytes, width,
-                                width)
+            moves.append((records, tensor, np.stack([in_records, sp[:, 0], sp[:, 2]], axis=1), row_bytes, width, width))
         else:
-            dispatch.move_spans(tensor, records, np.stack([sp[:, 0], in_records, sp[:, 2]], axis=1), width, row_bytes,
-                                width)
+            moves.append((tensor, records, np.stack([sp[:, 0], in_records, sp[:, 2]], axis=1), width, row_bytes, width))
+    dispatch.move_spans(moves)
 
 
 def _move(pool: Pool, storage: Storage, table: Table, first: int, records: torch.Tensor, to_pool: bool) -> bool:
@@ -265,9 +285,9 @@ def copy_entries(src: Pool, src_table: Table, dst: Pool, dst_table: Table, stora
     dst_parts = part_spans(dst, storage, dst_table, first, count)
     if src_parts is None or dst_parts is None:
         return False
-    for (s_tensor, _, width, s_sp), (d_tensor, _, _, d_sp) in zip(src_parts, dst_parts, strict=True):
-        dispatch.move_spans(s_tensor, d_tensor, merge_spans([(s_sp, width), (d_sp, width)], count), width, width,
-                            width)
+    dispatch.move_spans([(s_tensor, d_tensor, merge_spans([(s_sp, width), (d_sp, width)], count), width, width, width)
+                         for (s_tensor, _, width, s_sp), (d_tensor, _, _, d_sp) in zip(src_parts, dst_parts,
+                                                                                         strict=True)])
     return True
 
 

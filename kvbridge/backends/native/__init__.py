@@ -13,6 +13,8 @@ Numba compiles the kernels on first use and caches them on disk (``cache=True``)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -22,7 +24,16 @@ from kvbridge.backends.native import keys as key_kernels
 from kvbridge.backends.native.accel import LATENTS, accelerator
 from kvbridge.backends.native.keys import fp4_to_fp8_keys as fp4_to_fp8_keys
 from kvbridge.backends.native.loss import loss_stats as loss_stats
-from kvbridge.backends.native.pool import CHUNK_TOKENS, _empty_output, _flat, _new_pages, _page_chunks, _run_chunks
+from kvbridge.backends.native.pool import (
+    CHUNK_TOKENS,
+    _empty_output,
+    _flat,
+    _new_pages,
+    _page_chunks,
+    _run_chunks,
+    _run_pieces,
+    num_threads,
+)
 from kvbridge.backends.native.records import (
     _E2M1_F32,
     _E4M3_F32,
@@ -43,6 +54,8 @@ from kvbridge.backends.native.records import (
     program,
 )
 from kvbridge.backends.native.state import convert_state_rows as convert_state_rows
+from kvbridge.backends.reference import SpanMove
+from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 
 name = "native"
@@ -196,20 +209,86 @@ def transcode_pages(
 #: more than it saved (a 128K-token request's staged gathers took 0.4-0.9x an ``np.copyto`` of their bytes
 #: on one thread, 0.5-1.6x on two, at load 4-6 on 2 cores).
 INLINE_MOVE_BYTES = 8 << 20
+#: Moves of at least this many bytes in all store non-temporally where the C span copy runs on AVX-512: each
+#: destination line is then written once instead of read, filled and written back (a migration's destination
+#: pages are not read again on this CPU soon; a staging batch, under this size, stays in the caches).
+STREAMING_MOVE_BYTES = 32 << 20
 
 
-def move_spans(src: torch.Tensor, dst: torch.Tensor, segs: np.ndarray, src_stride: int, dst_stride: int,
-               width: int) -> None:
-    """Row copies between two contiguous tensors (``reference.move_spans``), in place; segments spread over the
-    threads when they move more than ``INLINE_MOVE_BYTES``."""
-    if not segs.shape[0]:
+def _checked(move: SpanMove) -> np.ndarray:
+    """The move's segments as int64 ``[k, 3]``, every one checked against both tensors' bytes (``InputError``):
+    neither kernel checks an index."""
+    src, dst, segs, src_stride, dst_stride, width = move
+    segs = np.ascontiguousarray(segs, dtype=np.int64).reshape(-1, 3)
+    at, to, rows = segs[:, 0], segs[:, 1], segs[:, 2]
+    live = rows > 0
+    ends_src, ends_dst = at + (rows - 1) * src_stride + width, to + (rows - 1) * dst_stride + width
+    if (not (src.is_contiguous() and dst.is_contiguous()) or width < 0 or src_stride < width or dst_stride < width
+            or bool((at < 0).any() | (to < 0).any() | (rows < 0).any())
+            or bool((live & ((ends_src > src.numel() * src.element_size())
+                             | (ends_dst > dst.numel() * dst.element_size()))).any())):
+        raise InputError(f"span move out of bounds: {segs.shape[0]} segments of {width}-byte rows (strides "
+                         f"{src_stride} / {dst_stride}) between tensors of {src.numel() * src.element_size()} and "
+                         f"{dst.numel() * dst.element_size()} bytes")
+    return segs
+
+
+def _move_runs(move: SpanMove) -> np.ndarray:
+    """One move as ``_kernels.move_runs`` rows (source address, destination address, rows, source stride,
+    destination stride, width), checked (``_checked``)."""
+    src, dst, _, src_stride, dst_stride, width = move
+    segs = _checked(move)
+    at, to, rows = segs[:, 0], segs[:, 1], segs[:, 2]
+    out = np.empty((segs.shape[0], 6), dtype=np.int64)
+    out[:, 0], out[:, 1], out[:, 2] = at + src.data_ptr(), to + dst.data_ptr(), rows
+    out[:, 3], out[:, 4], out[:, 5] = src_stride, dst_stride, width
+    return out
+
+
+def _byte_pieces(runs: np.ndarray, pieces: int) -> tuple[np.ndarray, list[int]]:
+    """``runs`` with each run of more than ``1 / pieces`` of their bytes cut into row ranges, and the bounds of up
+    to ``pieces`` consecutive ranges of runs moving about equal bytes (one thread's work each)."""
+    nbytes = runs[:, 2] * runs[:, 5]
+    share = max(1, int(nbytes.sum()) // pieces)
+    cut = np.maximum(1, -(-nbytes // share))
+    if bool((cut > 1).any()):
+        step = np.maximum(1, -(-runs[:, 2] // cut))  # rows per sub-run
+        cut = -(-runs[:, 2] // step)
+        at = np.repeat(runs, cut, axis=0)
+        k = np.arange(at.shape[0]) - np.repeat(np.cumsum(cut) - cut, cut)  # sub-run index within its run
+        lo = k * np.repeat(step, cut)
+        at[:, 2] = np.minimum(at[:, 2] - lo, np.repeat(step, cut))
+        at[:, 0] += lo * at[:, 3]
+        at[:, 1] += lo * at[:, 4]
+        runs, nbytes = at, at[:, 2] * at[:, 5]
+    ends = np.searchsorted(np.cumsum(nbytes), share * np.arange(1, pieces), side="left") + 1
+    bounds = sorted({0, runs.shape[0], *np.minimum(ends, runs.shape[0]).tolist()})
+    return runs, bounds
+
+
+def move_spans(moves: Sequence[SpanMove]) -> None:
+    """Row copies between contiguous tensors (``reference.move_spans``), in place, every segment checked before any
+    byte moves. The C extension's memcpy runs them where it is built: all moves in one call, spread over the
+    threads by bytes when they move more than ``INLINE_MOVE_BYTES`` (at least ``STREAMING_MOVE_BYTES``:
+    non-temporal stores on AVX-512); else numba's byte loop, one call per move."""
+    if accel._SPANS is None:
+        checked = [_checked(m) for m in moves]
+        for (src, dst, _, src_stride, dst_stride, width), segs in zip(moves, checked, strict=True):
+            args = (src.view(-1).numpy(), dst.view(-1).numpy(), segs, src_stride, dst_stride, width)
+            if int(segs[:, 2].sum()) * width <= INLINE_MOVE_BYTES:
+                _move_spans_kernel(0, segs.shape[0], *args)
+            else:
+                _run_chunks(_move_spans_kernel, segs.shape[0], *args)
         return
-    args = (src.view(-1).numpy(), dst.view(-1).numpy(), np.ascontiguousarray(segs, dtype=np.int64), src_stride,
-            dst_stride, width)
-    if int(segs[:, 2].sum()) * width <= INLINE_MOVE_BYTES:
-        _move_spans_kernel(0, segs.shape[0], *args)
-    else:
-        _run_chunks(_move_spans_kernel, segs.shape[0], *args)
+    tables = [_move_runs(m) for m in moves]
+    runs = np.concatenate(tables) if len(tables) != 1 else tables[0]
+    total = int((runs[:, 2] * runs[:, 5]).sum())
+    streaming = total >= STREAMING_MOVE_BYTES
+    if total <= INLINE_MOVE_BYTES or num_threads() <= 1:
+        accel._SPANS.move_runs(0, runs.shape[0], runs, streaming)
+        return
+    runs, bounds = _byte_pieces(runs, 4 * num_threads())
+    _run_pieces(accel._SPANS.move_runs, bounds, runs, streaming)
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

@@ -15,7 +15,8 @@
  *   model1_decode   MODEL1 records -> fp32 latents [N, 512];
  *
  * and the code-domain amax of a MODEL1 or per-tensor E4M3 pool (model1_amax, fp8_amax: dst_scale="auto",
- * as native.records._amax_kernel, chunks of CHUNK_TOKENS source tokens).
+ * as native.records._amax_kernel, chunks of CHUNK_TOKENS source tokens), and the span copies of native.move_spans
+ * (move_runs: memcpy on any CPU, non-temporal stores on AVX-512).
  *
  * The tables are built in Python (kvbridge.numerics) and passed in. MODEL1 record: bytes [0, 448)
  * 7 E4M3 tiles of 64, [448, 576) 64 bf16 rope values, [576, 583) the tiles' UE8M0 scale bytes,
@@ -45,7 +46,7 @@
 #define CHUNK_TOKENS 256
 /* The entry points' interface: bumped whenever a function is added or its arguments change, so that
  * kvbridge.backends.native.accel refuses a stale build (accel.KERNELS_INTERFACE). */
-#define KV_INTERFACE 2
+#define KV_INTERFACE 3
 #define HEAD_DIM 512
 #define M1_DATA 576
 #define M1_RECORD 584
@@ -1630,6 +1631,77 @@ static PyObject *loss_entry(PyObject *args, int tensor_is_src) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------------------------------- */
+/* Span copies (native.move_spans)                                                              */
+/* ------------------------------------------------------------------------------------------- */
+
+#if KV_X86
+/* n bytes src -> dst with non-temporal 64-byte stores from dst's first 64-byte boundary (the head and the tail
+ * through memcpy): a move larger than the caches then writes each destination line once, without reading it. */
+KV_AVX512 static void copy_streaming(uint8_t *dst, const uint8_t *src, Py_ssize_t n) {
+    Py_ssize_t head = (Py_ssize_t)(-(uintptr_t)dst & 63);
+    if (head >= n) {
+        memcpy(dst, src, n);
+        return;
+    }
+    memcpy(dst, src, head);
+    Py_ssize_t i = head;
+    for (; i + 64 <= n; i += 64)
+        _mm512_stream_si512((__m512i *)(dst + i), _mm512_loadu_si512(src + i));
+    memcpy(dst + i, src + i, n - i);
+}
+#endif
+
+static inline void copy_bytes(uint8_t *dst, const uint8_t *src, Py_ssize_t n, int streaming) {
+#if KV_X86
+    if (streaming) {
+        copy_streaming(dst, src, n);
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+/* move_runs(c0, c1, runs, streaming): for runs [c0, c1) of the int64 rows (source address, destination address,
+ * rows, source stride, destination stride, width) of `runs`, copy `rows` rows of `width` bytes, the strides apart
+ * (one span when both strides are the width); streaming (AVX-512 only): non-temporal stores. The addresses are the
+ * caller's, checked against its buffers (native.move_spans): this entry point only sees integers. */
+static PyObject *py_move_runs(PyObject *self, PyObject *args) {
+    Py_ssize_t c0, c1;
+    int streaming;
+    Py_buffer v;
+    if (!PyArg_ParseTuple(args, "nny*p", &c0, &c1, &v, &streaming))
+        return NULL;
+    const int64_t *runs = v.buf;
+    int ok = need(v.len % 48 == 0 && c0 >= 0 && c1 >= c0 && c1 <= v.len / 48, "run range out of bounds");
+    for (Py_ssize_t k = c0; ok && k < c1; k++) {
+        const int64_t *r = runs + 6 * k;
+        ok = need(r[2] >= 0 && r[5] >= 0 && r[3] >= r[5] && r[4] >= r[5], "bad rows, width or strides");
+    }
+    if (ok) {
+        int nt = streaming && kv_isa == ISA_AVX512;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = c0; k < c1; k++) {
+            const int64_t *r = runs + 6 * k;
+            const uint8_t *src = (const uint8_t *)(uintptr_t)r[0];
+            uint8_t *dst = (uint8_t *)(uintptr_t)r[1];
+            int64_t rows = r[2], src_stride = r[3], dst_stride = r[4], width = r[5];
+            if (src_stride == width && dst_stride == width)
+                copy_bytes(dst, src, rows * width, nt);
+            else
+                for (int64_t i = 0; i < rows; i++)
+                    copy_bytes(dst + i * dst_stride, src + i * src_stride, width, nt);
+        }
+        if (nt)
+            store_fence();
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&v);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_fp8_model1_loss(PyObject *self, PyObject *args) { return loss_entry(args, 1); }
 
 static PyObject *py_model1_fp8_loss(PyObject *self, PyObject *args) { return loss_entry(args, 0); }
@@ -1660,6 +1732,9 @@ static PyMethodDef methods[] = {
      "ue8m0, maxima, sums, counts): loss statistics of per-tensor E4M3 -> MODEL1 chunks [c0, c1)."},
     {"model1_fp8_loss", py_model1_fp8_loss, METH_VARARGS,
      "model1_fp8_loss(c0, c1, src, ..., counts): loss statistics of MODEL1 -> per-tensor E4M3 chunks [c0, c1)."},
+    {"move_runs", py_move_runs, METH_VARARGS,
+     "move_runs(c0, c1, runs, streaming): row copies of runs [c0, c1) (int64 rows: source address, destination "
+     "address, rows, source stride, destination stride, width)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -478,7 +478,7 @@ NO_CKERNELS_ENV = "KVBRIDGE_NO_CKERNELS"
 
 
 #: The interface ``kvbridge.backends.native._kernels`` must have been built with (its ``KV_INTERFACE``).
-KERNELS_INTERFACE = 2
+KERNELS_INTERFACE = 3
 
 
 def _warn_line(message: str) -> None:
@@ -488,9 +488,9 @@ def _warn_line(message: str) -> None:
 
 
 def _compiled_kernels() -> tuple[ModuleType | None, str]:
-    """(``kvbridge.backends.native._kernels`` or None, why not): the optional C extension of the MODEL1 accelerators,
-    used when it is built, the CPU has its vector ISA (AVX-512 F/BW/VL/DQ/VBMI) and ``NO_CKERNELS_ENV``
-    is not set; otherwise the accelerators run their numba kernels."""
+    """(``kvbridge.backends.native._kernels`` or None, why not): the optional C extension, when it is built from
+    these sources and ``NO_CKERNELS_ENV`` is not set. Its span copies run on any CPU (``_SPANS``); its MODEL1
+    accelerators only where the CPU has their vector ISA (AVX-512 F/BW/VL/DQ/VBMI, ``_CK``), else numba's run."""
     if os.environ.get(NO_CKERNELS_ENV, "").strip() not in ("", "0"):
         return None, f"{NO_CKERNELS_ENV} is set"
     try:
@@ -503,12 +503,14 @@ def _compiled_kernels() -> tuple[ModuleType | None, str]:
         _warn_line("the compiled kernels (backends/native/_kernels.c) were built from other sources (rebuild them: "
                    "pip install -e . or python setup.py build_ext --inplace); running the slower numba kernels.")
         return None, "kvbridge.backends.native._kernels is a stale build"
-    if _kernels.cpu_isa() == "scalar":
-        return None, "the CPU lacks AVX-512 VBMI"
     return _kernels, ""
 
 
-_CK, _CK_WHY_NOT = _compiled_kernels()
+#: The C extension for span copies (``native.move_spans``: memcpy, non-temporal stores on AVX-512), or None.
+_SPANS, _SPANS_WHY_NOT = _compiled_kernels()
+#: The C extension for the MODEL1 accelerators and amax, or None (then numba's kernels run).
+_CK, _CK_WHY_NOT = ((None, "the CPU lacks AVX-512 VBMI") if _SPANS is not None and _SPANS.cpu_isa() == "scalar"
+                    else (_SPANS, _SPANS_WHY_NOT))
 #: Records whose code-domain amax (``amax_pages``) has a compiled kernel.
 _MODEL1_SEGMENTS = get_layout("flashmla-model1").segments
 _FP8_SEGMENTS = get_layout("trtllm-fp8").segments

@@ -41,16 +41,23 @@ def _run_chunks(kernel, nchunks: int, *args) -> None:
     The kernels release the GIL; the range is cut into up to 4 pieces per thread, taken from a
     shared queue, so a thread slowed by other load on the machine holds back little work.
     """
-    threads = min(num_threads(), nchunks)
+    threads = num_threads()
+    pieces = max(1, min(nchunks, 4 * threads) if threads > 1 else 1)
+    _run_pieces(kernel, [nchunks * i // pieces for i in range(pieces + 1)], *args)
+
+
+def _run_pieces(kernel, bounds: list[int], *args) -> None:
+    """Run ``kernel(bounds[i], bounds[i + 1], *args)`` for every piece on ``num_threads()`` threads (the calling
+    thread alone for one piece or one thread)."""
+    threads = min(num_threads(), len(bounds) - 1)
     if threads <= 1:
-        kernel(0, nchunks, *args)
+        for i in range(len(bounds) - 1):
+            kernel(bounds[i], bounds[i + 1], *args)
         return
     pool = _POOLS.get(threads)
     if pool is None:
         pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="kvbridge-native")
-    pieces = min(nchunks, 4 * threads)
-    bounds = [nchunks * i // pieces for i in range(pieces + 1)]
-    for future in [pool.submit(kernel, bounds[i], bounds[i + 1], *args) for i in range(pieces)]:
+    for future in [pool.submit(kernel, bounds[i], bounds[i + 1], *args) for i in range(len(bounds) - 1)]:
         future.result()
 
 

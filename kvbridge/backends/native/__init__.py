@@ -215,34 +215,33 @@ INLINE_MOVE_BYTES = 8 << 20
 STREAMING_MOVE_BYTES = 32 << 20
 
 
-def _checked(move: SpanMove) -> np.ndarray:
-    """The move's segments as int64 ``[k, 3]``, every one checked against both tensors' bytes (``InputError``):
-    neither kernel checks an index."""
-    src, dst, segs, src_stride, dst_stride, width = move
-    segs = np.ascontiguousarray(segs, dtype=np.int64).reshape(-1, 3)
-    at, to, rows = segs[:, 0], segs[:, 1], segs[:, 2]
+def _checked_runs(moves: Sequence[SpanMove]) -> np.ndarray:
+    """Every segment of ``moves`` as a ``_kernels.move_runs`` row (source address, destination address, rows,
+    source stride, destination stride, width), each checked against both of its tensors' bytes first
+    (``InputError``): neither kernel checks an index. Array operations over all moves at once."""
+    segs = [np.asarray(m[2], dtype=np.int64).reshape(-1, 3) for m in moves]
+    counts = [x.shape[0] for x in segs]
+    runs = np.empty((sum(counts), 6), dtype=np.int64)
+    if not runs.shape[0]:
+        return runs
+    runs[:, :3] = np.concatenate(segs) if len(segs) > 1 else segs[0]
+    per = np.array([(src.data_ptr(), dst.data_ptr(), ss, ds, w, src.numel() * src.element_size(),
+                     dst.numel() * dst.element_size(), src.is_contiguous() and dst.is_contiguous())
+                    for src, dst, _, ss, ds, w in moves], dtype=np.int64)
+    each = np.repeat(per, counts, axis=0)
+    at, to, rows = runs[:, 0].copy(), runs[:, 1].copy(), runs[:, 2]
+    ss, ds, w = each[:, 2], each[:, 3], each[:, 4]
     live = rows > 0
-    ends_src, ends_dst = at + (rows - 1) * src_stride + width, to + (rows - 1) * dst_stride + width
-    if (not (src.is_contiguous() and dst.is_contiguous()) or width < 0 or src_stride < width or dst_stride < width
-            or bool((at < 0).any() | (to < 0).any() | (rows < 0).any())
-            or bool((live & ((ends_src > src.numel() * src.element_size())
-                             | (ends_dst > dst.numel() * dst.element_size()))).any())):
-        raise InputError(f"span move out of bounds: {segs.shape[0]} segments of {width}-byte rows (strides "
-                         f"{src_stride} / {dst_stride}) between tensors of {src.numel() * src.element_size()} and "
-                         f"{dst.numel() * dst.element_size()} bytes")
-    return segs
-
-
-def _move_runs(move: SpanMove) -> np.ndarray:
-    """One move as ``_kernels.move_runs`` rows (source address, destination address, rows, source stride,
-    destination stride, width), checked (``_checked``)."""
-    src, dst, _, src_stride, dst_stride, width = move
-    segs = _checked(move)
-    at, to, rows = segs[:, 0], segs[:, 1], segs[:, 2]
-    out = np.empty((segs.shape[0], 6), dtype=np.int64)
-    out[:, 0], out[:, 1], out[:, 2] = at + src.data_ptr(), to + dst.data_ptr(), rows
-    out[:, 3], out[:, 4], out[:, 5] = src_stride, dst_stride, width
-    return out
+    bad = ((each[:, 7] == 0) | (w < 0) | (ss < w) | (ds < w) | (at < 0) | (to < 0) | (rows < 0)
+           | (live & ((at + (rows - 1) * ss + w > each[:, 5]) | (to + (rows - 1) * ds + w > each[:, 6]))))
+    if bool(bad.any()):
+        k = int(np.flatnonzero(bad)[0])
+        raise InputError(f"span move out of bounds: segment {runs[k, :3].tolist()} of {int(w[k])}-byte rows (strides "
+                         f"{int(ss[k])} / {int(ds[k])}) between tensors of {int(each[k, 5])} and {int(each[k, 6])} "
+                         "bytes (or a tensor not contiguous)")
+    runs[:, 0], runs[:, 1] = at + each[:, 0], to + each[:, 1]
+    runs[:, 3:] = each[:, 2:5]
+    return runs
 
 
 def _byte_pieces(runs: np.ndarray, pieces: int) -> tuple[np.ndarray, list[int]]:
@@ -271,17 +270,16 @@ def move_spans(moves: Sequence[SpanMove]) -> None:
     byte moves. The C extension's memcpy runs them where it is built: all moves in one call, spread over the
     threads by bytes when they move more than ``INLINE_MOVE_BYTES`` (at least ``STREAMING_MOVE_BYTES``:
     non-temporal stores on AVX-512); else numba's byte loop, one call per move."""
+    runs = _checked_runs(moves)
     if accel._SPANS is None:
-        checked = [_checked(m) for m in moves]
-        for (src, dst, _, src_stride, dst_stride, width), segs in zip(moves, checked, strict=True):
-            args = (src.view(-1).numpy(), dst.view(-1).numpy(), segs, src_stride, dst_stride, width)
+        for src, dst, segs, src_stride, dst_stride, width in moves:
+            args = (src.view(-1).numpy(), dst.view(-1).numpy(), np.ascontiguousarray(segs, dtype=np.int64),
+                    src_stride, dst_stride, width)
             if int(segs[:, 2].sum()) * width <= INLINE_MOVE_BYTES:
                 _move_spans_kernel(0, segs.shape[0], *args)
             else:
                 _run_chunks(_move_spans_kernel, segs.shape[0], *args)
         return
-    tables = [_move_runs(m) for m in moves]
-    runs = np.concatenate(tables) if len(tables) != 1 else tables[0]
     total = int((runs[:, 2] * runs[:, 5]).sum())
     streaming = total >= STREAMING_MOVE_BYTES
     if total <= INLINE_MOVE_BYTES or num_threads() <= 1:

@@ -298,7 +298,7 @@ def test_large_span_moves_split_over_threads_equal_the_reference(monkeypatch, ke
     elif accel._SPANS is None:
         pytest.skip("the C extension is not built")
     g = torch.Generator().manual_seed(9)
-    n = native.STREAMING_MOVE_BYTES + (3 << 20)
+    n = native.INLINE_MOVE_BYTES + (3 << 20)
     src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
     rows = (n - 4096) // 1024
 
@@ -309,7 +309,7 @@ def test_large_span_moves_split_over_threads_equal_the_reference(monkeypatch, ke
     want = [torch.zeros(n, dtype=torch.uint8) for _ in range(2)]
     got = [torch.zeros(n, dtype=torch.uint8) for _ in range(2)]
     reference.move_spans(moves(want))
-    native.move_spans(moves(got))
+    native.move_spans(moves(got), into_pool=True)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and bool(want[1].any())
 
 
@@ -351,7 +351,8 @@ def test_direct_batches_serve_the_keys_and_byte_moves(monkeypatch):
     want_dst = destination_pools(same, seed=4)
     ex.publish(same, ex.convert_payload(same, pack(same, src, tables, convert=False)), want_dst)
     moved = []
-    monkeypatch.setattr(dispatch, "move_spans", lambda moves, _f=dispatch.move_spans: moved.append(1) or _f(moves))
+    monkeypatch.setattr(dispatch, "move_spans", lambda moves, into_pool=False, _f=dispatch.move_spans:
+                        moved.append(1) or _f(moves, into_pool))
     got_dst = destination_pools(same, seed=4)
     migrate_local(same, src, tables, got_dst)
     assert moved and all(torch.equal(a, b) for a, b in zip(_pools(got_dst).values(), _pools(want_dst).values(),
@@ -377,9 +378,9 @@ def test_adjacent_runs_merge_into_one_move_with_the_same_bytes(monkeypatch):
     want_dst.free = {name: ids[::-1] for name, ids in want_dst.free.items()}
     ex.publish(same, ex.convert_payload(same, pack(same, src, tables, convert=False)), want_dst)
     rows = []
-    def counted(moves, _f=dispatch.move_spans):
+    def counted(moves, into_pool=False, _f=dispatch.move_spans):
         rows.append(sum(m[2].shape[0] for m in moves))
-        _f(moves)
+        _f(moves, into_pool)
 
     monkeypatch.setattr(dispatch, "move_spans", counted)
     counts = []

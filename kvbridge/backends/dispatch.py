@@ -115,11 +115,11 @@ def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: 
     return backend(pages, layout).amax_pages(pages, layout, page_size, num_tokens, scale)
 
 
-def move_spans(moves: Sequence[SpanMove]) -> None:
+def move_spans(moves: Sequence[SpanMove], into_pool: bool = False) -> None:
     """Copy row segments between contiguous tensors, all on one device, in one call (see ``reference.move_spans``:
-    a backend may spread the moves over its threads)."""
+    a backend may spread the moves over its threads; ``into_pool``: the destinations are pool pages)."""
     if moves:
-        backend(tuple(t for m in moves for t in m[:2])).move_spans(moves)
+        backend(tuple(t for m in moves for t in m[:2])).move_spans(moves, into_pool)
 
 
 def repage(pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,

@@ -99,9 +99,10 @@ def transcode_pages(
 SpanMove = tuple[torch.Tensor, torch.Tensor, np.ndarray, int, int, int]
 
 
-def move_spans(moves: Sequence[SpanMove]) -> None:
+def move_spans(moves: Sequence[SpanMove], into_pool: bool = False) -> None:
     """For each move and each of its segments: copy ``rows`` rows of ``width`` bytes, the strides apart, from the
-    move's source tensor into its destination tensor (the moves write disjoint bytes, so their order is free)."""
+    move's source tensor into its destination tensor (the moves write disjoint bytes, so their order is free).
+    ``into_pool``: the destinations are pool pages, not read again soon (a backend may store around the caches)."""
     for src, dst, segs, src_stride, dst_stride, width in moves:
         flat_src, flat_dst = src.view(-1), dst.view(-1)
         for at, to, rows in segs.tolist():

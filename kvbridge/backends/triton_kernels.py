@@ -695,9 +695,9 @@ def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: 
     return reference_amax(pages, layout, page_size, num_tokens, scale)
 
 
-def move_spans(moves: Sequence[SpanMove]) -> None:
+def move_spans(moves: Sequence[SpanMove], into_pool: bool = False) -> None:
     """Row copies between tensors (``reference.move_spans``): torch copies, on the GPU."""
-    reference_move_spans(moves)
+    reference_move_spans(moves, into_pool)
 
 
 def nonfinite_flags(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor,

@@ -684,7 +684,7 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_rep
                     parts[t.src.kind] = parts.get(t.src.kind, 0.0) + t3 - t2
                 publish_s += time.perf_counter() - t3
             t4 = time.perf_counter()
-            dispatch.move_spans(moves)  # the direct byte moves of every batch: disjoint pages, one call
+            dispatch.move_spans(moves, into_pool=True)  # the direct byte moves of every batch: disjoint pages
             publish_s += time.perf_counter() - t4
             if check is not None:
                 check.finish()

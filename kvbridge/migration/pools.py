@@ -232,7 +232,7 @@ def move_parts(spans: list[PartSpans], rows: list[tuple[torch.Tensor, int]], to_
             moves.append((records, tensor, np.stack([in_records, sp[:, 0], sp[:, 2]], axis=1), row_bytes, width, width))
         else:
             moves.append((tensor, records, np.stack([sp[:, 0], in_records, sp[:, 2]], axis=1), width, row_bytes, width))
-    dispatch.move_spans(moves)
+    dispatch.move_spans(moves, into_pool=to_pool)
 
 
 def _move(pool: Pool, storage: Storage, table: Table, first: int, records: torch.Tensor, to_pool: bool) -> bool:
@@ -287,7 +287,7 @@ def copy_entries(src: Pool, src_table: Table, dst: Pool, dst_table: Table, stora
         return False
     dispatch.move_spans([(s_tensor, d_tensor, merge_spans([(s_sp, width), (d_sp, width)], count), width, width, width)
                          for (s_tensor, _, width, s_sp), (d_tensor, _, _, d_sp) in zip(src_parts, dst_parts,
-                                                                                         strict=True)])
+                                                                                         strict=True)], into_pool=True)
     return True
 
 

@@ -209,10 +209,10 @@ def transcode_pages(
 #: more than it saved (a 128K-token request's staged gathers took 0.4-0.9x an ``np.copyto`` of their bytes
 #: on one thread, 0.5-1.6x on two, at load 4-6 on 2 cores).
 INLINE_MOVE_BYTES = 8 << 20
-#: Moves of at least this many bytes in all store non-temporally where the C span copy runs on AVX-512: each
-#: destination line is then written once instead of read, filled and written back (a migration's destination
-#: pages are not read again on this CPU soon; a staging batch, under this size, stays in the caches).
-STREAMING_MOVE_BYTES = 32 << 20
+#: Moves into pool pages (``into_pool``) of at least this many bytes in all store non-temporally where the C span
+#: copy runs on AVX-512: each destination line is then written once instead of read, filled and written back (a
+#: migration's destination pages are not read again on this CPU soon, while staged records are read next).
+STREAMING_MOVE_BYTES = 1 << 20
 
 
 def _checked_runs(moves: Sequence[SpanMove]) -> np.ndarray:
@@ -265,11 +265,11 @@ def _byte_pieces(runs: np.ndarray, pieces: int) -> tuple[np.ndarray, list[int]]:
     return runs, bounds
 
 
-def move_spans(moves: Sequence[SpanMove]) -> None:
+def move_spans(moves: Sequence[SpanMove], into_pool: bool = False) -> None:
     """Row copies between contiguous tensors (``reference.move_spans``), in place, every segment checked before any
     byte moves. The C extension's memcpy runs them where it is built: all moves in one call, spread over the
-    threads by bytes when they move more than ``INLINE_MOVE_BYTES`` (at least ``STREAMING_MOVE_BYTES``:
-    non-temporal stores on AVX-512); else numba's byte loop, one call per move."""
+    threads by bytes when they move more than ``INLINE_MOVE_BYTES`` (``into_pool`` and at least
+    ``STREAMING_MOVE_BYTES``: non-temporal stores on AVX-512); else numba's byte loop, one call per move."""
     runs = _checked_runs(moves)
     if accel._SPANS is None:
         for src, dst, segs, src_stride, dst_stride, width in moves:
@@ -281,7 +281,7 @@ def move_spans(moves: Sequence[SpanMove]) -> None:
                 _run_chunks(_move_spans_kernel, segs.shape[0], *args)
         return
     total = int((runs[:, 2] * runs[:, 5]).sum())
-    streaming = total >= STREAMING_MOVE_BYTES
+    streaming = into_pool and total >= STREAMING_MOVE_BYTES
     if total <= INLINE_MOVE_BYTES or num_threads() <= 1:
         accel._SPANS.move_runs(0, runs.shape[0], runs, streaming)
         return

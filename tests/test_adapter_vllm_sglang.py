@@ -113,6 +113,68 @@ def test_vllm_producer_feeds_an_sglang_decode_byte_exact(tmp_path):
     assert int(dump["aux9"].view("<u8").reshape(-1, 8)[3, 0]) == ROOM
 
 
+def test_kv_transfer_config_sglang_keys():
+    """Without vLLM: the transport-sglang keys (``kvbridge vllm-config``), and the combinations refused at start
+    with one line (the connector runs the same ``check_sglang_keys``)."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from kvbridge.adapters.vllm_config import check_sglang_keys, kv_transfer_config
+    from kvbridge.errors import InputError
+
+    cfg = kv_transfer_config("producer", transport="sglang", register_with="10.0.0.2:8998", state_memory="DRAM")
+    assert cfg["kv_role"] == "kv_producer"
+    assert cfg["kv_connector_extra_config"] == {"transport": "sglang", "register_with": "10.0.0.2:8998",
+                                                "state_memory": "DRAM"}
+    assert kv_transfer_config("producer", transport="sglang", bootstrap="0.0.0.0:8998",
+                              sglang_engine="sglang:swa=256")["kv_connector_extra_config"]["sglang_engine"] == \
+        "sglang:swa=256"
+    assert kv_transfer_config("producer", transport="sglang", landing_tokens=4096)["kv_connector_extra_config"] == {
+        "transport": "sglang", "landing_tokens": 4096}  # the longest request its SGLang pools hold
+    for role in ("consumer", "both"):
+        with pytest.raises(InputError, match="kv_role must be kv_producer"):
+            kv_transfer_config(role, transport="sglang")
+    for kwargs, match in (({"bootstrap": "h:1", "register_with": "h:2"}, "not both"),
+                          ({"bootstrap": "nohost"}, "host:port"), ({"sglang_engine": "trtllm"}, "SGLang spec"),
+                          ({"state_memory": "HBM"}, "VRAM or DRAM")):
+        with pytest.raises(InputError, match=match):
+            kv_transfer_config("producer", transport="sglang", **kwargs)
+    with pytest.raises(InputError, match="keys of transport sglang, the transport is nixl"):
+        kv_transfer_config("producer", transport="nixl", register_with="h:1")
+    with pytest.raises(InputError, match="keys of transport sglang, the transport is gloo"):
+        check_sglang_keys("kv_producer", None, {"state_memory": "DRAM"})
+    result = CliRunner().invoke(cli, ["vllm-config", "producer", "--transport", "sglang", "--register-with", "h:1"])
+    assert result.exit_code == 0 and json.loads(result.output)["kv_connector_extra_config"] == {
+        "transport": "sglang", "register_with": "h:1"}
+
+
+def test_the_peer_withdraws_a_room_no_decode_asked_for():
+    """Without SGLang: a room not being written is withdrawn (it ends Failed, its pages may be released and the
+    room offered again); pages go back to the pools."""
+    from kvbridge.adapters.sglang import SGLangPrefillPeer
+    from kvbridge.engines.topology import FLASH
+    from kvbridge.migration import source_request
+    from kvbridge.migration.errors import TransferError
+
+    model = FLASH.with_layers(5)
+    plan = plan_migration("sglang", "sglang", model, TOKENS, include_mtp=False)
+    src, src_tables = source_request(plan, spare_pages=1, seed=2)
+    peer = SGLangPrefillPeer(destination_pools(plan, spare_pages=1), state_memory=STATE_MEMORY)
+    free = {k: sorted(v) for k, v in peer.pools.free.items()}
+    tables = peer.add_migrated_request(7, plan, src, src_tables, first_token=3)
+    assert {k: sorted(v) for k, v in peer.pools.free.items()} != free
+    with pytest.raises(TransferError, match="within the timeout"):
+        peer.wait(7, timeout=0.01)
+    assert peer.withdraw(7, "nobody asked")
+    assert peer.wait(7, timeout=0.01)["status"] == "Failed" and peer.wait(7, 0.01)["reason"] == "nobody asked"
+    peer.release_pages(tables)
+    peer.forget(7)
+    assert {k: sorted(v) for k, v in peer.pools.free.items()} == free
+    peer.add_request(7, tables, TOKENS, 3)  # forgotten: the room may be offered again
+    peer._requests[7].sending = True  # as the peer's worker marks a room whose writes are under way
+    assert not peer.withdraw(7, "too late")
+
+
 if __name__ == "__main__":
     import sys
 

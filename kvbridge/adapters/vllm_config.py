@@ -163,9 +163,9 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
         check_sglang_keys(ROLES[role], transport, sglang)
         extra.update(sglang)
     if landing_tokens is not None:
-        if role == "producer" or transport != "nixl":
-            raise InputError("landing_tokens sizes a NIXL consumer's landing area: give it with transport nixl "
-                             "and role consumer or both")
+        if (role == "producer") != (transport == "sglang") or transport not in ("nixl", "sglang"):
+            raise InputError("landing_tokens sizes a NIXL consumer's landing area (transport nixl, role consumer or "
+                             "both) or a transport-sglang producer's SGLang pools (role producer)")
         if isinstance(landing_tokens, bool) or not isinstance(landing_tokens, int) or landing_tokens < 1:
             raise InputError(f"landing_tokens must be a positive integer, got {landing_tokens!r}")
         extra["landing_tokens"] = landing_tokens

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kvbridge.adapters.vllm_options import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, TRANSPORTS
+from kvbridge.adapters.vllm_options import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, STATE_MEMORIES, TRANSPORTS
 
 # The library modules that import torch are imported inside the functions that use them, so that
 # every command's --help runs without torch.
@@ -23,18 +23,28 @@ from kvbridge.adapters.vllm_options import CONVERT_SIDES, LOAD_FAILURE_POLICIES,
 @click.option("--timeout", type=float, help="Seconds one transfer may take (default 120).")
 @click.option("--convert-on", type=click.Choice(CONVERT_SIDES), help="Producer: the side that converts.")
 @click.option("--transport", type=click.Choice(TRANSPORTS),
-              help="gloo (default) or nixl: kvbridge's transport to and from this vLLM (both sides must match).")
+              help="gloo (default) or nixl: kvbridge's transport to and from this vLLM (both sides must match); "
+                   "sglang: a producer serving an unmodified SGLang decode over SGLang's PD protocol.")
 @click.option("--landing-tokens", type=click.IntRange(min=1), metavar="N",
-              help="Consumer, nixl: the longest request its host-memory landing area holds (default max_model_len).")
+              help="Consumer, nixl: the longest request its host-memory landing area holds (default max_model_len); "
+                   "producer, sglang: the longest its SGLang pools hold (max_inflight of them).")
 @click.option("--on-load-failure", type=click.Choice(LOAD_FAILURE_POLICIES),
               help="Consumer: vLLM fails (its default) or recomputes a request whose load failed.")
 @click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
               help="The model's safetensors shards holding its compressor APE weights (repeatable); needed for "
                    "requests from or to SGLang pools.")
+@click.option("--bootstrap", metavar="HOST:PORT",
+              help="Producer, sglang: where SGLang decodes find this prefill (default 127.0.0.1:8998).")
+@click.option("--register-with", metavar="HOST:PORT",
+              help="Producer, sglang: register with this SGLang bootstrap server instead.")
+@click.option("--sglang-engine", metavar="SPEC", help="Producer, sglang: the decode's kvbridge spec (default sglang).")
+@click.option("--state-memory", type=click.Choice(STATE_MEMORIES),
+              help="Producer, sglang: the kind the decode registers its compressor state as (default VRAM).")
 @click.option("--serve", "serve_model", metavar="MODEL", help="Print a whole 'vllm serve MODEL ...' command instead.")
 def command(role: str, listen: str | None, engine: str | None, model: str | None, timeout: float | None,
             convert_on: str | None, transport: str | None, landing_tokens: int | None, on_load_failure: str | None,
-            ape: tuple[Path, ...], serve_model: str | None) -> None:
+            ape: tuple[Path, ...], bootstrap: str | None, register_with: str | None, sglang_engine: str | None,
+            state_memory: str | None, serve_model: str | None) -> None:
     """Print the --kv-transfer-config JSON (one line) for a kvbridge connector in ROLE.
 
     \b
@@ -47,7 +57,9 @@ def command(role: str, listen: str | None, engine: str | None, model: str | None
 
     config = kv_transfer_config(role, listen=listen, engine=engine, model=model, timeout=timeout,
                                 convert_on=convert_on, on_load_failure=on_load_failure, transport=transport,
-                                landing_tokens=landing_tokens, ape=[str(p.resolve()) for p in ape] or None)
+                                landing_tokens=landing_tokens, ape=[str(p.resolve()) for p in ape] or None,
+                                bootstrap=bootstrap, register_with=register_with, sglang_engine=sglang_engine,
+                                state_memory=state_memory)
     text = json.dumps(config, separators=(",", ":"))
     if serve_model is None:
         click.echo(text)

@@ -7,8 +7,10 @@ Usage: python tests/vllm_engine_side.py consumer TRANSPORT MODEL_DIR OUT_DIR REQ
        python tests/vllm_engine_side.py tp TRANSPORT MODEL_DIR OUT_DIR SIZE PORT DIST_PORT NUM_TOKENS SRC DST HOST:PORT
                                           (see ``tp``)
        python tests/vllm_engine_side.py bench TRANSPORT MODEL_DIR OUT_DIR MAX_LEN KV_MIB   (see ``bench``)
+       python tests/vllm_engine_side.py sglang-producer sglang MODEL_DIR OUT_DIR NUM_TOKENS ROOM KEY=VALUE...
+                                          (see ``sglang_producer``)
 
-TRANSPORT (gloo or nixl) is the connector's ``transport`` key.
+TRANSPORT (gloo, nixl or sglang) is the connector's ``transport`` key.
 
 Builds vLLM's own config, DeepSeek-V4 cache specs (vLLM's cache-layer classes, one MLAAttentionSpec
 built with DeepseekV4Attention.get_kv_cache_spec's arguments), vLLM's own KV-cache groups and
@@ -75,14 +77,14 @@ class Engine:
                  ape: str | None = None, tp: int = 1, listen: str | None = None,
                  sides: tuple[str, ...] = ("scheduler", "worker"), rank: tuple[int, int] | None = None,
                  mtp: bool = False, max_len: int = 1024, kv_bytes: int = 32 << 20,
-                 chunk: int | None = None) -> None:
+                 chunk: int | None = None, sglang: dict | None = None) -> None:
         """``tp``: vLLM's tensor parallel size; ``sides``: the scheduler, the worker or both (at TP > 1 one
         scheduler and a worker per rank); ``rank``: a worker's (TP rank, port of vLLM's process-group store),
         its TP group formed as vLLM's workers form it before they create their connector; ``mtp``: vLLM serves
         with the model's MTP draft (its ``SpeculativeConfig``, method ``mtp``), whose layers' caches it
         registers after the model's; ``max_len``: vLLM's ``max_model_len``; ``kv_bytes``: the memory vLLM may
         give its KV cache; ``chunk``: prefill in chunks of this many tokens (vLLM's chunked prefill; otherwise
-        a whole prompt per step)."""
+        a whole prompt per step); ``sglang``: the connector's transport-sglang keys (``kv_transfer_config``'s)."""
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -110,7 +112,8 @@ class Engine:
 
         # what ``kvbridge vllm-config`` prints
         kt = KVTransferConfig(**kv_transfer_config(role, timeout=120, on_load_failure=on_load_failure,
-                                                   transport=transport, ape=[ape] if ape else None, listen=listen))
+                                                   transport=transport, ape=[ape] if ape else None, listen=listen,
+                                                   **(sglang or {})))
         pc = ParallelConfig()
         spec = SpeculativeConfig(method="mtp", num_speculative_tokens=1, target_model_config=mc,
                                  target_parallel_config=pc) if mtp else None
@@ -298,6 +301,48 @@ def producer(transport: str, model_dir: str, out_dir: str, request_id: str, num_
     result["stats"] = (eng.worker.get_kv_connector_stats() or eng.worker.build_kv_connector_stats()).reduce()
     eng.scheduler.schedule()
     result["freed_after_send"] = req.request_id not in eng.scheduler.requests
+    eng.dump(out_dir, result)
+    eng.worker.shutdown()
+
+
+def sglang_producer(model_dir: str, out_dir: str, num_tokens: int, room: int, *options: str) -> None:
+    """A vLLM prefill serving an SGLang decode (transport ``sglang``): ``options`` are ``KEY=VALUE`` connector
+    keys (``register_with``, ``bootstrap``, ``state_memory``) and ``ape=PATH``. A request of ``num_tokens``
+    whose ``kv_transfer_params`` carry ``bootstrap_room`` ROOM is scheduled, its blocks filled as vLLM's writers
+    store them (records saved for the test), it samples token 5 and finishes; the worker serves it until the
+    decode took the room. Writes vLLM's KV buffer and the result to OUT_DIR."""
+    from safetensors.torch import save_file
+
+    from kvbridge.migration.plan import plan_migration
+
+    keys = dict(o.split("=", 1) for o in options)
+    ape = keys.pop("ape", None)
+    eng = Engine(model_dir, "producer", "sglang", ape=ape, max_len=2048, kv_bytes=128 << 20, sglang=keys)
+    req = eng.request(num_tokens, {"bootstrap_room": room}, max_tokens=1)
+    out = eng.scheduler.schedule()
+    assert out.num_scheduled_tokens[req.request_id] == num_tokens, out.num_scheduled_tokens
+    block_ids = eng.scheduler.kv_cache_manager.get_block_ids(req.request_id)
+    plan = plan_migration(eng.worker.profile, eng.worker.sglang_profile, eng.worker.model, num_tokens,
+                          include_mtp=False, ape=eng.worker.ape)
+    records = synthetic_records(plan, seed=11)
+    eng.worker.caches.write(plan.transfers, records, block_ids, side="src")
+    save_file({str(i): r for i, r in enumerate(records)}, os.path.join(out_dir, "records.safetensors"))
+    eng.step(out, {req.request_id: [5]})  # the first output token: the decode's metadata row carries it
+    result = {"block_ids": [list(ids) for ids in block_ids], "status_after_prefill": req.status.name,
+              "held_after_finish": req.request_id in eng.scheduler.requests,
+              "bootstrap_addr": eng.worker.sglang_peer.bootstrap_addr}
+    out = eng.scheduler.schedule()
+    result["sends"] = [[s.request_id, s.room, s.first_token, s.num_tokens] for s in out.kv_connector_metadata.sends]
+    sent, _ = eng.until_done(out, "sent")
+    result["sent"] = sorted(sent)
+    result["errors"] = list(eng.worker.errors)
+    result["stats"] = (eng.worker.get_kv_connector_stats() or eng.worker.build_kv_connector_stats()).reduce()
+    eng.scheduler.schedule()
+    result["freed_after_send"] = req.request_id not in eng.scheduler.requests
+    peer = eng.worker.sglang_peer
+    result["peer_free"] = {k: len(v) for k, v in peer.pools.free.items()}
+    result["peer_capacity"] = {k: int(peer.pools.pool(s).shape[0]) for s in eng.worker.model.all_caches(False)
+                               for k in [peer.pools.storage(s).table]}
     eng.dump(out_dir, result)
     eng.worker.shutdown()
 
@@ -662,6 +707,9 @@ def main() -> None:
         commands(transport, model_dir, out_dir, *rest)
     elif mode == "bench":
         bench(transport, model_dir, out_dir, *rest)
+    elif mode == "sglang-producer":
+        num_tokens, room, *rest = rest
+        sglang_producer(model_dir, out_dir, int(num_tokens), int(room), *rest)
     elif mode == "tp":
         size, port, dist_port, num_tokens, src, dst, peer = rest
         tp(transport, model_dir, out_dir, int(size), int(port), int(dist_port), int(num_tokens), src, dst, peer)

@@ -180,6 +180,7 @@ class _Request:
     first_token: int
     done: threading.Event = field(default_factory=threading.Event)
     result: dict[str, Any] | None = None
+    sending: bool = False  # its NIXL writes are under way (set by the worker; withdraw then refuses)
 
 
 class SGLangPrefillPeer:
@@ -221,6 +222,7 @@ class SGLangPrefillPeer:
         self._infos: dict[int, dict[str, TransferInfo]] = {}
         self._peers: dict[str, DecodePeer] = {}
         self._lock = threading.Lock()
+        self._pools_lock = threading.Lock()  # claims and releases of the pools' pages (callers' threads)
         self._work: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -361,9 +363,40 @@ class SGLangPrefillPeer:
         Returns its block tables in ``pools`` (release them after ``wait``)."""
         if plan.dst.spec != self.pools.profile.spec:
             raise InputError(f"plan's destination is {plan.dst.spec}, the peer's pools are {self.pools.profile.spec}")
-        tables, _ = migrate_local(plan, src, src_tables, self.pools, loss_report=False)
-        self.add_request(room, tables, plan.num_tokens, first_token)
+        with self._pools_lock:
+            tables, _ = migrate_local(plan, src, src_tables, self.pools, loss_report=False)
+        try:
+            self.add_request(room, tables, plan.num_tokens, first_token)
+        except BaseException:
+            self.release_pages(tables)
+            raise
         return tables
+
+    def withdraw(self, room: int, reason: str) -> bool:
+        """Stop offering ``room`` (it ends ``Failed`` with ``reason``): True when no write of it can still
+        happen, so its pages may be released; False when its NIXL writes are under way (``wait`` for it)."""
+        with self._lock:
+            req = self._requests.get(room)
+            if req is None or req.done.is_set():
+                return True
+            if req.sending:
+                return False
+            req.result = {"status": "Failed", "reason": reason, "bytes": 0, "seconds": 0.0, "peers": 0,
+                          "digest": None, "kv_checksum": None}
+            req.done.set()
+            return True
+
+    def forget(self, room: int) -> None:
+        """Drop a room that ended (``wait`` returned or ``withdraw`` said True), so it may be offered again."""
+        with self._lock:
+            req = self._requests.get(room)
+            if req is not None and req.done.is_set():
+                del self._requests[room]
+
+    def release_pages(self, tables: RequestTables) -> None:
+        """Return a request's pages (``add_migrated_request``'s tables) to the pools, once it ended."""
+        with self._pools_lock:
+            self.pools.release(tables)
 
     def add_dump_request(self, room: int, dump: Dump, num_tokens: int, first_token: int) -> RequestTables:
         """Load a request from a kvbridge dump (``request_dump``'s entries: each KV cache's pages, in any
@@ -390,7 +423,7 @@ class SGLangPrefillPeer:
             if (entry.layout, entry.page_size) != (st.layout.name, st.page_size):
                 entry, _ = convert_entry(entry, st.layout, page_size=st.page_size, dialect=st.dialect, scale=st.scale)
             loaded.append((t, st.layout.pages_to_records(entry.data, st.page_size, t.count)))
-        with self._lock:
+        with self._pools_lock:
             tables = self.pools.claim(plan.table_lengths("dst"), plan.released("dst"))
         for t, rec in loaded:
             scatter_records(self.pools.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, rec)
@@ -471,8 +504,9 @@ class SGLangPrefillPeer:
                 return
             with self._lock:
                 req, infos = self._requests.get(room), dict(self._infos.pop(room, {}))
-            if req is None or req.done.is_set():
-                continue
+                if req is None or req.done.is_set():
+                    continue
+                req.sending = True
             t0 = time.perf_counter()
             sent, reason, digest, asked = 0, "", None, False
             targets = [(i.endpoint, i.port) for i in infos.values() if not i.dummy]

@@ -20,6 +20,13 @@ Per request, ``kv_transfer_params``:
   serve``, another vLLM's connector, ...), ``kvbridge_dst`` (its engine spec) and optionally
   ``kvbridge_request_id``. When the request finishes, its blocks of every group stay held until
   the worker has sent them.
+- producer with transport ``sglang`` (the prefill of an unmodified SGLang 0.5.23 decode): ``bootstrap_room``
+  (the room the decode's request carries, as SGLang's router sets both). The request must be a prefill
+  (``max_tokens`` 1): its prompt's KV and its first sampled token (the decode's metadata row) are converted
+  into SGLang-layout pools in host memory and served by ``SGLangPrefillPeer`` (SGLang's PD protocol: the
+  bootstrap route or a registration with an SGLang bootstrap server, ZMQ, NIXL writes); the send is done,
+  and vLLM's blocks freed, once the decode has received the room (or it failed: no decode asked within
+  ``timeout``, a decode refused, a NIXL write failed).
 
 Requests are independent: loads are keyed by kvbridge request id (``vllm_requests.RequestTable``),
 any number wait at once and producers connect in any order; over gloo up to ``max_inflight``
@@ -62,10 +69,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
+from kvbridge.adapters.sglang import SGLangPrefillPeer
+from kvbridge.adapters.sglang_protocol import HIDDEN_STATE_BYTES
 from kvbridge.adapters.vllm_config import (
     CONVERT_SIDES,
     TRANSPORTS,
     ape_paths,
+    check_sglang_keys,
     connector_mtp,
     connector_profile,
     device_gpu_family,
@@ -78,6 +88,7 @@ from kvbridge.engines.profiles import parse_engine
 from kvbridge.engines.topology import from_hf_config, get_model
 from kvbridge.errors import InputError
 from kvbridge.migration.ape import ApeWeights, load_ape
+from kvbridge.migration.errors import TransferError
 from kvbridge.migration.nixl import NixlReceiver, NixlSender
 from kvbridge.migration.plan import ape_needed, plan_migration
 from kvbridge.migration.pools import EnginePools
@@ -106,7 +117,8 @@ class Load:
 
 @dataclass
 class Send:
-    """One finished request the worker sends to a kvbridge peer."""
+    """One finished request the worker sends to a kvbridge peer (transport ``sglang``: serves to the SGLang
+    decode that asks for ``room``, with ``first_token``, the token vLLM sampled, in its metadata row)."""
 
     req_id: str
     request_id: str
@@ -114,6 +126,8 @@ class Send:
     dst: str
     num_tokens: int
     block_ids: tuple[list[int], ...]
+    room: int = 0
+    first_token: int = 0
 
 
 @dataclass
@@ -226,7 +240,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                              f"got {self.convert_on!r}, {self.timeout}")
         self.transport = extra.get("transport", "gloo")
         if self.transport not in TRANSPORTS:
-            raise InputError(f"kv_connector_extra_config: transport must be gloo or nixl, got {self.transport!r}")
+            raise InputError(f"kv_connector_extra_config: transport must be gloo or nixl (or sglang: a producer "
+                             f"feeding an SGLang decode), got {self.transport!r}")
+        check_sglang_keys(self._kv_transfer_config.kv_role, self.transport, extra)
+        if self.transport == "sglang":
+            if size > 1:
+                raise InputError(f"transport sglang serves from tensor parallel size 1 (SGLang's PD peer of kvbridge "
+                                 f"is one attention rank), this vLLM runs {size}; serve with -tp 1")
+            if self.include_mtp:
+                raise InputError("transport sglang moves no MTP layers' caches (kvbridge's SGLang PD peer); serve "
+                                 "without the MTP draft")
+        #: The SGLang decode's pools (transport sglang).
+        self.sglang_profile = parse_engine(str(extra.get("sglang_engine", "sglang")))
         self.max_inflight = positive_int(extra.get("max_inflight", 4), "kv_connector_extra_config max_inflight")
         hold = extra.get("hold_timeout", 10.0)
         if isinstance(hold, bool) or not isinstance(hold, (int, float)) or hold < 0:
@@ -260,6 +285,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.server = None
         self._senders: dict[str, Any] = {}  # NIXL senders by peer
         self._senders_lock = threading.Lock()
+        self.sglang_peer: SGLangPrefillPeer | None = None
+        if role == KVConnectorRole.WORKER and self.transport == "sglang":
+            self.sglang_peer = self._sglang_peer(extra, vllm_config.model_config.max_model_len)
+            log.info("kvbridge connector serving SGLang decodes, bootstrap %s (%s)", self.sglang_peer.bootstrap_addr,
+                     self.sglang_profile.spec)
         if role == KVConnectorRole.WORKER and self.is_consumer:
             port += self.tp[0]
             if self.transport == "nixl":
@@ -283,18 +313,46 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             raise InputError(f"vLLM's tensor-parallel group has {world} ranks, its config says {size}")
         return rank, size
 
+    def _held_pages(self, dst, tokens: int) -> dict[str, int]:
+        """The most pages a request of up to ``tokens`` tokens holds per block table of ``dst`` pools: the SWA
+        window and the state rings take more or fewer pages with the length's phase in a block, so the most
+        over the last two blocks."""
+        block = int(next(c.value for c in self.profile.choices if c.option == "block"))
+        held: dict[str, int] = {}
+        for n in range(max(1, tokens - 2 * block + 1), tokens + 1):
+            for name, pages in plan_migration(self.profile, dst, self.model, n, include_mtp=self.include_mtp,
+                                              ape=self.ape).held_pages("dst").items():
+                held[name] = max(held.get(name, 0), pages)
+        return held
+
+    def _sglang_peer(self, extra: dict, max_model_len: int) -> SGLangPrefillPeer:
+        """The SGLang prefill peer this producer serves from: SGLang-layout pools in host memory holding
+        ``max_inflight`` requests of up to ``landing_tokens`` tokens (default ``max_model_len``), its bootstrap
+        route on ``bootstrap`` (default 127.0.0.1:8998, SGLang's port) or registered ``register_with``."""
+        tokens = positive_int(extra.get("landing_tokens", max_model_len), "kv_connector_extra_config landing_tokens")
+        if self.ape is None and ape_needed(self.profile, self.sglang_profile, self.model, False):
+            raise InputError(f"transport sglang: {self.sglang_profile.spec} stores compressor scores without the APE "
+                             "vLLM's include; give kv_connector_extra_config ape (the model's safetensors holding "
+                             "layers.N.attn[.indexer].compressor.ape)")
+        held = {k: v * self.max_inflight for k, v in self._held_pages(self.sglang_profile, tokens).items()}
+        pools = EnginePools.create(self.sglang_profile, self.model, held, include_mtp=False)
+        self.landing_tokens = tokens
+        if "register_with" in extra:
+            host, where = "127.0.0.1", {"bootstrap_port": None, "register_with": str(extra["register_with"])}
+        else:
+            host, port = host_port(extra.get("bootstrap", "127.0.0.1:8998"), "kv_connector_extra_config bootstrap")
+            where = {"bootstrap_port": port}
+        hidden = positive_int(extra.get("hidden_state_bytes", HIDDEN_STATE_BYTES),
+                              "kv_connector_extra_config hidden_state_bytes")
+        return SGLangPrefillPeer(pools, host=host, hidden_state_bytes=hidden, timeout=self.timeout,
+                                 kv_cache_dtype=str(extra.get("kv_cache_dtype", "fp8_e4m3")),
+                                 state_memory=str(extra.get("state_memory", "VRAM")), **where).start()
+
     def _nixl_receiver(self, landing_tokens: Any, host: str, port: int):
         """A NIXL receiver whose pools are the landing area: one request of ``landing_tokens`` tokens in this
         vLLM's layout, in host memory (kvbridge's NIXL registers host memory only)."""
         landing_tokens = positive_int(landing_tokens, "kv_connector_extra_config landing_tokens")
-        # the most pages a request of up to landing_tokens holds per table: the SWA window and the state
-        # rings take more or fewer pages with the length's phase in a block, so over the last two blocks
-        block = int(next(c.value for c in self.profile.choices if c.option == "block"))
-        held: dict[str, int] = {}
-        for n in range(max(1, landing_tokens - 2 * block + 1), landing_tokens + 1):
-            for name, pages in plan_migration(self.profile, self.profile, self.model, n,
-                                              include_mtp=self.include_mtp).held_pages("dst").items():
-                held[name] = max(held.get(name, 0), pages)
+        held = self._held_pages(self.profile, landing_tokens)
         landing = EnginePools.create(self.profile, self.model, held, include_mtp=self.include_mtp)
         self.landing_tokens = landing_tokens
         return NixlReceiver(landing, plan=self._plan_for, host=host, port=port, loss_report=False,
@@ -376,6 +434,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._cancels.append(request.request_id)  # after its load in the same metadata, if not out yet
             return False, None
         params = request.kv_transfer_params or {}
+        if self.is_producer and self.transport == "sglang" and "bootstrap_room" in params:
+            return self._sglang_send(request, params, block_ids)
         if not self.is_producer or "kvbridge_peer" not in params:
             return False, None
         rid = str(params.get("kvbridge_request_id", request.request_id))
@@ -384,6 +444,28 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                                                str(params.get("kvbridge_dst", "vllm")), n,
                                                tuple(list(ids) for ids in block_ids))
         return True, {"kvbridge_src": self.profile.spec, "kvbridge_request_id": rid, "kvbridge_num_tokens": n}
+
+    def _sglang_send(self, request, params: dict, block_ids: tuple[list[int], ...]
+                     ) -> tuple[bool, dict[str, Any] | None]:
+        """A finished prefill for the SGLang decode asking for its ``bootstrap_room``: its prompt's blocks and
+        first sampled token to the worker. One that cannot be served (a malformed room, not a finished one-token
+        prefill) is logged and not sent (raised in vLLM's scheduler it would stop the engine)."""
+        room, n = params["bootstrap_room"], len(request.prompt_token_ids)
+        why = None
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 < room < 2**63:
+            why = f"bootstrap_room must be a positive 63-bit integer, got {room!r:.40}"
+        elif not request.output_token_ids or request.num_computed_tokens != n:
+            why = (f"not a finished prefill (computed {request.num_computed_tokens} of {n} prompt tokens, "
+                   f"{len(request.output_token_ids)} sampled); serve SGLang's decode from requests of max_tokens 1")
+        if why is not None:
+            log.error("kvbridge: request %s: not served to SGLang: %s", request.request_id, why)
+            return False, None
+        rid = str(params.get("kvbridge_request_id", request.request_id))
+        self._sends[request.request_id] = Send(request.request_id, rid, f"SGLang room {room}",
+                                               self.sglang_profile.spec, n, tuple(list(ids) for ids in block_ids),
+                                               room=room, first_token=int(request.output_token_ids[0]))
+        return True, {"kvbridge_src": self.profile.spec, "kvbridge_request_id": rid, "kvbridge_num_tokens": n,
+                      "bootstrap_room": room}
 
     # ------------------------------------------------------------------ worker side
 
@@ -564,6 +646,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         plan = plan_migration(self.profile, send.dst, self.model, send.num_tokens, include_mtp=self.include_mtp,
                               ape=self.ape)
         pools, tables = self.caches.request_pools(plan, send.block_ids, ready)
+        if self.transport == "sglang":
+            return self._serve_sglang(send, plan, pools, tables)
         host, port = host_port(send.peer, "kvbridge_peer")
         port += self.tp[0]  # rank r sends to the consumer's rank r
         if self.transport == "nixl":
@@ -575,6 +659,35 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                                            request_id=send.request_id, tp=self.tp)
         return send_request_tcp(plan, pools, tables, host=host, port=port, convert_on=self.convert_on,
                                 timeout=self.timeout, request_id=send.request_id, tp=self.tp)
+
+    def _serve_sglang(self, send: Send, plan, pools: EnginePools, tables) -> dict:
+        """Convert the request into the SGLang peer's pools and serve its room until the decode received it
+        (``TransferError`` when no decode asked within ``timeout`` or the decode failed it); its pages in the
+        peer's pools are released once no write of them can still happen."""
+        peer = self.sglang_peer
+        assert peer is not None
+        t0 = time.perf_counter()
+        sg_tables = peer.add_migrated_request(send.room, plan, pools, tables, send.first_token)
+        convert_s = time.perf_counter() - t0
+        try:
+            try:
+                result = peer.wait(send.room, timeout=self.timeout)
+            except TransferError:
+                if peer.withdraw(send.room, f"no SGLang decode asked for room {send.room} within {self.timeout} s"):
+                    raise TransferError(f"no SGLang decode asked for room {send.room} within {self.timeout} s; "
+                                        "withdrawn") from None
+                result = peer.wait(send.room, timeout=peer.timeout + 30)  # its writes are under way
+        except TransferError:
+            if not peer.withdraw(send.room, "withdrawn"):  # still writing: its pages stay out of use
+                raise
+            peer.release_pages(sg_tables)
+            peer.forget(send.room)
+            raise
+        peer.release_pages(sg_tables)
+        peer.forget(send.room)
+        if result["status"] != "Success":
+            raise TransferError(f"room {send.room}: {result.get('reason') or 'failed'}")
+        return {"payload_bytes": result["bytes"], "convert_s": convert_s}
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -617,6 +730,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         for sender in self._senders.values():
             sender.close()
         self._senders.clear()
+        if self.sglang_peer is not None:
+            self.sglang_peer.close()
+            self.sglang_peer = None
 
 
 __all__ = ["KVBridgeConnector", "KVBridgeMetadata", "KVBridgeStats", "Load", "Send", "connector_model"]

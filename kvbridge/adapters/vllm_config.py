@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kvbridge.adapters.vllm_options import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, TRANSPORTS
+from kvbridge.adapters.vllm_options import CONVERT_SIDES, LOAD_FAILURE_POLICIES, ROLES, STATE_MEMORIES, TRANSPORTS
 from kvbridge.engines.profiles import EngineProfile, parse_engine
 from kvbridge.engines.topology import ModelTopology
 from kvbridge.errors import InputError
@@ -34,6 +34,33 @@ def ape_paths(value: object) -> list[str]:
         raise InputError("kv_connector_extra_config: ape must be a safetensors path or a non-empty list of them "
                          f"(the checkpoint's shards holding layers.N.attn[.indexer].compressor.ape), got {value!r:.80}")
     return list(paths)
+
+
+def check_sglang_keys(kv_role: str, transport: str | None, extra: dict[str, Any]) -> None:
+    """Refuse, with one line, what transport ``sglang`` cannot do: a role other than ``kv_producer`` (the
+    connector is SGLang's prefill only), its keys with another transport, both ``bootstrap`` and
+    ``register_with``, a malformed address, a decode spec that is not SGLang's, an unknown state kind."""
+    keys = [k for k in ("bootstrap", "register_with", "sglang_engine", "state_memory") if k in extra]
+    if transport != "sglang":
+        if keys:
+            raise InputError(f"kv_connector_extra_config {', '.join(keys)}: keys of transport sglang, the transport "
+                             f"is {transport or 'gloo'}")
+        return
+    if kv_role != "kv_producer":
+        raise InputError(f"transport sglang makes this vLLM an SGLang decode's prefill: kv_role must be kv_producer, "
+                         f"got {kv_role} (a vLLM decode fed by SGLang is not built yet)")
+    if "bootstrap" in extra and "register_with" in extra:
+        raise InputError("give one of bootstrap (serve SGLang's bootstrap route) and register_with (an SGLang "
+                         "bootstrap server), not both")
+    for key in ("bootstrap", "register_with"):
+        if key in extra:
+            host_port(extra[key], f"kv_connector_extra_config {key}")
+    if "sglang_engine" in extra and parse_engine(str(extra["sglang_engine"])).engine != "sglang":
+        raise InputError("kv_connector_extra_config sglang_engine must be an SGLang spec, got "
+                         f"{extra['sglang_engine']!r}")
+    if "state_memory" in extra and extra["state_memory"] not in STATE_MEMORIES:
+        raise InputError("kv_connector_extra_config state_memory must be VRAM or DRAM, got "
+                         f"{extra['state_memory']!r}")
 
 
 def device_gpu_family() -> str | None:
@@ -84,7 +111,9 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
                        timeout: float | None = None, convert_on: str | None = None,
                        on_load_failure: str | None = None, transport: str | None = None,
                        landing_tokens: int | None = None, ape: list[str] | None = None,
-                       max_inflight: int | None = None, hold_timeout: float | None = None) -> dict[str, Any]:
+                       max_inflight: int | None = None, hold_timeout: float | None = None,
+                       bootstrap: str | None = None, register_with: str | None = None,
+                       sglang_engine: str | None = None, state_memory: str | None = None) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for kvbridge's connector (``kvbridge.adapters.vllm``) in ``role``.
 
     Only the keys given go into ``kv_connector_extra_config`` (the connector's defaults apply to
@@ -92,6 +121,12 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
     vLLM's own ``kv_load_failure_policy`` (``fail``, vLLM's default: the request ends with an
     error; ``recompute``: vLLM computes the prompt itself). ``ape``: the model's safetensors files
     (or just those holding ``...compressor.ape``) for requests to or from SGLang pools.
+
+    Transport ``sglang`` (role ``producer`` only: this vLLM is the prefill of an unmodified SGLang
+    decode): ``bootstrap`` (``host:port`` where the connector serves SGLang's bootstrap route) or
+    ``register_with`` (an SGLang bootstrap server's ``host:port``), ``sglang_engine`` (the decode's
+    kvbridge spec, default ``sglang``) and ``state_memory`` (the kind the decode registers its
+    compressor state as: ``VRAM``, SGLang's, or ``DRAM``); see ``check_sglang_keys``.
     """
     if role not in ROLES:
         raise InputError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -119,12 +154,18 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
         extra["convert_on"] = convert_on
     if transport is not None:
         if transport not in TRANSPORTS:
-            raise InputError(f"transport must be gloo or nixl, got {transport!r}")
+            raise InputError(f"transport must be gloo or nixl (or sglang: a producer feeding an SGLang decode), "
+                             f"got {transport!r}")
         extra["transport"] = transport
+    sglang = {k: v for k, v in (("bootstrap", bootstrap), ("register_with", register_with),
+                                ("sglang_engine", sglang_engine), ("state_memory", state_memory)) if v is not None}
+    if transport == "sglang" or sglang:
+        check_sglang_keys(ROLES[role], transport, sglang)
+        extra.update(sglang)
     if landing_tokens is not None:
-        if role == "producer" or transport != "nixl":
-            raise InputError("landing_tokens sizes a NIXL consumer's landing area: give it with transport nixl "
-                             "and role consumer or both")
+        if (role == "producer") != (transport == "sglang") or transport not in ("nixl", "sglang"):
+            raise InputError("landing_tokens sizes a NIXL consumer's landing area (transport nixl, role consumer or "
+                             "both) or a transport-sglang producer's SGLang pools (role producer)")
         if isinstance(landing_tokens, bool) or not isinstance(landing_tokens, int) or landing_tokens < 1:
             raise InputError(f"landing_tokens must be a positive integer, got {landing_tokens!r}")
         extra["landing_tokens"] = landing_tokens

@@ -3,7 +3,10 @@
 #: vLLM's ``kv_role`` for each kvbridge role name.
 ROLES = {"consumer": "kv_consumer", "producer": "kv_producer", "both": "kv_both"}
 CONVERT_SIDES = ("sender", "receiver")
-#: The connector's transports (``kv_connector_extra_config`` ``transport``).
-TRANSPORTS = ("gloo", "nixl")
+#: The connector's transports (``kv_connector_extra_config`` ``transport``): kvbridge's own two, and
+#: ``sglang`` (a producer serving an unmodified SGLang decode over SGLang's PD protocol).
+TRANSPORTS = ("gloo", "nixl", "sglang")
+#: The memory kinds an SGLang decode registers its compressor-state buffers as (``state_memory``).
+STATE_MEMORIES = ("VRAM", "DRAM")
 #: vLLM's ``kv_load_failure_policy``: what it does with a request whose load failed.
 LOAD_FAILURE_POLICIES = ("fail", "recompute")

@@ -1,0 +1,181 @@
+"""The vLLM connector as the prefill of SGLang 0.5.23's own decode (transport ``sglang``; issue 26 item 2).
+
+vLLM 0.33.0's real config, KV-cache groups, allocation and scheduler run in the vLLM venv
+(``tests/vllm_engine_side.py sglang-producer``); SGLang's own decode-side PD classes run in the SGLang
+venv (``tests/sglang_decode_peer.py``: ``DeepSeekV4TokenToKVPool``, ``MetadataBuffers``, ``NixlKVManager``,
+``NixlKVReceiver`` and ``NixlKVBootstrapServer``, on CPU, rewriting only the compressor-state memory kinds
+SGLang hard-codes, ``sglang_engine_side.host_state_kinds``). The request's blocks in vLLM, filled as vLLM's
+writers store them, must land in SGLang's registered buffers, at the pages its decode allocated, byte for
+byte as kvbridge's direct conversion (``migrate_local``) of the same vLLM blocks into SGLang pools writes
+them, with vLLM's sampled token and the room in the metadata row.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvbridge.engines.topology import Role, from_hf_config
+from kvbridge.migration import destination_pools, gather_records, migrate_local, plan_migration
+from tests.migration_helpers import free_port, need_sglang
+from tests.test_adapter_sglang import STATE_MEMORY, _decode, _until
+from tests.test_adapter_vllm import CONFIG, VLLM, _ape_file, _engine, _finish, _model, _vllm_buffer, _vllm_python
+
+#: Five layers as ``FLASH.with_layers(5)`` (ratios 0, 0, 4, 128, 4; a 128-token window), in vLLM's config.
+CONFIG5 = {**CONFIG, "num_hidden_layers": 5, "compress_ratios": [0, 0, 4, 128, 4]}
+TOKENS = 1026  # ratio-4 state rows 1022..1025 straddle the SWA page boundary at 1024: two rings
+ROOM = 4242
+KV_PAGES = [7, 0, 11, 3, 5]  # the decode's pages (tests/test_adapter_sglang.py's ``_decode`` defaults)
+SWA_PAGES = [9, 2]
+SGLANG = "sglang"
+
+
+def test_vllm_producer_feeds_an_sglang_decode_byte_exact(tmp_path):
+    """vLLM's real blocks -> SGLang's own decode classes: every KV page, SWA page, compressor-state ring and
+    the ratio-128 ring as ``migrate_local`` converts them (APE removed from the state scores: SGLang stores
+    them without it), the metadata row with vLLM's first sampled token and the room; vLLM holds the blocks
+    until the decode received the room, then frees them, and the peer's pages return to its pools."""
+    python = _vllm_python("nixl")
+    need_sglang("vLLM -> SGLang decode test")
+    model_dir = _model(tmp_path, CONFIG5)
+    out = tmp_path / "out"
+    model = from_hf_config(str(model_dir / "config.json"))
+    assert model.compress_ratios[:5] == (0, 0, 4, 128, 4) and model.sliding_window == 128
+    ape = _ape_file(tmp_path / "ape.safetensors", model, seed=5)
+    port = free_port()
+    proc, next_line = _decode({"bootstrap": "sglang", "bootstrap_port": port, "compress_ratios": [0, 0, 4, 128, 4],
+                               "room": ROOM, "num_tokens": TOKENS, "kv_page_ids": KV_PAGES,
+                               "swa_page_ids": SWA_PAGES}, tmp_path)
+    try:
+        _until(next_line, "event", "ready")
+        _finish(_engine(python, "sglang-producer", "sglang", str(model_dir), str(out), str(TOKENS), str(ROOM),
+                        f"register_with=127.0.0.1:{port}", f"state_memory={STATE_MEMORY}", f"ape={ape}"))
+        got = _until(next_line, "result")
+    finally:
+        proc.wait(60)
+    assert got["result"] == "Success", got
+    result = json.loads((out / "result.json").read_text())
+    assert result["status_after_prefill"] == "FINISHED_LENGTH_CAPPED" and result["held_after_finish"]
+    assert result["sends"] == [["vllm-req-0", ROOM, 5, TOKENS]]
+    assert result["sent"] == ["vllm-req-0"] and result["errors"] == [] and result["freed_after_send"]
+    assert result["stats"]["send_requests"] == 1 and result["stats"]["send_failed"] == 0
+    assert result["peer_free"] == result["peer_capacity"], "the peer's pages were not returned"
+
+    # kvbridge's direct conversion of the same vLLM blocks into SGLang pools
+    plan = plan_migration(VLLM, SGLANG, model, TOKENS, include_mtp=False, ape=ape)
+    assert any(t.ape_sign < 0 for t in plan.transfers)
+    _, _, caches = _vllm_buffer(out, plan, model, num_groups=6)
+    records = load_file(str(out / "records.safetensors"))
+    vtables = caches.tables(result["block_ids"])
+    for i, t in enumerate(plan.transfers):  # vLLM's blocks hold what its writers stored
+        held = gather_records(caches.pools.pool(t.spec), t.src, vtables[caches.group[(t.spec.layer, t.spec.role)]],
+                              t.first, t.count)
+        assert torch.equal(held, records[str(i)]), f"layer {t.spec.layer} {t.spec.role.value}"
+    vpools, vreq = caches.request_pools(plan, result["block_ids"])
+    dst = destination_pools(plan, spare_pages=2)
+    tables, _ = migrate_local(plan, vpools, vreq, dst, loss_report=False)
+
+    from kvbridge.adapters.sglang_protocol import pd_layout
+
+    lay = pd_layout(dst)
+    dump = np.load(got["dump"])
+
+    def page(name: str, item: int, i: int) -> bytes:
+        return dump[name][i * item : (i + 1) * item].tobytes()
+
+    def ours(spec, pid: int) -> bytes:
+        return dst.pool(spec)[pid].numpy().tobytes()
+
+    checked = 0
+    for i, spec in enumerate(lay.kv):
+        table = tables[dst.storage(spec).table]
+        for j, d in enumerate(KV_PAGES[: len(table)]):
+            assert page(f"kv{i}", lay.kv_item_lens[i], d) == ours(spec, table[j]), (spec, j)
+            checked += 1
+        for d in set(range(12)) - set(KV_PAGES):
+            assert not dump[f"kv{i}"].reshape(-1, lay.kv_item_lens[i])[d].any(), "a page the decode did not allocate"
+    first = (TOKENS - model.sliding_window) // 256
+    for j, spec in enumerate(lay.swa_state):
+        for k, d in enumerate(SWA_PAGES):
+            assert page(f"state0_{j}", lay.state_item_lens[0][j], d) == ours(spec, tables["swa"][first + k]), (spec, k)
+            checked += 1
+    for j, spec in enumerate(lay.request_state):
+        assert page(f"state1_{j}", lay.state_item_lens[1][j], 2) == ours(spec, tables[dst.storage(spec).table][0])
+        checked += 1
+    roles = {s.role for s in (*lay.kv, *lay.swa_state, *lay.request_state)}
+    assert roles == {Role.SWA, Role.COMPRESS, Role.INDEXER, Role.STATE, Role.INDEXER_STATE}
+    assert checked == 5 * 4 + 5 * 2 + 2 * 2 + 2 * 2 + 1  # KV pages, SWA pages, two state rings each, c128 ring
+    assert int(dump["aux0"].view("<i4").reshape(-1, 16)[3, 0]) == 5  # vLLM's first sampled token
+    assert int(dump["aux9"].view("<u8").reshape(-1, 8)[3, 0]) == ROOM
+
+
+def test_kv_transfer_config_sglang_keys():
+    """Without vLLM: the transport-sglang keys (``kvbridge vllm-config``), and the combinations refused at start
+    with one line (the connector runs the same ``check_sglang_keys``)."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from kvbridge.adapters.vllm_config import check_sglang_keys, kv_transfer_config
+    from kvbridge.errors import InputError
+
+    cfg = kv_transfer_config("producer", transport="sglang", register_with="10.0.0.2:8998", state_memory="DRAM")
+    assert cfg["kv_role"] == "kv_producer"
+    assert cfg["kv_connector_extra_config"] == {"transport": "sglang", "register_with": "10.0.0.2:8998",
+                                                "state_memory": "DRAM"}
+    assert kv_transfer_config("producer", transport="sglang", bootstrap="0.0.0.0:8998",
+                              sglang_engine="sglang:swa=256")["kv_connector_extra_config"]["sglang_engine"] == \
+        "sglang:swa=256"
+    assert kv_transfer_config("producer", transport="sglang", landing_tokens=4096)["kv_connector_extra_config"] == {
+        "transport": "sglang", "landing_tokens": 4096}  # the longest request its SGLang pools hold
+    for role in ("consumer", "both"):
+        with pytest.raises(InputError, match="kv_role must be kv_producer"):
+            kv_transfer_config(role, transport="sglang")
+    for kwargs, match in (({"bootstrap": "h:1", "register_with": "h:2"}, "not both"),
+                          ({"bootstrap": "nohost"}, "host:port"), ({"sglang_engine": "trtllm"}, "SGLang spec"),
+                          ({"state_memory": "HBM"}, "VRAM or DRAM")):
+        with pytest.raises(InputError, match=match):
+            kv_transfer_config("producer", transport="sglang", **kwargs)
+    with pytest.raises(InputError, match="keys of transport sglang, the transport is nixl"):
+        kv_transfer_config("producer", transport="nixl", register_with="h:1")
+    with pytest.raises(InputError, match="keys of transport sglang, the transport is gloo"):
+        check_sglang_keys("kv_producer", None, {"state_memory": "DRAM"})
+    result = CliRunner().invoke(cli, ["vllm-config", "producer", "--transport", "sglang", "--register-with", "h:1"])
+    assert result.exit_code == 0 and json.loads(result.output)["kv_connector_extra_config"] == {
+        "transport": "sglang", "register_with": "h:1"}
+
+
+def test_the_peer_withdraws_a_room_no_decode_asked_for():
+    """Without SGLang: a room not being written is withdrawn (it ends Failed, its pages may be released and the
+    room offered again); pages go back to the pools."""
+    from kvbridge.adapters.sglang import SGLangPrefillPeer
+    from kvbridge.engines.topology import FLASH
+    from kvbridge.migration import source_request
+    from kvbridge.migration.errors import TransferError
+
+    model = FLASH.with_layers(5)
+    plan = plan_migration("sglang", "sglang", model, TOKENS, include_mtp=False)
+    src, src_tables = source_request(plan, spare_pages=1, seed=2)
+    peer = SGLangPrefillPeer(destination_pools(plan, spare_pages=1), state_memory=STATE_MEMORY)
+    free = {k: sorted(v) for k, v in peer.pools.free.items()}
+    tables = peer.add_migrated_request(7, plan, src, src_tables, first_token=3)
+    assert {k: sorted(v) for k, v in peer.pools.free.items()} != free
+    with pytest.raises(TransferError, match="within the timeout"):
+        peer.wait(7, timeout=0.01)
+    assert peer.withdraw(7, "nobody asked")
+    assert peer.wait(7, timeout=0.01)["status"] == "Failed" and peer.wait(7, 0.01)["reason"] == "nobody asked"
+    peer.release_pages(tables)
+    peer.forget(7)
+    assert {k: sorted(v) for k, v in peer.pools.free.items()} == free
+    peer.add_request(7, tables, TOKENS, 3)  # forgotten: the room may be offered again
+    peer._requests[7].sending = True  # as the peer's worker marks a room whose writes are under way
+    assert not peer.withdraw(7, "too late")
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -24,10 +24,11 @@ from kvbridge.adapters.vllm_options import CONVERT_SIDES, LOAD_FAILURE_POLICIES,
 @click.option("--convert-on", type=click.Choice(CONVERT_SIDES), help="Producer: the side that converts.")
 @click.option("--transport", type=click.Choice(TRANSPORTS),
               help="gloo (default) or nixl: kvbridge's transport to and from this vLLM (both sides must match); "
-                   "sglang: a producer serving an unmodified SGLang decode over SGLang's PD protocol.")
+                   "sglang: SGLang's PD protocol, a producer serving an unmodified SGLang decode or a consumer fed "
+                   "by an unmodified SGLang prefill.")
 @click.option("--landing-tokens", type=click.IntRange(min=1), metavar="N",
               help="Consumer, nixl: the longest request its host-memory landing area holds (default max_model_len); "
-                   "producer, sglang: the longest its SGLang pools hold (max_inflight of them).")
+                   "sglang: the longest its SGLang-layout pools hold (max_inflight of them).")
 @click.option("--on-load-failure", type=click.Choice(LOAD_FAILURE_POLICIES),
               help="Consumer: vLLM fails (its default) or recomputes a request whose load failed.")
 @click.option("--ape", "ape", multiple=True, type=click.Path(dir_okay=False, path_type=Path),
@@ -37,7 +38,8 @@ from kvbridge.adapters.vllm_options import CONVERT_SIDES, LOAD_FAILURE_POLICIES,
               help="Producer, sglang: where SGLang decodes find this prefill (default 127.0.0.1:8998).")
 @click.option("--register-with", metavar="HOST:PORT",
               help="Producer, sglang: register with this SGLang bootstrap server instead.")
-@click.option("--sglang-engine", metavar="SPEC", help="Producer, sglang: the decode's kvbridge spec (default sglang).")
+@click.option("--sglang-engine", metavar="SPEC",
+              help="sglang: the SGLang decode's (producer) or prefill's (consumer) kvbridge spec (default sglang).")
 @click.option("--state-memory", type=click.Choice(STATE_MEMORIES),
               help="Producer, sglang: the kind the decode registers its compressor state as (default VRAM).")
 @click.option("--serve", "serve_model", metavar="MODEL", help="Print a whole 'vllm serve MODEL ...' command instead.")

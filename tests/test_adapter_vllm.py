@@ -141,22 +141,24 @@ def _consumer(tmp_path: Path, num_tokens: int, send_src: str, *options: str, tra
     return summary, plan, model, src_pools, src_tables
 
 
-def _assert_landed(plan, src_pools, src_tables, result, raw, caches) -> None:
+def _assert_landed(plan, src_pools, src_tables, result, raw, caches, block_ids=None) -> None:
     """Every transfer landed in the request's blocks of its vLLM group as the reference writers store it, and
-    no other byte of vLLM's KV buffer was written."""
-    tables = caches.tables(result["block_ids"])
+    no other byte of vLLM's KV buffer was written; ``block_ids``: the block ids of each of several requests
+    that landed, all from the same source request (default: the result's one request)."""
     written = torch.zeros(raw.numel(), dtype=torch.bool)
-    for t in plan.transfers:
-        want = expected_records(t, gather_records(src_pools.pool(t.spec), t.src, table_of(src_tables, t.src),
-                                                  t.first, t.count))
-        key = (t.spec.layer, t.spec.role)
-        table = tables[caches.group[key]]
-        got = gather_records(caches.pools.pool(t.spec), t.dst, table, t.first, t.count)
-        assert torch.equal(got, want), f"layer {t.spec.layer} {t.spec.role.value}: bytes differ"
-        info = result["layers"][caches.names[key]]
-        for slot in t.table_slots(t.dst):
-            start = info["offset"] + table[slot] * info["block_stride"]
-            written[start : start + info["page_bytes"]] = True
+    for ids in block_ids or [result["block_ids"]]:
+        tables = caches.tables(ids)
+        for t in plan.transfers:
+            want = expected_records(t, gather_records(src_pools.pool(t.spec), t.src, table_of(src_tables, t.src),
+                                                      t.first, t.count))
+            key = (t.spec.layer, t.spec.role)
+            table = tables[caches.group[key]]
+            got = gather_records(caches.pools.pool(t.spec), t.dst, table, t.first, t.count)
+            assert torch.equal(got, want), f"layer {t.spec.layer} {t.spec.role.value}: bytes differ"
+            info = result["layers"][caches.names[key]]
+            for slot in t.table_slots(t.dst):
+                start = info["offset"] + table[slot] * info["block_stride"]
+                written[start : start + info["page_bytes"]] = True
     assert not raw[~written].any(), "bytes outside the request's blocks of its own caches were written"
 
 

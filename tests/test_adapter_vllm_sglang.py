@@ -131,9 +131,17 @@ def test_kv_transfer_config_sglang_keys():
         "sglang:swa=256"
     assert kv_transfer_config("producer", transport="sglang", landing_tokens=4096)["kv_connector_extra_config"] == {
         "transport": "sglang", "landing_tokens": 4096}  # the longest request its SGLang pools hold
-    for role in ("consumer", "both"):
-        with pytest.raises(InputError, match="kv_role must be kv_producer"):
-            kv_transfer_config(role, transport="sglang")
+    with pytest.raises(InputError, match="one of them: got kv_both"):
+        kv_transfer_config("both", transport="sglang")
+    # a decode fed by an SGLang prefill: the prefill's keys are refused, its spec and landing size taken
+    cfg = kv_transfer_config("consumer", transport="sglang", sglang_engine="sglang:swa=256", landing_tokens=4096)
+    assert cfg["kv_connector_extra_config"] == {"transport": "sglang", "sglang_engine": "sglang:swa=256",
+                                                "landing_tokens": 4096}
+    for key in ("bootstrap", "register_with", "state_memory"):
+        with pytest.raises(InputError, match=f"{key}: keys of a prefill"):
+            kv_transfer_config("consumer", transport="sglang", **{key: "DRAM" if key == "state_memory" else "h:1"})
+    with pytest.raises(InputError, match="landing_tokens sizes"):
+        kv_transfer_config("producer", transport="nixl", landing_tokens=5)
     for kwargs, match in (({"bootstrap": "h:1", "register_with": "h:2"}, "not both"),
                           ({"bootstrap": "nohost"}, "host:port"), ({"sglang_engine": "trtllm"}, "SGLang spec"),
                           ({"state_memory": "HBM"}, "VRAM or DRAM")):

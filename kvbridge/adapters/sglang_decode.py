@@ -76,11 +76,12 @@ from kvbridge.adapters.sglang_protocol import (
     pd_layout,
     start_peer,
 )
-from kvbridge.engines.topology import CacheSpec
+from kvbridge.engines.profiles import EngineProfile
+from kvbridge.engines.topology import CacheSpec, ModelTopology
 from kvbridge.errors import InputError
 from kvbridge.migration.errors import MigrationError, TransferError
 from kvbridge.migration.execute import MigrationReport, migrate_local
-from kvbridge.migration.nixl_agent import _Agent, memory_kind
+from kvbridge.migration.nixl_agent import _Agent, _LocalAgent, _new_agent, memory_kind
 from kvbridge.migration.plan import MigrationPlan, plan_migration
 from kvbridge.migration.pools import EnginePools, RequestTables, pool_tensors
 
@@ -95,6 +96,29 @@ ROOM_BUFFER = len(metadata_item_lens()) - 1
 HEARTBEAT_S = 1.0
 #: Failed probes in a row that declare a prefill dead (SGLang's ``..._HEARTBEAT_MAX_FAILURE`` default).
 HEARTBEAT_FAILURES = 2
+
+
+def claimed_pages(tables: set[str], page: int, window: int, num_tokens: int) -> tuple[dict[str, int], int]:
+    """The pages ``SGLangDecodePeer.receive`` claims for a request of ``num_tokens`` tokens, per block table of
+    ``tables`` (SGLang's PD rule: every KV page, ``full``; the SWA pages from the first the ``window`` touches,
+    which also address the ratio-4 state rings, ``swa``; the request's ratio-128 ring, ``state128``), and the
+    index of that first SWA page (the pages before it are not claimed)."""
+    num_pages = math.ceil(num_tokens / page)
+    every = {"full": num_pages, "swa": num_pages, "state128": 1}
+    return {name: every[name] for name in tables}, max(0, num_tokens - window) // page
+
+
+def landing_pages(profile: EngineProfile, model: ModelTopology, num_tokens: int) -> dict[str, int]:
+    """Pages per block table that one request of up to ``num_tokens`` tokens holds at most while
+    ``SGLangDecodePeer.receive`` lands it in pools of SGLang ``profile`` for ``model``; ``k`` times this holds
+    ``k`` requests at once."""
+    tables = {profile.storage(s).table for s in model.all_caches(include_mtp=False)}
+    out: dict[str, int] = {}
+    for n in range(max(1, num_tokens - 2 * profile.swa_page + 1), num_tokens + 1):
+        lengths, first_swa = claimed_pages(tables, profile.swa_page, model.sliding_window, n)
+        for name, k in lengths.items():
+            out[name] = max(out.get(name, 0), k - (first_swa if name == "swa" else 0))
+    return out
 
 
 @dataclass
@@ -187,6 +211,8 @@ class SGLangDecodePeer:
                              "default): SGLang's prefill announces no state dtype and writes its rows at its own "
                              "length, so an fp32 prefill would write past bf16 pools into other memory")
         self.pools, self.layout = pools, pd_layout(pools)
+        self._tables = {pools.storage(s).table for s in (*self.layout.kv, *self.layout.swa_state,
+                                                         *self.layout.request_state)}
         self.aux_rows, self.hidden_state_bytes = aux_rows, hidden_state_bytes
         self.host, self.kv_cache_dtype, self.timeout = host, kv_cache_dtype, float(timeout)
         self.heartbeat, self.heartbeat_failures = float(heartbeat), heartbeat_failures
@@ -201,7 +227,7 @@ class SGLangDecodePeer:
         self._registered: set[tuple[str, int]] = set()
         self._free_aux = list(range(aux_rows - 1, -1, -1))
         self._stop = threading.Event()
-        self._agent: _Agent | None = None
+        self._agent: _Agent | _LocalAgent | None = None
         self._zmq: Any = None
         self._push: dict[tuple[str, int], Any] = {}
         self.ip = ""
@@ -221,7 +247,8 @@ class SGLangDecodePeer:
         self._zmq = zmq.Context()
         pull = self._zmq.socket(zmq.PULL)
         self.rank_port = pull.bind_to_random_port(f"tcp://{self.ip}")
-        self._agent = _Agent(f"kvbridge-sglang-decode-{uuid.uuid4().hex[:12]}")
+        # in this process where it is daemonic (a vLLM worker of the multiprocess executor: no children)
+        self._agent = _new_agent(f"kvbridge-sglang-decode-{uuid.uuid4().hex[:12]}")
         lay = self.layout
         self._ptrs: dict[tuple[int, Any], int] = {}
         for spec in (*lay.kv, *lay.swa_state, *lay.request_state):
@@ -278,12 +305,9 @@ class SGLangDecodePeer:
         rank = self._rank(bootstrap_addr)
         target = (str(rank["rank_ip"]), int(rank["rank_port"]))
         plan = plan_migration(self.pools.profile, self.pools.profile, self.pools.model, num_tokens, include_mtp=False)
-        page, lay = self.layout.page_size, self.layout
-        num_pages = math.ceil(num_tokens / page)
-        first_swa = max(0, num_tokens - self.pools.model.sliding_window) // page
-        lengths = {"swa": num_pages, **({"full": num_pages} if lay.kv else {})}
-        if lay.request_state:
-            lengths["state128"] = 1  # the request's ring; SGLang sends it only when a block pends
+        lay = self.layout
+        lengths, first_swa = claimed_pages(self._tables, lay.page_size, self.pools.model.sliding_window, num_tokens)
+        num_pages = lengths["swa"]
         ring = bool(lay.request_state) and num_tokens % 128 != 0
         want, released = plan.table_lengths("dst"), plan.released("dst")
         if want.get("swa", 0) != num_pages or released.get("swa", 0) != first_swa or want.get("full", 0) > num_pages:
@@ -684,4 +708,5 @@ class SGLangDecodePeer:
         return (*lay.kv, *lay.swa_state, *lay.request_state)
 
 
-__all__ = ["AUX_ROWS", "HEARTBEAT_FAILURES", "HEARTBEAT_S", "SGLangDecodePeer", "SGLangRequest"]
+__all__ = ["AUX_ROWS", "HEARTBEAT_FAILURES", "HEARTBEAT_S", "SGLangDecodePeer", "SGLangRequest", "claimed_pages",
+           "landing_pages"]

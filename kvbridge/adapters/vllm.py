@@ -28,6 +28,15 @@ Per request, ``kv_transfer_params``:
   and vLLM's blocks freed, once the decode has received the room (or it failed: no decode asked within
   ``timeout``, a decode refused, a NIXL write failed).
 
+- consumer with transport ``sglang`` (the decode of an unmodified SGLang 0.5.23 prefill): ``bootstrap_host``,
+  ``bootstrap_port`` and ``bootstrap_room`` (the prefill's bootstrap server and the room, the fields SGLang's
+  router sets on both ends of a PD request) and optionally ``kvbridge_num_tokens``. The worker's
+  ``SGLangDecodePeer`` (SGLang's decode side of the PD protocol: bootstrap, registration, page ids over ZMQ,
+  the prefill's NIXL writes, the heartbeat) lands the request in SGLang-layout pools on vLLM's device (CUDA
+  memory registered as VRAM where vLLM's caches are on CUDA, host memory on CPU), checks it (room in the
+  metadata row, state rows, page size, layout), converts it on that device and writes it through the
+  request's block ids, then frees the landing pages.
+
 Requests are independent: loads are keyed by kvbridge request id (``vllm_requests.RequestTable``),
 any number wait at once and producers connect in any order; over gloo up to ``max_inflight``
 requests are received at once, over NIXL one at a time in the order producers connect. Sends run
@@ -70,6 +79,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
 from kvbridge.adapters.sglang import SGLangPrefillPeer
+from kvbridge.adapters.sglang_decode import SGLangDecodePeer, landing_pages
 from kvbridge.adapters.sglang_protocol import HIDDEN_STATE_BYTES
 from kvbridge.adapters.vllm_config import (
     CONVERT_SIDES,
@@ -81,6 +91,7 @@ from kvbridge.adapters.vllm_config import (
     device_gpu_family,
     host_port,
     positive_int,
+    sglang_source,
 )
 from kvbridge.adapters.vllm_layout import VllmCaches, ready_event
 from kvbridge.adapters.vllm_requests import Pending, RequestTable
@@ -89,6 +100,7 @@ from kvbridge.engines.topology import from_hf_config, get_model
 from kvbridge.errors import InputError
 from kvbridge.migration.ape import ApeWeights, load_ape
 from kvbridge.migration.errors import TransferError
+from kvbridge.migration.execute import pack
 from kvbridge.migration.nixl import NixlReceiver, NixlSender
 from kvbridge.migration.plan import ape_needed, plan_migration
 from kvbridge.migration.pools import EnginePools
@@ -102,9 +114,10 @@ ACCEPT_POLL_S = 0.5
 
 @dataclass
 class Load:
-    """One request the worker receives: its kvbridge source, size and block ids per KV-cache group, and its
+    """One request the worker receives: its kvbridge source, size and block ids per KV-cache group, its
     prefix-cache hit: the ``computed_tokens`` vLLM holds itself and, per group, the ids of their ``cached``
-    blocks (neither received into nor written)."""
+    blocks (neither received into nor written), and (transport ``sglang``) the SGLang prefill's bootstrap
+    ``host:port`` and the request's ``room``."""
 
     req_id: str
     request_id: str
@@ -113,6 +126,8 @@ class Load:
     block_ids: tuple[list[int], ...]
     computed_tokens: int = 0
     cached: tuple[list[int], ...] = ()
+    bootstrap: str = ""
+    room: int = 0
 
 
 @dataclass
@@ -240,17 +255,17 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                              f"got {self.convert_on!r}, {self.timeout}")
         self.transport = extra.get("transport", "gloo")
         if self.transport not in TRANSPORTS:
-            raise InputError(f"kv_connector_extra_config: transport must be gloo or nixl (or sglang: a producer "
-                             f"feeding an SGLang decode), got {self.transport!r}")
+            raise InputError(f"kv_connector_extra_config: transport must be gloo or nixl (or sglang: SGLang's PD "
+                             f"protocol, to an SGLang decode or from an SGLang prefill), got {self.transport!r}")
         check_sglang_keys(self._kv_transfer_config.kv_role, self.transport, extra)
         if self.transport == "sglang":
             if size > 1:
-                raise InputError(f"transport sglang serves from tensor parallel size 1 (SGLang's PD peer of kvbridge "
-                                 f"is one attention rank), this vLLM runs {size}; serve with -tp 1")
+                raise InputError(f"transport sglang runs at tensor parallel size 1 (kvbridge's SGLang PD peers are "
+                                 f"one attention rank), this vLLM runs {size}; serve with -tp 1")
             if self.include_mtp:
-                raise InputError("transport sglang moves no MTP layers' caches (kvbridge's SGLang PD peer); serve "
+                raise InputError("transport sglang moves no MTP layers' caches (kvbridge's SGLang PD peers); serve "
                                  "without the MTP draft")
-        #: The SGLang decode's pools (transport sglang).
+        #: The SGLang decode's (producer) or prefill's (consumer) pools (transport sglang).
         self.sglang_profile = parse_engine(str(extra.get("sglang_engine", "sglang")))
         self.max_inflight = positive_int(extra.get("max_inflight", 4), "kv_connector_extra_config max_inflight")
         hold = extra.get("hold_timeout", 10.0)
@@ -286,11 +301,22 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._senders: dict[str, Any] = {}  # NIXL senders by peer
         self._senders_lock = threading.Lock()
         self.sglang_peer: SGLangPrefillPeer | None = None
-        if role == KVConnectorRole.WORKER and self.transport == "sglang":
+        #: The decode peer of SGLang prefills (consumer, transport sglang), started with the KV caches' device.
+        self.sglang_decode: SGLangDecodePeer | None = None
+        self._recv_pool: ThreadPoolExecutor | None = None
+        if role == KVConnectorRole.WORKER and self.transport == "sglang" and self.is_producer:
             self.sglang_peer = self._sglang_peer(extra, vllm_config.model_config.max_model_len)
             log.info("kvbridge connector serving SGLang decodes, bootstrap %s (%s)", self.sglang_peer.bootstrap_addr,
                      self.sglang_profile.spec)
-        if role == KVConnectorRole.WORKER and self.is_consumer:
+        elif self.transport == "sglang":
+            self.landing_tokens = positive_int(extra.get("landing_tokens", vllm_config.model_config.max_model_len),
+                                               "kv_connector_extra_config landing_tokens")
+            if role == KVConnectorRole.WORKER and self.ape is None and \
+                    ape_needed(self.sglang_profile, self.profile, self.model, False):
+                raise InputError(f"transport sglang: {self.sglang_profile.spec} stores compressor scores without the "
+                                 "APE vLLM's include; give kv_connector_extra_config ape (the model's safetensors "
+                                 "holding layers.N.attn[.indexer].compressor.ape)")
+        if role == KVConnectorRole.WORKER and self.is_consumer and self.transport != "sglang":
             port += self.tp[0]
             if self.transport == "nixl":
                 self.server = self._nixl_receiver(extra.get("landing_tokens", vllm_config.model_config.max_model_len),
@@ -366,15 +392,38 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         load) once already: a producer sends a request once, so vLLM computes what a preemption or a failed
         load lost. A request vLLM holds whole refuses its producer."""
         params = request.kv_transfer_params or {}
-        if not self.is_consumer or "kvbridge_src" not in params or request.request_id in self._offered:
+        if not self.is_consumer or request.request_id in self._offered or not self._wants_load(request):
             return 0, False
         n = self._num_tokens(request)
         if 0 < n <= num_computed_tokens:
             self._offered.add(request.request_id)
-            self._cached_whole.append(str(params.get("kvbridge_request_id", request.request_id)))
+            self._cached_whole.append(self._load_id(request, params))
             return 0, False
         self._hits[request.request_id] = num_computed_tokens
         return max(0, n - num_computed_tokens), n > num_computed_tokens
+
+    def _wants_load(self, request) -> bool:
+        """Whether ``request`` is loaded from a producer: its ``kv_transfer_params`` name a kvbridge source
+        (``kvbridge_src``) or, transport ``sglang``, an SGLang prefill's room; a room vLLM cannot take is logged
+        and read as none (vLLM computes the prompt) rather than raised in vLLM's scheduler."""
+        params = request.kv_transfer_params or {}
+        if self.transport != "sglang":
+            return "kvbridge_src" in params
+        if "bootstrap_room" not in params:
+            return False
+        try:
+            sglang_source(params)
+        except InputError as exc:
+            log.error("kvbridge: request %s: %s; vLLM computes the prompt itself", request.request_id, exc)
+            return False
+        return True
+
+    def _load_id(self, request, params: dict) -> str:
+        """The kvbridge request id a load waits under: ``kvbridge_request_id``, else vLLM's request id (an SGLang
+        prefill's room names it: ``sglang-room-<room>``)."""
+        if "kvbridge_request_id" in params:
+            return str(params["kvbridge_request_id"])
+        return f"sglang-room-{params['bootstrap_room']}" if self.transport == "sglang" else request.request_id
 
     def _num_tokens(self, request) -> int:
         """``kvbridge_num_tokens`` (default the prompt length); a value vLLM cannot take is logged and read as
@@ -392,16 +441,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         blocks vLLM has a hash for, as its own NixlConnector tells them apart: not received, not written)."""
         params = request.kv_transfer_params or {}
         computed = self._hits.pop(request.request_id, 0)
-        if num_external_tokens <= 0 or "kvbridge_src" not in params:
+        if num_external_tokens <= 0 or not self._wants_load(request):
             return
         self._offered.add(request.request_id)  # blocks are allocated: this request's load is under way
         self._loading.add(request.request_id)
         n = self._num_tokens(request)
         cached = tuple([b.block_id for b in group if b.block_hash is not None and not b.is_null]
                        for group in blocks.blocks)
-        self._loads[request.request_id] = Load(request.request_id, str(params.get("kvbridge_request_id",
-                                               request.request_id)), str(params["kvbridge_src"]), n,
-                                               tuple(list(ids) for ids in blocks.get_block_ids()), computed, cached)
+        bootstrap, room = sglang_source(params) if self.transport == "sglang" else ("", 0)
+        src = self.sglang_profile.spec if self.transport == "sglang" else str(params["kvbridge_src"])
+        self._loads[request.request_id] = Load(request.request_id, self._load_id(request, params), src, n,
+                                               tuple(list(ids) for ids in blocks.get_block_ids()), computed, cached,
+                                               bootstrap, room)
 
     def build_connector_meta(self, scheduler_output) -> KVBridgeMetadata:
         meta = KVBridgeMetadata(list(self._loads.values()), list(self._sends.values()), self._cancels,
@@ -478,6 +529,22 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 pages[name] = (specs[name] if specs is not None else g.kv_cache_spec).page_size_bytes
         self.caches = VllmCaches(self.profile, self.model, kv_caches, [g.layer_names for g in groups], pages,
                                  include_mtp=self.include_mtp)
+        if self.is_consumer and self.transport == "sglang" and self.sglang_decode is None:
+            self.sglang_decode = self._sglang_decode_peer(self.caches.device)
+            log.info("kvbridge connector receiving from SGLang prefills (%s, landing pools on %s)",
+                     self.sglang_profile.spec, self.caches.device)
+
+    def _sglang_decode_peer(self, device: torch.device) -> SGLangDecodePeer:
+        """The decode peer of SGLang prefills: SGLang-layout landing pools on vLLM's ``device`` (the prefill
+        writes its compressor state as GPU memory: on CUDA they are CUDA memory, registered as VRAM) holding
+        ``max_inflight`` requests of up to ``landing_tokens`` tokens at once."""
+        held = {k: v * self.max_inflight for k, v in landing_pages(self.sglang_profile, self.model,
+                                                                    self.landing_tokens).items()}
+        pools = EnginePools.create(self.sglang_profile, self.model, held, include_mtp=False)
+        if device.type != "cpu":
+            pools = EnginePools.wrap(pools.profile, pools.model, {key: pool.to(device) for key, pool in
+                                                                  pools.pools.items()}, include_mtp=False)
+        return SGLangDecodePeer(pools, timeout=self.timeout, aux_rows=self.max_inflight).start()
 
     def _plan(self, info: dict):
         if bool(info.get("include_mtp", False)) != self.include_mtp:
@@ -524,11 +591,17 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVBridgeMetadata) or not (meta.loads or meta.cancels or meta.cached_whole):
             return
-        if self.caches is None or self.server is None:
+        if self.caches is None or (self.server is None and self.sglang_decode is None):
             raise InputError("KVBridgeConnector: start_load_kv before register_kv_caches (or not a consumer)")
-        self._start_receivers()
+        if self.sglang_decode is not None:
+            if self._recv_pool is None:
+                self._recv_pool = ThreadPoolExecutor(self.max_inflight, thread_name_prefix="kvbridge-recv")
+        else:
+            self._start_receivers()
         for load in meta.loads:
             self.table.add(load, self.timeout)
+            if self._recv_pool is not None:
+                self._recv_pool.submit(self._receive_sglang, load)
         for req_id in meta.cancels:
             self.table.cancel(req_id)
         for rid in meta.cached_whole:
@@ -555,9 +628,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 self._ended(self._local.pending, _one_line(exc), None, t0)
                 continue
             if report is not None:
-                self._ended(self._local.pending, None, report, t0)
+                self._ended(self._local.pending, None, (report.payload_bytes, report.convert_s), t0)
 
-    def _ended(self, p: Pending | None, error: str | None, report, t0: float) -> None:
+    def _ended(self, p: Pending | None, error: str | None, report: tuple[int, float] | None, t0: float) -> None:
+        """Report a receive to the table (and the stats: ``report`` is its payload bytes and conversion seconds)."""
         if p is None:  # refused before it named a load (unknown request, malformed, closed)
             if error is not None and not self._stop.is_set():
                 log.warning("kvbridge: refused a producer: %s", error)
@@ -565,7 +639,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         with self._lock:
             if error is None and not p.cancelled:
                 written = sum(t.dst_bytes for t in self._local.rest)
-                self._stats.observe("recv", time.monotonic() - t0, report.payload_bytes, report.convert_s, written)
+                self._stats.observe("recv", time.monotonic() - t0, report[0], report[1], written)
             elif error is not None and not p.cancelled:
                 self._stats.data["recv_failed"] += 1
         self.table.finish(p, error)
@@ -600,6 +674,44 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 landing.release(got.tables)
         log.info("kvbridge: received request %s from %s over NIXL", got.request_id, got.peer)
         return got.report
+
+    def _receive_sglang(self, load: Load) -> None:
+        """One load from an SGLang prefill (a thread of ``max_inflight``): planned first (a pair that cannot
+        convert is refused before any page is claimed), received by the decode peer into its landing pools,
+        converted on their device and written through the block ids beyond vLLM's prefix-cache hit; the landing
+        pages are freed whatever happens."""
+        self._local.pending = self._local.rest = None
+        t0 = time.monotonic()
+        try:
+            p = self._local.pending = self.table.claim(load.request_id)
+            self._ended(p, None, self._land_sglang(p), t0)
+        except Exception as exc:  # reported to vLLM through failed_recving, never raised in its step
+            self._ended(self._local.pending, _one_line(exc), None, t0)
+
+    def _land_sglang(self, p: Pending) -> tuple[int, float]:
+        caches, peer, load = self.caches, self.sglang_decode, p.load
+        if caches is None or peer is None:
+            raise InputError("the connector was shut down")
+        if load.num_tokens > self.landing_tokens:
+            raise InputError(f"{load.num_tokens} tokens do not fit the SGLang landing pools ({self.landing_tokens} "
+                             "tokens: kv_connector_extra_config landing_tokens)")
+        plan = plan_migration(self.sglang_profile, self.profile, self.model, load.num_tokens, include_mtp=False,
+                              ape=self.ape)
+        rest = plan.past(load.computed_tokens)
+        caches.check(rest.transfers, load.block_ids, keep=load.cached)
+        self._local.rest = rest.transfers
+        got = peer.receive(load.bootstrap, load.room, load.num_tokens)
+        try:
+            t1 = time.perf_counter()
+            converted = pack(rest, peer.pools, got.tables, convert=True, loss_report=False, checksum=False)
+            convert_s = time.perf_counter() - t1
+            self.table.writing(p)
+            caches.write(rest.transfers, converted.records, load.block_ids, keep=load.cached)
+        finally:
+            peer.release(got)
+        log.info("kvbridge: received request %s (room %d) from the SGLang prefill at %s", load.request_id, load.room,
+                 load.bootstrap)
+        return got.bytes, convert_s
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a request's pages are written whole, and on CUDA finished on the device
@@ -718,12 +830,17 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self):
         self._stop.set()
         self.table.close()
+        if self.sglang_decode is not None:  # its receives waiting on a prefill fail now
+            self.sglang_decode.close()
+            self.sglang_decode = None
         for thread in self._threads:
             thread.join(timeout=self.timeout)
         self._threads = []
-        if self._send_pool is not None:
-            self._send_pool.shutdown(wait=True)
-            self._send_pool = None
+        for attr in ("_send_pool", "_recv_pool"):
+            pool = getattr(self, attr)
+            if pool is not None:
+                pool.shutdown(wait=True)
+                setattr(self, attr, None)
         if self.server is not None:
             self.server.close()
             self.server = None

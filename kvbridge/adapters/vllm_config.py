@@ -37,18 +37,25 @@ def ape_paths(value: object) -> list[str]:
 
 
 def check_sglang_keys(kv_role: str, transport: str | None, extra: dict[str, Any]) -> None:
-    """Refuse, with one line, what transport ``sglang`` cannot do: a role other than ``kv_producer`` (the
-    connector is SGLang's prefill only), its keys with another transport, both ``bootstrap`` and
-    ``register_with``, a malformed address, a decode spec that is not SGLang's, an unknown state kind."""
+    """Refuse, with one line, what transport ``sglang`` cannot do: role ``kv_both`` (the connector is either
+    an SGLang decode's prefill, ``kv_producer``, or an SGLang prefill's decode, ``kv_consumer``), its keys with
+    another transport, a prefill's keys (``bootstrap``, ``register_with``, ``state_memory``) on a decode, both
+    ``bootstrap`` and ``register_with``, a malformed address, a spec that is not SGLang's, an unknown state
+    kind."""
     keys = [k for k in ("bootstrap", "register_with", "sglang_engine", "state_memory") if k in extra]
     if transport != "sglang":
         if keys:
             raise InputError(f"kv_connector_extra_config {', '.join(keys)}: keys of transport sglang, the transport "
                              f"is {transport or 'gloo'}")
         return
-    if kv_role != "kv_producer":
-        raise InputError(f"transport sglang makes this vLLM an SGLang decode's prefill: kv_role must be kv_producer, "
-                         f"got {kv_role} (a vLLM decode fed by SGLang is not built yet)")
+    if kv_role not in ("kv_producer", "kv_consumer"):
+        raise InputError(f"transport sglang makes this vLLM an SGLang decode's prefill (kv_producer) or an SGLang "
+                         f"prefill's decode (kv_consumer), one of them: got {kv_role}")
+    prefill_keys = [k for k in ("bootstrap", "register_with", "state_memory") if k in extra]
+    if kv_role == "kv_consumer" and prefill_keys:
+        raise InputError(f"kv_connector_extra_config {', '.join(prefill_keys)}: keys of a prefill (kv_producer); a "
+                         "decode finds each request's SGLang prefill in its kv_transfer_params (bootstrap_host, "
+                         "bootstrap_port, bootstrap_room)")
     if "bootstrap" in extra and "register_with" in extra:
         raise InputError("give one of bootstrap (serve SGLang's bootstrap route) and register_with (an SGLang "
                          "bootstrap server), not both")
@@ -61,6 +68,20 @@ def check_sglang_keys(kv_role: str, transport: str | None, extra: dict[str, Any]
     if "state_memory" in extra and extra["state_memory"] not in STATE_MEMORIES:
         raise InputError("kv_connector_extra_config state_memory must be VRAM or DRAM, got "
                          f"{extra['state_memory']!r}")
+
+
+def sglang_source(params: dict[str, Any]) -> tuple[str, int]:
+    """A transport-sglang decode request's prefill: (``bootstrap_host:bootstrap_port``, ``bootstrap_room``)
+    from its ``kv_transfer_params``, the three fields SGLang's router sets on both ends of a PD request;
+    ``InputError`` naming the field otherwise."""
+    host, port, room = params.get("bootstrap_host"), params.get("bootstrap_port"), params.get("bootstrap_room")
+    if not isinstance(host, str) or not host:
+        raise InputError(f"bootstrap_host must be the SGLang prefill's host name or address, got {host!r:.40}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise InputError(f"bootstrap_port must be the SGLang prefill's bootstrap port (1..65535), got {port!r:.40}")
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63:
+        raise InputError(f"bootstrap_room must be a non-negative 63-bit integer, got {room!r:.40}")
+    return f"{host}:{port}", room
 
 
 def device_gpu_family() -> str | None:
@@ -122,11 +143,13 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
     error; ``recompute``: vLLM computes the prompt itself). ``ape``: the model's safetensors files
     (or just those holding ``...compressor.ape``) for requests to or from SGLang pools.
 
-    Transport ``sglang`` (role ``producer`` only: this vLLM is the prefill of an unmodified SGLang
-    decode): ``bootstrap`` (``host:port`` where the connector serves SGLang's bootstrap route) or
+    Transport ``sglang``: role ``producer`` makes this vLLM the prefill of an unmodified SGLang decode,
+    with ``bootstrap`` (``host:port`` where the connector serves SGLang's bootstrap route) or
     ``register_with`` (an SGLang bootstrap server's ``host:port``), ``sglang_engine`` (the decode's
     kvbridge spec, default ``sglang``) and ``state_memory`` (the kind the decode registers its
-    compressor state as: ``VRAM``, SGLang's, or ``DRAM``); see ``check_sglang_keys``.
+    compressor state as: ``VRAM``, SGLang's, or ``DRAM``); role ``consumer`` makes it the decode of an
+    unmodified SGLang prefill (``sglang_engine``: the prefill's spec; ``landing_tokens``: the longest
+    request its SGLang-layout landing pools hold); see ``check_sglang_keys``.
     """
     if role not in ROLES:
         raise InputError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -154,8 +177,8 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
         extra["convert_on"] = convert_on
     if transport is not None:
         if transport not in TRANSPORTS:
-            raise InputError(f"transport must be gloo or nixl (or sglang: a producer feeding an SGLang decode), "
-                             f"got {transport!r}")
+            raise InputError(f"transport must be gloo or nixl (or sglang: SGLang's PD protocol, to an SGLang decode "
+                             f"or from an SGLang prefill), got {transport!r}")
         extra["transport"] = transport
     sglang = {k: v for k, v in (("bootstrap", bootstrap), ("register_with", register_with),
                                 ("sglang_engine", sglang_engine), ("state_memory", state_memory)) if v is not None}
@@ -163,9 +186,9 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
         check_sglang_keys(ROLES[role], transport, sglang)
         extra.update(sglang)
     if landing_tokens is not None:
-        if (role == "producer") != (transport == "sglang") or transport not in ("nixl", "sglang"):
+        if transport not in ("nixl", "sglang") or (transport == "nixl" and role == "producer"):
             raise InputError("landing_tokens sizes a NIXL consumer's landing area (transport nixl, role consumer or "
-                             "both) or a transport-sglang producer's SGLang pools (role producer)")
+                             "both) or a transport-sglang connector's SGLang pools")
         if isinstance(landing_tokens, bool) or not isinstance(landing_tokens, int) or landing_tokens < 1:
             raise InputError(f"landing_tokens must be a positive integer, got {landing_tokens!r}")
         extra["landing_tokens"] = landing_tokens

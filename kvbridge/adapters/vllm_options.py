@@ -4,7 +4,8 @@
 ROLES = {"consumer": "kv_consumer", "producer": "kv_producer", "both": "kv_both"}
 CONVERT_SIDES = ("sender", "receiver")
 #: The connector's transports (``kv_connector_extra_config`` ``transport``): kvbridge's own two, and
-#: ``sglang`` (a producer serving an unmodified SGLang decode over SGLang's PD protocol).
+#: ``sglang`` (SGLang's PD protocol: a producer serving an unmodified SGLang decode, or a consumer fed by an
+#: unmodified SGLang prefill).
 TRANSPORTS = ("gloo", "nixl", "sglang")
 #: The memory kinds an SGLang decode registers its compressor-state buffers as (``state_memory``).
 STATE_MEMORIES = ("VRAM", "DRAM")

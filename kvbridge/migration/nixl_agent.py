@@ -154,6 +154,7 @@ class _Agent:
     def __init__(self, name: str):
         ctx = tmp.get_context("spawn")
         self.name = name
+        self._lock = threading.Lock()
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_agent_main, args=(child, name), daemon=True, name=f"kvbridge-nixl-{name}")
         with _main_hidden():
@@ -180,14 +181,16 @@ class _Agent:
         return value
 
     def call(self, what: str, *cmd: Any, timeout: float = AGENT_CALL_S) -> Any:
-        if not self.alive():
-            raise TransferError(f"the NIXL agent process is gone (while {what})")
-        try:
-            self.conn.send(cmd)
-        except (OSError, ValueError):
-            self.kill()
-            raise TransferError(f"the NIXL agent process died while {what}") from None
-        return self._reply(timeout, what)
+        """Run one command in the agent process; threads take turns (one pipe: a command, then its reply)."""
+        with self._lock:
+            if not self.alive():
+                raise TransferError(f"the NIXL agent process is gone (while {what})")
+            try:
+                self.conn.send(cmd)
+            except (OSError, ValueError):
+                self.kill()
+                raise TransferError(f"the NIXL agent process died while {what}") from None
+            return self._reply(timeout, what)
 
     def register(self, key: str, tensor: torch.Tensor) -> int:
         self.addresses[key] = self.call(f"registering {key}", "register", key, tensor)

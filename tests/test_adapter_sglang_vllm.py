@@ -16,22 +16,24 @@ KV buffer written, and the landing pages all free again.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
+import torch
 
 from kvbridge.engines.topology import from_hf_config
 from kvbridge.migration import plan_migration, source_request
 from tests.migration_helpers import need_sglang
-from tests.test_adapter_sglang_decode import _prefill, _sglang_buffers, _stop, _until_result
+from tests.test_adapter_sglang_decode import _launch, _prefill, _sglang_buffers, _stop, _until_result
 from tests.test_adapter_vllm import (
     VLLM,
     _ape_file,
-    _assert_landed,
     _engine,
     _finish,
     _model,
     _vllm_buffer,
     _vllm_python,
+    check_landed,
 )
 from tests.test_adapter_vllm_sglang import CONFIG5
 
@@ -39,33 +41,58 @@ from tests.test_adapter_vllm_sglang import CONFIG5
 ROOMS = {9001: 2, 9002: 3}
 
 
-def _run(tmp_path, num_tokens: int, rooms: dict[int, int]):
-    """SGLang's prefill holding one request of ``num_tokens`` (kvbridge's fixture-checked SGLang writers' bytes)
-    under each of ``rooms`` (room -> metadata row), and a vLLM decode asking for all of them at once; returns
-    the plan SGLang -> vLLM, the source pools and tables, the prefill's result and the engine side's."""
+class _Prefill:
+    """One SGLang prefill process holding a request of ``num_tokens`` (kvbridge's fixture-checked SGLang writers'
+    bytes, seeded) under each of ``rooms`` (room -> metadata row); ``cfg`` adds to its config (``die_after_pages``:
+    it stalls after that many KV pages, to be killed)."""
+
+    def __init__(self, tmp_path, model, num_tokens: int, rooms: dict[int, int], seed: int, name: str, **cfg):
+        plan = plan_migration("sglang", "sglang", model, num_tokens, include_mtp=False)
+        self.num_tokens, self.rooms = num_tokens, rooms
+        self.src, self.src_tables = source_request(plan, seed=seed)
+        pages = -(-num_tokens // 256)  # SGLang's prefill sends every page of the prompt
+        # the prefill waits this long for the decode (a vLLM engine starting on a loaded machine)
+        self.cfg = {"num_tokens": num_tokens, "timeout": 300, "compress_ratios": list(model.compress_ratios[:5]),
+                    "pages": pages + 2,
+                    "swa_pages": pages + 2, "kv_page_ids": list(range(1, 1 + pages)),
+                    "swa_page_ids": list(range(1, 1 + pages - max(0, num_tokens - model.sliding_window) // 256)),
+                    "requests": [{"room": room, "aux_index": row} for room, row in rooms.items()], **cfg}
+        self.launched = _launch(self.cfg, tmp_path, name)
+        self.tmp_path = tmp_path
+
+    def start(self) -> str:
+        """Fill SGLang's buffers and serve; the bootstrap address."""
+        rows = {row: room for room, row in self.rooms.items()}
+        self.proc, self.next_line, layout = _prefill(self.cfg, self.tmp_path, lambda lay: _sglang_buffers(
+            self.src, self.src_tables, lay, self.num_tokens, rows, kv_pages=self.cfg["kv_page_ids"],
+            swa_pages=self.cfg["swa_page_ids"]), launched=self.launched)
+        self.addr = layout["bootstrap_addr"]
+        return self.addr
+
+    def specs(self) -> list[str]:
+        return [f"{self.num_tokens}@{self.addr}#{room}" for room in self.rooms]
+
+
+def _setup(tmp_path):
     python = _vllm_python("nixl")
     need_sglang("SGLang prefill -> vLLM decode test")
     model_dir = _model(tmp_path, CONFIG5)
-    out = tmp_path / "out"
     model = from_hf_config(str(model_dir / "config.json"))
-    ape = _ape_file(tmp_path / "ape.safetensors", model, seed=5)
-    src, src_tables = source_request(plan_migration("sglang", "sglang", model, num_tokens, include_mtp=False), seed=3)
-    pages = len(src_tables["full"])
-    cfg = {"num_tokens": num_tokens, "compress_ratios": list(model.compress_ratios[:5]), "pages": pages + 2,
-           "swa_pages": pages + 2, "kv_page_ids": list(range(1, 1 + len(src_tables["full"]))),
-           "swa_page_ids": list(range(1, 1 + len(src_tables["swa"]) - max(0, num_tokens - 128) // 256)),
-           "requests": [{"room": room, "aux_index": row} for room, row in rooms.items()]}
-    rows = {row: room for room, row in rooms.items()}
-    proc, next_line, layout = _prefill(cfg, tmp_path, lambda lay: _sglang_buffers(
-        src, src_tables, lay, num_tokens, rows, kv_pages=cfg["kv_page_ids"], swa_pages=cfg["swa_page_ids"]))
-    try:
-        _finish(_engine(python, "sglang-consumer", "sglang", str(model_dir), str(out), str(num_tokens),
-                        layout["bootstrap_addr"], ",".join(map(str, rooms)), f"ape={ape}"))
-        prefill = _until_result(next_line)
-    finally:
-        _stop(proc)
-    plan = plan_migration("sglang", VLLM, model, num_tokens, include_mtp=False, ape=ape)
-    return plan, model, src, src_tables, prefill, layout["bootstrap_addr"], out
+    return python, model_dir, model, _ape_file(tmp_path / "ape.safetensors", model, seed=5)
+
+
+def _assert_all_landed(prefills, model, ape, out, result) -> None:
+    """Each prefill's rooms landed in their vLLM blocks byte for byte as ``migrate_local`` converts its SGLang
+    pool (APE added to the compressor scores), and no other byte of vLLM's KV buffer was written."""
+    some = plan_migration("sglang", VLLM, model, prefills[0].num_tokens, include_mtp=False, ape=ape)
+    _, raw, caches = _vllm_buffer(out, some, model, num_groups=6)
+    written = torch.zeros(raw.numel(), dtype=torch.bool)
+    for pre in prefills:
+        plan = plan_migration("sglang", VLLM, model, pre.num_tokens, include_mtp=False, ape=ape)
+        for rid, (_, addr, room, _) in result["loads"].items():
+            if addr == pre.addr and room in pre.rooms and rid in result["received"] and rid not in result["failed"]:
+                check_landed(plan, pre.src, pre.src_tables, result["block_ids"][rid], result, caches, written)
+    assert not raw[~written].any(), "bytes outside the requests' blocks of their own caches were written"
 
 
 def test_sglang_prefill_feeds_a_vllm_decode_byte_exact(tmp_path, num_tokens=1026):
@@ -73,20 +100,95 @@ def test_sglang_prefill_feeds_a_vllm_decode_byte_exact(tmp_path, num_tokens=1026
     page boundary at 1024, two rings): both land in their own vLLM blocks byte for byte as ``migrate_local``
     converts the SGLang pool, vLLM then computes each request's last prompt token, and the landing pages, rows
     and quarantine are empty again."""
-    plan, model, src, src_tables, prefill, bootstrap, out = _run(tmp_path, num_tokens, ROOMS)
+    python, model_dir, model, ape = _setup(tmp_path)
+    out = tmp_path / "out"
+    pre = _Prefill(tmp_path, model, num_tokens, ROOMS, seed=3, name="prefill")
+    bootstrap = pre.start()
+    try:
+        _finish(_engine(python, "sglang-consumer", "sglang", str(model_dir), str(out), ",".join(pre.specs()),
+                        f"ape={ape}"))
+        prefill = _until_result(pre.next_line)
+    finally:
+        _stop(pre.proc)
     assert prefill["result"] == "Success", prefill  # SGLang's senders reached KVPoll.Success, both rooms
-    assert any(t.ape_sign > 0 for t in plan.transfers)
     result = json.loads((out / "result.json").read_text())
     assert result["errors"] == [] and result["failed"] == [], result["errors"]
     assert result["received"] == ["vllm-req-0", "vllm-req-1"]
     assert result["loads"] == {"vllm-req-0": ["sglang-room-9001", bootstrap, 9001, num_tokens],
                                "vllm-req-1": ["sglang-room-9002", bootstrap, 9002, num_tokens]}
-    assert result["status_after_load"] == ["RUNNING", "RUNNING"]
+    assert result["finished"] == ["FINISHED_LENGTH_CAPPED"] * 2  # two tokens each, decoded by vLLM
     assert result["scheduled_after_load"] == {"vllm-req-0": 1, "vllm-req-1": 1}  # the last prompt token only
     assert result["stats"]["recv_requests"] == 2 and result["stats"]["recv_failed"] == 0
+    assert result["landing_free"] == result["landing_capacity"] and result["quarantined_after_load"] == 0
+    assert any(t.ape_sign > 0 for t in plan_migration("sglang", VLLM, model, num_tokens, include_mtp=False,
+                                                      ape=ape).transfers)
+    _assert_all_landed([pre], model, ape, out, result)
+
+
+def test_requests_of_every_page_phase_from_four_prefills_at_once(tmp_path):
+    """1, 129, 257 and 2,050 tokens (one token; past the 128-token window and a ratio-128 block; past a page;
+    nine pages, the window across a page boundary), each from its own SGLang prefill, all four received at once
+    (``max_inflight`` 4): each lands byte for byte and nothing else is written."""
+    python, model_dir, model, ape = _setup(tmp_path)
+    out = tmp_path / "out"
+    prefills = [_Prefill(tmp_path, model, n, {7000 + k: k}, seed=20 + k, name=f"prefill{k}")
+                for k, n in enumerate((1, 129, 257, 2050))]
+    try:
+        for pre in prefills:
+            pre.start()
+        _finish(_engine(python, "sglang-consumer", "sglang", str(model_dir), str(out),
+                        ",".join(spec for pre in prefills for spec in pre.specs()), f"ape={ape}"))
+        results = [_until_result(pre.next_line) for pre in prefills]
+    finally:
+        for pre in prefills:
+            if hasattr(pre, "proc"):
+                _stop(pre.proc)
+    assert [r["result"] for r in results] == ["Success"] * 4, results
+    result = json.loads((out / "result.json").read_text())
+    assert result["errors"] == [] and result["failed"] == [], result["errors"]
+    assert result["received"] == [f"vllm-req-{k}" for k in range(4)]
+    assert [v[3] for v in result["loads"].values()] == [1, 129, 257, 2050]
+    assert result["scheduled_after_load"] == {f"vllm-req-{k}": 1 for k in range(4)}
+    assert result["finished"] == ["FINISHED_LENGTH_CAPPED"] * 4
     assert result["landing_free"] == result["landing_capacity"] and result["quarantined"] == 0
-    _, raw, caches = _vllm_buffer(out, plan, model, num_groups=6)
-    _assert_landed(plan, src, src_tables, result, raw, caches, block_ids=list(result["block_ids"].values()))
+    _assert_all_landed(prefills, model, ape, out, result)
+
+
+def test_a_prefill_killed_mid_transfer_fails_its_request_within_the_bound(tmp_path):
+    """A prefill SIGKILLed after its first two KV pages: the connector's decode peer notices within
+    ``dead_within`` (4 s: two failed ``/health`` probes a second apart) and the request fails through
+    ``failed_recving`` (vLLM's ``fail`` policy ends it) while another prefill's room, received at the same time,
+    lands byte for byte; the dead room's landing pages stay quarantined until a heartbeat after it was declared
+    dead (its writes cannot land any more), then all landing pages are free again."""
+    python, model_dir, model, ape = _setup(tmp_path)
+    out = tmp_path / "out"
+    dying = _Prefill(tmp_path, model, 1026, {9101: 0}, seed=30, name="dying", die_after_pages=2)
+    alive = _Prefill(tmp_path, model, 129, {9102: 1}, seed=31, name="alive")
+    try:
+        dying.start()
+        alive.start()
+        engine = _engine(python, "sglang-consumer", "sglang", str(model_dir), str(out),
+                         ",".join([*dying.specs(), *alive.specs()]), f"ape={ape}")
+        assert dying.next_line()["event"] == "sending"
+        assert dying.next_line()["event"] == "partial"
+        dying.proc.kill()
+        killed_at = time.time()
+        _finish(engine)
+        alive_result = _until_result(alive.next_line)
+    finally:
+        dying.proc.kill()
+        _stop(alive.proc)
+    assert alive_result["result"] == "Success", alive_result
+    result = json.loads((out / "result.json").read_text())
+    assert result["failed"] == ["vllm-req-0"] and result["received"] == ["vllm-req-0", "vllm-req-1"]
+    assert len(result["errors"]) == 1 and "died mid-transfer" in result["errors"][0], result["errors"]
+    # the bound, plus the engine side's step loop (50 ms) and this loaded 2-core machine's scheduling
+    assert result["failed_at"]["vllm-req-0"] - killed_at <= result["dead_within"] + 2.0, result["failed_at"]
+    assert result["finished"] == ["FINISHED_ERROR", "FINISHED_LENGTH_CAPPED"]
+    assert result["quarantined_after_load"] == 1 and result["quarantined"] == 0
+    assert result["landing_free"] == result["landing_capacity"]
+    assert result["stats"]["recv_requests"] == 1 and result["stats"]["recv_failed"] == 1
+    _assert_all_landed([alive], model, ape, out, result)
 
 
 def test_a_decode_request_names_its_prefill_as_sglang_router_does():

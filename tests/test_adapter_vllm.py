@@ -147,19 +147,25 @@ def _assert_landed(plan, src_pools, src_tables, result, raw, caches, block_ids=N
     that landed, all from the same source request (default: the result's one request)."""
     written = torch.zeros(raw.numel(), dtype=torch.bool)
     for ids in block_ids or [result["block_ids"]]:
-        tables = caches.tables(ids)
-        for t in plan.transfers:
-            want = expected_records(t, gather_records(src_pools.pool(t.spec), t.src, table_of(src_tables, t.src),
-                                                      t.first, t.count))
-            key = (t.spec.layer, t.spec.role)
-            table = tables[caches.group[key]]
-            got = gather_records(caches.pools.pool(t.spec), t.dst, table, t.first, t.count)
-            assert torch.equal(got, want), f"layer {t.spec.layer} {t.spec.role.value}: bytes differ"
-            info = result["layers"][caches.names[key]]
-            for slot in t.table_slots(t.dst):
-                start = info["offset"] + table[slot] * info["block_stride"]
-                written[start : start + info["page_bytes"]] = True
+        check_landed(plan, src_pools, src_tables, ids, result, caches, written)
     assert not raw[~written].any(), "bytes outside the request's blocks of its own caches were written"
+
+
+def check_landed(plan, src_pools, src_tables, block_ids, result, caches, written: torch.Tensor) -> None:
+    """Every transfer of ``plan`` landed in the blocks ``block_ids`` of its vLLM group as the reference writers
+    store ``src_pools``' records; marks those blocks' bytes of vLLM's KV buffer in ``written``."""
+    tables = caches.tables(block_ids)
+    for t in plan.transfers:
+        want = expected_records(t, gather_records(src_pools.pool(t.spec), t.src, table_of(src_tables, t.src),
+                                                  t.first, t.count))
+        key = (t.spec.layer, t.spec.role)
+        table = tables[caches.group[key]]
+        got = gather_records(caches.pools.pool(t.spec), t.dst, table, t.first, t.count)
+        assert torch.equal(got, want), f"layer {t.spec.layer} {t.spec.role.value}: bytes differ"
+        info = result["layers"][caches.names[key]]
+        for slot in t.table_slots(t.dst):
+            start = info["offset"] + table[slot] * info["block_stride"]
+            written[start : start + info["page_bytes"]] = True
 
 
 @pytest.mark.parametrize(("transport", "convert_on", "options"), [("gloo", "receiver", ()),

@@ -9,8 +9,8 @@ Usage: python tests/vllm_engine_side.py consumer TRANSPORT MODEL_DIR OUT_DIR REQ
        python tests/vllm_engine_side.py bench TRANSPORT MODEL_DIR OUT_DIR MAX_LEN KV_MIB   (see ``bench``)
        python tests/vllm_engine_side.py sglang-producer sglang MODEL_DIR OUT_DIR NUM_TOKENS ROOM KEY=VALUE...
                                           (see ``sglang_producer``)
-       python tests/vllm_engine_side.py sglang-consumer sglang MODEL_DIR OUT_DIR NUM_TOKENS BOOTSTRAP ROOM[,ROOM...]
-                                          KEY=VALUE...   (see ``sglang_consumer``)
+       python tests/vllm_engine_side.py sglang-consumer sglang MODEL_DIR OUT_DIR N@HOST:PORT#ROOM[,...] KEY=VALUE...
+                                          (see ``sglang_consumer``)
 
 TRANSPORT (gloo, nixl or sglang) is the connector's ``transport`` key.
 
@@ -349,48 +349,55 @@ def sglang_producer(model_dir: str, out_dir: str, num_tokens: int, room: int, *o
     eng.worker.shutdown()
 
 
-def sglang_consumer(model_dir: str, out_dir: str, num_tokens: int, bootstrap: str, rooms: list[int],
-                    *options: str) -> None:
-    """A vLLM decode fed by an SGLang prefill (transport ``sglang``): ``options`` are ``KEY=VALUE`` connector keys
-    and ``ape=PATH``. One request of ``num_tokens`` per room, all added at once, their ``kv_transfer_params``
-    naming the prefill's bootstrap server ``BOOTSTRAP`` (host:port) and the room, as SGLang's router sets them;
-    the scheduler allocates their blocks, the worker receives them, then each computes its last prompt token and
-    samples two tokens. Writes vLLM's KV buffer and the result (block ids, statuses, errors, stats) to OUT_DIR."""
+def sglang_consumer(model_dir: str, out_dir: str, rooms: list[tuple[int, str, int]], *options: str) -> None:
+    """A vLLM decode fed by SGLang prefills (transport ``sglang``): ``options`` are ``KEY=VALUE`` connector keys
+    and ``ape=PATH``. One request per ``(num_tokens, bootstrap host:port, room)`` of ``rooms``, all added at once,
+    their ``kv_transfer_params`` naming the prefill's bootstrap server and the room as SGLang's router sets them;
+    the scheduler allocates their blocks, the worker receives them (each failure's wall-clock time recorded),
+    and the loaded ones compute their last prompt token and sample two tokens; the connector's quarantined
+    landing pages are waited for (10 s at most). Writes vLLM's KV buffer and the result to OUT_DIR."""
     keys = dict(o.split("=", 1) for o in options)
     ape = keys.pop("ape", None)
-    eng = Engine(model_dir, "consumer", "sglang", ape=ape, max_len=2048, kv_bytes=128 << 20,
+    eng = Engine(model_dir, "consumer", "sglang", ape=ape, max_len=2304, kv_bytes=128 << 20,
                  sglang={k: int(v) if v.isdigit() else v for k, v in keys.items()})
-    host, port = bootstrap.rsplit(":", 1)
-    reqs = [eng.request(num_tokens, {"bootstrap_host": host, "bootstrap_port": int(port), "bootstrap_room": room},
-                        max_tokens=2, request_id=f"vllm-req-{k}") for k, room in enumerate(rooms)]
+    reqs = []
+    for k, (num_tokens, bootstrap, room) in enumerate(rooms):
+        host, port = bootstrap.rsplit(":", 1)
+        reqs.append(eng.request(num_tokens, {"bootstrap_host": host, "bootstrap_port": int(port),
+                                             "bootstrap_room": room}, max_tokens=2, request_id=f"vllm-req-{k}"))
     out = eng.scheduler.schedule()
     loads = {load.req_id: load for load in out.kv_connector_metadata.loads}
     assert sorted(loads) == sorted(r.request_id for r in reqs), loads
     result = {"block_ids": {rid: [list(ids) for ids in load.block_ids] for rid, load in loads.items()},
               "loads": {rid: [ld.request_id, ld.bootstrap, ld.room, ld.num_tokens] for rid, ld in loads.items()},
-              "status_after_schedule": [r.status.name for r in reqs]}
+              "status_after_schedule": [r.status.name for r in reqs], "failed_at": {}}
     received: set[str] = set()
-    failed: set[str] = set()
+    first_scheduled: dict[str, int] = {}  # tokens vLLM computes in its first step after the load
     deadline = time.monotonic() + 200
-    while len(received) < len(reqs) and time.monotonic() < deadline:
-        _, got = eng.step(out, failed=failed)
+    while not all(r.is_finished() for r in reqs) and time.monotonic() < deadline:
+        failed: set[str] = set()
+        for rid, n in out.num_scheduled_tokens.items():
+            first_scheduled.setdefault(rid, n)
+        _, got = eng.step(out, {rid: [7] for rid in out.num_scheduled_tokens}, failed=failed)
         received |= got or set()
+        result["failed_at"].update(dict.fromkeys(failed, time.time()))
         time.sleep(0.05)
         out = eng.scheduler.schedule()
-    result["received"], result["failed"] = sorted(received), sorted(failed)
+    result["received"], result["failed"] = sorted(received), sorted(result["failed_at"])
     result["errors"] = list(eng.worker.errors)
     result["stats"] = (eng.worker.get_kv_connector_stats() or eng.worker.build_kv_connector_stats()).reduce()
-    result["scheduled_after_load"] = {r.request_id: out.num_scheduled_tokens.get(r.request_id, 0) for r in reqs}
-    result["status_after_load"] = [r.status.name for r in reqs]
-    eng.step(out, {r.request_id: [7] for r in reqs if r.request_id in out.num_scheduled_tokens})
-    out = eng.scheduler.schedule()
-    eng.step(out, {r.request_id: [8] for r in reqs if r.request_id in out.num_scheduled_tokens})
+    result["scheduled_after_load"] = first_scheduled
     result["finished"] = [r.status.name for r in reqs]
     peer = eng.worker.sglang_decode
+    result["quarantined_after_load"] = len(peer.quarantined)
+    until = time.monotonic() + 10
+    while peer.quarantined and time.monotonic() < until:
+        time.sleep(0.1)
+    result["quarantined"] = len(peer.quarantined)
     result["landing_free"] = {k: len(v) for k, v in peer.pools.free.items()}
     result["landing_capacity"] = {k: int(peer.pools.pool(s).shape[0]) for s in eng.worker.model.all_caches(False)
                                   for k in [peer.pools.storage(s).table]}
-    result["quarantined"] = len(peer.quarantined)
+    result["dead_within"] = peer.dead_within
     eng.dump(out_dir, result)
     eng.worker.shutdown()
 
@@ -756,8 +763,10 @@ def main() -> None:
     elif mode == "bench":
         bench(transport, model_dir, out_dir, *rest)
     elif mode == "sglang-consumer":
-        num_tokens, bootstrap, rooms, *rest = rest
-        sglang_consumer(model_dir, out_dir, int(num_tokens), bootstrap, [int(r) for r in rooms.split(",")], *rest)
+        specs, *rest = rest  # N@HOST:PORT#ROOM,...
+        rooms = [(int(n), addr, int(room)) for n, addr, room in
+                 (spec.replace("#", "@").split("@") for spec in specs.split(","))]
+        sglang_consumer(model_dir, out_dir, rooms, *rest)
     elif mode == "sglang-producer":
         num_tokens, room, *rest = rest
         sglang_producer(model_dir, out_dir, int(num_tokens), int(room), *rest)

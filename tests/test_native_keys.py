@@ -13,6 +13,10 @@ path), through local copies (68-byte records) and from unaligned arrays (no word
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -240,3 +244,19 @@ def test_the_package_runs_numba_without_the_c_kernel(monkeypatch):
     monkeypatch.setattr(key_kernels, "_fp4_to_fp8_keys_kernel", None)  # a numba call would fail
     got = run("C", keys, scales, 50, 128, "sglang")
     assert all(np.array_equal(a, b) for a, b in zip(got[:2], want[:2], strict=True)) and got[2] == want[2]
+
+
+def test_with_the_extension_switched_off_numba_converts():
+    """``KVBRIDGE_NO_CKERNELS=1`` (as a missing or stale build) leaves ``accel._KEYS`` None: the numba kernel
+    converts, with the same bytes."""
+    code = ("import hashlib, torch; from kvbridge.backends.native import accel, keys; assert accel._KEYS is None; "
+            "g = torch.Generator().manual_seed(4); "
+            "r = torch.randint(0, 256, (300, 68), dtype=torch.uint8, generator=g); r[:, 64:] = 120; "
+            "out, err = keys.fp4_to_fp8_keys(r, 128, 'vllm'); print(hashlib.sha256(out.numpy()).hexdigest(), err)")
+    env = {**os.environ, accel.NO_CKERNELS_ENV: "1"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    g = torch.Generator().manual_seed(4)
+    records = torch.randint(0, 256, (300, 68), dtype=torch.uint8, generator=g)
+    records[:, 64:] = 120
+    out, err = key_kernels.fp4_to_fp8_keys(records, 128, "vllm")
+    assert got.stdout.split() == [hashlib.sha256(out.numpy()).hexdigest(), str(err)]

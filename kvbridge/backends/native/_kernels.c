@@ -1837,7 +1837,7 @@ static inline void key_rule(const key_args *a, float amax, Py_ssize_t chunk, key
             a->bad[chunk] = 1;
     }
     k->tabled = a->rule <= 1 && k->e >= KEY_E_MIN && k->e <= KEY_E_MAX;
-    k->shifted = a->rule >= 2 && finite_f32(k->mult) && k->mult >= 0x1p-126f;
+    k->shifted = a->rule >= 2 && finite_f32(k->mult) && k->mult >= FLT_MIN; /* 2^-126 */
     if (k->shifted) { /* C_1, C_1.5 (native.keys._fp4_to_fp8_keys_kernel's docstring) */
         k->k1 = key_code_unbounded(k->mult);
         k->k15 = key_code_unbounded(1.5f * k->mult);

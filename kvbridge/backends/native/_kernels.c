@@ -1910,8 +1910,8 @@ static inline void key_scale_bytes(const key_args *a, const key_rule_t *k, uint8
 }
 
 /* One key, portable C; returns the chunk's updated worst error. */
-static inline float key_scalar(const key_args *a, const uint8_t *src, const uint8_t *sc, uint8_t *dst,
-                               uint8_t *out_scale, Py_ssize_t chunk, float worst) {
+KV_BODY float key_scalar(const key_args *a, const uint8_t *src, const uint8_t *sc, uint8_t *dst,
+                         uint8_t *out_scale, Py_ssize_t chunk, float worst) {
     const int blocks = a->dim / 32;
     float amax = 0.0f;
     for (int j = 0; j < blocks; j++) {
@@ -1964,8 +1964,8 @@ KV_AVX2 static inline void apply_lut_avx2(__m128i lo, __m128i hi, __m128i lut, u
 }
 
 /* One key (key_scalar's bytes): vpshufb lookups, the word and shifted tables built in vector registers. */
-KV_AVX2 static inline float key_avx2(const key_args *a, const uint8_t *src, const uint8_t *sc, uint8_t *dst,
-                                     uint8_t *out_scale, Py_ssize_t chunk, float worst) {
+KV_AVX2 KV_BODY float key_avx2(const key_args *a, const uint8_t *src, const uint8_t *sc, uint8_t *dst,
+                               uint8_t *out_scale, Py_ssize_t chunk, float worst) {
     const int blocks = a->dim / 32;
     __m128i lo[KEY_MAX_BLOCKS], hi[KEY_MAX_BLOCKS];
     float amax = 0.0f;
@@ -2003,7 +2003,8 @@ KV_AVX2 static inline float key_avx2(const key_args *a, const uint8_t *src, cons
             continue;
         }
         if (k.tabled) {
-            lut = _mm_loadu_si128((const __m128i *)(a->pow2_codes + ((size_t)b * KEY_E_SPAN + (size_t)(k.e - KEY_E_MIN)) * 16));
+            lut = _mm_loadu_si128(
+                (const __m128i *)(a->pow2_codes + ((size_t)b * KEY_E_SPAN + (size_t)(k.e - KEY_E_MIN)) * 16));
         } else if (shifted_block(&k, b) && k.k15 + 16 + 8 * (b - 127) < 32767 && k.k1 - 8 + 8 * (b - 127) > -32768) {
             /* every lane in [8, 0x7E] after the min (the block's smallest value is E4M3-normal) */
             __m128i v = _mm_min_epi16(_mm_add_epi16(shifted_codes, _mm_set1_epi16((short)(8 * (b - 127)))),
@@ -2024,20 +2025,25 @@ KV_AVX2 static inline float key_avx2(const key_args *a, const uint8_t *src, cons
 }
 #endif
 
+/* The chunk loop over a local copy of the arguments (the key functions inlined: no byte store can alias them). */
 #define KEYS_CHUNKS(key)                                                                                    \
+    key_args local = *args;                                                                                 \
+    const key_args *a = &local;                                                                             \
     for (Py_ssize_t chunk = c0; chunk < c1; chunk++) {                                                      \
         const int64_t *sg = a->segs + 5 * chunk;                                                            \
+        const int64_t count = sg[4];                                                                        \
+        const uint8_t *sd = a->sd + sg[0], *ss = a->ss + sg[1];                                             \
+        uint8_t *dd = a->dd + sg[2], *ds = a->ds + sg[3];                                                   \
         float worst = 0.0f;                                                                                 \
-        for (int64_t r = 0; r < sg[4]; r++)                                                                 \
-            worst = key(a, a->sd + sg[0] + r * a->sds, a->ss + sg[1] + r * a->sss, a->dd + sg[2] + r * a->dds, \
-                        a->ds + sg[3] + r * a->dss, chunk, worst);                                          \
-        a->err[chunk] = worst;                                                                              \
+        for (int64_t r = 0; r < count; r++)                                                                 \
+            worst = key(a, sd + r * a->sds, ss + r * a->sss, dd + r * a->dds, ds + r * a->dss, chunk, worst); \
+        args->err[chunk] = worst;                                                                           \
     }
 
-static void fp4_keys_scalar(const key_args *a, Py_ssize_t c0, Py_ssize_t c1) { KEYS_CHUNKS(key_scalar) }
+static void fp4_keys_scalar(const key_args *args, Py_ssize_t c0, Py_ssize_t c1) { KEYS_CHUNKS(key_scalar) }
 
 #if KV_X86
-KV_AVX2 static void fp4_keys_avx2(const key_args *a, Py_ssize_t c0, Py_ssize_t c1) { KEYS_CHUNKS(key_avx2) }
+KV_AVX2 static void fp4_keys_avx2(const key_args *args, Py_ssize_t c0, Py_ssize_t c1) { KEYS_CHUNKS(key_avx2) }
 #endif
 #undef KEYS_CHUNKS
 

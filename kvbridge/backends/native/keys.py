@@ -3,7 +3,7 @@
 Byte-identical to ``kvbridge.ops.keys`` (decode the fp4 keys, re-encode them by the fp8 rule);
 records and a page's two parts (codes, scale bytes) are both strided rows of flat uint8 arrays.
 ``KEY_CHUNK`` keys per unit of parallel work (``pool._run_chunks``). The C extension's ``fp4_to_fp8_keys``
-(``accel._KEYS``: portable C, vpshufb table lookups on AVX2) runs the segments where it is built, byte-identical
+(``accel._KEYS``: vpshufb table lookups, where it is built and the CPU has AVX2) runs the segments, byte-identical
 to ``_fp4_to_fp8_keys_kernel`` (numba: the fallback, and the definition), checking every segment against its arrays.
 """
 

@@ -1711,9 +1711,10 @@ static PyObject *py_move_runs(PyObject *self, PyObject *args) {
 /* Byte-identical to the numba kernel on every input (NaN/Inf scales included): the same fp32 operations in the same
  * order, numba's max(a, b) (b > a ? b : a, so a NaN never wins), its wrap-around of index -1, and, where the numba
  * kernel takes its word path (`words`: both code arrays 8-byte aligned, dim % 16 == 0), that path's bytes and its
- * skipped error measurement. Word codes equal the 16-entry table lut[a] = a ? base + 4a - 4 (a == 1) : 0 (sign bit
- * 7) byte for byte while base + 28 fits a byte (d <= 22); beyond that (only a NaN scale byte or an all-zero block
- * gets there) the word arithmetic itself runs (fp4_word_codes), carries between bytes and all. */
+ * skipped error measurement. The portable code runs that word arithmetic itself (word_block). The AVX2 code uses
+ * the 16-entry table it equals byte for byte while base + 28 fits a byte (d <= 22: lut[a] = a ? base + 4a - 4 (a ==
+ * 1) : 0, sign bit 7), and the word arithmetic beyond (only a NaN scale byte or an all-zero block gets there),
+ * carries between bytes and all. */
 
 #define KEY_E_MIN (-22)
 #define KEY_E_MAX 127

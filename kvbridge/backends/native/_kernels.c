@@ -15,8 +15,10 @@
  *   model1_decode   MODEL1 records -> fp32 latents [N, 512];
  *
  * and the code-domain amax of a MODEL1 or per-tensor E4M3 pool (model1_amax, fp8_amax: dst_scale="auto",
- * as native.records._amax_kernel, chunks of CHUNK_TOKENS source tokens), and the span copies of native.move_spans
- * (move_runs: memcpy on any CPU, non-temporal stores on AVX-512).
+ * as native.records._amax_kernel, chunks of CHUNK_TOKENS source tokens), the span copies of native.move_spans
+ * (move_runs: memcpy on any CPU, non-temporal stores on AVX-512), and the fp4 -> fp8 indexer keys of
+ * native.keys (fp4_to_fp8_keys: byte-identical to its numba kernel, segments per chunk; portable C on any CPU,
+ * vpshufb 16-entry table lookups on AVX2, chosen by key_isa / set_key_isa apart from the MODEL1 kernels' ISA).
  *
  * The tables are built in Python (kvbridge.numerics) and passed in. MODEL1 record: bytes [0, 448)
  * 7 E4M3 tiles of 64, [448, 576) 64 bf16 rope values, [576, 583) the tiles' UE8M0 scale bytes,
@@ -46,7 +48,7 @@
 #define CHUNK_TOKENS 256
 /* The entry points' interface: bumped whenever a function is added or its arguments change, so that
  * kvbridge.backends.native.accel refuses a stale build (accel.KERNELS_INTERFACE). */
-#define KV_INTERFACE 3
+#define KV_INTERFACE 4
 #define HEAD_DIM 512
 #define M1_DATA 576
 #define M1_RECORD 584
@@ -1702,6 +1704,440 @@ static PyObject *py_move_runs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------------------------------- */
+/* fp4 -> fp8 indexer keys (native.keys._fp4_to_fp8_keys_kernel)                                */
+/* ------------------------------------------------------------------------------------------- */
+
+/* Byte-identical to the numba kernel on every input (NaN/Inf scales included): the same fp32 operations in the same
+ * order, numba's max(a, b) (b > a ? b : a, so a NaN never wins), its wrap-around of index -1, and, where the numba
+ * kernel takes its word path (`words`: both code arrays 8-byte aligned, dim % 16 == 0), that path's bytes and its
+ * skipped error measurement. The portable code runs that word arithmetic itself (word_block). The AVX2 code uses
+ * the 16-entry table it equals byte for byte while base + 28 fits a byte (d <= 22: lut[a] = a ? base + 4a - 4 (a ==
+ * 1) : 0, sign bit 7), and the word arithmetic beyond (only a NaN scale byte or an all-zero block gets there),
+ * carries between bytes and all. */
+
+#define KEY_E_MIN (-22)
+#define KEY_E_MAX 127
+#define KEY_E_SPAN (KEY_E_MAX - KEY_E_MIN + 1)
+#define KEY_MAX_BLOCKS 64 /* dim <= 2048 */
+
+typedef struct {
+    const uint8_t *sd, *ss;
+    uint8_t *dd, *ds;
+    const int64_t *segs;
+    int64_t sds, sss, dds, dss;
+    int dim, rule, words, measure;
+    float floor;
+    const float *e2m1, *ue8m0, *e4m3;
+    const uint8_t *pow2_codes; /* [256][KEY_E_SPAN][16]: native.keys._pow2_key_codes */
+    float *err;
+    int64_t *bad;
+} key_args;
+
+/* native.records._e4m3_code: E4M3 code of the non-negative fp32 bit pattern b (RNE, saturating at 448). */
+static inline int64_t e4m3_code_bits(int64_t b) {
+    if (b >= 0x43E00000)
+        return 0x7E;
+    if (b >= 0x3C800000)
+        return ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - 960;
+    int64_t e = b >> 23;
+    if (e == 0)
+        return 0;
+    int64_t mant = (b & 0x7FFFFF) | 0x800000, shift = 14 - (e - 127);
+    if (shift > 40)
+        return 0;
+    int64_t q = mant >> shift, rem = mant - (q << shift), half = (int64_t)1 << (shift - 1);
+    if (rem > half || (rem == half && (q & 1) == 1))
+        q += 1;
+    return q;
+}
+
+/* native.keys._key_code: the E4M3 code of fp32(value * mult), sign included. */
+static inline uint8_t key_code(float value, float mult) {
+    int64_t b = (int64_t)f32_bits(value * mult);
+    return (uint8_t)(e4m3_code_bits(b & 0x7FFFFFFF) | ((b >> 24) & 0x80));
+}
+
+/* native.keys._key_code_unbounded. */
+static inline int64_t key_code_unbounded(float y) {
+    int64_t b = (int64_t)f32_bits(y);
+    return ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - 960;
+}
+
+#define KB01 0x0101010101010101ull
+#define KB07 0x0707070707070707ull
+#define KB08 0x0808080808080808ull
+#define KB7F 0x7F7F7F7F7F7F7F7Full
+#define KB80 0x8080808080808080ull
+
+/* native.keys._even_bytes and _fp4_word_codes, verbatim (uint64 arithmetic wraps in both). */
+static inline uint64_t even_bytes(uint64_t y) {
+    uint64_t u = (y | (y << 16)) & 0x0000FFFF0000FFFFull;
+    return (u | (u << 8)) & 0x00FF00FF00FF00FFull;
+}
+
+static inline uint64_t fp4_word_codes(uint64_t y, uint64_t base) {
+    uint64_t nib = even_bytes(y & 0x0F0F0F0Full) | (even_bytes((y >> 4) & 0x0F0F0F0Full) << 8);
+    uint64_t a = nib & KB07;
+    uint64_t nonzero = ((a + KB7F) & KB80) >> 7;
+    uint64_t one = ((((a ^ KB01) + KB7F) & KB80) >> 7) ^ KB01;
+    uint64_t codes = base + (a << 2) - (one << 2);
+    return (codes & ((nonzero << 8) - nonzero)) | ((nib & KB08) << 4);
+}
+
+static inline uint64_t load_u64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* Largest E2M1 magnitude (0..7) of the 32 codes in 16 bytes. */
+static inline int block_magnitude(const uint8_t *p) {
+    uint8_t m = 0;
+    for (int i = 0; i < 16; i++) {
+        uint8_t lo = p[i] & 7, hi = (p[i] >> 4) & 7;
+        m = lo > m ? lo : m;
+        m = hi > m ? hi : m;
+    }
+    return m;
+}
+
+/* 16 code bytes -> 32 fp8 bytes through the block's table: low nibble first. */
+static inline void apply_lut(const uint8_t *src, uint8_t *dst, const uint8_t *lut) {
+    for (int i = 0; i < 16; i++) {
+        dst[2 * i] = lut[src[i] & 15];
+        dst[2 * i + 1] = lut[src[i] >> 4];
+    }
+}
+
+/* A key's scale, multiplier and code tables, from its amax (numba's order of fp32 operations). */
+typedef struct {
+    int64_t e, k1, k15, m1;
+    float scale, mult;
+    int tabled, shifted;
+} key_rule_t;
+
+static inline void key_rule(const key_args *a, float amax, Py_ssize_t chunk, key_rule_t *k) {
+    const float *ue8m0 = a->ue8m0;
+    k->e = k->k1 = k->k15 = k->m1 = 0;
+    if (a->rule <= 1) { /* vllm, vllm-ue8m0: 2^ceil(log2(max(amax, 1e-4) / 448)) */
+        float x = a->floor > amax ? a->floor : amax;
+        uint32_t q = f32_bits(x * (float)(1.0 / 448.0)) & 0x7FFFFFFFu;
+        k->e = (int64_t)(q >> 23) - 127 + ((q & 0x7FFFFFu) != 0);
+        int64_t down = 127 - k->e;
+        k->scale = ue8m0[k->e + 127];
+        k->mult = ue8m0[down < 0 ? down + 256 : down]; /* numba wraps index -1 (e = 128: an Inf amax) */
+    } else if (a->rule == 2) { /* sglang, deepgemm, sglang-rocm: max(amax, floor) / 448 */
+        float x = a->floor > amax ? a->floor : amax;
+        k->scale = x / 448.0f;
+        k->mult = 1.0f / k->scale;
+    } else { /* trtllm: amax / 448, multiplier 448 / amax (0 for an all-zero key) */
+        k->scale = amax / 448.0f;
+        k->mult = amax > 0 ? 448.0f / amax : 0.0f;
+        if (!finite_f32(k->mult)) /* amax < 448 / fp32 max: the torch path's product overflows */
+            a->bad[chunk] = 1;
+    }
+    k->tabled = a->rule <= 1 && k->e >= KEY_E_MIN && k->e <= KEY_E_MAX;
+    k->shifted = a->rule >= 2 && finite_f32(k->mult) && k->mult >= FLT_MIN; /* 2^-126 */
+    if (k->shifted) { /* C_1, C_1.5 (native.keys._fp4_to_fp8_keys_kernel's docstring) */
+        k->k1 = key_code_unbounded(k->mult);
+        k->k15 = key_code_unbounded(1.5f * k->mult);
+        k->m1 = (int64_t)f32_bits(k->mult);
+    }
+}
+
+/* Shifted codes apply to a block of scale byte b: 0.5 * 2^k * mult >= 2^-6 (E4M3-normal). */
+static inline int shifted_block(const key_rule_t *k, int64_t b) {
+    return k->shifted && k->m1 + (b - 128) * ((int64_t)1 << 23) >= 0x3C800000;
+}
+
+/* The 16-entry table of a block of scale byte b outside the word path. */
+static inline void block_lut(const key_args *a, const key_rule_t *k, int64_t b, uint8_t *lut) {
+    if (k->tabled) {
+        memcpy(lut, a->pow2_codes + ((size_t)b * KEY_E_SPAN + (size_t)(k->e - KEY_E_MIN)) * 16, 16);
+    } else if (shifted_block(k, b)) { /* codes step by 8 per binade */
+        static const int from15[8] = {0, 0, 0, 1, 0, 1, 0, 1};
+        static const int step[8] = {0, -8, 0, 0, 8, 8, 16, 16};
+        int64_t b8 = 8 * (b - 127);
+        lut[0] = 0, lut[8] = 0x80;
+        for (int c = 1; c < 8; c++) {
+            int64_t v = (from15[c] ? k->k15 : k->k1) + step[c] + b8;
+            v = v < 0x7E ? v : 0x7E;
+            lut[c] = (uint8_t)v;
+            lut[c + 8] = (uint8_t)(v | 0x80);
+        }
+    } else {
+        float s = a->ue8m0[b];
+        for (int c = 0; c < 16; c++)
+            lut[c] = key_code(a->e2m1[c] * s, k->mult);
+    }
+}
+
+/* The word path (native.keys: a block whose values stay normal in E4M3, d = b - 127 - e >= -5), 16 codes a word. */
+static inline void word_block(const uint8_t *in, uint8_t *o, int64_t d) {
+    uint64_t base = (uint64_t)(8 * (d + 6)) * KB01;
+    for (int h = 0; h < 2; h++) {
+        uint64_t x = load_u64(in + 8 * h);
+        uint64_t w0 = fp4_word_codes(x & 0xFFFFFFFFull, base), w1 = fp4_word_codes(x >> 32, base);
+        memcpy(o + 16 * h, &w0, 8);
+        memcpy(o + 16 * h + 8, &w1, 8);
+    }
+}
+
+/* worst = max(worst, |decoded fp8 - decoded fp4|) over the magnitudes present in the block. */
+static inline float block_error(const key_args *a, const key_rule_t *k, const uint8_t *in, const uint8_t *lut, float s,
+                                float worst) {
+    unsigned present = 0;
+    for (int i = 0; i < 16; i++)
+        present |= (1u << (in[i] & 15)) | (1u << (in[i] >> 4));
+    present |= present >> 8; /* a negative code's error is its magnitude's (both codes are symmetric) */
+    for (int c = 1; c < 8; c++) { /* codes 0 and 8 (+-0) are exact */
+        if (present & (1u << c)) {
+            float x = fabsf(a->e4m3[lut[c]] * k->scale - a->e2m1[c] * s);
+            worst = x > worst ? x : worst;
+        }
+    }
+    return worst;
+}
+
+static inline void key_scale_bytes(const key_args *a, const key_rule_t *k, uint8_t *out_scale) {
+    if (a->rule == 1) {
+        memset(out_scale, (int)(uint8_t)(k->e + 127), 4);
+    } else {
+        uint32_t sb = f32_bits(k->scale);
+        for (int i = 0; i < 4; i++)
+            out_scale[i] = (uint8_t)(sb >> (8 * i));
+    }
+}
+
+/* One key, portable C; returns the chunk's updated worst error. */
+KV_BODY float key_scalar(const key_args *a, const uint8_t *src, const uint8_t *sc, uint8_t *dst,
+                         uint8_t *out_scale, Py_ssize_t chunk, float worst) {
+    const int blocks = a->dim / 32;
+    float amax = 0.0f;
+    for (int j = 0; j < blocks; j++) {
+        float v = a->e2m1[block_magnitude(src + 16 * j)] * a->ue8m0[sc[j]];
+        if (!finite_f32(v)) /* scale byte 0xFF (NaN) or 6 * 2^127 (Inf) */
+            a->bad[chunk] = 1;
+        amax = v > amax ? v : amax;
+    }
+    key_rule_t k;
+    key_rule(a, amax, chunk, &k);
+    uint8_t lut[16];
+    for (int j = 0; j < blocks; j++) {
+        const uint8_t *in = src + 16 * j;
+        uint8_t *o = dst + 32 * j;
+        int64_t b = sc[j], d = b - 127 - k.e;
+        if (a->words && k.tabled && d >= -5) { /* exact: no error measured */
+            word_block(in, o, d);
+            continue;
+        }
+        block_lut(a, &k, b, lut);
+        apply_lut(in, o, lut);
+        if (a->measure)
+            worst = block_error(a, &k, in, lut, a->ue8m0[b], worst);
+    }
+    key_scale_bytes(a, &k, out_scale);
+    return worst;
+}
+
+#if KV_X86
+#define KV_AVX2 __attribute__((target("avx2")))
+
+/* The 16 codes' low and high nibbles (as bytes), and the largest magnitude (0..7) among them. */
+KV_AVX2 static inline int block_nibbles_avx2(const uint8_t *p, __m128i *lo, __m128i *hi) {
+    __m128i x = _mm_loadu_si128((const __m128i *)p), f = _mm_set1_epi8(0x0F), seven = _mm_set1_epi8(7);
+    *lo = _mm_and_si128(x, f);
+    *hi = _mm_and_si128(_mm_srli_epi16(x, 4), f);
+    __m128i m = _mm_max_epu8(_mm_and_si128(*lo, seven), _mm_and_si128(*hi, seven));
+    m = _mm_max_epu8(m, _mm_srli_si128(m, 8));
+    m = _mm_max_epu8(m, _mm_srli_si128(m, 4));
+    m = _mm_max_epu8(m, _mm_srli_si128(m, 2));
+    m = _mm_max_epu8(m, _mm_srli_si128(m, 1));
+    return _mm_cvtsi128_si32(m) & 0xFF;
+}
+
+/* 32 fp8 bytes of a block through its table (vpshufb: a 16-entry byte lookup), low nibble first. */
+KV_AVX2 static inline void apply_lut_avx2(__m128i lo, __m128i hi, __m128i lut, uint8_t *o) {
+    __m128i l = _mm_shuffle_epi8(lut, lo), h = _mm_shuffle_epi8(lut, hi);
+    _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi8(l, h));
+    _mm_storeu_si128((__m128i *)(o + 16), _mm_unpackhi_epi8(l, h));
+}
+
+/* One key (key_scalar's bytes): vpshufb lookups, the word and shifted tables built in vector registers. */
+KV_AVX2 KV_BODY float key_avx2(const key_args *a, const uint8_t *src, const uint8_t *sc, uint8_t *dst,
+                               uint8_t *out_scale, Py_ssize_t chunk, float worst) {
+    const int blocks = a->dim / 32;
+    __m128i lo[KEY_MAX_BLOCKS], hi[KEY_MAX_BLOCKS];
+    float amax = 0.0f;
+    for (int j = 0; j < blocks; j++) {
+        float v = a->e2m1[block_nibbles_avx2(src + 16 * j, &lo[j], &hi[j])] * a->ue8m0[sc[j]];
+        if (!finite_f32(v))
+            a->bad[chunk] = 1;
+        amax = v > amax ? v : amax;
+    }
+    key_rule_t k;
+    key_rule(a, amax, chunk, &k);
+    /* the word path's codes as a table (d <= 22, see the section comment): lut[a] = a ? base + word_add[a] : 0, sign
+     * bit 7 for codes 8..15, base = 8 (d + 6) */
+    const __m128i word_add = _mm_setr_epi8(0, 0, 8, 12, 16, 20, 24, 28, 0, 0, 8, 12, 16, 20, 24, 28);
+    const __m128i nonzero = _mm_setr_epi8(0, -1, -1, -1, -1, -1, -1, -1, 0, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i sign = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, -128, -128, -128, -128, -128, -128, -128, -128);
+    /* block_lut's shifted codes: int16 lanes c = 0..7 of C_c (lane 0 unused), + 8 (b - 127), min 0x7E */
+    __m128i shifted_codes = _mm_setzero_si128();
+    if (k.shifted)
+        shifted_codes = _mm_setr_epi16(0, (short)(k.k1 - 8), (short)k.k1, (short)k.k15, (short)(k.k1 + 8),
+                                       (short)(k.k15 + 8), (short)(k.k1 + 16), (short)(k.k15 + 16));
+    uint8_t lut_bytes[16];
+    for (int j = 0; j < blocks; j++) {
+        uint8_t *o = dst + 32 * j;
+        int64_t b = sc[j], d = b - 127 - k.e;
+        __m128i lut;
+        if (a->words && k.tabled && d >= -5) {
+            if (d > 22) {
+                word_block(src + 16 * j, o, d);
+                continue;
+            }
+            lut = _mm_or_si128(_mm_add_epi8(word_add, _mm_and_si128(_mm_set1_epi8((char)(8 * (d + 6))), nonzero)),
+                               sign);
+            apply_lut_avx2(lo[j], hi[j], lut, o);
+            continue;
+        }
+        if (k.tabled) {
+            lut = _mm_loadu_si128(
+                (const __m128i *)(a->pow2_codes + ((size_t)b * KEY_E_SPAN + (size_t)(k.e - KEY_E_MIN)) * 16));
+        } else if (shifted_block(&k, b) && k.k15 + 16 + 8 * (b - 127) < 32767 && k.k1 - 8 + 8 * (b - 127) > -32768) {
+            /* every lane in [8, 0x7E] after the min (the block's smallest value is E4M3-normal) */
+            __m128i v = _mm_min_epi16(_mm_add_epi16(shifted_codes, _mm_set1_epi16((short)(8 * (b - 127)))),
+                                      _mm_set1_epi16(0x7E));
+            lut = _mm_or_si128(_mm_and_si128(_mm_packus_epi16(v, v), nonzero), sign);
+        } else {
+            block_lut(a, &k, b, lut_bytes);
+            lut = _mm_loadu_si128((const __m128i *)lut_bytes);
+        }
+        apply_lut_avx2(lo[j], hi[j], lut, o);
+        if (a->measure) {
+            _mm_storeu_si128((__m128i *)lut_bytes, lut);
+            worst = block_error(a, &k, src + 16 * j, lut_bytes, a->ue8m0[b], worst);
+        }
+    }
+    key_scale_bytes(a, &k, out_scale);
+    return worst;
+}
+#endif
+
+/* The chunk loop over a local copy of the arguments (the key functions inlined: no byte store can alias them). */
+#define KEYS_CHUNKS(key)                                                                                    \
+    key_args local = *args;                                                                                 \
+    const key_args *a = &local;                                                                             \
+    for (Py_ssize_t chunk = c0; chunk < c1; chunk++) {                                                      \
+        const int64_t *sg = a->segs + 5 * chunk;                                                            \
+        const int64_t count = sg[4];                                                                        \
+        const uint8_t *sd = a->sd + sg[0], *ss = a->ss + sg[1];                                             \
+        uint8_t *dd = a->dd + sg[2], *ds = a->ds + sg[3];                                                   \
+        float worst = 0.0f;                                                                                 \
+        for (int64_t r = 0; r < count; r++)                                                                 \
+            worst = key(a, sd + r * a->sds, ss + r * a->sss, dd + r * a->dds, ds + r * a->dss, chunk, worst); \
+        args->err[chunk] = worst;                                                                           \
+    }
+
+static void fp4_keys_scalar(const key_args *args, Py_ssize_t c0, Py_ssize_t c1) { KEYS_CHUNKS(key_scalar) }
+
+#if KV_X86
+KV_AVX2 static void fp4_keys_avx2(const key_args *args, Py_ssize_t c0, Py_ssize_t c1) { KEYS_CHUNKS(key_avx2) }
+#endif
+#undef KEYS_CHUNKS
+
+enum { KEY_ISA_SCALAR = 0, KEY_ISA_AVX2 = 1 };
+static int key_isa = KEY_ISA_SCALAR, key_cpu_isa = KEY_ISA_SCALAR; /* in use; best the CPU supports */
+
+static void fp4_keys_chunks(const key_args *a, Py_ssize_t c0, Py_ssize_t c1, int isa) {
+#if KV_X86
+    if (isa == KEY_ISA_AVX2) {
+        fp4_keys_avx2(a, c0, c1);
+        return;
+    }
+#endif
+    fp4_keys_scalar(a, c0, c1);
+}
+
+static const char *key_isa_name(int isa) { return isa == KEY_ISA_AVX2 ? "avx2" : "scalar"; }
+
+static PyObject *py_key_isa(PyObject *self, PyObject *unused) { return PyUnicode_FromString(key_isa_name(key_isa)); }
+
+static PyObject *py_key_cpu_isa(PyObject *self, PyObject *unused) {
+    return PyUnicode_FromString(key_isa_name(key_cpu_isa));
+}
+
+static PyObject *py_set_key_isa(PyObject *self, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name)
+        return NULL;
+    int want = strcmp(name, "scalar") == 0 ? KEY_ISA_SCALAR : strcmp(name, "avx2") == 0 ? KEY_ISA_AVX2 : -1;
+    if (want < 0 || want > key_cpu_isa) {
+        PyErr_Format(PyExc_ValueError, "kvbridge.backends.native._kernels: key ISA %R not available (this CPU: %s)",
+                     arg, key_isa_name(key_cpu_isa));
+        return NULL;
+    }
+    PyObject *previous = PyUnicode_FromString(key_isa_name(key_isa));
+    key_isa = want;
+    return previous;
+}
+
+/* Rows [off, off + (count - 1) * stride + width) inside a buffer of len bytes. */
+static int rows_fit(int64_t off, int64_t count, int64_t stride, int64_t width, Py_ssize_t len) {
+    if (off < 0 || count < 0 || stride < 0)
+        return 0;
+    if (count == 0)
+        return 1;
+    if (off > len || width > len - off)
+        return 0;
+    return count == 1 || stride == 0 || count - 1 <= (len - off - width) / stride;
+}
+
+/* fp4_to_fp8_keys(c0, c1, sd, ss, dd, ds, segs, sds, sss, dds, dss, dim, rule, floor, e2m1, ue8m0, e4m3, pow2_codes,
+ * words, measure, err, bad): native.keys._fp4_to_fp8_keys_kernel's arguments (less sd64/dd64: `words` alone says
+ * which path the numba kernel would take); every segment of [c0, c1) is checked against the four buffers first. */
+static PyObject *py_fp4_to_fp8_keys(PyObject *self, PyObject *args) {
+    Py_ssize_t c0, c1;
+    key_args a;
+    Py_buffer v[11];
+    memset(v, 0, sizeof v);
+    long long sds, sss, dds, dss;
+    if (!PyArg_ParseTuple(args, "nny*y*w*w*y*LLLLiify*y*y*y*ppw*w*", &c0, &c1, &v[0], &v[1], &v[2], &v[3], &v[4],
+                          &sds, &sss, &dds, &dss, &a.dim, &a.rule, &a.floor, &v[5], &v[6], &v[7], &v[8], &a.words,
+                          &a.measure, &v[9], &v[10]))
+        return NULL;
+    Py_ssize_t nseg = v[4].len / 40;
+    int ok = need(a.dim > 0 && a.dim % 32 == 0 && a.dim / 32 <= KEY_MAX_BLOCKS, "key dim must be 32k, <= 2048") &&
+             need(a.rule >= 0 && a.rule <= 3, "bad key rule") &&
+             need(v[4].len % 40 == 0 && c0 >= 0 && c1 >= c0 && c1 <= nseg, "segment range out of bounds") &&
+             need(v[5].len >= 16 * 4 && v[6].len >= 256 * 4 && v[7].len >= 256 * 4 &&
+                      v[8].len >= 256 * KEY_E_SPAN * 16, "short table") &&
+             need(v[9].len >= c1 * 4 && v[10].len >= c1 * 8, "short err/bad");
+    const int64_t *segs = v[4].buf;
+    for (Py_ssize_t k = c0; ok && k < c1; k++) {
+        const int64_t *sg = segs + 5 * k;
+        ok = need(rows_fit(sg[0], sg[4], sds, a.dim / 2, v[0].len) && rows_fit(sg[1], sg[4], sss, a.dim / 32, v[1].len) &&
+                      rows_fit(sg[2], sg[4], dds, a.dim, v[2].len) && rows_fit(sg[3], sg[4], dss, 4, v[3].len),
+                  "key segment out of bounds");
+    }
+    if (ok) {
+        a.sd = v[0].buf, a.ss = v[1].buf, a.dd = v[2].buf, a.ds = v[3].buf, a.segs = segs;
+        a.sds = sds, a.sss = sss, a.dds = dds, a.dss = dss;
+        a.e2m1 = v[5].buf, a.ue8m0 = v[6].buf, a.e4m3 = v[7].buf, a.pow2_codes = v[8].buf;
+        a.err = v[9].buf, a.bad = v[10].buf;
+        int isa = key_isa;
+        Py_BEGIN_ALLOW_THREADS
+        fp4_keys_chunks(&a, c0, c1, isa);
+        Py_END_ALLOW_THREADS
+    }
+    release(v, 11);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_fp8_model1_loss(PyObject *self, PyObject *args) { return loss_entry(args, 1); }
 
 static PyObject *py_model1_fp8_loss(PyObject *self, PyObject *args) { return loss_entry(args, 0); }
@@ -1732,6 +2168,13 @@ static PyMethodDef methods[] = {
      "ue8m0, maxima, sums, counts): loss statistics of per-tensor E4M3 -> MODEL1 chunks [c0, c1)."},
     {"model1_fp8_loss", py_model1_fp8_loss, METH_VARARGS,
      "model1_fp8_loss(c0, c1, src, ..., counts): loss statistics of MODEL1 -> per-tensor E4M3 chunks [c0, c1)."},
+    {"fp4_to_fp8_keys", py_fp4_to_fp8_keys, METH_VARARGS,
+     "fp4_to_fp8_keys(c0, c1, sd, ss, dd, ds, segs, sds, sss, dds, dss, dim, rule, floor, e2m1, ue8m0, e4m3, "
+     "pow2_codes, words, measure, err, bad): fp4 -> fp8 indexer keys of segments [c0, c1) (native.keys)."},
+    {"key_isa", py_key_isa, METH_NOARGS, "The instruction set fp4_to_fp8_keys runs: 'avx2' or 'scalar'."},
+    {"key_cpu_isa", py_key_cpu_isa, METH_NOARGS, "The best instruction set for fp4_to_fp8_keys this CPU supports."},
+    {"set_key_isa", py_set_key_isa, METH_O,
+     "Run fp4_to_fp8_keys with the given ISA (at most key_cpu_isa()); returns the previous."},
     {"move_runs", py_move_runs, METH_VARARGS,
      "move_runs(c0, c1, runs, streaming): row copies of runs [c0, c1) (int64 rows: source address, destination "
      "address, rows, source stride, destination stride, width)."},
@@ -1752,6 +2195,11 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         kv_cpu_isa = ISA_AVX512;
 #endif
     kv_isa = kv_cpu_isa;
+#if KV_X86
+    if (__builtin_cpu_supports("avx2"))
+        key_cpu_isa = KEY_ISA_AVX2;
+#endif
+    key_isa = key_cpu_isa;
 #if KV_X86
     if (kv_cpu_isa == ISA_AVX512)
         tree_lanes();

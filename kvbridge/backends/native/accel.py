@@ -16,7 +16,9 @@ The four MODEL1 accelerators (trtllm-fp8 <-> MODEL1, MODEL1 encode and decode) a
 amax of MODEL1 and per-tensor E4M3 pools run compiled C kernels instead (``_CK``:
 ``kvbridge.backends.native._kernels``, an optional extension built at install time, byte-identical,
 AVX-512 VBMI table lookups and non-temporal stores) where it is built and the CPU has AVX-512 VBMI,
-unless ``KVBRIDGE_NO_CKERNELS=1`` (``kernel_implementation()`` says which runs).
+unless ``KVBRIDGE_NO_CKERNELS=1`` (``kernel_implementation()`` says which runs). The same extension's span
+copies (``_SPANS``) run on any CPU where it is built and not switched off, its fp4 -> fp8 indexer keys (``_KEYS``,
+``native.keys``: AVX2 table lookups) where the CPU has AVX2.
 """
 
 from __future__ import annotations
@@ -478,7 +480,7 @@ NO_CKERNELS_ENV = "KVBRIDGE_NO_CKERNELS"
 
 
 #: The interface ``kvbridge.backends.native._kernels`` must have been built with (its ``KV_INTERFACE``).
-KERNELS_INTERFACE = 3
+KERNELS_INTERFACE = 4
 
 
 def _warn_line(message: str) -> None:
@@ -508,6 +510,11 @@ def _compiled_kernels() -> tuple[ModuleType | None, str]:
 
 #: The C extension for span copies (``native.move_spans``: memcpy, non-temporal stores on AVX-512), or None.
 _SPANS, _SPANS_WHY_NOT = _compiled_kernels()
+#: The C extension for the fp4 -> fp8 indexer keys (``native.keys``), byte-identical to the numba kernel: where the
+#: CPU has AVX2 (its vpshufb code, about 4x numba's speed); else None and numba's kernel runs (the C kernel's portable
+#: code is about 1.1x slower than numba's word arithmetic: docs/performance.md; the tests run it on every CPU).
+_KEYS, _KEYS_WHY_NOT = ((None, "the CPU lacks AVX2") if _SPANS is not None and _SPANS.key_cpu_isa() == "scalar"
+                        else (_SPANS, _SPANS_WHY_NOT))
 #: The C extension for the MODEL1 accelerators and amax, or None (then numba's kernels run).
 _CK, _CK_WHY_NOT = ((None, "the CPU lacks AVX-512 VBMI") if _SPANS is not None and _SPANS.cpu_isa() == "scalar"
                     else (_SPANS, _SPANS_WHY_NOT))

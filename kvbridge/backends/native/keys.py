@@ -2,7 +2,9 @@
 
 Byte-identical to ``kvbridge.ops.keys`` (decode the fp4 keys, re-encode them by the fp8 rule);
 records and a page's two parts (codes, scale bytes) are both strided rows of flat uint8 arrays.
-``KEY_CHUNK`` keys per unit of parallel work (``pool._run_chunks``).
+``KEY_CHUNK`` keys per unit of parallel work (``pool._run_chunks``). The C extension's ``fp4_to_fp8_keys``
+(``accel._KEYS``: vpshufb table lookups, where it is built and the CPU has AVX2) runs the segments, byte-identical
+to ``_fp4_to_fp8_keys_kernel`` (numba: the fallback, and the definition), checking every segment against its arrays.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from kvbridge.backends.native import accel
 from kvbridge.backends.native.pool import _flat, _run_chunks
 from kvbridge.backends.native.records import _E2M1_F32, _E4M3_F32, _UE8M0_F32, _e4m3_code
 
@@ -271,11 +274,15 @@ def fp4_to_fp8_key_segments(src_keys: np.ndarray, src_scales: np.ndarray, dst_ke
     sd64, dd64 = _words(src_keys), _words(dst_keys)
     words = sd64 is not None and dd64 is not None and dim % 16 == 0
     none = np.zeros(0, np.uint64)
-    if nseg:
-        _run_chunks(_fp4_to_fp8_keys_kernel, nseg, src_keys, src_scales, dst_keys, dst_scales,
-                    np.ascontiguousarray(segs, dtype=np.int64), *strides, dim, rule_id, np.float32(floor), _E2M1_F32,
-                    _UE8M0_F32, _E4M3_F32, _key_code_table(), words, sd64 if words else none,
-                    dd64 if words else none, measure, err, bad)
+    segs = np.ascontiguousarray(segs, dtype=np.int64)
+    compiled = accel._KEYS
+    if nseg and compiled is not None and dim % 32 == 0 and 0 < dim <= 2048:
+        _run_chunks(compiled.fp4_to_fp8_keys, nseg, src_keys, src_scales, dst_keys, dst_scales, segs, *strides, dim,
+                    rule_id, floor, _E2M1_F32, _UE8M0_F32, _E4M3_F32, _key_code_table(), words, measure, err, bad)
+    elif nseg:
+        _run_chunks(_fp4_to_fp8_keys_kernel, nseg, src_keys, src_scales, dst_keys, dst_scales, segs, *strides, dim,
+                    rule_id, np.float32(floor), _E2M1_F32, _UE8M0_F32, _E4M3_F32, _key_code_table(), words,
+                    sd64 if words else none, dd64 if words else none, measure, err, bad)
     return None if bad.any() else float(err.max())
 
 

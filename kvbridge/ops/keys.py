@@ -241,16 +241,14 @@ def decode_keys(records: torch.Tensor, fmt: IndexerFormat, rule: str | None = No
         if rule in UE8M0_SCALE_RULES:
             if fmt.dim != 128:
                 raise InputError("UE8M0 fp8 indexer scales are defined for 128-value keys only")
-            exp = records[:, fmt.dim :].to(torch.int64) - 127
-            per_block = nx.pow2(exp.clamp(min=-127)).to(records.device)
+            per_block = nx.ue8m0_decode(records[:, fmt.dim :]).to(records.device)
             return (values.view(n, 4, FP4_BLOCK) * per_block.unsqueeze(-1)).view(n, fmt.dim)
         scale = _f32_from_le_bytes(records[:, fmt.dim :])
         return values * scale.unsqueeze(1)
     packed = records[:, : fmt.split]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, fmt.dim)
-    exp = records[:, fmt.split :].to(torch.int64) - 127
     values = nx.e2m1_decode(codes).reshape(n, fmt.dim // FP4_BLOCK, FP4_BLOCK)
-    return (values * nx.pow2(exp).unsqueeze(-1)).reshape(n, fmt.dim)
+    return (values * nx.ue8m0_decode(records[:, fmt.split :]).unsqueeze(-1)).reshape(n, fmt.dim)
 
 
 def key_kernel_applies(src: IndexerFormat, dst: IndexerFormat, dst_rule: str, device: torch.device) -> bool:

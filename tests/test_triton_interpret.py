@@ -271,7 +271,8 @@ def convert(src_name, dst_name, hw, slots, check=True, persistent=False):
     pointers = {"src": sp, "src16": "*i16", "src_slots": "*i32", "dst": dp, "dst16": "*i16",
                 "dst_slots": "*i32", "flags": "*u8"}
     scalars = {"src_cap": "i64", "src_p": "i32", "src_pb": "i32", "src_scale": "fp32", "dst_p": "i32", "dst_pb": "i32",
-               "dst_mult": "fp32", "min_exp": "i32", "n_tokens": "i64", "n_rows": "i64", "n_blocks": "i32"}
+               "dst_mult": "fp32", "dst_gscale": "fp32", "min_exp": "i32", "n_tokens": "i64", "n_rows": "i64",
+               "n_blocks": "i32"}
     const = dict(SRC_PROG=sprog, SRC_NF=len(sprog) // 6, SRC_S=ss, SRC_R=sr, SRC_ALIGN=16, SRC_HAS_SLOTS=slots,
                  DST_PROG=dprog, DST_NF=len(dprog) // 6, DST_S=ds, DST_R=dr, DST_ALIGN=16, DST_HAS_SLOTS=slots,
                  CHECK=check, WRITE=True, HW_FP8=hw, BLOCK_T=tk.convert_block_tokens, PERSISTENT=persistent)

@@ -96,5 +96,5 @@ def loss_report(stats: LossStats, src: Layout | None, dst: Layout, *, byte_move:
     latents encoded); the one report build of ``transcode``, ``transcode_loss`` and ``kvbridge convert``:
     ``dst_scale`` is kept for per-tensor destinations, ``dst.loss_note`` is its note when anything was lost."""
     return LossReport.from_stats(stats, src_layout="latents" if src is None else src.name, dst_layout=dst.name,
-                                 byte_move=byte_move, dst_scale=dst_scale if dst.per_tensor_scale else None,
+                                 byte_move=byte_move, dst_scale=dst_scale if dst.takes_scale else None,
                                  loss_note=dst.loss_note)

@@ -190,7 +190,7 @@ def decode(
 
 def is_byte_move(src: Layout, dst: Layout, src_scale: float, dst_scale: float) -> bool:
     """True when ``src`` and ``dst`` store identical token records (only paging differs)."""
-    return src.same_record(dst) and (not src.per_tensor_scale or src_scale == dst_scale)
+    return src.same_record(dst) and (not src.takes_scale or src_scale == dst_scale)
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:

@@ -408,3 +408,23 @@ def test_cli_convert_reads_and_writes_the_global_scale(g, tmp_path):
     done = runner.invoke(cli, ["convert", str(tmp_path / "bf16.kvd"), str(tmp_path / "bad.kvd"), "--to", LAYOUT.name,
                                "--scale", "1e-38"])
     assert done.exit_code == 2 and "NVFP4 global scale" in done.output
+
+
+def test_sparse_decode_reads_the_pool_at_its_global_scale():
+    """At g = 2^-3 every decoded NVFP4 value is exact in bf16, so the pool's bf16 transcode is lossless and the
+    reference sparse decode over either gives the same output; decoding at g = 1 instead does not."""
+    from kvbridge.attention.sparse import sparse_decode
+
+    g = 0.125
+    x = latents(40, 14)
+    pool = kb.encode(x, LAYOUT, page_size=8, scale=g)
+    bf16, rep = kb.transcode(pool, LAYOUT, BF16, src_page_size=8, src_scale=g, report=True)
+    assert rep.lossless
+    gen = torch.Generator().manual_seed(15)
+    q = (torch.randn(2, 1, 16, 512, generator=gen) * 0.3).bfloat16()
+    idx = torch.randint(0, 40, (2, 1, 12), generator=gen, dtype=torch.int32)
+    out_a, lse_a = sparse_decode(q, pool, idx, layout=LAYOUT, page_size=8, scale=g, backend="reference")
+    out_b, lse_b = sparse_decode(q, bf16, idx, layout=BF16, page_size=8, backend="reference")
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+    out_c, _ = sparse_decode(q, pool, idx, layout=LAYOUT, page_size=8, backend="reference")
+    assert not torch.equal(out_a, out_c)

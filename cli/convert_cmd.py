@@ -62,7 +62,8 @@ def convert_open_dump(*args, **kwargs):
     "--scale",
     metavar="S|auto",
     callback=parse_scale,
-    help="Destination per-tensor scale (trtllm-fp8): a number or 'auto'.",
+    help="Destination per-tensor scale: trtllm-fp8's (a number or 'auto') or flashinfer-nvfp4's global scale "
+         "(a number).",
 )
 @click.option("--no-report", is_flag=True, help="Skip the loss report (faster for lossy directions).")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")

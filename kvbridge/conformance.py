@@ -602,7 +602,7 @@ def identify_writer(
     inputs = {"bf16": src.bfloat16(), "fp32": src.float()}
     candidates = []
     for dialect in lay.dialects or (None,):
-        s = (1.0 if dialect == "compress" or scale is None else scale) if lay.per_tensor_scale else None
+        s = (1.0 if dialect == "compress" or scale is None else scale) if lay.takes_scale else None
         for precision, x in inputs.items():
             got = lay.pages_to_records(encode(x, lay, page_size=page_size, dialect=dialect, scale=s), page_size, n)
             differing = int((got[:, mask] != have).sum())

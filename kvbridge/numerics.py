@@ -370,31 +370,53 @@ def fp4_encode_tiles(x: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor
 
 #: fp32 bits of RN(1/6) (0x3E2AAAAB): the NVFP4 writer's amax multiplier (it multiplies by a reciprocal of 6).
 NVFP4_RCP6_BITS = 0x3E2AAAAB
+#: The NVFP4 per-tensor global scales g kvbridge accepts: [2^-117, 2^116]. In that range g and fp32(1/g)
+#: are normal, every nonzero tile scale times g (2^-9 g .. 448 g) is a normal fp32 with a normal reciprocal,
+#: and every decoded value (up to 6 * 448 * g) is finite, so no step of the writer's arithmetic meets an fp32
+#: subnormal (which its flush-to-zero reciprocals would treat as 0) or an overflow.
+NVFP4_GLOBAL_SCALE_MIN = 2.0**-117
+NVFP4_GLOBAL_SCALE_MAX = 2.0**116
 
 
-def nvfp4_tile_scale(amax: torch.Tensor) -> torch.Tensor:
-    """E4M3 scale byte of an NVFP4 tile of absolute maximum ``amax`` (fp32), global scale 1:
-    ``e4m3_rne(amax * fp32(1/6))`` (an fp32 product, then saturation at 448), with no lower clamp,
-    so a tile whose amax * fp32(1/6) rounds below 2^-10 gets scale 0 (an all-zero tile too).
+def _f32_scalar(value: float, device: torch.device) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def nvfp4_tile_scale(amax: torch.Tensor, global_scale: float = 1.0) -> torch.Tensor:
+    """E4M3 scale byte of an NVFP4 tile of absolute maximum ``amax`` (fp32) under the per-tensor fp32
+    global scale g (``global_scale``): ``e4m3_rne(fp32(1/g) * (amax * fp32(1/6)))``, two fp32 products in
+    that order, then saturation at 448, with no lower clamp, so a tile whose product rounds below 2^-10
+    gets scale 0 (an all-zero tile too). At g = 1 the second product is exact (a multiply by 1).
     A non-finite amax gives the NaN byte 0x7F, which poisons the tile on decode.
     """
     rcp6 = torch.tensor(NVFP4_RCP6_BITS, dtype=torch.int32).view(torch.float32).to(amax.device)
-    code = e4m3_encode(torch.nan_to_num(amax * rcp6, nan=0.0))
+    one = _f32_scalar(1.0, amax.device)
+    rcp_g = one / _f32_scalar(global_scale, amax.device)  # fp32 RN(1/g)
+    code = e4m3_encode(torch.nan_to_num(rcp_g * (amax * rcp6), nan=0.0))
     bad = (f32_bits(amax) & 0x7FFFFFFF) >= _F32_INF_BITS
     return torch.where(bad, torch.full_like(code, E4M3_NAN), code)
 
 
-def nvfp4_encode_tiles(x: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes of fp32 tiles ``x`` ``[..., tiles, tile]`` with NVFP4 scale bytes ``[..., tiles]``:
-    ``e2m1_rne(x * fp32(1/scale))`` (a multiply by the rounded scale's fp32 reciprocal, which can land
-    on the other side of an E2M1 tie than a division); a zero element keeps its signed zero code, a
-    nonzero one in a scale-0 tile saturates to +-6 (its reciprocal is +Inf), and a poisoned tile
-    (scale 0x7F) gets code 0 everywhere."""
-    scale = e4m3_decode(scale_bytes).unsqueeze(-1)
+def nvfp4_encode_tiles(x: torch.Tensor, scale_bytes: torch.Tensor, global_scale: float = 1.0) -> torch.Tensor:
+    """E2M1 codes of fp32 tiles ``x`` ``[..., tiles, tile]`` with NVFP4 scale bytes ``[..., tiles]`` under the
+    global scale g: ``e2m1_rne(x * fp32(1 / fp32(scale * g)))`` (a multiply by the fp32 reciprocal of the
+    rounded scale times g, which can land on the other side of an E2M1 tie than a division; at g = 1 the
+    scale itself); a zero element keeps its signed zero code, a nonzero one in a scale-0 tile saturates
+    to +-6 (its reciprocal is +Inf), and a poisoned tile (scale 0x7F) gets code 0 everywhere."""
+    scale = e4m3_decode(scale_bytes).unsqueeze(-1) * _f32_scalar(global_scale, x.device)
     one = torch.ones((), dtype=torch.float32, device=x.device)
     y = torch.where(x == 0, x, x * (one / scale))
     codes = e2m1_encode(y)
     return torch.where((scale_bytes == E4M3_NAN).unsqueeze(-1), torch.zeros_like(codes), codes)
+
+
+def nvfp4_decode_tiles(codes: torch.Tensor, scale_bytes: torch.Tensor, global_scale: float = 1.0) -> torch.Tensor:
+    """fp32 values of NVFP4 tiles: E2M1 codes ``[..., tiles, tile]`` (uint8 0..15) with scale bytes
+    ``[..., tiles]`` under the global scale g: ``fp32(e2m1 * scale) * g``; the first product is exact
+    (E2M1 and E4M3 mantissas fit fp32), so each value is the one fp32 rounding of e2m1 * scale * g.
+    Scale 0x7F decodes as NaN (the poisoned tile)."""
+    values = e2m1_decode(codes) * e4m3_decode(scale_bytes).unsqueeze(-1)
+    return values * _f32_scalar(global_scale, codes.device)
 
 
 #: An fp32 mantissa m in [1, 2) (24-bit integer M = m * 2^23) rounds log2(m / 6) up when m^2 >= 1.125,

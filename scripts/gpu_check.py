@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: NVFP4 per-tensor global scales g != 1 checked on the device (docs/layouts.md, ``flashinfer-nvfp4``).
+NVFP4_GLOBAL_SCALES = (0.125, 0.37)
 
 
 @dataclass
@@ -194,6 +196,8 @@ class Validator:
                         for d in lay.dialects or (None,)] + [
             (self.trt, "swa", 1.0), (self.trt, "swa", 0.037), (self.trt, "swa", 2.0), (self.trt, "compress", 0.5),
         ]
+        self.nvfp4 = get_layout("flashinfer-nvfp4")
+        self.writers += [(self.nvfp4, None, g) for g in NVFP4_GLOBAL_SCALES]  # NVFP4 global scales g != 1
         n_random = 32 if smoke else 4096  # at least two 64-token pages
         self.x = torch.cat([edge_latents(), random_latents(n_random, seed=102)])
         self.x_bf16 = self.x.bfloat16().float()
@@ -253,6 +257,19 @@ class Validator:
             scale = 0.037 if lay.per_tensor_scale else 1.0
             self.record(section, f"decode {lay.name} random bytes P=61", self.kernel_matches, tk.decode_pages,
                         reference.decode_pages, pages, lay, 61, 500, scale)
+        for g in NVFP4_GLOBAL_SCALES:  # NVFP4 at a global scale g != 1: decode, and transcodes to and from MODEL1
+            pages = random_pool(self.nvfp4, 9, 61, seed=103)
+            self.record(section, f"decode {self.nvfp4.name} g={g} random bytes P=61", self.kernel_matches,
+                        tk.decode_pages, reference.decode_pages, pages, self.nvfp4, 61, 500, g)
+            m1 = reference.encode_pages(self.x, self.model1, 64, "flashmla", 1.0)
+            n = self.x.shape[0] - 3
+            self.record(section, f"transcode {self.model1.name} -> {self.nvfp4.name} g={g} P=64->61",
+                        self.kernel_matches, tk.transcode_pages, reference.transcode_pages,
+                        m1, self.model1, 64, self.nvfp4, 61, n, 1.0, g, None)
+            nv = reference.encode_pages(self.x, self.nvfp4, 64, None, g)
+            self.record(section, f"transcode {self.nvfp4.name} g={g} -> {self.model1.name} P=64->61",
+                        self.kernel_matches, tk.transcode_pages, reference.transcode_pages,
+                        nv, self.nvfp4, 64, self.model1, 61, n, g, 1.0, "flashmla")
         for src in self.layouts:
             s_in = 0.5 if src.per_tensor_scale else 1.0
             pages = reference.encode_pages(self.x, src, 64, src.default_dialect, s_in)

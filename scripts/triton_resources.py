@@ -109,7 +109,7 @@ def convert_spec(kind: str, src: Layout | None, dst: Layout | None, arch: int, *
     sig = {"src": dummy, "src16": "*i16" if s.program else "*fp32", "src_slots": "*i32" if src_slots else dummy,
            "src_cap": "i32", "src_p": "i32", "src_pb": "i32", "src_scale": "fp32",
            "dst": _pointer(d), "dst16": "*i16" if d.program else "*fp32", "dst_slots": "*i32" if dst_slots else dummy,
-           "dst_p": "i32", "dst_pb": "i32", "dst_mult": "fp32", "min_exp": "i32",
+           "dst_p": "i32", "dst_pb": "i32", "dst_mult": "fp32", "dst_gscale": "fp32", "min_exp": "i32",
            "flags": "*u8" if check else dummy, "n_tokens": "i32", "n_rows": "i32", "n_blocks": "i32"}
     return Spec(kind, src.name if src else None, dst.name if dst else None, arch, "_convert_kernel",
                 launch.constexprs, launch.num_warps, sig)

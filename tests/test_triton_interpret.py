@@ -37,11 +37,15 @@ MODEL1 = get_layout("flashmla-model1")
 FOOTER = get_layout("trtllm-fp8-ds-mla")
 TRT = get_layout("trtllm-fp8")
 BF16 = get_layout("bf16")
+NVFP4 = get_layout("flashinfer-nvfp4")
+#: NVFP4 per-tensor global scales g != 1 (docs/layouts.md, ``flashinfer-nvfp4``).
+NVFP4_SCALES = (0.125, 0.37)
 #: Every registered layout: the kernels read the layouts' own record descriptions.
 LAYOUTS = tuple(all_layouts())
 #: (layout, dialect, per-tensor scale) of every encoder variant.
 WRITERS = [(lay, d, 1.0) for lay in LAYOUTS if not lay.per_tensor_scale for d in lay.dialects or (None,)] + [
     (TRT, "swa", 1.0), (TRT, "swa", 0.037), (TRT, "swa", 2.0), (TRT, "compress", 0.5),
+    *((NVFP4, None, g) for g in NVFP4_SCALES),
 ]
 
 
@@ -126,6 +130,26 @@ def test_transcode_kernel_matches_reference(latents, src, dst):
     for dialect in dst.dialects or (None,):
         want = reference.transcode_pages(pages, src, 64, dst, 61, 30, src_scale, dst_scale, dialect)
         assert torch.equal(tk.transcode_pages(pages, src, 64, dst, 61, 30, src_scale, dst_scale, dialect), want)
+
+
+@pytest.mark.parametrize("g", NVFP4_SCALES)
+@pytest.mark.parametrize("other", [MODEL1, TRT, BF16], ids=lambda v: v.name)
+def test_nvfp4_global_scale_kernels_match_reference(latents, g, other):
+    """Decode (every byte), transcodes to and from another layout and slot transcodes at a global scale g != 1."""
+    pages = random_pool(NVFP4, 2, 61, seed=21)
+    assert_same_floats(tk.decode_pages(pages, NVFP4, 61, None, g), reference.decode_pages(pages, NVFP4, 61, None, g))
+    s = 0.5 if other.per_tensor_scale else 1.0
+    src = reference.encode_pages(latents, other, 64, other.default_dialect, s)
+    want = reference.transcode_pages(src, other, 64, NVFP4, 61, 30, s, g, None)
+    assert torch.equal(tk.transcode_pages(src, other, 64, NVFP4, 61, 30, s, g, None), want)
+    back = reference.transcode_pages(want, NVFP4, 61, other, 64, 30, g, s, other.default_dialect)
+    assert torch.equal(tk.transcode_pages(want, NVFP4, 61, other, 64, 30, g, s, other.default_dialect), back)
+    slots = torch.tensor([5, 0, 29, 7])
+    got, ref = torch.zeros_like(want), torch.zeros_like(want)
+    dst_slots = torch.tensor([1, 2, 3, 60])
+    tk.transcode_slots(src, other, 64, got, NVFP4, 61, slots, dst_slots, s, g, None, False)
+    reference.transcode_slots(src, other, 64, ref, NVFP4, 61, slots, dst_slots, s, g, None, False)
+    assert torch.equal(got, ref)
 
 
 def test_transcode_kernel_nonfinite_source_raises_like_reference():
@@ -271,7 +295,8 @@ def convert(src_name, dst_name, hw, slots, check=True, persistent=False):
     pointers = {"src": sp, "src16": "*i16", "src_slots": "*i32", "dst": dp, "dst16": "*i16",
                 "dst_slots": "*i32", "flags": "*u8"}
     scalars = {"src_cap": "i64", "src_p": "i32", "src_pb": "i32", "src_scale": "fp32", "dst_p": "i32", "dst_pb": "i32",
-               "dst_mult": "fp32", "min_exp": "i32", "n_tokens": "i64", "n_rows": "i64", "n_blocks": "i32"}
+               "dst_mult": "fp32", "dst_gscale": "fp32", "min_exp": "i32", "n_tokens": "i64", "n_rows": "i64",
+               "n_blocks": "i32"}
     const = dict(SRC_PROG=sprog, SRC_NF=len(sprog) // 6, SRC_S=ss, SRC_R=sr, SRC_ALIGN=16, SRC_HAS_SLOTS=slots,
                  DST_PROG=dprog, DST_NF=len(dprog) // 6, DST_S=ds, DST_R=dr, DST_ALIGN=16, DST_HAS_SLOTS=slots,
                  CHECK=check, WRITE=True, HW_FP8=hw, BLOCK_T=tk.convert_block_tokens, PERSISTENT=persistent)

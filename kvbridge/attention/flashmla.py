@@ -226,7 +226,7 @@ def prepare_cache(arg: CacheArg, target: str) -> KernelCache:
     pages = arg.pages if arg.pages.is_contiguous() else arg.pages.contiguous()
     scratch, remapped = gather_transcode(
         pages, arg.layout, page_size=arg.page_size, indices=arg.indices,
-        scale=arg.scale if arg.layout.per_tensor_scale else None, out_page_size=SCRATCH_PAGE_SIZE, out_layout=lay,
+        scale=arg.scale if arg.layout.takes_scale else None, out_page_size=SCRATCH_PAGE_SIZE, out_layout=lay,
     )
     view = kernel_view(scratch, lay, SCRATCH_PAGE_SIZE)
     return KernelCache(view, lay, _pad_topk(remapped), arg.topk_length, True)

@@ -189,6 +189,8 @@ def _decode_field(x, d, src, src16, data, foot, valid, scale, HW_FP8: tl.constex
         sb = tl.load(src + s_at + j // TILE, mask=m, other=0x38).to(tl.int32)
         byte = tl.load(src + at + j // 2, mask=m, other=0).to(tl.int32)
         v = _e2m1_value((byte >> ((j & 1) * 4)) & 0xF) * _e4m3_decode(sb, HW_FP8)
+        if OP == 6:  # NVFP4: fp32(e2m1 * scale) * g, g the global scale (``numerics.nvfp4_decode_tiles``)
+            v = v * scale
     else:
         v = x
     return tl.where(seg, v, x)
@@ -209,10 +211,11 @@ def _tile_any(flag, BLOCK_T: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _encode_field(x, d, dst, dst16, data, foot, row, valid, mult, min_exp, HW_FP8: tl.constexpr,
+def _encode_field(x, d, dst, dst16, data, foot, row, valid, mult, gscale, min_exp, HW_FP8: tl.constexpr,
                   S: tl.constexpr, ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, OP: tl.constexpr,
                   D0: tl.constexpr, ND: tl.constexpr, OFF: tl.constexpr, TILE: tl.constexpr, SOFF: tl.constexpr):
-    """Write one record field of the values ``x`` ``[T, 512]`` (zero where not ``valid``) for rows ``row``."""
+    """Write one record field of the values ``x`` ``[T, 512]`` (zero where not ``valid``) for rows ``row``.
+    ``mult``: the per-tensor multiplier fp32(1/s); ``gscale``: s itself (NVFP4's global scale g)."""
     seg = (d >= D0) & (d < D0 + ND)
     j = d - D0
     m = row & seg
@@ -240,11 +243,11 @@ def _encode_field(x, d, dst, dst16, data, foot, row, valid, mult, min_exp, HW_FP
             sb = tl.where(valid, _fnuz_exponent(tile_amax, min_exp) + 127, 0)
         elif OP == 6 or OP == 7:  # NVFP4 / MXFP4 tiles; a NaN or Inf poisons its tile (NaN scale, codes 0)
             poison = _tile_any(((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000) & seg, BLOCK_T, TILE)
-            if OP == 6:  # scale e4m3(amax * fp32(1/6)), codes of x * fp32(1/scale)
-                q = tl.minimum(tile_amax * _NVFP4_RCP6, 448.0)
+            if OP == 6:  # scale e4m3(fp32(1/g) * (amax * fp32(1/6))), codes of x * fp32(1/fp32(scale * g))
+                q = tl.minimum(mult * (tile_amax * _NVFP4_RCP6), 448.0)
                 sb = tl.where(poison, 0x7F, _e4m3_encode(tl.where(poison, 0.0, q), HW_FP8))
                 sv = tl.reshape(tl.broadcast_to(_e4m3_decode(sb, HW_FP8)[:, :, None], [BLOCK_T, 512 // TILE, TILE]),
-                                [BLOCK_T, 512])
+                                [BLOCK_T, 512]) * gscale
                 codes = _e2m1_code(tl.where(x == 0.0, x, x * tl.math.div_rn(tl.full(sv.shape, 1.0, tl.float32), sv)))
             else:  # UE8M0 byte round(log2(amax / 6)) + 127 from amax's bits, codes of x / 2^(byte - 127)
                 ab = tile_amax.to(tl.int32, bitcast=True)
@@ -288,7 +291,7 @@ _RUNTIME_INTS = ["src_cap", "src_p", "src_pb", "dst_p", "dst_pb", "min_exp", "n_
 def _convert_rows(
     i,
     src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
-    dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp,
+    dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, dst_gscale, min_exp,
     flags, n_tokens, n_rows,
     SRC_PROG: tl.constexpr, SRC_NF: tl.constexpr, SRC_S: tl.constexpr, SRC_R: tl.constexpr,
     SRC_ALIGN: tl.constexpr, SRC_HAS_SLOTS: tl.constexpr,
@@ -340,7 +343,8 @@ def _convert_rows(
             data = _data_base(out, dst_p, dst_pb, DST_S, DST_ALIGN)
             foot = _footer_base(out, dst_p, dst_pb, DST_S, DST_R)
             for k in tl.static_range(DST_NF):
-                _encode_field(x, d, dst, dst16, data, foot, row, valid, dst_mult, min_exp, HW_FP8, DST_S, DST_ALIGN,
+                _encode_field(x, d, dst, dst16, data, foot, row, valid, dst_mult, dst_gscale, min_exp, HW_FP8, DST_S,
+                              DST_ALIGN,
                               BLOCK_T,
                               DST_PROG[6 * k], DST_PROG[6 * k + 1], DST_PROG[6 * k + 2], DST_PROG[6 * k + 3],
                               DST_PROG[6 * k + 4], DST_PROG[6 * k + 5])
@@ -349,7 +353,7 @@ def _convert_rows(
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _convert_kernel(
     src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
-    dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp,
+    dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, dst_gscale, min_exp,
     flags, n_tokens, n_rows, n_blocks,
     SRC_PROG: tl.constexpr, SRC_NF: tl.constexpr, SRC_S: tl.constexpr, SRC_R: tl.constexpr,
     SRC_ALIGN: tl.constexpr, SRC_HAS_SLOTS: tl.constexpr,
@@ -366,7 +370,7 @@ def _convert_kernel(
             _convert_rows(
                 (block * BLOCK_T + rows).to(tl.int64),  # row numbers fit int32 (the launcher's grid does too)
                 src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
-                dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp, flags, n_tokens, n_rows,
+                dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, dst_gscale, min_exp, flags, n_tokens, n_rows,
                 SRC_PROG, SRC_NF, SRC_S, SRC_R, SRC_ALIGN, SRC_HAS_SLOTS,
                 DST_PROG, DST_NF, DST_S, DST_R, DST_ALIGN, DST_HAS_SLOTS,
                 CHECK, WRITE, HW_FP8, BLOCK_T,
@@ -375,7 +379,7 @@ def _convert_kernel(
         _convert_rows(
             tl.program_id(0).to(tl.int64) * BLOCK_T + rows,
             src, src16, src_slots, src_cap, src_p, src_pb, src_scale,
-            dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, min_exp, flags, n_tokens, n_rows,
+            dst, dst16, dst_slots, dst_p, dst_pb, dst_mult, dst_gscale, min_exp, flags, n_tokens, n_rows,
             SRC_PROG, SRC_NF, SRC_S, SRC_R, SRC_ALIGN, SRC_HAS_SLOTS,
             DST_PROG, DST_NF, DST_S, DST_R, DST_ALIGN, DST_HAS_SLOTS,
             CHECK, WRITE, HW_FP8, BLOCK_T,
@@ -555,7 +559,7 @@ def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
 def _launch_convert(
     src: _Pool, dst: _Pool, *, n_tokens: int, n_rows: int, src_slots: torch.Tensor | None = None,
     dst_slots: torch.Tensor | None = None, src_scale: float = 1.0, dst_mult: float = 1.0,
-    min_exp: int = 0, flags: torch.Tensor | None = None, write: bool = True,
+    dst_gscale: float = 1.0, min_exp: int = 0, flags: torch.Tensor | None = None, write: bool = True,
 ) -> None:
     rows = n_rows if write else n_tokens
     if rows == 0:
@@ -571,7 +575,7 @@ def _launch_convert(
             src.tensor, src.half, dummy if src_slots is None else src_slots, src.capacity, src.page_size,
             src.side.page_bytes, src_scale,
             dst.tensor, dst.half, dummy if dst_slots is None else dst_slots, dst.page_size, dst.side.page_bytes,
-            dst_mult, min_exp,
+            dst_mult, dst_gscale, min_exp,
             dummy if flags is None else flags, n_tokens, n_rows, n_blocks,
             **launch.constexprs, num_warps=launch.num_warps,
         )
@@ -618,13 +622,14 @@ def _output_pages(out: torch.Tensor | None, layout: Layout, num_tokens: int, pag
 
 
 def _encode_args(layout: Layout, dialect: str | None, scale: float) -> dict:
-    """Runtime encoder arguments: the per-tensor multiplier and the UE8M0 rule's exponent floor."""
+    """Runtime encoder arguments: the per-tensor multiplier fp32(1/s), s itself (NVFP4's global scale) and the
+    UE8M0 rule's exponent floor."""
     if dialect in FNUZ_DIALECT_RULES:  # a FNUZ destination: its dialect's floor also names its rule
-        return {"min_exp": FNUZ_DIALECT_RULES[dialect][0], "dst_mult": 1.0}
+        return {"min_exp": FNUZ_DIALECT_RULES[dialect][0], "dst_mult": 1.0, "dst_gscale": scale}
     floor = DIALECT_MIN_EXPONENT[ue8m0_dialect(dialect)]
     if floor <= -135:  # _scale_exponent sends zero / fp32-subnormal amax (k <= -135) straight to the floor
         raise LayoutError(f"dialect {dialect!r}: scale floor 2^{floor} is below what the kernel handles")
-    return {"min_exp": floor, "dst_mult": tensor_multiplier(dialect, scale)}
+    return {"min_exp": floor, "dst_mult": tensor_multiplier(dialect, scale), "dst_gscale": scale}
 
 
 def all_finite(x: torch.Tensor) -> bool:

@@ -67,7 +67,7 @@ class EntryPlan:
             "kind": "pages",
             "layout": self.dst.name,
             "page_size": self.dst_page_size,
-            "scale": self.dst_scale if self.dst.per_tensor_scale else None,
+            "scale": self.dst_scale if self.dst.takes_scale else None,
             "dialect": self.out_dialect,
         }
         return EntrySpec(meta, "U8", self.out_shape)
@@ -105,6 +105,8 @@ def plan_convert(
                 s_out: float | str | None = s_in  # a lossless byte move exists: keep it
             else:
                 s_out = "auto" if auto else s_given
+        elif dst.nvfp4_global_scale:  # the NVFP4 global scale given (null in the header when not: g = 1)
+            s_out = None if scale is None else s_given
         else:
             s_out = None
         move = src is not None and s_out != "auto" and is_byte_move(src, dst, s_in or 1.0, s_out or 1.0)
@@ -220,8 +222,8 @@ class _Converter:
 
     def run(self) -> LossReport | None:
         p = self.plan
-        scale = p.dst_scale if p.dst.per_tensor_scale else None
-        mult = tensor_multiplier(p.dialect, scale) if scale is not None else None
+        scale = p.dst_scale if p.dst.takes_scale else None
+        mult = tensor_multiplier(p.dialect, scale) if scale is not None and p.dst.per_tensor_scale else None
         stats = LossStats()
         bad = scan.Scan(0)
         for t0, k, rows in self._chunks():
@@ -342,10 +344,10 @@ def convert_entry(
         values = entry.data.float()
         s = (_lossless_scale_of(values, dst, page_size, dialect) or auto_scale(values)) if scale == "auto" else scale
         pages = encode(values, dst, page_size=page_size, dialect=dialect, scale=s)
-        s_out = (_fp32_scale(s) or 1.0) if dst.per_tensor_scale else None
+        s_out = (_fp32_scale(s) or 1.0) if dst.takes_scale else None
         back = decode(pages, dst, page_size=page_size, num_tokens=entry.num_tokens, scale=s_out)
         d = dialect or dst.default_dialect
-        stats = compare_values(values, back, tensor_multiplier(d, s_out) if s_out is not None else None)
+        stats = compare_values(values, back, tensor_multiplier(d, s_out) if dst.per_tensor_scale else None)
         rep = loss_report(stats, None, dst, byte_move=False, dst_scale=s_out)
         p = page_size
     else:
@@ -362,7 +364,7 @@ def convert_entry(
         )
         d = entry.dialect if rep.byte_move else (dialect or dst.default_dialect)
     out = DumpEntry(entry.layer, entry.role, pages, dst.name, p, entry.num_tokens,
-                    rep.dst_scale if dst.per_tensor_scale else None, d, entry.compress_ratio)
+                    rep.dst_scale if dst.takes_scale else None, d, entry.compress_ratio)
     return out, rep
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kvbridge import numerics as nx
 from kvbridge.errors import DumpFormatError, DumpHeaderError, InputError, KVBridgeError
 from kvbridge.layouts import Layout, get_layout
 from kvbridge.layouts.codec import HEAD_DIM
@@ -195,6 +196,11 @@ def _pages_problem(meta: dict, dtype: str, shape: Sequence[int]) -> str | None:
             return f"{lay.name} needs a per-tensor scale (a positive finite number), got {_short(scale)}"
         if _fp32_scale(scale) is None:
             return f"scale must be a positive finite fp32 number, got {_short(scale)}"
+    elif lay.nvfp4_global_scale:  # null: g = 1 (FlashInfer's DeepSeek-V4 record)
+        s = _fp32_scale(scale)
+        if scale is not None and (s is None or not nx.NVFP4_GLOBAL_SCALE_MIN <= s <= nx.NVFP4_GLOBAL_SCALE_MAX):
+            return (f"scale of {lay.name} is its NVFP4 global scale: null (1) or an fp32 number in "
+                    f"[2^-117, 2^116], got {_short(scale)}")
     elif scale is not None:
         return f"scale must be null for {lay.name} (it has per-tile scales), got {_short(scale)}"
     if dialect is not None and (not isinstance(dialect, str) or dialect not in lay.dialects):

@@ -161,7 +161,7 @@ class EngineProfile:
             p = self.swa_page if spec.role == Role.SWA else self.compressed_tokens_per_page // spec.ratio
             dialect = self.swa_dialect if spec.role == Role.SWA else self.compress_dialect
             return Storage("kv", lay.name, lay.record_bytes, lay.split, p, self._align(lay.page_bytes(p)), table,
-                           "paged", dialect, self.kv_scale if lay.per_tensor_scale else None, layout=lay)
+                           "paged", dialect, self.kv_scale if lay.takes_scale else None, layout=lay)
         if spec.role == Role.INDEXER:
             fmt = indexer_format(self.indexer_fmt, spec.width)
             p = self.compressed_tokens_per_page // spec.ratio

@@ -75,7 +75,8 @@ class RecordCodec:
     scale byte 0xFF and ``numerics.e4m3_nonfinite_tile_codes``; FNUZ tiles
     likewise with ``numerics.fnuz_scale_exponent`` and ``e4m3fnuz``;
     E4M3-scaled E2M1 tiles get ``numerics.fp4_tile_scale`` and codes of ``x / scale``; NVFP4 tiles
-    ``numerics.nvfp4_tile_scale`` and codes of ``x * fp32(1 / scale)`` (``nvfp4_encode_tiles``);
+    ``numerics.nvfp4_tile_scale`` and codes of ``x * fp32(1 / fp32(scale * g))`` (``nvfp4_encode_tiles``),
+    decoded ``fp32(e2m1 * scale) * g``, where g is the per-tensor global scale (``scale``; 1 by default);
     UE8M0-scaled E2M1 (MXFP4) tiles ``numerics.mxfp4_scale_byte`` and codes of ``x / 2^k``.
     Pad bytes are 0.
     """
@@ -128,8 +129,8 @@ class RecordCodec:
                 rec[:, soff : soff + nd // tile] = scale_bytes
             elif op == OP_E2M1_NVFP4:
                 tiles = v.reshape(n, nd // tile, tile)
-                scale_bytes = nx.nvfp4_tile_scale(tiles.abs().amax(dim=-1))
-                codes = nx.nvfp4_encode_tiles(tiles, scale_bytes).reshape(n, nd)
+                scale_bytes = nx.nvfp4_tile_scale(tiles.abs().amax(dim=-1), scale)  # scale: the global scale g
+                codes = nx.nvfp4_encode_tiles(tiles, scale_bytes, scale).reshape(n, nd)
                 rec[:, off : off + nd // 2] = nx.e2m1_pack(codes)
                 rec[:, soff : soff + nd // tile] = scale_bytes
             elif op == OP_E2M1_UE8M0:
@@ -154,7 +155,11 @@ class RecordCodec:
                 exp = records[:, soff : soff + nd // tile].to(torch.int64) - 127
                 tile_scale = torch.where(exp == 128, torch.nan, nx.pow2(exp))  # UE8M0 0xFF is NaN
                 out[:, d0 : d0 + nd] = (values * tile_scale.unsqueeze(-1)).reshape(n, nd)
-            elif op in (OP_E2M1_E4M3, OP_E2M1_NVFP4, OP_E2M1_UE8M0):
+            elif op == OP_E2M1_NVFP4:
+                codes = nx.e2m1_unpack(records[:, off : off + nd // 2]).reshape(n, nd // tile, tile)
+                values = nx.nvfp4_decode_tiles(codes, records[:, soff : soff + nd // tile], scale)
+                out[:, d0 : d0 + nd] = values.reshape(n, nd)
+            elif op in (OP_E2M1_E4M3, OP_E2M1_UE8M0):
                 values = nx.e2m1_decode(nx.e2m1_unpack(records[:, off : off + nd // 2])).reshape(n, nd // tile, tile)
                 scale_bytes = records[:, soff : soff + nd // tile]
                 if op == OP_E2M1_UE8M0:

@@ -32,7 +32,7 @@ from kvbridge.errors import LayoutError
 from kvbridge.layouts.formats import (  # the ops are defined beside the format table; re-exported for the backends
     OP_BF16,  # noqa: F401
     OP_E2M1_E4M3,  # noqa: F401
-    OP_E2M1_NVFP4,  # noqa: F401
+    OP_E2M1_NVFP4,
     OP_E2M1_UE8M0,  # noqa: F401
     OP_E4M3_TENSOR,  # noqa: F401
     OP_E4M3_UE8M0,  # noqa: F401
@@ -268,6 +268,18 @@ class Layout:
     @property
     def placement(self) -> str:
         return "token-major" if self.split is None else f"block-split at {self.split}"
+
+    @property
+    def nvfp4_global_scale(self) -> bool:
+        """Whether the records hold NVFP4 tiles, whose E4M3 tile scales are relative to a per-tensor fp32
+        global scale g kept outside the cache (passed as ``scale=`` / ``src_scale=`` / ``dst_scale=``)."""
+        return any(seg.op == OP_E2M1_NVFP4 for seg in self.segments)
+
+    @property
+    def takes_scale(self) -> bool:
+        """Whether the layout's values depend on one fp32 scale outside the cache: the per-tensor E4M3 scale
+        (``per_tensor_scale``) or NVFP4's global scale (``nvfp4_global_scale``)."""
+        return self.per_tensor_scale or self.nvfp4_global_scale
 
     @property
     def default_dialect(self) -> str | None:

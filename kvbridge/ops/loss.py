@@ -90,11 +90,17 @@ def transcode_loss_stats(pages: torch.Tensor, src: Layout, src_page_size: int, o
     return dispatch.loss_stats(pages, src, src_page_size, out, dst, dst_page_size, num_tokens, s_in, s_out, mult)
 
 
+def _reported_scale(dst: Layout, dst_scale: float | None) -> bool:
+    return dst.per_tensor_scale or (dst.nvfp4_global_scale and dst_scale is not None and dst_scale != 1.0)
+
+
 def loss_report(stats: LossStats, src: Layout | None, dst: Layout, *, byte_move: bool,
                 dst_scale: float | None) -> LossReport:
     """The ``LossReport`` of a conversion into ``dst`` with statistics ``stats`` (``src`` None: raw
     latents encoded); the one report build of ``transcode``, ``transcode_loss`` and ``kvbridge convert``:
-    ``dst_scale`` is kept for per-tensor destinations, ``dst.loss_note`` is its note when anything was lost."""
+    ``dst_scale`` is kept for per-tensor destinations, and for NVFP4 ones when their global scale is not 1 (at 1
+    the report is the one from before NVFP4 took a global scale), ``dst.loss_note`` is its note when anything was
+    lost."""
     return LossReport.from_stats(stats, src_layout="latents" if src is None else src.name, dst_layout=dst.name,
-                                 byte_move=byte_move, dst_scale=dst_scale if dst.per_tensor_scale else None,
+                                 byte_move=byte_move, dst_scale=dst_scale if _reported_scale(dst, dst_scale) else None,
                                  loss_note=dst.loss_note)

@@ -131,7 +131,8 @@ def encode(
     last page and each page's padding tail are zero. ``dialect`` picks the encoder's scale
     rule (584-byte layouts: ``flashmla`` default, ``amax-1e-4``, ``amax-1e-8``;
     ``trtllm-fp8``: ``swa`` default, ``compress``). ``scale`` is the per-tensor scale of
-    ``trtllm-fp8`` (default 1.0; ``"auto"`` picks ``auto_scale(x)``).
+    ``trtllm-fp8`` (default 1.0; ``"auto"`` picks ``auto_scale(x)``), or the NVFP4 global scale g of
+    ``flashinfer-nvfp4`` (default 1.0; an fp32 in [2^-117, 2^116], docs/layouts.md).
     ``nonfinite``: ``error`` (default) raises naming the first bad token and dim; ``zero``
     writes NaN and +-Inf as 0; ``saturate`` writes NaN as 0 and +-Inf as the format's max;
     ``propagate`` stores each NaN/Inf tile as the dialect's own writer does (docs/layouts.md; refused with
@@ -172,7 +173,8 @@ def decode(
     """Decode pages of ``layout`` to fp32 latents ``[num_tokens, 512]``.
 
     ``num_tokens`` defaults to every row of every page; ``scale`` is the per-tensor scale
-    of ``trtllm-fp8`` (default 1.0). Exact: each decoded value is the stored value.
+    of ``trtllm-fp8`` or the NVFP4 global scale of ``flashinfer-nvfp4`` (default 1.0). Exact: each
+    decoded value is the stored value (NVFP4: ``fp32(e2m1 * scale) * g``, one rounding).
     ``out``: an existing contiguous fp32 ``[num_tokens, 512]`` tensor on the pages' device, not
     sharing memory with ``pages`` (and not requiring grad), to write into instead of allocating;
     every value of it is written, and it is returned. It is checked before anything is written.
@@ -190,7 +192,7 @@ def decode(
 
 def is_byte_move(src: Layout, dst: Layout, src_scale: float, dst_scale: float) -> bool:
     """True when ``src`` and ``dst`` store identical token records (only paging differs)."""
-    return src.same_record(dst) and (not src.per_tensor_scale or src_scale == dst_scale)
+    return src.same_record(dst) and (not src.takes_scale or src_scale == dst_scale)
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -245,7 +247,7 @@ def transcode(
     """Convert pages from ``src_layout`` to ``dst_layout`` (and page size).
 
     When both layouts store the same token record (re-paging, ``flashmla-model1`` <->
-    ``trtllm-fp8-ds-mla``, per-tensor at an equal scale) this is a pure byte move, bit-exact;
+    ``trtllm-fp8-ds-mla``, per-tensor or NVFP4 at an equal scale) this is a pure byte move, bit-exact;
     ``dialect`` is then refused since nothing is re-encoded. Otherwise the source is decoded
     and re-encoded with ``dialect`` and ``dst_scale`` (``"auto"``: no saturation).
     With ``report=True`` returns ``(pages, LossReport)``. ``out``: an existing uint8 tensor of

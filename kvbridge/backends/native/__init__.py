@@ -100,10 +100,10 @@ def encode_pages(x: torch.Tensor, layout: Layout, page_size: int, dialect: str |
     if fast is not None:
         fast(x32, x16, from_bf16, n, dialect, scale, (_flat(out), dp, dpb, dsplit, drb))
         return out
-    mult, min_exp = _encode_params(dialect, scale)
+    mult, gscale, min_exp = _encode_params(dialect, scale)
     _run_chunks(
         _encode_kernel, _page_chunks(out.shape[0], dp),
-        x32, x16, from_bf16, n, _flat(out), program(layout), dp, dpb, dsplit, drb, mult, min_exp, _POW2_F32,
+        x32, x16, from_bf16, n, _flat(out), program(layout), dp, dpb, dsplit, drb, mult, gscale, min_exp, _POW2_F32,
         _E4M3_F32,
     )
     return out
@@ -195,10 +195,10 @@ def transcode_pages(
         geometry = (_flat(pages), sp, spb, ssplit, srb, n, _flat(out), dp, dpb, dsplit, drb)
         fast(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first)
     else:
-        mult, min_exp = _encode_params(dialect, dst_scale)
+        mult, gscale, min_exp = _encode_params(dialect, dst_scale)
         _run_chunks(
             _transcode_kernel, nchunks, _flat(pages), program(src), sp, spb, ssplit, srb, np.float32(src_scale), n,
-            _flat(out), program(dst), dp, dpb, dsplit, drb, mult, min_exp,
+            _flat(out), program(dst), dp, dpb, dsplit, drb, mult, gscale, min_exp,
             _E4M3_F32, _UE8M0_F32, _E2M1_F32, _POW2_F32, bad_count, bad_first,
         )
     _raise_nonfinite(bad_count, bad_first)

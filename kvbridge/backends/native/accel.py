@@ -546,7 +546,7 @@ def _fp8_to_mxfp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad
 
 
 def _model1_to_fp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
-    mult, _ = _encode_params(dialect, dst_scale)
+    mult, _, _ = _encode_params(dialect, dst_scale)
     tables = _model1_to_fp8_tables(float(mult))
     if _CK is not None:  # the C kernel also takes the multiplier (its vector code computes the rope's codes)
         _run_chunks(_CK.model1_to_fp8, len(bad_count), *geometry, *tables, bad_count, bad_first, float(mult))
@@ -555,7 +555,7 @@ def _model1_to_fp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, ba
 
 
 def _model1_encode(x32, x16, from_bf16, n, dialect, scale, geometry) -> None:
-    _, min_exp = _encode_params(dialect, scale)
+    _, _, min_exp = _encode_params(dialect, scale)
     dp, dpb = geometry[1], geometry[2]
     kernel = _model1_encode_kernel if _CK is None else _CK.model1_encode
     _run_chunks(kernel, _page_chunks(geometry[0].shape[0] // dpb, dp), x32, x16, from_bf16, n, *geometry, min_exp,

@@ -241,6 +241,9 @@ def _decode_record(prog, rec, scale, e4m3, ue8m0, e2m1, vals, bits) -> None:
                     b = src[i]
                     dst[2 * i] = e2m1[b & 15] * s
                     dst[2 * i + 1] = e2m1[b >> 4] * s
+                if op == OP_E2M1_NVFP4:  # fp32(e2m1 * scale) * g (``numerics.nvfp4_decode_tiles``)
+                    for i in range(tile):
+                        dst[i] = dst[i] * scale
 
 
 @njit(cache=True, inline="always")
@@ -330,10 +333,10 @@ def _fnuz_tiles(src, src_bits, tile: int, min_exp: int, pow2, tmp, tmp_bits, out
 
 
 @njit(cache=True, inline="always")
-def _nvfp4_tiles(src, src_bits, tile: int, e4m3, tmp, tmp_bits, out, scales) -> None:
-    """NVFP4 tiles (``numerics.nvfp4_tile_scale`` / ``nvfp4_encode_tiles``): scale byte
-    ``e4m3(amax * fp32(1/6))`` (0x7F and all codes 0 when the tile holds NaN or Inf), codes of
-    ``x * fp32(1/scale)``, a zero element keeping its signed zero."""
+def _nvfp4_tiles(src, src_bits, tile: int, rcp_g, g, e4m3, tmp, tmp_bits, out, scales) -> None:
+    """NVFP4 tiles (``numerics.nvfp4_tile_scale`` / ``nvfp4_encode_tiles``) under the global scale ``g``
+    (``rcp_g`` = fp32(1/g)): scale byte ``e4m3(rcp_g * (amax * fp32(1/6)))`` (0x7F and all codes 0 when the
+    tile holds NaN or Inf), codes of ``x * fp32(1/fp32(scale * g))``, a zero element keeping its signed zero."""
     half = tile // 2
     for t in range(src.shape[0] // tile):
         lo = t * tile
@@ -345,10 +348,10 @@ def _nvfp4_tiles(src, src_bits, tile: int, e4m3, tmp, tmp_bits, out, scales) -> 
             continue
         tmp_bits[0] = np.uint32(amax_bits)
         tmp_bits[1] = np.uint32(_NVFP4_RCP6_BITS)
-        tmp[0] = tmp[0] * tmp[1]
+        tmp[0] = rcp_g * (tmp[0] * tmp[1])  # +Inf saturates: _e4m3_code(0x7F800000) is 0x7E
         code = _e4m3_code(np.int64(tmp_bits[0]))
         scales[t] = code
-        inv = np.float32(np.inf) if code == 0 else np.float32(1.0) / e4m3[code]  # 1/0 is +Inf
+        inv = np.float32(np.inf) if code == 0 else np.float32(1.0) / (e4m3[code] * g)  # 1/0 is +Inf
         for i in range(tile):
             v = src[lo + i]
             tmp[i] = v if v == 0 else v * inv
@@ -382,9 +385,9 @@ def _mxfp4_tiles(src, src_bits, tile: int, pow2, tmp, tmp_bits, out, scales) -> 
 
 
 @njit(cache=True, inline="always")
-def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, rec) -> None:
-    """512 fp32 values -> record bytes, field by field. ``mult``: per-tensor E4M3 multiplier;
-    ``min_exp``: the UE8M0 rule's exponent floor."""
+def _encode_record(prog, vals, bits, mult, gscale, min_exp, pow2, e4m3, tmp, tmp_bits, rec) -> None:
+    """512 fp32 values -> record bytes, field by field. ``mult``: per-tensor multiplier fp32(1/s) (E4M3 values;
+    NVFP4 tile scales, s = ``gscale``, the NVFP4 global scale); ``min_exp``: the UE8M0 rule's exponent floor."""
     for k in range(prog.shape[0]):
         op, d0, nd, off, tile, soff = prog[k, 0], prog[k, 1], prog[k, 2], prog[k, 3], prog[k, 4], prog[k, 5]
         if op == OP_BF16:
@@ -430,7 +433,7 @@ def _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, r
                     tmp[i] = vals[lo + i] / s
                 _pack_e2m1(tmp_bits, rec[off + t * half : off + (t + 1) * half])
         elif op == OP_E2M1_NVFP4:
-            _nvfp4_tiles(vals[d0 : d0 + nd], bits[d0 : d0 + nd], tile, e4m3, tmp, tmp_bits,
+            _nvfp4_tiles(vals[d0 : d0 + nd], bits[d0 : d0 + nd], tile, mult, gscale, e4m3, tmp, tmp_bits,
                          rec[off : off + nd // 2], rec[soff : soff + nd // tile])
         elif op == OP_E2M1_UE8M0:
             _mxfp4_tiles(vals[d0 : d0 + nd], bits[d0 : d0 + nd], tile, pow2, tmp, tmp_bits,
@@ -457,7 +460,8 @@ def _count_nonfinite(bits, token: int, count: int, first: int) -> tuple[int, int
 
 
 @njit(cache=True, nogil=True)
-def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, prog, dp, dpb, dsplit, drb, mult, min_exp, pow2, e4m3):
+def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, prog, dp, dpb, dsplit, drb, mult, gscale, min_exp, pow2,
+                   e4m3):
     """Latents (fp32 ``x32`` or bf16 bits ``x16``, flat) -> ``dst`` pages (flat uint8)."""
     npages = dst.shape[0] // dpb
     per = max(1, CHUNK_TOKENS // dp)
@@ -479,7 +483,7 @@ def _encode_kernel(c0, c1, x32, x16, from_bf16, n, dst, prog, dp, dpb, dsplit, d
                             bits[i] = np.uint32(row16[i]) << 16
                     else:
                         _copy(x32[lo : lo + HEAD_DIM], vals)
-                    _encode_record(prog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, rec)
+                    _encode_record(prog, vals, bits, mult, gscale, min_exp, pow2, e4m3, tmp, tmp_bits, rec)
                     _scatter(rec, dst, d_at, f_at, dsplit, drb)
                 else:
                     _zero(dst, d_at, d_at + dsplit)
@@ -503,7 +507,7 @@ def _decode_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, out, e4m3,
 @njit(cache=True, nogil=True)
 def _transcode_kernel(
     c0, c1, src, sprog, sp, spb, ssplit, srb, scale, n,
-    dst, dprog, dp, dpb, dsplit, drb, mult, min_exp,
+    dst, dprog, dp, dpb, dsplit, drb, mult, gscale, min_exp,
     e4m3, ue8m0, e2m1, pow2, bad_count, bad_first,
 ):
     """Decode each source token into an fp32 buffer and re-encode it (any pair of record programs).
@@ -531,7 +535,7 @@ def _transcode_kernel(
                     _gather(src, s_at, sf_at, ssplit, srb, rec_in)
                     _decode_record(sprog, rec_in, scale, e4m3, ue8m0, e2m1, vals, bits)
                     count, first = _count_nonfinite(bits, t, count, first)
-                    _encode_record(dprog, vals, bits, mult, min_exp, pow2, e4m3, tmp, tmp_bits, rec_out)
+                    _encode_record(dprog, vals, bits, mult, gscale, min_exp, pow2, e4m3, tmp, tmp_bits, rec_out)
                     _scatter(rec_out, dst, d_at, f_at, dsplit, drb)
                 else:
                     _zero(dst, d_at, d_at + dsplit)
@@ -621,6 +625,8 @@ def _amax_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, e4m3, ue8m0,
                             m = max(m, np.uint8(c & np.uint8(7)), np.uint8((c >> np.uint8(4)) & np.uint8(7)))
                         s = ue8m0[rec[soff + j]] if op == OP_E2M1_UE8M0 else e4m3[rec[soff + j]]
                         v = abs(e2m1[m] * s)
+                        if op == OP_E2M1_NVFP4:  # fp32(e2m1 * scale) * g: monotone in the code
+                            v = abs(v * scale)
                         if not np.isfinite(v):
                             flag = 1
                         else:
@@ -678,11 +684,13 @@ def _nonfinite_kernel(c0, c1, words, exp_mask, counts):
         counts[chunk] = count
 
 
-def _encode_params(dialect: str | None, scale: float) -> tuple[np.float32, int]:
-    """(per-tensor E4M3 multiplier, UE8M0 exponent floor) as the reference codec applies them."""
+def _encode_params(dialect: str | None, scale: float) -> tuple[np.float32, np.float32, int]:
+    """(per-tensor multiplier fp32(1/s), the scale s itself (NVFP4's global scale), UE8M0 exponent floor) as
+    the reference codec applies them."""
     if dialect in nx.FNUZ_DIALECT_RULES:
-        return np.float32(1.0), nx.FNUZ_DIALECT_RULES[dialect][0]
-    return np.float32(tensor_multiplier(dialect, scale)), nx.DIALECT_MIN_EXPONENT[ue8m0_dialect(dialect)]
+        return np.float32(1.0), np.float32(scale), nx.FNUZ_DIALECT_RULES[dialect][0]
+    return (np.float32(tensor_multiplier(dialect, scale)), np.float32(scale),
+            nx.DIALECT_MIN_EXPONENT[ue8m0_dialect(dialect)])
 
 
 def _x_arrays(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:

@@ -228,7 +228,7 @@ def pow2(exponent: torch.Tensor) -> torch.Tensor:
 def ue8m0_decode(byte: torch.Tensor) -> torch.Tensor:
     """fp32 value of UE8M0 scale bytes: exactly 2^(byte - 127) (byte 0: the subnormal 2^-127), NaN for 0xFF."""
     b = byte.to(torch.int64)
-    return torch.where(b == UE8M0_NAN, torch.tensor(float("nan")), pow2(b - 127))
+    return torch.where(b == UE8M0_NAN, torch.nan, pow2(b - 127))
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:

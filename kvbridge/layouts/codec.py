@@ -152,8 +152,7 @@ class RecordCodec:
             elif op in (OP_E4M3_UE8M0, OP_E4M3FNUZ_UE8M0):
                 decode = nx.e4m3fnuz_decode if op == OP_E4M3FNUZ_UE8M0 else nx.e4m3_decode
                 values = decode(records[:, off : off + nd]).reshape(n, nd // tile, tile)
-                exp = records[:, soff : soff + nd // tile].to(torch.int64) - 127
-                tile_scale = torch.where(exp == 128, torch.nan, nx.pow2(exp))  # UE8M0 0xFF is NaN
+                tile_scale = nx.ue8m0_decode(records[:, soff : soff + nd // tile])
                 out[:, d0 : d0 + nd] = (values * tile_scale.unsqueeze(-1)).reshape(n, nd)
             elif op == OP_E2M1_NVFP4:
                 codes = nx.e2m1_unpack(records[:, off : off + nd // 2]).reshape(n, nd // tile, tile)
@@ -162,10 +161,6 @@ class RecordCodec:
             elif op in (OP_E2M1_E4M3, OP_E2M1_UE8M0):
                 values = nx.e2m1_decode(nx.e2m1_unpack(records[:, off : off + nd // 2])).reshape(n, nd // tile, tile)
                 scale_bytes = records[:, soff : soff + nd // tile]
-                if op == OP_E2M1_UE8M0:
-                    exp = scale_bytes.to(torch.int64) - 127
-                    tile_scale = torch.where(exp == 128, torch.nan, nx.pow2(exp.clamp(max=127)))
-                else:
-                    tile_scale = nx.e4m3_decode(scale_bytes)
+                tile_scale = nx.ue8m0_decode(scale_bytes) if op == OP_E2M1_UE8M0 else nx.e4m3_decode(scale_bytes)
                 out[:, d0 : d0 + nd] = (values * tile_scale.unsqueeze(-1)).reshape(n, nd)
         return out

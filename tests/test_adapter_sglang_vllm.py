@@ -39,6 +39,9 @@ from tests.test_adapter_vllm_sglang import CONFIG5
 
 #: The prefill's metadata rows of its rooms (``MetadataBuffers`` indices its scheduler would hand them).
 ROOMS = {9001: 2, 9002: 3}
+#: A third room of that prefill, which the vLLM decode holds whole in its prefix cache (its 1,300-token prompt
+#: computed by vLLM itself first: a 1,280-token hit, past the room's 1,026 tokens), and its metadata row there.
+WHOLE_ROOM, WHOLE_ROW, WHOLE_PROMPT = 9003, 1, 1300
 
 
 class _Prefill:
@@ -99,27 +102,35 @@ def test_sglang_prefill_feeds_a_vllm_decode_byte_exact(tmp_path, num_tokens=1026
     """Two rooms at once from one SGLang prefill (1,026 tokens: the ratio-4 state rows 1022..1025 straddle the SWA
     page boundary at 1024, two rings): both land in their own vLLM blocks byte for byte as ``migrate_local``
     converts the SGLang pool, vLLM then computes each request's last prompt token, and the landing pages, rows
-    and quarantine are empty again."""
+    and quarantine are empty again. A third room of the prefill, whole in vLLM's prefix cache, is declined: the
+    prefill's own sender concludes it ``KVPoll.Success`` (not at its bootstrap timeout), with nothing written into
+    vLLM's blocks (they stay as vLLM computed them) and no landing page or metadata row claimed for it."""
     python, model_dir, model, ape = _setup(tmp_path)
     out = tmp_path / "out"
-    pre = _Prefill(tmp_path, model, num_tokens, ROOMS, seed=3, name="prefill")
+    pre = _Prefill(tmp_path, model, num_tokens, {**ROOMS, WHOLE_ROOM: WHOLE_ROW}, seed=3, name="prefill")
     bootstrap = pre.start()
     try:
-        _finish(_engine(python, "sglang-consumer", "sglang", str(model_dir), str(out), ",".join(pre.specs()),
+        specs = [*pre.specs()[:2], f"{pre.specs()[2]}~{WHOLE_PROMPT}"]
+        _finish(_engine(python, "sglang-consumer", "sglang", str(model_dir), str(out), ",".join(specs),
                         f"ape={ape}"))
         prefill = _until_result(pre.next_line)
     finally:
         _stop(pre.proc)
-    assert prefill["result"] == "Success", prefill  # SGLang's senders reached KVPoll.Success, both rooms
+    # SGLang's senders reached KVPoll.Success, all three rooms (the third without a transfer: SGLang's
+    # transfer worker posts no write for a dummy decode, then concludes the room)
+    assert prefill["result"] == "Success", prefill
     result = json.loads((out / "result.json").read_text())
     assert result["errors"] == [] and result["failed"] == [], result["errors"]
     assert result["received"] == ["vllm-req-0", "vllm-req-1"]
     assert result["loads"] == {"vllm-req-0": ["sglang-room-9001", bootstrap, 9001, num_tokens],
                                "vllm-req-1": ["sglang-room-9002", bootstrap, 9002, num_tokens]}
-    assert result["finished"] == ["FINISHED_LENGTH_CAPPED"] * 2  # two tokens each, decoded by vLLM
-    assert result["scheduled_after_load"] == {"vllm-req-0": 1, "vllm-req-1": 1}  # the last prompt token only
+    assert result["declines"] == [[bootstrap, WHOLE_ROOM]]  # the whole hit: no load, its prefill told
+    assert result["finished"] == ["FINISHED_LENGTH_CAPPED"] * 3  # two tokens each, decoded by vLLM
+    # the last prompt token only; the whole hit computes its prompt past vLLM's 1,280-token hit
+    assert result["scheduled_after_load"] == {"vllm-req-0": 1, "vllm-req-1": 1, "vllm-req-2": WHOLE_PROMPT - 1280}
     assert result["stats"]["recv_requests"] == 2 and result["stats"]["recv_failed"] == 0
     assert result["landing_free"] == result["landing_capacity"] and result["quarantined_after_load"] == 0
+    assert result["aux_free"][0] == result["aux_free"][1]
     assert any(t.ape_sign > 0 for t in plan_migration("sglang", VLLM, model, num_tokens, include_mtp=False,
                                                       ape=ape).transfers)
     _assert_all_landed([pre], model, ape, out, result)

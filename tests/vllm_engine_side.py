@@ -349,27 +349,40 @@ def sglang_producer(model_dir: str, out_dir: str, num_tokens: int, room: int, *o
     eng.worker.shutdown()
 
 
-def sglang_consumer(model_dir: str, out_dir: str, rooms: list[tuple[int, str, int]], *options: str) -> None:
+def sglang_consumer(model_dir: str, out_dir: str, rooms: list[tuple[int, str, int, int | None]],
+                    *options: str) -> None:
     """A vLLM decode fed by SGLang prefills (transport ``sglang``): ``options`` are ``KEY=VALUE`` connector keys
-    and ``ape=PATH``. One request per ``(num_tokens, bootstrap host:port, room)`` of ``rooms``, all added at once,
-    their ``kv_transfer_params`` naming the prefill's bootstrap server and the room as SGLang's router sets them;
-    the scheduler allocates their blocks, the worker receives them (each failure's wall-clock time recorded),
-    and the loaded ones compute their last prompt token and sample two tokens; the connector's quarantined
-    landing pages are waited for (10 s at most). Writes vLLM's KV buffer and the result to OUT_DIR."""
+    and ``ape=PATH``. One request per ``(num_tokens, bootstrap host:port, room, prompt)`` of ``rooms``, all added
+    at once, their ``kv_transfer_params`` naming the prefill's bootstrap server and the room as SGLang's router
+    sets them; the scheduler allocates their blocks, the worker receives them (each failure's wall-clock time
+    recorded), and the loaded ones compute their last prompt token and sample two tokens. A ``prompt`` (else
+    None) makes the request's prompt that long, with ``kvbridge_num_tokens`` ``num_tokens``, in vLLM's prefix
+    cache: vLLM first computes a prompt of that length itself, so the request is whole in its cache (no load,
+    its prefill declined: the rooms declined are recorded). The connector's quarantined landing pages and its
+    declines are waited for (10 s at most). Writes vLLM's KV buffer and the result to OUT_DIR."""
     keys = dict(o.split("=", 1) for o in options)
     ape = keys.pop("ape", None)
     eng = Engine(model_dir, "consumer", "sglang", ape=ape, max_len=2304, kv_bytes=128 << 20,
                  sglang={k: int(v) if v.isdigit() else v for k, v in keys.items()})
+    for prompt in sorted({r[3] for r in rooms if r[3]}):  # vLLM computes it itself: its blocks stay cached
+        req = eng.request(prompt, {}, max_tokens=1, request_id=f"vllm-cached-{prompt}", hashed=True)
+        while not req.is_finished():
+            out = eng.scheduler.schedule()
+            eng.step(out, {rid: [7] for rid in out.num_scheduled_tokens})
     reqs = []
-    for k, (num_tokens, bootstrap, room) in enumerate(rooms):
+    for k, (num_tokens, bootstrap, room, prompt) in enumerate(rooms):
         host, port = bootstrap.rsplit(":", 1)
-        reqs.append(eng.request(num_tokens, {"bootstrap_host": host, "bootstrap_port": int(port),
-                                             "bootstrap_room": room}, max_tokens=2, request_id=f"vllm-req-{k}"))
+        params = {"bootstrap_host": host, "bootstrap_port": int(port), "bootstrap_room": room}
+        if prompt:
+            params["kvbridge_num_tokens"] = num_tokens
+        reqs.append(eng.request(prompt or num_tokens, params, max_tokens=2, request_id=f"vllm-req-{k}",
+                                hashed=bool(prompt)))
     out = eng.scheduler.schedule()
     loads = {load.req_id: load for load in out.kv_connector_metadata.loads}
-    assert sorted(loads) == sorted(r.request_id for r in reqs), loads
+    assert sorted(loads) == sorted(r.request_id for r, spec in zip(reqs, rooms, strict=True) if not spec[3]), loads
     result = {"block_ids": {rid: [list(ids) for ids in load.block_ids] for rid, load in loads.items()},
               "loads": {rid: [ld.request_id, ld.bootstrap, ld.room, ld.num_tokens] for rid, ld in loads.items()},
+              "declines": [list(d) for d in out.kv_connector_metadata.declines],
               "status_after_schedule": [r.status.name for r in reqs], "failed_at": {}}
     received: set[str] = set()
     first_scheduled: dict[str, int] = {}  # tokens vLLM computes in its first step after the load
@@ -389,6 +402,7 @@ def sglang_consumer(model_dir: str, out_dir: str, rooms: list[tuple[int, str, in
     result["scheduled_after_load"] = first_scheduled
     result["finished"] = [r.status.name for r in reqs]
     peer = eng.worker.sglang_decode
+    eng.worker._recv_pool.shutdown(wait=True)  # the declines told (they run on the receive threads)
     result["quarantined_after_load"] = len(peer.quarantined)
     until = time.monotonic() + 10
     while peer.quarantined and time.monotonic() < until:
@@ -398,6 +412,7 @@ def sglang_consumer(model_dir: str, out_dir: str, rooms: list[tuple[int, str, in
     result["landing_capacity"] = {k: int(peer.pools.pool(s).shape[0]) for s in eng.worker.model.all_caches(False)
                                   for k in [peer.pools.storage(s).table]}
     result["dead_within"] = peer.dead_within
+    result["aux_free"] = [len(peer._free_aux), peer.aux_rows]  # metadata rows not claimed / registered
     eng.dump(out_dir, result)
     eng.worker.shutdown()
 
@@ -763,9 +778,9 @@ def main() -> None:
     elif mode == "bench":
         bench(transport, model_dir, out_dir, *rest)
     elif mode == "sglang-consumer":
-        specs, *rest = rest  # N@HOST:PORT#ROOM,...
-        rooms = [(int(n), addr, int(room)) for n, addr, room in
-                 (spec.replace("#", "@").split("@") for spec in specs.split(","))]
+        specs, *rest = rest  # N@HOST:PORT#ROOM[~PROMPT],...
+        rooms = [(int(n), addr, int(room), int(prompt[0]) if prompt else None) for n, addr, room, *prompt in
+                 (spec.replace("#", "@").replace("~", "@").split("@") for spec in specs.split(","))]
         sglang_consumer(model_dir, out_dir, rooms, *rest)
     elif mode == "sglang-producer":
         num_tokens, room, *rest = rest

@@ -183,6 +183,40 @@ def test_the_peer_withdraws_a_room_no_decode_asked_for():
     assert not peer.withdraw(7, "too late")
 
 
+def test_a_reused_page_carries_no_earlier_room():
+    """Without SGLang: the peer's pages travel whole, and a request fills only its tokens' records of a page
+    (and its rows of a state ring); released pages are zeroed, so a 1-token room on the pages a 1,026-token
+    room held reaches its decode byte-identical to its conversion into fresh pools."""
+    from kvbridge.adapters.sglang import SGLangPrefillPeer
+    from kvbridge.engines.topology import FLASH
+    from kvbridge.migration import source_request
+
+    model = FLASH.with_layers(5)
+    long, short = (plan_migration("sglang", "sglang", model, n, include_mtp=False) for n in (1026, 1))
+    peer = SGLangPrefillPeer(destination_pools(long, spare_pages=1), state_memory=STATE_MEMORY)
+    src, src_tables = source_request(long, spare_pages=1, seed=2)
+    before = peer.add_migrated_request(7, long, src, src_tables, first_token=3)
+    assert peer.withdraw(7, "nobody asked")
+    peer.release_pages(before)
+    peer.forget(7)
+    for spec in model.all_caches(False):
+        assert not peer.pools.pool(spec).any(), f"layer {spec.layer} {spec.role.value}: a released page kept bytes"
+    src, src_tables = source_request(short, spare_pages=1, seed=4)
+    tables = peer.add_migrated_request(8, short, src, src_tables, first_token=3)
+    fresh = destination_pools(short, spare_pages=1)
+    want, _ = migrate_local(short, src, src_tables, fresh, loss_report=False)
+    reused = 0
+    for spec in model.all_caches(False):
+        name = peer.pools.storage(spec).table
+        for got_id, want_id in zip(tables[name], want[name], strict=True):
+            if got_id >= 0:
+                reused += got_id in before[name]
+                assert torch.equal(peer.pools.pool(spec)[got_id], fresh.pool(spec)[want_id]), (spec, got_id)
+    # every page the short room holds was the long room's: 10 caches' (SWA KV, compressor states, the ratio-128
+    # ring); a 1-token request holds no compressed-KV page
+    assert reused == 10 and tables["full"] == []
+
+
 if __name__ == "__main__":
     import sys
 

@@ -307,40 +307,53 @@ def producer(transport: str, model_dir: str, out_dir: str, request_id: str, num_
     eng.worker.shutdown()
 
 
-def sglang_producer(model_dir: str, out_dir: str, num_tokens: int, room: int, *options: str) -> None:
+def sglang_producer(model_dir: str, out_dir: str, requests: list[tuple[int, int]], *options: str) -> None:
     """A vLLM prefill serving an SGLang decode (transport ``sglang``): ``options`` are ``KEY=VALUE`` connector
-    keys (``register_with``, ``bootstrap``, ``state_memory``) and ``ape=PATH``. A request of ``num_tokens``
-    whose ``kv_transfer_params`` carry ``bootstrap_room`` ROOM is scheduled, its blocks filled as vLLM's writers
-    store them (records saved for the test), it samples token 5 and finishes; the worker serves it until the
-    decode took the room. Writes vLLM's KV buffer and the result to OUT_DIR."""
+    keys (``register_with``, ``bootstrap``, ``state_memory``) and ``ape=PATH``. One request ``vllm-req-K`` per
+    ``(num_tokens, room)`` of ``requests``, all added at once, whose ``kv_transfer_params`` carry
+    ``bootstrap_room`` ROOM; each is scheduled whole (as many a step as vLLM's token budget takes), its blocks
+    filled as vLLM's writers store them (records saved for the test, ``records-vllm-req-K.safetensors``), it
+    samples token 5 + K and finishes; the worker serves each until the decode took its room. Writes vLLM's KV
+    buffer and the result to OUT_DIR."""
     from safetensors.torch import save_file
 
     from kvbridge.migration.plan import plan_migration
 
     keys = dict(o.split("=", 1) for o in options)
     ape = keys.pop("ape", None)
-    eng = Engine(model_dir, "producer", "sglang", ape=ape, max_len=2048, kv_bytes=128 << 20, sglang=keys)
-    req = eng.request(num_tokens, {"bootstrap_room": room}, max_tokens=1)
-    out = eng.scheduler.schedule()
-    assert out.num_scheduled_tokens[req.request_id] == num_tokens, out.num_scheduled_tokens
-    block_ids = eng.scheduler.kv_cache_manager.get_block_ids(req.request_id)
-    plan = plan_migration(eng.worker.profile, eng.worker.sglang_profile, eng.worker.model, num_tokens,
-                          include_mtp=False, ape=eng.worker.ape)
-    records = synthetic_records(plan, seed=11)
-    eng.worker.caches.write(plan.transfers, records, block_ids, side="src")
-    save_file({str(i): r for i, r in enumerate(records)}, os.path.join(out_dir, "records.safetensors"))
-    eng.step(out, {req.request_id: [5]})  # the first output token: the decode's metadata row carries it
-    result = {"block_ids": [list(ids) for ids in block_ids], "status_after_prefill": req.status.name,
-              "held_after_finish": req.request_id in eng.scheduler.requests,
+    eng = Engine(model_dir, "producer", "sglang", ape=ape, max_len=2304, kv_bytes=128 << 20, sglang=keys)
+    reqs = {f"vllm-req-{k}": eng.request(n, {"bootstrap_room": room}, max_tokens=1, request_id=f"vllm-req-{k}")
+            for k, (n, room) in enumerate(requests)}
+    first = {rid: 5 + k for k, rid in enumerate(reqs)}  # each request's first output token: its metadata row's
+    result = {"block_ids": {}, "status_after_prefill": {}, "held_after_finish": {}, "sends": [],
               "bootstrap_addr": eng.worker.sglang_peer.bootstrap_addr}
-    out = eng.scheduler.schedule()
-    result["sends"] = [[s.request_id, s.room, s.first_token, s.num_tokens] for s in out.kv_connector_metadata.sends]
-    sent, _ = eng.until_done(out, "sent")
+    sent: set[str] = set()
+    deadline = time.monotonic() + 200
+    while sent != set(reqs) and time.monotonic() < deadline:
+        out = eng.scheduler.schedule()
+        result["sends"] += [[x.request_id, x.room, x.first_token, x.num_tokens]
+                            for x in out.kv_connector_metadata.sends]
+        for rid, n in out.num_scheduled_tokens.items():  # a prefill step: vLLM's forward writes the blocks
+            req = reqs[rid]
+            assert n == req.num_prompt_tokens, (rid, n)
+            block_ids = eng.scheduler.kv_cache_manager.get_block_ids(rid)
+            plan = plan_migration(eng.worker.profile, eng.worker.sglang_profile, eng.worker.model, n,
+                                  include_mtp=False, ape=eng.worker.ape)
+            records = synthetic_records(plan, seed=11 + int(rid.rsplit("-", 1)[1]))
+            eng.worker.caches.write(plan.transfers, records, block_ids, side="src")
+            save_file({str(i): r for i, r in enumerate(records)}, os.path.join(out_dir, f"records-{rid}.safetensors"))
+            result["block_ids"][rid] = [list(ids) for ids in block_ids]
+        s, _ = eng.step(out, {rid: [first[rid]] for rid in out.num_scheduled_tokens})
+        sent |= s or set()
+        for rid in out.num_scheduled_tokens:
+            result["status_after_prefill"][rid] = reqs[rid].status.name
+            result["held_after_finish"][rid] = rid in eng.scheduler.requests
+        time.sleep(0.05)
     result["sent"] = sorted(sent)
     result["errors"] = list(eng.worker.errors)
     result["stats"] = (eng.worker.get_kv_connector_stats() or eng.worker.build_kv_connector_stats()).reduce()
     eng.scheduler.schedule()
-    result["freed_after_send"] = req.request_id not in eng.scheduler.requests
+    result["freed_after_send"] = {rid: rid not in eng.scheduler.requests for rid in reqs}
     peer = eng.worker.sglang_peer
     result["peer_free"] = {k: len(v) for k, v in peer.pools.free.items()}
     result["peer_capacity"] = {k: int(peer.pools.pool(s).shape[0]) for s in eng.worker.model.all_caches(False)
@@ -783,8 +796,9 @@ def main() -> None:
                  (spec.replace("#", "@").replace("~", "@").split("@") for spec in specs.split(","))]
         sglang_consumer(model_dir, out_dir, rooms, *rest)
     elif mode == "sglang-producer":
-        num_tokens, room, *rest = rest
-        sglang_producer(model_dir, out_dir, int(num_tokens), int(room), *rest)
+        num_tokens, rooms, *rest = rest  # N,N,... ROOM,ROOM,...
+        sglang_producer(model_dir, out_dir, [(int(n), int(r)) for n, r in
+                                             zip(num_tokens.split(","), rooms.split(","), strict=True)], *rest)
     elif mode == "tp":
         size, port, dist_port, num_tokens, src, dst, peer = rest
         tp(transport, model_dir, out_dir, int(size), int(port), int(dist_port), int(num_tokens), src, dst, peer)

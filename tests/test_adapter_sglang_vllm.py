@@ -202,6 +202,44 @@ def test_a_prefill_killed_mid_transfer_fails_its_request_within_the_bound(tmp_pa
     _assert_all_landed([alive], model, ape, out, result)
 
 
+def test_after_a_killed_prefill_the_next_room_lands_on_its_reclaimed_pages(tmp_path):
+    """A connector whose landing pools hold one 1,026-token request (``max_inflight`` 1, ``landing_tokens``
+    1,026): its prefill SIGKILLed after two KV pages, the room fails within the bound and its pages (and its
+    metadata row) stay quarantined; once a heartbeat passed they are reclaimed, and the next room, from a prefill
+    that lives, can only land on them: it does, byte for byte, and every landing page is free again."""
+    python, model_dir, model, ape = _setup(tmp_path)
+    out = tmp_path / "out"
+    dying = _Prefill(tmp_path, model, 1026, {9201: 0}, seed=32, name="dying", die_after_pages=2)
+    nxt = _Prefill(tmp_path, model, 1026, {9202: 1}, seed=33, name="next")
+    try:
+        dying.start()
+        nxt.start()
+        engine = _engine(python, "sglang-consumer", "sglang", str(model_dir), str(out), ",".join(dying.specs()),
+                         f"ape={ape}", "max_inflight=1", "landing_tokens=1026", f"then={nxt.specs()[0]}")
+        assert dying.next_line()["event"] == "sending"
+        assert dying.next_line()["event"] == "partial"
+        dying.proc.kill()
+        killed_at = time.time()
+        _finish(engine)
+        next_result = _until_result(nxt.next_line)
+    finally:
+        dying.proc.kill()
+        _stop(nxt.proc)
+    assert next_result["result"] == "Success", next_result
+    result = json.loads((out / "result.json").read_text())
+    assert result["failed"] == ["vllm-req-0"] and result["received"] == ["vllm-req-0", "vllm-req-1"]
+    assert len(result["errors"]) == 1 and "died mid-transfer" in result["errors"][0], result["errors"]
+    assert result["failed_at"]["vllm-req-0"] - killed_at <= result["dead_within"] + 2.0, result["failed_at"]
+    # the dead room's pages were quarantined, then reclaimed: the pools held exactly one request again
+    assert result["next"]["quarantined_before"] == 1 and result["next"]["quarantined"] == 0
+    assert result["next"]["free"] == result["landing_capacity"] == {"full": 5, "swa": 2, "state128": 1}
+    assert result["finished"] == ["FINISHED_ERROR", "FINISHED_LENGTH_CAPPED"]
+    assert result["quarantined"] == 0 and result["landing_free"] == result["landing_capacity"]
+    assert result["aux_free"] == [1, 1]
+    assert result["stats"]["recv_requests"] == 1 and result["stats"]["recv_failed"] == 1
+    _assert_all_landed([nxt], model, ape, out, result)
+
+
 def test_a_decode_request_names_its_prefill_as_sglang_router_does():
     """Without vLLM: the three fields SGLang's router sets (``sglang_source``), each refused by name when vLLM
     could not use it (the scheduler then logs it and vLLM computes the prompt itself)."""

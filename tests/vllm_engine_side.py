@@ -372,9 +372,12 @@ def sglang_consumer(model_dir: str, out_dir: str, rooms: list[tuple[int, str, in
     None) makes the request's prompt that long, with ``kvbridge_num_tokens`` ``num_tokens``, in vLLM's prefix
     cache: vLLM first computes a prompt of that length itself, so the request is whole in its cache (no load,
     its prefill declined: the rooms declined are recorded). The connector's quarantined landing pages and its
-    declines are waited for (10 s at most). Writes vLLM's KV buffer and the result to OUT_DIR."""
+    declines are waited for (10 s at most). ``then=N@HOST:PORT#ROOM``: one more request, added once those
+    requests finished and the quarantine emptied (``result["next"]``: what the landing pools held then).
+    Writes vLLM's KV buffer and the result to OUT_DIR."""
     keys = dict(o.split("=", 1) for o in options)
     ape = keys.pop("ape", None)
+    then = keys.pop("then", None)
     eng = Engine(model_dir, "consumer", "sglang", ape=ape, max_len=2304, kv_bytes=128 << 20,
                  sglang={k: int(v) if v.isdigit() else v for k, v in keys.items()})
     for prompt in sorted({r[3] for r in rooms if r[3]}):  # vLLM computes it itself: its blocks stay cached
@@ -399,22 +402,42 @@ def sglang_consumer(model_dir: str, out_dir: str, rooms: list[tuple[int, str, in
               "status_after_schedule": [r.status.name for r in reqs], "failed_at": {}}
     received: set[str] = set()
     first_scheduled: dict[str, int] = {}  # tokens vLLM computes in its first step after the load
-    deadline = time.monotonic() + 200
-    while not all(r.is_finished() for r in reqs) and time.monotonic() < deadline:
-        failed: set[str] = set()
-        for rid, n in out.num_scheduled_tokens.items():
-            first_scheduled.setdefault(rid, n)
-        _, got = eng.step(out, {rid: [7] for rid in out.num_scheduled_tokens}, failed=failed)
-        received |= got or set()
-        result["failed_at"].update(dict.fromkeys(failed, time.time()))
-        time.sleep(0.05)
+
+    def run(out) -> None:  # step (as vLLM's engine loop does) until every request finished
+        deadline = time.monotonic() + 200
+        while not all(r.is_finished() for r in reqs) and time.monotonic() < deadline:
+            failed: set[str] = set()
+            for rid, n in out.num_scheduled_tokens.items():
+                first_scheduled.setdefault(rid, n)
+            _, got = eng.step(out, {rid: [7] for rid in out.num_scheduled_tokens}, failed=failed)
+            received.update(got or ())
+            result["failed_at"].update(dict.fromkeys(failed, time.time()))
+            time.sleep(0.05)
+            out = eng.scheduler.schedule()
+
+    run(out)
+    peer = eng.worker.sglang_decode
+    if then:
+        result["next"] = {"quarantined_before": len(peer.quarantined)}
+        until = time.monotonic() + 30
+        while peer.quarantined and time.monotonic() < until:  # the watcher reclaims the dead room's pages
+            time.sleep(0.1)
+        result["next"].update(quarantined=len(peer.quarantined), free={k: len(v) for k, v in peer.pools.free.items()})
+        n, addr, room = then.replace("#", "@").split("@")
+        host, port = addr.rsplit(":", 1)
+        rid = f"vllm-req-{len(reqs)}"
+        reqs.append(eng.request(int(n), {"bootstrap_host": host, "bootstrap_port": int(port),
+                                         "bootstrap_room": int(room)}, max_tokens=2, request_id=rid))
         out = eng.scheduler.schedule()
+        (load,) = out.kv_connector_metadata.loads
+        result["block_ids"][rid] = [list(ids) for ids in load.block_ids]
+        result["loads"][rid] = [load.request_id, load.bootstrap, load.room, load.num_tokens]
+        run(out)
     result["received"], result["failed"] = sorted(received), sorted(result["failed_at"])
     result["errors"] = list(eng.worker.errors)
     result["stats"] = (eng.worker.get_kv_connector_stats() or eng.worker.build_kv_connector_stats()).reduce()
     result["scheduled_after_load"] = first_scheduled
     result["finished"] = [r.status.name for r in reqs]
-    peer = eng.worker.sglang_decode
     eng.worker._recv_pool.shutdown(wait=True)  # the declines told (they run on the receive threads)
     result["quarantined_after_load"] = len(peer.quarantined)
     until = time.monotonic() + 10

@@ -4,13 +4,14 @@ Run by ``tests/test_adapter_sglang.py`` with the SGLang venv's python. It builds
 objects the way its decode scheduler does, on CPU: a ``DeepSeekV4TokenToKVPool`` (the DeepSeek-V4
 pools), ``MetadataBuffers`` (the per-request metadata rows), the ``KVArgs`` filled by SGLang's
 ``get_kv_transfer_buf_infos`` / ``setup_state_kv_args`` / ``get_pd_kv_layout`` (every buffer
-registered as DRAM), a ``NixlKVManager`` in decode mode and one ``NixlKVReceiver``. With
+registered as DRAM), a ``NixlKVManager`` in decode mode and one ``NixlKVReceiver`` per room. With
 ``"bootstrap": "sglang"`` it also runs SGLang's ``NixlKVBootstrapServer``, which the prefill peer
 registers with.
 
-Input: one JSON object on stdin (see ``main``). Output: JSON lines on stdout; the last one is
-``{"result": ...}``: ``refused`` (SGLang's handshake raised, with its message), ``Success`` or
-``Failed`` (the receiver's final poll, with the failure reason), ``timeout``. On ``Success`` every
+Input: one JSON object on stdin (see ``main``; ``"requests"`` receives several rooms at once). Output:
+JSON lines on stdout; the last one is ``{"result": ...}``: ``refused`` (SGLang's handshake raised, with
+its message), ``Success`` (every room) or ``Failed`` (a receiver's final poll, with the room and the
+failure reason), ``timeout``. On ``Success`` every
 registered buffer is written to ``dump`` (``numpy.savez``: ``kv<i>``, ``state<c>_<i>``, ``aux<i>``,
 as uint8, in registration order). With ``"kv_checksum": true`` the decode runs as with
 ``--disaggregation-enable-kv-checksum`` (one more metadata buffer, the checksum row) and ``Success``
@@ -82,32 +83,42 @@ def run(cfg: dict) -> None:
         emit(result="refused", reason=str(exc))
         return
 
-    room = cfg["room"]
-    receiver = NixlKVReceiver(mgr, addr, room)
-    receiver.init(prefill_dp_rank=0)
-    while receiver.poll() == KVPoll.Bootstrapping:
+    # one request by default; "requests": [{"room", "num_tokens", "kv_page_ids", "swa_page_ids", "req_pool_idx",
+    # "aux_index"}, ...] receives several at once, each through a receiver of its own
+    keys = ("room", "num_tokens", "kv_page_ids", "swa_page_ids", "req_pool_idx", "aux_index")
+    requests = cfg.get("requests") or [{k: cfg[k] for k in keys}]
+    receivers = []
+    for r in requests:
+        receivers.append(NixlKVReceiver(mgr, addr, r["room"]))
+        receivers[-1].init(prefill_dp_rank=0)
+    for receiver in receivers:
+        while receiver.poll() == KVPoll.Bootstrapping:
+            if time.monotonic() > deadline:
+                emit(result="timeout", stage="init")
+                return
+            time.sleep(0.05)
+    sent = []
+    for r, receiver in zip(requests, receivers, strict=True):
+        payloads = {StateType.SWA: lambda r=r: np.asarray(r["swa_page_ids"], dtype=np.int32),
+                    StateType.DSV4_REQUEST_STATE: lambda r=r: pool.request_state_transfer_indices(r["req_pool_idx"],
+                                                                                              r["num_tokens"])}
+        pool.clear_request_scoped_state(r["req_pool_idx"])
+        state_indices = [payloads[st]() if st in payloads else None for st in kv_args.state_types]
+        sent.append([None if s is None else [int(i) for i in s] for s in state_indices])
+        receiver.send_metadata(np.asarray(r["kv_page_ids"], dtype=np.int32), r["aux_index"], state_indices)
+    emit(event="metadata", state_indices=sent[0] if len(sent) == 1 else sent)
+    status = {}
+    while len(status) < len(receivers):
+        for r, receiver in zip(requests, receivers, strict=True):
+            if r["room"] not in status and (st := receiver.poll()) in (KVPoll.Success, KVPoll.Failed):
+                status[r["room"]] = st
         if time.monotonic() > deadline:
-            emit(result="timeout", stage="init")
-            return
-        time.sleep(0.05)
-    seq_len = cfg["num_tokens"]
-    payloads = {StateType.SWA: lambda: np.asarray(cfg["swa_page_ids"], dtype=np.int32),
-                StateType.DSV4_REQUEST_STATE: lambda: pool.request_state_transfer_indices(cfg["req_pool_idx"],
-                                                                                          seq_len)}
-    pool.clear_request_scoped_state(cfg["req_pool_idx"])
-    state_indices = [payloads[st]() if st in payloads else None for st in kv_args.state_types]
-    emit(event="metadata", state_indices=[None if s is None else [int(i) for i in s] for s in state_indices])
-    receiver.send_metadata(np.asarray(cfg["kv_page_ids"], dtype=np.int32), cfg["aux_index"], state_indices)
-    while True:
-        status = receiver.poll()
-        if status in (KVPoll.Success, KVPoll.Failed):
-            break
-        if time.monotonic() > deadline:
-            emit(result="timeout", stage="transfer", status=int(status))
+            emit(result="timeout", stage="transfer", done=sorted(status))
             return
         time.sleep(0.02)
-    if status == KVPoll.Failed:
-        emit(result="Failed", reason=mgr.failure_records.get(room, ""))
+    failed = [room for room, st in status.items() if st == KVPoll.Failed]
+    if failed:
+        emit(result="Failed", room=failed[0], reason=mgr.failure_records.get(failed[0], ""))
         return
 
     def raw(ptr_list, lens):  # a copy of each registered buffer, by address (what NIXL wrote into)

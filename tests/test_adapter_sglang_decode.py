@@ -101,6 +101,11 @@ def test_registration_and_page_id_messages():
             info.dummy) == (77, [3, 0, 5, 1, 2], 3, 1, [[4, 2], [1]], 0, False)
     # at a 128-token boundary nothing pends in the ratio-128 ring: SGLang's decode sends no slot
     assert TransferInfo.parse(peer._metadata_message(77, tables, 3, 3, False)[1:]).state_indices == [[4, 2], []]
+    # a declined room: SGLang's dummy page ids (11 frames, as build_receiver_metadata_message with is_dummy)
+    dummy = peer._dummy_message(78)
+    info = TransferInfo.parse(dummy[1:])
+    assert len(dummy) == 11 and (info.room, info.kv_pages, info.aux_index, info.required, info.state_indices,
+                                 info.prefix_len, info.dummy) == (78, [], -1, 1, [], 0, True)
 
 
 def test_quarantine_rule_and_heartbeat():
@@ -596,6 +601,35 @@ def test_a_prefill_killed_mid_transfer_is_detected_and_its_pages_come_back(reque
     assert result["result"] == "Success", result
     plan = plan_migration("sglang", "sglang", MODEL, TOKENS, include_mtp=False)
     assert req.room == ROOM + 1 and _records(dst, req.tables, plan) == _records(src, src_tables, plan)
+
+
+def test_a_declined_room_ends_success_with_nothing_written():
+    """Both ends kvbridge (no SGLang needed): a decode that holds a request whole declines its room
+    (``decline``: SGLang's dummy page ids); the prefill peer ends the room Success with no byte written
+    and no decode notified, as SGLang's prefill does for a dummy decode, and the decode claims no page
+    or metadata row. A room being received cannot be declined."""
+    pytest.importorskip("zmq")
+    pytest.importorskip("nixl")
+    from kvbridge.adapters.sglang import SGLangPrefillPeer
+    from kvbridge.adapters.sglang_decode import SGLangDecodePeer
+    from kvbridge.errors import InputError
+
+    plan = plan_migration("sglang", "sglang", MODEL, TOKENS, include_mtp=False)
+    src, src_tables = source_request(plan, seed=6)
+    dst = EnginePools.create("sglang", MODEL, {"full": 6, "swa": 6, "state128": 2}, include_mtp=False)
+    free = {k: sorted(v) for k, v in dst.free.items()}
+    with SGLangPrefillPeer(src) as prefill, SGLangDecodePeer(dst) as decode:
+        prefill.add_request(41, src_tables, TOKENS, 7)
+        decode.decline(prefill.bootstrap_addr, 41)
+        sent = prefill.wait(41, timeout=30)
+        decode._waiters[42] = None  # as receive holds a room in flight
+        with pytest.raises(InputError, match="being received"):
+            decode.decline(prefill.bootstrap_addr, 42)
+        del decode._waiters[42]
+        rows = len(decode._free_aux)
+    assert (sent["status"], sent["bytes"], sent["peers"]) == ("Success", 0, 0), sent
+    assert {k: sorted(v) for k, v in dst.free.items()} == free and rows == decode.aux_rows
+    assert not any(bool(t.any()) for spec in MODEL.all_caches(include_mtp=False) for t in [dst.pool(spec)])
 
 
 def test_kvbridge_prefill_to_kvbridge_decode_checks_the_digest():

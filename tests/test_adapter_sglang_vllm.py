@@ -39,6 +39,9 @@ from tests.test_adapter_vllm_sglang import CONFIG5
 
 #: The prefill's metadata rows of its rooms (``MetadataBuffers`` indices its scheduler would hand them).
 ROOMS = {9001: 2, 9002: 3}
+#: A third room of that prefill, which the vLLM decode holds whole in its prefix cache (its 1,300-token prompt
+#: computed by vLLM itself first: a 1,280-token hit, past the room's 1,026 tokens), and its metadata row there.
+WHOLE_ROOM, WHOLE_ROW, WHOLE_PROMPT = 9003, 1, 1300
 
 
 class _Prefill:
@@ -99,27 +102,35 @@ def test_sglang_prefill_feeds_a_vllm_decode_byte_exact(tmp_path, num_tokens=1026
     """Two rooms at once from one SGLang prefill (1,026 tokens: the ratio-4 state rows 1022..1025 straddle the SWA
     page boundary at 1024, two rings): both land in their own vLLM blocks byte for byte as ``migrate_local``
     converts the SGLang pool, vLLM then computes each request's last prompt token, and the landing pages, rows
-    and quarantine are empty again."""
+    and quarantine are empty again. A third room of the prefill, whole in vLLM's prefix cache, is declined: the
+    prefill's own sender concludes it ``KVPoll.Success`` (not at its bootstrap timeout), with nothing written into
+    vLLM's blocks (they stay as vLLM computed them) and no landing page or metadata row claimed for it."""
     python, model_dir, model, ape = _setup(tmp_path)
     out = tmp_path / "out"
-    pre = _Prefill(tmp_path, model, num_tokens, ROOMS, seed=3, name="prefill")
+    pre = _Prefill(tmp_path, model, num_tokens, {**ROOMS, WHOLE_ROOM: WHOLE_ROW}, seed=3, name="prefill")
     bootstrap = pre.start()
     try:
-        _finish(_engine(python, "sglang-consumer", "sglang", str(model_dir), str(out), ",".join(pre.specs()),
+        specs = [*pre.specs()[:2], f"{pre.specs()[2]}~{WHOLE_PROMPT}"]
+        _finish(_engine(python, "sglang-consumer", "sglang", str(model_dir), str(out), ",".join(specs),
                         f"ape={ape}"))
         prefill = _until_result(pre.next_line)
     finally:
         _stop(pre.proc)
-    assert prefill["result"] == "Success", prefill  # SGLang's senders reached KVPoll.Success, both rooms
+    # SGLang's senders reached KVPoll.Success, all three rooms (the third without a transfer: SGLang's
+    # transfer worker posts no write for a dummy decode, then concludes the room)
+    assert prefill["result"] == "Success", prefill
     result = json.loads((out / "result.json").read_text())
     assert result["errors"] == [] and result["failed"] == [], result["errors"]
     assert result["received"] == ["vllm-req-0", "vllm-req-1"]
     assert result["loads"] == {"vllm-req-0": ["sglang-room-9001", bootstrap, 9001, num_tokens],
                                "vllm-req-1": ["sglang-room-9002", bootstrap, 9002, num_tokens]}
-    assert result["finished"] == ["FINISHED_LENGTH_CAPPED"] * 2  # two tokens each, decoded by vLLM
-    assert result["scheduled_after_load"] == {"vllm-req-0": 1, "vllm-req-1": 1}  # the last prompt token only
+    assert result["declines"] == [[bootstrap, WHOLE_ROOM]]  # the whole hit: no load, its prefill told
+    assert result["finished"] == ["FINISHED_LENGTH_CAPPED"] * 3  # two tokens each, decoded by vLLM
+    # the last prompt token only; the whole hit computes its prompt past vLLM's 1,280-token hit
+    assert result["scheduled_after_load"] == {"vllm-req-0": 1, "vllm-req-1": 1, "vllm-req-2": WHOLE_PROMPT - 1280}
     assert result["stats"]["recv_requests"] == 2 and result["stats"]["recv_failed"] == 0
     assert result["landing_free"] == result["landing_capacity"] and result["quarantined_after_load"] == 0
+    assert result["aux_free"][0] == result["aux_free"][1]
     assert any(t.ape_sign > 0 for t in plan_migration("sglang", VLLM, model, num_tokens, include_mtp=False,
                                                       ape=ape).transfers)
     _assert_all_landed([pre], model, ape, out, result)
@@ -189,6 +200,44 @@ def test_a_prefill_killed_mid_transfer_fails_its_request_within_the_bound(tmp_pa
     assert result["landing_free"] == result["landing_capacity"]
     assert result["stats"]["recv_requests"] == 1 and result["stats"]["recv_failed"] == 1
     _assert_all_landed([alive], model, ape, out, result)
+
+
+def test_after_a_killed_prefill_the_next_room_lands_on_its_reclaimed_pages(tmp_path):
+    """A connector whose landing pools hold one 1,026-token request (``max_inflight`` 1, ``landing_tokens``
+    1,026): its prefill SIGKILLed after two KV pages, the room fails within the bound and its pages (and its
+    metadata row) stay quarantined; once a heartbeat passed they are reclaimed, and the next room, from a prefill
+    that lives, can only land on them: it does, byte for byte, and every landing page is free again."""
+    python, model_dir, model, ape = _setup(tmp_path)
+    out = tmp_path / "out"
+    dying = _Prefill(tmp_path, model, 1026, {9201: 0}, seed=32, name="dying", die_after_pages=2)
+    nxt = _Prefill(tmp_path, model, 1026, {9202: 1}, seed=33, name="next")
+    try:
+        dying.start()
+        nxt.start()
+        engine = _engine(python, "sglang-consumer", "sglang", str(model_dir), str(out), ",".join(dying.specs()),
+                         f"ape={ape}", "max_inflight=1", "landing_tokens=1026", f"then={nxt.specs()[0]}")
+        assert dying.next_line()["event"] == "sending"
+        assert dying.next_line()["event"] == "partial"
+        dying.proc.kill()
+        killed_at = time.time()
+        _finish(engine)
+        next_result = _until_result(nxt.next_line)
+    finally:
+        dying.proc.kill()
+        _stop(nxt.proc)
+    assert next_result["result"] == "Success", next_result
+    result = json.loads((out / "result.json").read_text())
+    assert result["failed"] == ["vllm-req-0"] and result["received"] == ["vllm-req-0", "vllm-req-1"]
+    assert len(result["errors"]) == 1 and "died mid-transfer" in result["errors"][0], result["errors"]
+    assert result["failed_at"]["vllm-req-0"] - killed_at <= result["dead_within"] + 2.0, result["failed_at"]
+    # the dead room's pages were quarantined, then reclaimed: the pools held exactly one request again
+    assert result["next"]["quarantined_before"] == 1 and result["next"]["quarantined"] == 0
+    assert result["next"]["free"] == result["landing_capacity"] == {"full": 5, "swa": 2, "state128": 1}
+    assert result["finished"] == ["FINISHED_ERROR", "FINISHED_LENGTH_CAPPED"]
+    assert result["quarantined"] == 0 and result["landing_free"] == result["landing_capacity"]
+    assert result["aux_free"] == [1, 1]
+    assert result["stats"]["recv_requests"] == 1 and result["stats"]["recv_failed"] == 1
+    _assert_all_landed([nxt], model, ape, out, result)
 
 
 def test_a_decode_request_names_its_prefill_as_sglang_router_does():

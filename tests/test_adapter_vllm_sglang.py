@@ -4,10 +4,10 @@ vLLM 0.33.0's real config, KV-cache groups, allocation and scheduler run in the 
 (``tests/vllm_engine_side.py sglang-producer``); SGLang's own decode-side PD classes run in the SGLang
 venv (``tests/sglang_decode_peer.py``: ``DeepSeekV4TokenToKVPool``, ``MetadataBuffers``, ``NixlKVManager``,
 ``NixlKVReceiver`` and ``NixlKVBootstrapServer``, on CPU, rewriting only the compressor-state memory kinds
-SGLang hard-codes, ``sglang_engine_side.host_state_kinds``). The request's blocks in vLLM, filled as vLLM's
+SGLang hard-codes, ``sglang_engine_side.host_state_kinds``). Each request's blocks in vLLM, filled as vLLM's
 writers store them, must land in SGLang's registered buffers, at the pages its decode allocated, byte for
-byte as kvbridge's direct conversion (``migrate_local``) of the same vLLM blocks into SGLang pools writes
-them, with vLLM's sampled token and the room in the metadata row.
+byte as kvbridge's direct conversion (``migrate_local``) of the same vLLM blocks into fresh SGLang pools
+writes them, with vLLM's sampled token and the room in the request's metadata row.
 """
 
 from __future__ import annotations
@@ -27,18 +27,24 @@ from tests.test_adapter_vllm import CONFIG, VLLM, _ape_file, _engine, _finish, _
 
 #: Five layers as ``FLASH.with_layers(5)`` (ratios 0, 0, 4, 128, 4; a 128-token window), in vLLM's config.
 CONFIG5 = {**CONFIG, "num_hidden_layers": 5, "compress_ratios": [0, 0, 4, 128, 4]}
-TOKENS = 1026  # ratio-4 state rows 1022..1025 straddle the SWA page boundary at 1024: two rings
-ROOM = 4242
-KV_PAGES = [7, 0, 11, 3, 5]  # the decode's pages (tests/test_adapter_sglang.py's ``_decode`` defaults)
-SWA_PAGES = [9, 2]
 SGLANG = "sglang"
+#: The rooms SGLang's decode receives at once: (tokens, room, its KV pages, SWA pages, request slot, metadata
+#: row there). 1 token; 129 (past the 128-token window and a ratio-128 block); 257 (past a page); 1,026 (the
+#: ratio-4 state rows 1022..1025 straddle the SWA page boundary at 1024: two rings); 2,050 (nine pages, the
+#: window across a page boundary). The page ids are scattered, page 0 included, as a busy allocator hands them.
+ROOMS = ((1, 4201, [13], [4], 1, 0), (129, 4202, [1], [10], 3, 1), (257, 4203, [16, 6], [12, 8], 4, 2),
+         (1026, 4242, [7, 0, 11, 3, 5], [9, 2], 2, 3),
+         (2050, 4205, [18, 14, 2, 17, 9, 15, 8, 12, 10], [14, 1], 5, 4))
+KV_PAGES, SWA_PAGES = 20, 16  # the decode's pool sizes, in pages
 
 
 def test_vllm_producer_feeds_an_sglang_decode_byte_exact(tmp_path):
-    """vLLM's real blocks -> SGLang's own decode classes: every KV page, SWA page, compressor-state ring and
-    the ratio-128 ring as ``migrate_local`` converts them (APE removed from the state scores: SGLang stores
-    them without it), the metadata row with vLLM's first sampled token and the room; vLLM holds the blocks
-    until the decode received the room, then frees them, and the peer's pages return to its pools."""
+    """vLLM's real blocks -> SGLang's own decode classes, five rooms of every page phase at once (``ROOMS``):
+    every KV page, SWA page, compressor-state ring and the ratio-128 ring of each as ``migrate_local`` converts
+    them (APE removed from the state scores: SGLang stores them without it), each metadata row with its
+    request's first sampled token and room, no page the decode did not allocate written; vLLM holds each
+    request's blocks until the decode received its room, then frees them, and the peer's pages return to its
+    pools."""
     python = _vllm_python("nixl")
     need_sglang("vLLM -> SGLang decode test")
     model_dir = _model(tmp_path, CONFIG5)
@@ -47,70 +53,87 @@ def test_vllm_producer_feeds_an_sglang_decode_byte_exact(tmp_path):
     assert model.compress_ratios[:5] == (0, 0, 4, 128, 4) and model.sliding_window == 128
     ape = _ape_file(tmp_path / "ape.safetensors", model, seed=5)
     port = free_port()
+    requests = [{"room": room, "num_tokens": n, "kv_page_ids": kv, "swa_page_ids": swa, "req_pool_idx": slot,
+                 "aux_index": row} for n, room, kv, swa, slot, row in ROOMS]
     proc, next_line = _decode({"bootstrap": "sglang", "bootstrap_port": port, "compress_ratios": [0, 0, 4, 128, 4],
-                               "room": ROOM, "num_tokens": TOKENS, "kv_page_ids": KV_PAGES,
-                               "swa_page_ids": SWA_PAGES}, tmp_path)
+                               "pages": KV_PAGES, "swa_pages": SWA_PAGES, "req_slots": 6, "aux_rows": 6,
+                               "requests": requests}, tmp_path)
     try:
         _until(next_line, "event", "ready")
-        _finish(_engine(python, "sglang-producer", "sglang", str(model_dir), str(out), str(TOKENS), str(ROOM),
+        _finish(_engine(python, "sglang-producer", "sglang", str(model_dir), str(out),
+                        ",".join(str(r[0]) for r in ROOMS), ",".join(str(r[1]) for r in ROOMS),
                         f"register_with=127.0.0.1:{port}", f"state_memory={STATE_MEMORY}", f"ape={ape}"))
+        sent_ids = _until(next_line, "event", "metadata")["state_indices"]
         got = _until(next_line, "result")
     finally:
         proc.wait(60)
     assert got["result"] == "Success", got
     result = json.loads((out / "result.json").read_text())
-    assert result["status_after_prefill"] == "FINISHED_LENGTH_CAPPED" and result["held_after_finish"]
-    assert result["sends"] == [["vllm-req-0", ROOM, 5, TOKENS]]
-    assert result["sent"] == ["vllm-req-0"] and result["errors"] == [] and result["freed_after_send"]
-    assert result["stats"]["send_requests"] == 1 and result["stats"]["send_failed"] == 0
+    rids = [f"vllm-req-{k}" for k in range(len(ROOMS))]
+    assert result["status_after_prefill"] == dict.fromkeys(rids, "FINISHED_LENGTH_CAPPED")
+    assert result["held_after_finish"] == dict.fromkeys(rids, True)
+    assert sorted(result["sends"]) == sorted([rid, r[1], 5 + k, r[0]] for k, (rid, r) in enumerate(zip(rids, ROOMS,
+                                                                                                    strict=True)))
+    assert result["sent"] == rids and result["errors"] == [] and result["freed_after_send"] == dict.fromkeys(rids, True)
+    assert result["stats"]["send_requests"] == len(ROOMS) and result["stats"]["send_failed"] == 0
     assert result["peer_free"] == result["peer_capacity"], "the peer's pages were not returned"
-
-    # kvbridge's direct conversion of the same vLLM blocks into SGLang pools
-    plan = plan_migration(VLLM, SGLANG, model, TOKENS, include_mtp=False, ape=ape)
-    assert any(t.ape_sign < 0 for t in plan.transfers)
-    _, _, caches = _vllm_buffer(out, plan, model, num_groups=6)
-    records = load_file(str(out / "records.safetensors"))
-    vtables = caches.tables(result["block_ids"])
-    for i, t in enumerate(plan.transfers):  # vLLM's blocks hold what its writers stored
-        held = gather_records(caches.pools.pool(t.spec), t.src, vtables[caches.group[(t.spec.layer, t.spec.role)]],
-                              t.first, t.count)
-        assert torch.equal(held, records[str(i)]), f"layer {t.spec.layer} {t.spec.role.value}"
-    vpools, vreq = caches.request_pools(plan, result["block_ids"])
-    dst = destination_pools(plan, spare_pages=2)
-    tables, _ = migrate_local(plan, vpools, vreq, dst, loss_report=False)
 
     from kvbridge.adapters.sglang_protocol import pd_layout
 
-    lay = pd_layout(dst)
     dump = np.load(got["dump"])
 
     def page(name: str, item: int, i: int) -> bytes:
         return dump[name][i * item : (i + 1) * item].tobytes()
 
-    def ours(spec, pid: int) -> bytes:
-        return dst.pool(spec)[pid].numpy().tobytes()
+    checked, roles = 0, set()
+    for k, (n, room, kv_pages, swa_pages, _, row) in enumerate(ROOMS):
+        rid = rids[k]
+        # kvbridge's direct conversion of the same vLLM blocks into SGLang pools
+        plan = plan_migration(VLLM, SGLANG, model, n, include_mtp=False, ape=ape)
+        assert any(t.ape_sign < 0 for t in plan.transfers)
+        _, _, caches = _vllm_buffer(out, plan, model, num_groups=6)
+        records = load_file(str(out / f"records-{rid}.safetensors"))
+        vtables = caches.tables(result["block_ids"][rid])
+        for i, t in enumerate(plan.transfers):  # vLLM's blocks hold what its writers stored
+            held = gather_records(caches.pools.pool(t.spec), t.src,
+                                  vtables[caches.group[(t.spec.layer, t.spec.role)]], t.first, t.count)
+            assert torch.equal(held, records[str(i)]), f"{n} tokens: layer {t.spec.layer} {t.spec.role.value}"
+        vpools, vreq = caches.request_pools(plan, result["block_ids"][rid])
+        dst = destination_pools(plan, spare_pages=2)
+        tables, _ = migrate_local(plan, vpools, vreq, dst, loss_report=False)
+        lay = pd_layout(dst)
 
-    checked = 0
-    for i, spec in enumerate(lay.kv):
-        table = tables[dst.storage(spec).table]
-        for j, d in enumerate(KV_PAGES[: len(table)]):
-            assert page(f"kv{i}", lay.kv_item_lens[i], d) == ours(spec, table[j]), (spec, j)
+        def ours(spec, pid: int) -> bytes:
+            return dst.pool(spec)[pid].numpy().tobytes()  # noqa: B023 (this room's pools)
+
+        for i, spec in enumerate(lay.kv):
+            table = tables[dst.storage(spec).table]
+            for j, d in enumerate(kv_pages[: len(table)]):
+                assert page(f"kv{i}", lay.kv_item_lens[i], d) == ours(spec, table[j]), (n, spec, j)
+                checked += 1
+        first = max(0, n - model.sliding_window) // 256
+        assert sent_ids[k][0] == swa_pages  # the window's SWA pages, as SGLang's decode sent them
+        for j, spec in enumerate(lay.swa_state):
+            for i, d in enumerate(swa_pages):
+                assert page(f"state0_{j}", lay.state_item_lens[0][j], d) == ours(spec, tables["swa"][first + i]), \
+                    (n, spec, i)
+                checked += 1
+        (ring,) = sent_ids[k][1]  # the request slot's ratio-128 ring
+        for j, spec in enumerate(lay.request_state):
+            want = ours(spec, tables[dst.storage(spec).table][0])
+            assert page(f"state1_{j}", lay.state_item_lens[1][j], ring) == want, (n, spec)
             checked += 1
-        for d in set(range(12)) - set(KV_PAGES):
-            assert not dump[f"kv{i}"].reshape(-1, lay.kv_item_lens[i])[d].any(), "a page the decode did not allocate"
-    first = (TOKENS - model.sliding_window) // 256
-    for j, spec in enumerate(lay.swa_state):
-        for k, d in enumerate(SWA_PAGES):
-            assert page(f"state0_{j}", lay.state_item_lens[0][j], d) == ours(spec, tables["swa"][first + k]), (spec, k)
-            checked += 1
-    for j, spec in enumerate(lay.request_state):
-        assert page(f"state1_{j}", lay.state_item_lens[1][j], 2) == ours(spec, tables[dst.storage(spec).table][0])
-        checked += 1
-    roles = {s.role for s in (*lay.kv, *lay.swa_state, *lay.request_state)}
+        roles |= {s.role for s in (*lay.kv, *lay.swa_state, *lay.request_state)}
+        assert int(dump["aux0"].view("<i4").reshape(-1, 16)[row, 0]) == 5 + k  # vLLM's first sampled token
+        assert int(dump["aux9"].view("<u8").reshape(-1, 8)[row, 0]) == room
+    for i, item in enumerate(lay.kv_item_lens):
+        for d in set(range(KV_PAGES)) - {p for r in ROOMS for p in r[2]}:
+            assert not dump[f"kv{i}"].reshape(-1, item)[d].any(), "a page the decode did not allocate"
     assert roles == {Role.SWA, Role.COMPRESS, Role.INDEXER, Role.STATE, Role.INDEXER_STATE}
-    assert checked == 5 * 4 + 5 * 2 + 2 * 2 + 2 * 2 + 1  # KV pages, SWA pages, two state rings each, c128 ring
-    assert int(dump["aux0"].view("<i4").reshape(-1, 16)[3, 0]) == 5  # vLLM's first sampled token
-    assert int(dump["aux9"].view("<u8").reshape(-1, 8)[3, 0]) == ROOM
+    # KV pages holding a complete compressed entry (none for 1 token; 5 buffers: compressed KV of layers 2..4,
+    # indexer keys of layers 2 and 4), the window's SWA pages (9 buffers: the SWA KV of 5 layers, the compressor
+    # and indexer-compressor state rings of layers 2 and 4), the ratio-128 ring (1 buffer: layer 3's state)
+    assert checked == 5 * (0 + 1 + 1 + 4 + 8) + 9 * (1 + 1 + 2 + 2 + 2) + 1 * 5, checked
 
 
 def test_kv_transfer_config_sglang_keys():
@@ -165,7 +188,7 @@ def test_the_peer_withdraws_a_room_no_decode_asked_for():
     from kvbridge.migration.errors import TransferError
 
     model = FLASH.with_layers(5)
-    plan = plan_migration("sglang", "sglang", model, TOKENS, include_mtp=False)
+    plan = plan_migration("sglang", "sglang", model, 1026, include_mtp=False)
     src, src_tables = source_request(plan, spare_pages=1, seed=2)
     peer = SGLangPrefillPeer(destination_pools(plan, spare_pages=1), state_memory=STATE_MEMORY)
     free = {k: sorted(v) for k, v in peer.pools.free.items()}
@@ -178,9 +201,43 @@ def test_the_peer_withdraws_a_room_no_decode_asked_for():
     peer.release_pages(tables)
     peer.forget(7)
     assert {k: sorted(v) for k, v in peer.pools.free.items()} == free
-    peer.add_request(7, tables, TOKENS, 3)  # forgotten: the room may be offered again
+    peer.add_request(7, tables, 1026, 3)  # forgotten: the room may be offered again
     peer._requests[7].sending = True  # as the peer's worker marks a room whose writes are under way
     assert not peer.withdraw(7, "too late")
+
+
+def test_a_reused_page_carries_no_earlier_room():
+    """Without SGLang: the peer's pages travel whole, and a request fills only its tokens' records of a page
+    (and its rows of a state ring); released pages are zeroed, so a 1-token room on the pages a 1,026-token
+    room held reaches its decode byte-identical to its conversion into fresh pools."""
+    from kvbridge.adapters.sglang import SGLangPrefillPeer
+    from kvbridge.engines.topology import FLASH
+    from kvbridge.migration import source_request
+
+    model = FLASH.with_layers(5)
+    long, short = (plan_migration("sglang", "sglang", model, n, include_mtp=False) for n in (1026, 1))
+    peer = SGLangPrefillPeer(destination_pools(long, spare_pages=1), state_memory=STATE_MEMORY)
+    src, src_tables = source_request(long, spare_pages=1, seed=2)
+    before = peer.add_migrated_request(7, long, src, src_tables, first_token=3)
+    assert peer.withdraw(7, "nobody asked")
+    peer.release_pages(before)
+    peer.forget(7)
+    for spec in model.all_caches(False):
+        assert not peer.pools.pool(spec).any(), f"layer {spec.layer} {spec.role.value}: a released page kept bytes"
+    src, src_tables = source_request(short, spare_pages=1, seed=4)
+    tables = peer.add_migrated_request(8, short, src, src_tables, first_token=3)
+    fresh = destination_pools(short, spare_pages=1)
+    want, _ = migrate_local(short, src, src_tables, fresh, loss_report=False)
+    reused = 0
+    for spec in model.all_caches(False):
+        name = peer.pools.storage(spec).table
+        for got_id, want_id in zip(tables[name], want[name], strict=True):
+            if got_id >= 0:
+                reused += got_id in before[name]
+                assert torch.equal(peer.pools.pool(spec)[got_id], fresh.pool(spec)[want_id]), (spec, got_id)
+    # every page the short room holds was the long room's: 10 caches' (SWA KV, compressor states, the ratio-128
+    # ring); a 1-token request holds no compressed-KV page
+    assert reused == 10 and tables["full"] == []
 
 
 if __name__ == "__main__":

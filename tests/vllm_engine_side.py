@@ -307,40 +307,53 @@ def producer(transport: str, model_dir: str, out_dir: str, request_id: str, num_
     eng.worker.shutdown()
 
 
-def sglang_producer(model_dir: str, out_dir: str, num_tokens: int, room: int, *options: str) -> None:
+def sglang_producer(model_dir: str, out_dir: str, requests: list[tuple[int, int]], *options: str) -> None:
     """A vLLM prefill serving an SGLang decode (transport ``sglang``): ``options`` are ``KEY=VALUE`` connector
-    keys (``register_with``, ``bootstrap``, ``state_memory``) and ``ape=PATH``. A request of ``num_tokens``
-    whose ``kv_transfer_params`` carry ``bootstrap_room`` ROOM is scheduled, its blocks filled as vLLM's writers
-    store them (records saved for the test), it samples token 5 and finishes; the worker serves it until the
-    decode took the room. Writes vLLM's KV buffer and the result to OUT_DIR."""
+    keys (``register_with``, ``bootstrap``, ``state_memory``) and ``ape=PATH``. One request ``vllm-req-K`` per
+    ``(num_tokens, room)`` of ``requests``, all added at once, whose ``kv_transfer_params`` carry
+    ``bootstrap_room`` ROOM; each is scheduled whole (as many a step as vLLM's token budget takes), its blocks
+    filled as vLLM's writers store them (records saved for the test, ``records-vllm-req-K.safetensors``), it
+    samples token 5 + K and finishes; the worker serves each until the decode took its room. Writes vLLM's KV
+    buffer and the result to OUT_DIR."""
     from safetensors.torch import save_file
 
     from kvbridge.migration.plan import plan_migration
 
     keys = dict(o.split("=", 1) for o in options)
     ape = keys.pop("ape", None)
-    eng = Engine(model_dir, "producer", "sglang", ape=ape, max_len=2048, kv_bytes=128 << 20, sglang=keys)
-    req = eng.request(num_tokens, {"bootstrap_room": room}, max_tokens=1)
-    out = eng.scheduler.schedule()
-    assert out.num_scheduled_tokens[req.request_id] == num_tokens, out.num_scheduled_tokens
-    block_ids = eng.scheduler.kv_cache_manager.get_block_ids(req.request_id)
-    plan = plan_migration(eng.worker.profile, eng.worker.sglang_profile, eng.worker.model, num_tokens,
-                          include_mtp=False, ape=eng.worker.ape)
-    records = synthetic_records(plan, seed=11)
-    eng.worker.caches.write(plan.transfers, records, block_ids, side="src")
-    save_file({str(i): r for i, r in enumerate(records)}, os.path.join(out_dir, "records.safetensors"))
-    eng.step(out, {req.request_id: [5]})  # the first output token: the decode's metadata row carries it
-    result = {"block_ids": [list(ids) for ids in block_ids], "status_after_prefill": req.status.name,
-              "held_after_finish": req.request_id in eng.scheduler.requests,
+    eng = Engine(model_dir, "producer", "sglang", ape=ape, max_len=2304, kv_bytes=128 << 20, sglang=keys)
+    reqs = {f"vllm-req-{k}": eng.request(n, {"bootstrap_room": room}, max_tokens=1, request_id=f"vllm-req-{k}")
+            for k, (n, room) in enumerate(requests)}
+    first = {rid: 5 + k for k, rid in enumerate(reqs)}  # each request's first output token: its metadata row's
+    result = {"block_ids": {}, "status_after_prefill": {}, "held_after_finish": {}, "sends": [],
               "bootstrap_addr": eng.worker.sglang_peer.bootstrap_addr}
-    out = eng.scheduler.schedule()
-    result["sends"] = [[s.request_id, s.room, s.first_token, s.num_tokens] for s in out.kv_connector_metadata.sends]
-    sent, _ = eng.until_done(out, "sent")
+    sent: set[str] = set()
+    deadline = time.monotonic() + 200
+    while sent != set(reqs) and time.monotonic() < deadline:
+        out = eng.scheduler.schedule()
+        result["sends"] += [[x.request_id, x.room, x.first_token, x.num_tokens]
+                            for x in out.kv_connector_metadata.sends]
+        for rid, n in out.num_scheduled_tokens.items():  # a prefill step: vLLM's forward writes the blocks
+            req = reqs[rid]
+            assert n == req.num_prompt_tokens, (rid, n)
+            block_ids = eng.scheduler.kv_cache_manager.get_block_ids(rid)
+            plan = plan_migration(eng.worker.profile, eng.worker.sglang_profile, eng.worker.model, n,
+                                  include_mtp=False, ape=eng.worker.ape)
+            records = synthetic_records(plan, seed=11 + int(rid.rsplit("-", 1)[1]))
+            eng.worker.caches.write(plan.transfers, records, block_ids, side="src")
+            save_file({str(i): r for i, r in enumerate(records)}, os.path.join(out_dir, f"records-{rid}.safetensors"))
+            result["block_ids"][rid] = [list(ids) for ids in block_ids]
+        s, _ = eng.step(out, {rid: [first[rid]] for rid in out.num_scheduled_tokens})
+        sent |= s or set()
+        for rid in out.num_scheduled_tokens:
+            result["status_after_prefill"][rid] = reqs[rid].status.name
+            result["held_after_finish"][rid] = rid in eng.scheduler.requests
+        time.sleep(0.05)
     result["sent"] = sorted(sent)
     result["errors"] = list(eng.worker.errors)
     result["stats"] = (eng.worker.get_kv_connector_stats() or eng.worker.build_kv_connector_stats()).reduce()
     eng.scheduler.schedule()
-    result["freed_after_send"] = req.request_id not in eng.scheduler.requests
+    result["freed_after_send"] = {rid: rid not in eng.scheduler.requests for rid in reqs}
     peer = eng.worker.sglang_peer
     result["peer_free"] = {k: len(v) for k, v in peer.pools.free.items()}
     result["peer_capacity"] = {k: int(peer.pools.pool(s).shape[0]) for s in eng.worker.model.all_caches(False)
@@ -349,46 +362,83 @@ def sglang_producer(model_dir: str, out_dir: str, num_tokens: int, room: int, *o
     eng.worker.shutdown()
 
 
-def sglang_consumer(model_dir: str, out_dir: str, rooms: list[tuple[int, str, int]], *options: str) -> None:
+def sglang_consumer(model_dir: str, out_dir: str, rooms: list[tuple[int, str, int, int | None]],
+                    *options: str) -> None:
     """A vLLM decode fed by SGLang prefills (transport ``sglang``): ``options`` are ``KEY=VALUE`` connector keys
-    and ``ape=PATH``. One request per ``(num_tokens, bootstrap host:port, room)`` of ``rooms``, all added at once,
-    their ``kv_transfer_params`` naming the prefill's bootstrap server and the room as SGLang's router sets them;
-    the scheduler allocates their blocks, the worker receives them (each failure's wall-clock time recorded),
-    and the loaded ones compute their last prompt token and sample two tokens; the connector's quarantined
-    landing pages are waited for (10 s at most). Writes vLLM's KV buffer and the result to OUT_DIR."""
+    and ``ape=PATH``. One request per ``(num_tokens, bootstrap host:port, room, prompt)`` of ``rooms``, all added
+    at once, their ``kv_transfer_params`` naming the prefill's bootstrap server and the room as SGLang's router
+    sets them; the scheduler allocates their blocks, the worker receives them (each failure's wall-clock time
+    recorded), and the loaded ones compute their last prompt token and sample two tokens. A ``prompt`` (else
+    None) makes the request's prompt that long, with ``kvbridge_num_tokens`` ``num_tokens``, in vLLM's prefix
+    cache: vLLM first computes a prompt of that length itself, so the request is whole in its cache (no load,
+    its prefill declined: the rooms declined are recorded). The connector's quarantined landing pages and its
+    declines are waited for (10 s at most). ``then=N@HOST:PORT#ROOM``: one more request, added once those
+    requests finished and the quarantine emptied (``result["next"]``: what the landing pools held then).
+    Writes vLLM's KV buffer and the result to OUT_DIR."""
     keys = dict(o.split("=", 1) for o in options)
     ape = keys.pop("ape", None)
+    then = keys.pop("then", None)
     eng = Engine(model_dir, "consumer", "sglang", ape=ape, max_len=2304, kv_bytes=128 << 20,
                  sglang={k: int(v) if v.isdigit() else v for k, v in keys.items()})
+    for prompt in sorted({r[3] for r in rooms if r[3]}):  # vLLM computes it itself: its blocks stay cached
+        req = eng.request(prompt, {}, max_tokens=1, request_id=f"vllm-cached-{prompt}", hashed=True)
+        while not req.is_finished():
+            out = eng.scheduler.schedule()
+            eng.step(out, {rid: [7] for rid in out.num_scheduled_tokens})
     reqs = []
-    for k, (num_tokens, bootstrap, room) in enumerate(rooms):
+    for k, (num_tokens, bootstrap, room, prompt) in enumerate(rooms):
         host, port = bootstrap.rsplit(":", 1)
-        reqs.append(eng.request(num_tokens, {"bootstrap_host": host, "bootstrap_port": int(port),
-                                             "bootstrap_room": room}, max_tokens=2, request_id=f"vllm-req-{k}"))
+        params = {"bootstrap_host": host, "bootstrap_port": int(port), "bootstrap_room": room}
+        if prompt:
+            params["kvbridge_num_tokens"] = num_tokens
+        reqs.append(eng.request(prompt or num_tokens, params, max_tokens=2, request_id=f"vllm-req-{k}",
+                                hashed=bool(prompt)))
     out = eng.scheduler.schedule()
     loads = {load.req_id: load for load in out.kv_connector_metadata.loads}
-    assert sorted(loads) == sorted(r.request_id for r in reqs), loads
+    assert sorted(loads) == sorted(r.request_id for r, spec in zip(reqs, rooms, strict=True) if not spec[3]), loads
     result = {"block_ids": {rid: [list(ids) for ids in load.block_ids] for rid, load in loads.items()},
               "loads": {rid: [ld.request_id, ld.bootstrap, ld.room, ld.num_tokens] for rid, ld in loads.items()},
+              "declines": [list(d) for d in out.kv_connector_metadata.declines],
               "status_after_schedule": [r.status.name for r in reqs], "failed_at": {}}
     received: set[str] = set()
     first_scheduled: dict[str, int] = {}  # tokens vLLM computes in its first step after the load
-    deadline = time.monotonic() + 200
-    while not all(r.is_finished() for r in reqs) and time.monotonic() < deadline:
-        failed: set[str] = set()
-        for rid, n in out.num_scheduled_tokens.items():
-            first_scheduled.setdefault(rid, n)
-        _, got = eng.step(out, {rid: [7] for rid in out.num_scheduled_tokens}, failed=failed)
-        received |= got or set()
-        result["failed_at"].update(dict.fromkeys(failed, time.time()))
-        time.sleep(0.05)
+
+    def run(out) -> None:  # step (as vLLM's engine loop does) until every request finished
+        deadline = time.monotonic() + 200
+        while not all(r.is_finished() for r in reqs) and time.monotonic() < deadline:
+            failed: set[str] = set()
+            for rid, n in out.num_scheduled_tokens.items():
+                first_scheduled.setdefault(rid, n)
+            _, got = eng.step(out, {rid: [7] for rid in out.num_scheduled_tokens}, failed=failed)
+            received.update(got or ())
+            result["failed_at"].update(dict.fromkeys(failed, time.time()))
+            time.sleep(0.05)
+            out = eng.scheduler.schedule()
+
+    run(out)
+    peer = eng.worker.sglang_decode
+    if then:
+        result["next"] = {"quarantined_before": len(peer.quarantined)}
+        until = time.monotonic() + 30
+        while peer.quarantined and time.monotonic() < until:  # the watcher reclaims the dead room's pages
+            time.sleep(0.1)
+        result["next"].update(quarantined=len(peer.quarantined), free={k: len(v) for k, v in peer.pools.free.items()})
+        n, addr, room = then.replace("#", "@").split("@")
+        host, port = addr.rsplit(":", 1)
+        rid = f"vllm-req-{len(reqs)}"
+        reqs.append(eng.request(int(n), {"bootstrap_host": host, "bootstrap_port": int(port),
+                                         "bootstrap_room": int(room)}, max_tokens=2, request_id=rid))
         out = eng.scheduler.schedule()
+        (load,) = out.kv_connector_metadata.loads
+        result["block_ids"][rid] = [list(ids) for ids in load.block_ids]
+        result["loads"][rid] = [load.request_id, load.bootstrap, load.room, load.num_tokens]
+        run(out)
     result["received"], result["failed"] = sorted(received), sorted(result["failed_at"])
     result["errors"] = list(eng.worker.errors)
     result["stats"] = (eng.worker.get_kv_connector_stats() or eng.worker.build_kv_connector_stats()).reduce()
     result["scheduled_after_load"] = first_scheduled
     result["finished"] = [r.status.name for r in reqs]
-    peer = eng.worker.sglang_decode
+    eng.worker._recv_pool.shutdown(wait=True)  # the declines told (they run on the receive threads)
     result["quarantined_after_load"] = len(peer.quarantined)
     until = time.monotonic() + 10
     while peer.quarantined and time.monotonic() < until:
@@ -398,6 +448,7 @@ def sglang_consumer(model_dir: str, out_dir: str, rooms: list[tuple[int, str, in
     result["landing_capacity"] = {k: int(peer.pools.pool(s).shape[0]) for s in eng.worker.model.all_caches(False)
                                   for k in [peer.pools.storage(s).table]}
     result["dead_within"] = peer.dead_within
+    result["aux_free"] = [len(peer._free_aux), peer.aux_rows]  # metadata rows not claimed / registered
     eng.dump(out_dir, result)
     eng.worker.shutdown()
 
@@ -763,13 +814,14 @@ def main() -> None:
     elif mode == "bench":
         bench(transport, model_dir, out_dir, *rest)
     elif mode == "sglang-consumer":
-        specs, *rest = rest  # N@HOST:PORT#ROOM,...
-        rooms = [(int(n), addr, int(room)) for n, addr, room in
-                 (spec.replace("#", "@").split("@") for spec in specs.split(","))]
+        specs, *rest = rest  # N@HOST:PORT#ROOM[~PROMPT],...
+        rooms = [(int(n), addr, int(room), int(prompt[0]) if prompt else None) for n, addr, room, *prompt in
+                 (spec.replace("#", "@").replace("~", "@").split("@") for spec in specs.split(","))]
         sglang_consumer(model_dir, out_dir, rooms, *rest)
     elif mode == "sglang-producer":
-        num_tokens, room, *rest = rest
-        sglang_producer(model_dir, out_dir, int(num_tokens), int(room), *rest)
+        num_tokens, rooms, *rest = rest  # N,N,... ROOM,ROOM,...
+        sglang_producer(model_dir, out_dir, [(int(n), int(r)) for n, r in
+                                             zip(num_tokens.split(","), rooms.split(","), strict=True)], *rest)
     elif mode == "tp":
         size, port, dist_port, num_tokens, src, dst, peer = rest
         tp(transport, model_dir, out_dir, int(size), int(port), int(dist_port), int(num_tokens), src, dst, peer)

@@ -394,8 +394,18 @@ class SGLangPrefillPeer:
                 del self._requests[room]
 
     def release_pages(self, tables: RequestTables) -> None:
-        """Return a request's pages (``add_migrated_request``'s tables) to the pools, once it ended."""
+        """Return a request's pages (``add_migrated_request``'s or ``add_dump_request``'s tables) to the
+        pools, once it ended, zeroed first: a request fills only its tokens' records of a page (and its
+        rows of a state ring), but the whole page travels, so a reused page would carry an earlier room's
+        bytes to another room's decode."""
         with self._pools_lock:
+            for spec in self.pools.model.all_caches(self.pools.include_mtp):
+                st = self.pools.storage(spec)
+                for name, t in zip((st.table, st.score_table or st.table), pool_tensors(self.pools.pool(spec)),
+                                   strict=False):
+                    ids = [i for i in tables.get(name, []) if i >= 0]
+                    if ids:
+                        t[ids] = 0
             self.pools.release(tables)
 
     def add_dump_request(self, room: int, dump: Dump, num_tokens: int, first_token: int) -> RequestTables:

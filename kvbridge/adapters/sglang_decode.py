@@ -28,6 +28,14 @@ from one:
    no status fails it after ``timeout``. The request's pages are then zeroed and quarantined, and
    come back (``reclaim``) once the prefill reported the room after all, or ``heartbeat`` s after
    it was declared dead: then no write of it can still land.
+5. a request the decode needs nothing of (``decline``: vLLM holds it whole in its prefix cache) is
+   declined as SGLang's decode declines a prefill rank it wants nothing from: page ids marked dummy
+   (no KV pages, no state indices, metadata row -1, ``is_dummy`` 1). SGLang's prefill posts no
+   write for a dummy decode, concludes the room ``KVPoll.Success`` once its scheduler sends it
+   (``nixl/conn.py`` ``transfer_worker``) and notifies no one; nothing lands and no page or
+   metadata row is claimed here. (SGLang's decode-side prefix ``decode_prefix_len`` with no KV
+   pages would still have the prefill write the last partial SWA page, the ratio-128 ring and the
+   metadata row.)
 
 Every pool tensor is registered with NIXL as the kind of its memory (``memory_kind``: VRAM for CUDA,
 DRAM for host), and the KV buffers' kinds are announced so; the metadata rows are host memory, as
@@ -37,8 +45,9 @@ prefill the pools must be CUDA tensors; host pools receive only from a prefill w
 address host memory (NIXL finds no descriptor otherwise: ``NIXL_ERR_NOT_FOUND``).
 
 Limits of this version: a prefill with attention TP/CP/PP/DP of 1 (one rank), no MTP/draft layers,
-no decode-side prefix cache, metadata rows without the sampling-mask and DSA top-k buffers (the KV
-checksum row with ``kv_checksum``). SGLang's bootstrap announces no layer count: a prefill of another
+no decode-side prefix (``decode_prefix_len`` 0: a request is received whole or declined whole),
+metadata rows without the sampling-mask and DSA top-k buffers (the KV checksum row with
+``kv_checksum``). SGLang's bootstrap announces no layer count: a prefill of another
 depth is not refused at bootstrap (see docs/adapters.md).
 """
 
@@ -292,14 +301,7 @@ class SGLangDecodePeer:
         """Fetch request ``room`` (its ``bootstrap_room``) of ``num_tokens`` prompt tokens from the SGLang
         prefill whose bootstrap server is ``bootstrap_addr`` (``host:port``); blocks until it arrived.
         Release the returned request's pages with ``release`` once done with them."""
-        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63:
-            raise InputError(f"room must be a 63-bit non-negative integer, got {room!r}")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-            raise InputError(f"num_tokens must be a positive integer, got {num_tokens!r}")
-        if not isinstance(bootstrap_addr, str) or ":" not in bootstrap_addr:
-            raise InputError(f"bootstrap_addr must be 'host:port', got {bootstrap_addr!r}")
-        if self._agent is None:
-            raise InputError("start the peer first (SGLangDecodePeer.start or a with block)")
+        self._check_request(bootstrap_addr, room, num_tokens)
         deadline = time.monotonic() + self.timeout
         info = self._prefill_info(bootstrap_addr, deadline)
         rank = self._rank(bootstrap_addr)
@@ -367,6 +369,31 @@ class SGLangDecodePeer:
                     else:  # writes may still land: keep the pages (and the row) out of use
                         self._quarantine[room] = _Quarantine(bootstrap_addr, tables, aux_index,
                                                              dead_at=time.monotonic() if waiter.dead else None)
+
+    def decline(self, bootstrap_addr: str, room: int) -> None:
+        """Tell the SGLang prefill whose bootstrap server is ``bootstrap_addr`` that this decode needs nothing
+        of request ``room`` (it holds the request whole, e.g. in vLLM's prefix cache), so that the prefill
+        frees the room as soon as it has computed it instead of at its bootstrap timeout: the handshake
+        checks of ``receive``, then SGLang's dummy page ids (module docstring, 5.). Nothing is claimed and
+        nothing lands; the prefill sends no status for a dummy decode, so this returns once sent."""
+        self._check_request(bootstrap_addr, room, 1)
+        with self._lock:
+            if room in self._waiters or room in self._quarantine:
+                raise InputError(f"room {room} is being received; it cannot be declined")
+        self._prefill_info(bootstrap_addr, time.monotonic() + self.timeout)
+        rank = self._rank(bootstrap_addr)
+        self._send((str(rank["rank_ip"]), int(rank["rank_port"])), self._dummy_message(room))
+
+    def _check_request(self, bootstrap_addr: str, room: int, num_tokens: int) -> None:
+        """Refuse a malformed room, length or address, or a peer not started."""
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**63:
+            raise InputError(f"room must be a 63-bit non-negative integer, got {room!r}")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise InputError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+        if not isinstance(bootstrap_addr, str) or ":" not in bootstrap_addr:
+            raise InputError(f"bootstrap_addr must be 'host:port', got {bootstrap_addr!r}")
+        if self._agent is None:
+            raise InputError("start the peer first (SGLangDecodePeer.start or a with block)")
 
     def _unfinished(self, room: int, waiter: _Waiter, seconds: float) -> str:
         """The one line a request that got no status from its prefill fails with."""
@@ -592,6 +619,13 @@ class SGLangDecodePeer:
                 np.asarray(tables.get("full", range(len(tables["swa"]))), dtype="<i4").tobytes(),
                 str(aux_index).encode(), b"1",
                 _pack_lists(state, "i"), b"0", b"0"]
+
+    def _dummy_message(self, room: int) -> list[bytes]:
+        """SGLang's page ids of a decode rank that needs nothing of ``room`` (``build_receiver_metadata_message``
+        with ``is_dummy``): no KV pages, no state indices, metadata row -1, no prefix, dummy 1."""
+        assert self._agent is not None
+        return [GUARD, str(room).encode(), self.ip.encode(), str(self.rank_port).encode(), self._agent.name.encode(),
+                b"", b"-1", b"1", b"", b"0", b"1"]
 
     def _listen(self, pull: Any) -> None:
         while not self._stop.is_set():

@@ -35,7 +35,10 @@ Per request, ``kv_transfer_params``:
   the prefill's NIXL writes, the heartbeat) lands the request in SGLang-layout pools on vLLM's device (CUDA
   memory registered as VRAM where vLLM's caches are on CUDA, host memory on CPU), checks it (room in the
   metadata row, state rows, page size, layout), converts it on that device and writes it through the
-  request's block ids, then frees the landing pages.
+  request's block ids, then frees the landing pages. A request vLLM holds whole in its prefix cache (its
+  ``kvbridge_num_tokens`` within the hit: any shorter hit leaves the window's SWA tokens to move) is declined
+  to its prefill (``SGLangDecodePeer.decline``: SGLang's dummy page ids), which then concludes the room
+  Success without a write instead of holding it until its bootstrap timeout; nothing is claimed or written.
 
 Requests are independent: loads are keyed by kvbridge request id (``vllm_requests.RequestTable``),
 any number wait at once and producers connect in any order; over gloo up to ``max_inflight``
@@ -148,13 +151,15 @@ class Send:
 @dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
     """One step's loads and sends, the vLLM request ids whose loads are cancelled (aborted or finished
-    while they waited), and the kvbridge request ids vLLM found whole in its prefix cache (their producers
-    are refused)."""
+    while they waited), the kvbridge request ids vLLM found whole in its prefix cache (their producers
+    are refused) and, transport ``sglang``, those requests' SGLang prefills and rooms (bootstrap
+    ``host:port``, room: each prefill is told the decode needs nothing of the room)."""
 
     loads: list[Load] = field(default_factory=list)
     sends: list[Send] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     cached_whole: list[str] = field(default_factory=list)
+    declines: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -283,6 +288,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._sends: dict[str, Send] = {}
         self._cancels: list[str] = []
         self._cached_whole: list[str] = []
+        self._declines: list[tuple[str, int]] = []
         self._hits: dict[str, int] = {}  # vLLM request id: its (block-aligned) local prefix-cache hit, in tokens
         self._loading: set[str] = set()  # requests whose load is out with the worker, not reported yet
         self._offered: set[str] = set()  # requests whose tokens were offered as external once
@@ -390,7 +396,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """The prompt tokens a kvbridge producer sends beyond vLLM's own prefix-cache hit
         (``num_computed_tokens``), loaded asynchronously; none for a request that was loaded (or failed to
         load) once already: a producer sends a request once, so vLLM computes what a preemption or a failed
-        load lost. A request vLLM holds whole refuses its producer."""
+        load lost. A request vLLM holds whole refuses its producer (transport ``sglang``: its prefill is
+        told the decode needs nothing of the room, ``SGLangDecodePeer.decline``)."""
         params = request.kv_transfer_params or {}
         if not self.is_consumer or request.request_id in self._offered or not self._wants_load(request):
             return 0, False
@@ -398,6 +405,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if 0 < n <= num_computed_tokens:
             self._offered.add(request.request_id)
             self._cached_whole.append(self._load_id(request, params))
+            if self.transport == "sglang":
+                self._declines.append(sglang_source(params))
             return 0, False
         self._hits[request.request_id] = num_computed_tokens
         return max(0, n - num_computed_tokens), n > num_computed_tokens
@@ -456,10 +465,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output) -> KVBridgeMetadata:
         meta = KVBridgeMetadata(list(self._loads.values()), list(self._sends.values()), self._cancels,
-                                self._cached_whole)
+                                self._cached_whole, self._declines)
         self._loads.clear()
         self._sends.clear()
-        self._cancels, self._cached_whole = [], []
+        self._cancels, self._cached_whole, self._declines = [], [], []
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -587,9 +596,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Hand this step's loads to the transfer threads and cancel the loads vLLM dropped; they are
-        reported by ``get_transfer_results``."""
+        reported by ``get_transfer_results``. The SGLang prefills of requests vLLM holds whole are told
+        it needs nothing of them (on the same threads: a bootstrap is HTTP)."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVBridgeMetadata) or not (meta.loads or meta.cancels or meta.cached_whole):
+        if not isinstance(meta, KVBridgeMetadata) or not (meta.loads or meta.cancels or meta.cached_whole
+                                                          or meta.declines):
             return
         if self.caches is None or (self.server is None and self.sglang_decode is None):
             raise InputError("KVBridgeConnector: start_load_kv before register_kv_caches (or not a consumer)")
@@ -606,6 +617,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self.table.cancel(req_id)
         for rid in meta.cached_whole:
             self.table.forget(rid, "found whole in vLLM's prefix cache")
+        for bootstrap, room in meta.declines:
+            assert self._recv_pool is not None
+            self._recv_pool.submit(self._decline_sglang, bootstrap, room)
 
     def _start_receivers(self) -> None:
         """The transfer threads (threads of this worker: vLLM's workers may be daemonic processes): over gloo
@@ -687,6 +701,24 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._ended(p, None, self._land_sglang(p), t0)
         except Exception as exc:  # reported to vLLM through failed_recving, never raised in its step
             self._ended(self._local.pending, _one_line(exc), None, t0)
+
+    def _decline_sglang(self, bootstrap: str, room: int) -> None:
+        """Tell the SGLang prefill at ``bootstrap`` that vLLM holds request ``room`` whole (nothing is received
+        or written); one that cannot be told is an error line (it keeps the room until its bootstrap timeout)."""
+        peer = self.sglang_decode
+        try:
+            if peer is None:
+                raise InputError("the connector was shut down")
+            peer.decline(bootstrap, room)
+        except Exception as exc:  # logged, never raised in vLLM's step
+            line = f"room {room}: could not tell the SGLang prefill at {bootstrap} that vLLM holds it whole: " \
+                   f"{_one_line(exc)}"
+            log.error("kvbridge: %s", line)
+            with self._lock:
+                self.errors.append(line)
+            return
+        log.info("kvbridge: room %d is whole in vLLM's prefix cache; declined to the SGLang prefill at %s", room,
+                 bootstrap)
 
     def _land_sglang(self, p: Pending) -> tuple[int, float]:
         caches, peer, load = self.caches, self.sglang_decode, p.load

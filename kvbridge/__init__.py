@@ -30,6 +30,7 @@ _EXPORTS = {
     "DumpEntry": "kvbridge.dumps.dumpfile",
     "read_dump": "kvbridge.dumps.dumpfile",
     "write_dump": "kvbridge.dumps.writer",
+    "CopyMismatchError": "kvbridge.errors",
     "DumpFormatError": "kvbridge.errors",
     "InputError": "kvbridge.errors",
     "KVBridgeError": "kvbridge.errors",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from kvbridge.dumps.dumpfile import Dump, DumpEntry, read_dump  # noqa: F401
     from kvbridge.dumps.writer import write_dump  # noqa: F401
     from kvbridge.errors import (  # noqa: F401
+        CopyMismatchError,
         DumpFormatError,
         InputError,
         KVBridgeError,

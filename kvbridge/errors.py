@@ -22,6 +22,11 @@ class NonFiniteError(InputError):
     """NaN or Inf in an encoder's input."""
 
 
+class CopyMismatchError(InputError):
+    """A record whose two copies of some dims (a layout's mirror field and the field it mirrors) disagree:
+    its writer would have written them from the same values, so the record is corrupt or foreign."""
+
+
 class DumpFormatError(KVBridgeError, ValueError):
     """A dump file that is truncated, foreign, or inconsistent with its own metadata."""
 

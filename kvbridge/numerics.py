@@ -397,15 +397,20 @@ def nvfp4_tile_scale(amax: torch.Tensor, global_scale: float = 1.0) -> torch.Ten
     return torch.where(bad, torch.full_like(code, E4M3_NAN), code)
 
 
-def nvfp4_encode_tiles(x: torch.Tensor, scale_bytes: torch.Tensor, global_scale: float = 1.0) -> torch.Tensor:
+def nvfp4_encode_tiles(x: torch.Tensor, scale_bytes: torch.Tensor, global_scale: float = 1.0,
+                       zero_scale_zero: bool = False) -> torch.Tensor:
     """E2M1 codes of fp32 tiles ``x`` ``[..., tiles, tile]`` with NVFP4 scale bytes ``[..., tiles]`` under the
     global scale g: ``e2m1_rne(x * fp32(1 / fp32(scale * g)))`` (a multiply by the fp32 reciprocal of the
     rounded scale times g, which can land on the other side of an E2M1 tie than a division; at g = 1 the
     scale itself); a zero element keeps its signed zero code, a nonzero one in a scale-0 tile saturates
-    to +-6 (its reciprocal is +Inf), and a poisoned tile (scale 0x7F) gets code 0 everywhere."""
+    to +-6 (its reciprocal is +Inf; with ``zero_scale_zero``, vLLM's ``cvt_warp_fp16_to_fp4``, the multiplier is 0
+    instead and it gets its signed zero code), and a poisoned tile (scale 0x7F) gets code 0 everywhere."""
     scale = e4m3_decode(scale_bytes).unsqueeze(-1) * _f32_scalar(global_scale, x.device)
     one = torch.ones((), dtype=torch.float32, device=x.device)
-    y = torch.where(x == 0, x, x * (one / scale))
+    inv = one / scale
+    if zero_scale_zero:
+        inv = torch.where(scale == 0, torch.zeros_like(inv), inv)
+    y = torch.where(x == 0, x, x * inv)
     codes = e2m1_encode(y)
     return torch.where((scale_bytes == E4M3_NAN).unsqueeze(-1), torch.zeros_like(codes), codes)
 

@@ -55,6 +55,7 @@ from kvbridge.layouts.registry import (  # noqa: E402
     OP_BF16,
     OP_E2M1_E4M3,
     OP_E2M1_NVFP4,
+    OP_E2M1_NVFP4Z,
     OP_E4M3_TENSOR,
     OP_E4M3_UE8M0,
 )
@@ -68,7 +69,8 @@ SCRATCH_LAYOUTS = ("flashmla-model1", "v41-fp8-interleaved")
 #: 32-bit registers, shared memory bytes; plus the 1 KiB the runtime reserves per block.
 SM_LIMITS = {90: (32, 64, 65536, 233472), 100: (32, 64, 65536, 233472), 120: (32, 48, 65536, 102400)}
 RESERVED_SMEM = 1024
-E4M3_OPS = (OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_E2M1_E4M3, OP_E2M1_NVFP4)  # fields whose values or scales are E4M3 bytes
+#: Fields whose values or scales are E4M3 bytes.
+E4M3_OPS = (OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_E2M1_E4M3, OP_E2M1_NVFP4, OP_E2M1_NVFP4Z)
 VECTOR_OPS = (OP_BF16, OP_E4M3_TENSOR, OP_E4M3_UE8M0)  # fields read / written as whole rows of bytes
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 

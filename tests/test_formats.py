@@ -137,7 +137,8 @@ def test_consumers_refuse_what_they_cannot_take_by_name(table):
 
 def test_every_shipped_format_is_one_entry():
     names = [f.name for f in F.all_formats()]
-    assert sorted(names) == sorted({"e4m3", "e4m3-scale", "nvfp4-scale", "ue8m0", "e2m1", "bf16", "pad", "e4m3fnuz"})
+    assert sorted(names) == sorted({"e4m3", "e4m3-scale", "nvfp4-scale", "nvfp4-scale-vllm", "ue8m0", "e2m1", "bf16",
+                                    "pad", "e4m3fnuz"})
     fnuz = F.get_format("e4m3fnuz")  # float8_e4m3fnuz: 0x80 is its one NaN; 0x7F / 0xFF are +-240
     assert fnuz.nonfinite.matches(0x80) and not fnuz.nonfinite.matches(0x7F) and not fnuz.nonfinite.matches(0xFF)
     assert fnuz.at_max.matches(0x7F) and fnuz.at_max.matches(0xFF)

@@ -9,8 +9,9 @@ Two layouts nobody ships, built only from existing element formats and scale rul
 - ``test-fp4-nope-bf16-rope``: E2M1 nope in tiles of 32 with E4M3 scales, bf16 rope, block-split
   at byte 352, pages padded to 256 B.
 
-The registered experimental FP4 records ``flashinfer-nvfp4`` and ``sglang-mxfp4`` (each with a scale
-rule of its own) run through the same tests.
+The registered experimental FP4 records ``flashinfer-nvfp4``, ``sglang-mxfp4`` (each with a scale
+rule of its own) and ``lil-nvfp4-ds-mla`` (its rope dims stored twice, a mirror field) run through the
+same tests.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ FP4_BF16 = Layout(
     page_align=256,
 )
 #: The registered experimental FP4 records go through the same checks (they add an op of their own).
-NEW = (TILE16, FP4_BF16, get_layout("flashinfer-nvfp4"), get_layout("sglang-mxfp4"))
+NEW = (TILE16, FP4_BF16, get_layout("flashinfer-nvfp4"), get_layout("sglang-mxfp4"), get_layout("lil-nvfp4-ds-mla"))
 ids = lambda v: getattr(v, "name", str(v))  # noqa: E731
 
 
@@ -87,7 +88,13 @@ def test_new_layout_encodes_and_decodes_on_every_cpu_backend(latents, layout, mo
                            reference.encode_pages(latents.bfloat16(), layout, 61, dialect, 1.0))
     g = torch.Generator().manual_seed(6)
     pages = torch.randint(0, 256, (3, layout.page_bytes(61)), dtype=torch.uint8, generator=g)
-    got, ref = kb.decode(pages, layout, page_size=61), reference.decode_pages(pages, layout, 61, None, 1.0)
+    if layout.mirrors:  # random bytes: the second copy disagrees with the first, which decode refuses
+        with pytest.raises(kb.CopyMismatchError, match="disagree with dims"):
+            kb.decode(pages, layout, page_size=61)
+        got = dispatch.decode_pages(pages, layout, 61, None, 1.0)
+    else:
+        got = kb.decode(pages, layout, page_size=61)
+    ref = reference.decode_pages(pages, layout, 61, None, 1.0)
     assert torch.equal(torch.isnan(got), torch.isnan(ref))
     assert torch.equal(got.nan_to_num().view(torch.int32), ref.nan_to_num().view(torch.int32))
     monkeypatch.setenv(dispatch.BACKEND_ENV, "reference")
@@ -172,3 +179,30 @@ def test_new_layout_on_the_triton_kernels(latents, layout):
     args = (want, layout, 7, get_layout("v41-fp8-interleaved"), 3, 20, 1.0, 1.0, "amax-1e-4")
     assert torch.equal(tk.transcode_pages(*args), reference.transcode_pages(*args))
     assert torch.equal(tk.repage(want, layout, 7, layout, 64, 20), reference.repage(want, layout, 7, layout, 64, 20))
+
+
+def test_mirror_field_rules():
+    """A mirror is a value field storing dims a bf16 field already stores; decoders read the bf16 copy only."""
+    lil = get_layout("lil-nvfp4-ds-mla")
+    assert [s.op for s in lil.read_segments] == [s.op for s in lil.segments[1:-1]]
+    assert lil.mirrors == (lil.segments[-1],) and lil.mirrors[0].dim0 == 448 and lil.mirrors[0].offset == 224
+    assert not FP4_BF16.mirrors and FP4_BF16.read_segments == FP4_BF16.segments
+
+    def build(*fields, record_bytes=432):
+        return Layout(name="test-mirror", description="test only", record_bytes=record_bytes, fields=fields)
+
+    nope, rope4, nscale, rscale, pad, rope = lil.fields
+    with pytest.raises(kb.LayoutError, match="its first copy is not a bf16 field"):
+        build(nope, Field("rope_fp4", 224, 32, "e2m1", (448, 512), tile=16, scale="s2"), nscale,
+              Field("s2", 284, 4, "nvfp4-scale-vllm"), Field("pad", 288, 16, "pad"),
+              Field("rope", 304, 32, "e2m1", (448, 512), tile=16, scale="s3", mirror=True),
+              Field("s3", 336, 4, "nvfp4-scale-vllm"), Field("pad2", 340, 92, "pad"))
+    with pytest.raises(kb.LayoutError, match="only a value field can be a mirror"):
+        build(nope, rope4, nscale, rscale, Field("pad", 288, 16, "pad", mirror=True), rope)
+    with pytest.raises(kb.LayoutError, match="stored 2 times"):
+        build(nope, Field("rope_fp4", 224, 32, "e2m1", (448, 512), tile=16, scale="rope_fp4_scale"), nscale, rscale,
+              pad, rope)
+    with pytest.raises(kb.LayoutError, match="mirrored by more than one field"):
+        build(nope, rope4, nscale, rscale, pad, rope,
+              Field("rope_fp4b", 432, 32, "e2m1", (448, 512), tile=16, scale="s4", mirror=True),
+              Field("s4", 464, 4, "nvfp4-scale-vllm"), Field("pad2", 468, 4, "pad"), record_bytes=472)

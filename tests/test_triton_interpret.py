@@ -282,16 +282,17 @@ def compile_ptx(fn, pointers, scalars, constexprs, num_warps):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 
 
-def side(name):
-    """(pointer type, record program, data row bytes, record bytes) of a layout, or of dense fp32 (None)."""
+def side(name, read=False):
+    """(pointer type, record program (``read``: the decoders'), data row bytes, record bytes) of a layout, or of
+    dense fp32 (None)."""
     if name is None:
         return "*fp32", (), 0, 0
     lay = get_layout(name)
-    return "*u8", tk.program(lay), lay.split or lay.record_bytes, lay.record_bytes
+    return "*u8", tk.program(lay, read=read), lay.split or lay.record_bytes, lay.record_bytes
 
 
 def convert(src_name, dst_name, hw, slots, check=True, persistent=False):
-    (sp, sprog, ss, sr), (dp, dprog, ds, dr) = side(src_name), side(dst_name)
+    (sp, sprog, ss, sr), (dp, dprog, ds, dr) = side(src_name, read=True), side(dst_name)
     pointers = {"src": sp, "src16": "*i16", "src_slots": "*i32", "dst": dp, "dst16": "*i16",
                 "dst_slots": "*i32", "flags": "*u8"}
     scalars = {"src_cap": "i64", "src_p": "i32", "src_pb": "i32", "src_scale": "fp32", "dst_p": "i32", "dst_pb": "i32",

@@ -184,12 +184,12 @@ def _decode_field(x, d, src, src16, data, foot, valid, scale, HW_FP8: tl.constex
         sb = tl.load(src + s_at + j // TILE, mask=m, other=127).to(tl.int32)
         byte = tl.load(src + at + j // 2, mask=m, other=0).to(tl.int32)
         v = _e2m1_value((byte >> ((j & 1) * 4)) & 0xF) * _ue8m0_decode(sb)
-    elif OP == 3 or OP == 6:  # E2M1 pairs with E4M3 scales (V4.1 fp4 and NVFP4 alike)
+    elif OP == 3 or OP == 6 or OP == 9:  # E2M1 pairs with E4M3 scales (V4.1 fp4 and NVFP4 alike)
         s_at = _field_at(data, foot, SOFF, S)
         sb = tl.load(src + s_at + j // TILE, mask=m, other=0x38).to(tl.int32)
         byte = tl.load(src + at + j // 2, mask=m, other=0).to(tl.int32)
         v = _e2m1_value((byte >> ((j & 1) * 4)) & 0xF) * _e4m3_decode(sb, HW_FP8)
-        if OP == 6:  # NVFP4: fp32(e2m1 * scale) * g, g the global scale (``numerics.nvfp4_decode_tiles``)
+        if OP == 6 or OP == 9:  # NVFP4: fp32(e2m1 * scale) * g, g the global scale (``numerics.nvfp4_decode_tiles``)
             v = v * scale
     else:
         v = x
@@ -226,6 +226,8 @@ def _encode_field(x, d, dst, dst16, data, foot, row, valid, mult, gscale, min_ex
         tl.store(dst + at + j, _e4m3_encode(x * mult, HW_FP8).to(tl.uint8), mask=m)
     elif OP == 4:  # zero bytes (d counts bytes here)
         tl.store(dst + at + d, tl.zeros_like(d).to(tl.uint8), mask=row & (d < ND))
+    elif OP == 8:  # bf16 rounding of mirrored dims: applied to x before the fields (``_round_field``)
+        pass
     else:
         amax, tile_amax = _tile_amax(x, seg, BLOCK_T, TILE)
         t = tl.arange(0, 512 // TILE)[None, :]
@@ -241,14 +243,17 @@ def _encode_field(x, d, dst, dst16, data, foot, row, valid, mult, gscale, min_ex
             inv = ((127 - k) << 23).to(tl.float32, bitcast=True)  # exact 2^-k
             tl.store(dst + at + j, _e4m3fnuz_bits_from_f32(x * inv).to(tl.uint8), mask=m)
             sb = tl.where(valid, _fnuz_exponent(tile_amax, min_exp) + 127, 0)
-        elif OP == 6 or OP == 7:  # NVFP4 / MXFP4 tiles; a NaN or Inf poisons its tile (NaN scale, codes 0)
+        elif OP == 6 or OP == 7 or OP == 9:  # NVFP4 / MXFP4 tiles; a NaN or Inf poisons its tile (NaN scale, codes 0)
             poison = _tile_any(((x.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000) & seg, BLOCK_T, TILE)
-            if OP == 6:  # scale e4m3(fp32(1/g) * (amax * fp32(1/6))), codes of x * fp32(1/fp32(scale * g))
+            if OP == 6 or OP == 9:  # scale e4m3(fp32(1/g) * (amax * fp32(1/6))), codes of x * fp32(1/fp32(scale * g))
                 q = tl.minimum(mult * (tile_amax * _NVFP4_RCP6), 448.0)
                 sb = tl.where(poison, 0x7F, _e4m3_encode(tl.where(poison, 0.0, q), HW_FP8))
                 sv = tl.reshape(tl.broadcast_to(_e4m3_decode(sb, HW_FP8)[:, :, None], [BLOCK_T, 512 // TILE, TILE]),
                                 [BLOCK_T, 512]) * gscale
-                codes = _e2m1_code(tl.where(x == 0.0, x, x * tl.math.div_rn(tl.full(sv.shape, 1.0, tl.float32), sv)))
+                inv = tl.math.div_rn(tl.full(sv.shape, 1.0, tl.float32), sv)  # 1/0 = +Inf: FlashInfer's +-6
+                if OP == 9:  # vLLM's writer multiplies a scale-0 tile by 0 (signed zero codes)
+                    inv = tl.where(sv == 0.0, 0.0, inv)
+                codes = _e2m1_code(tl.where(x == 0.0, x, x * inv))
             else:  # UE8M0 byte round(log2(amax / 6)) + 127 from amax's bits, codes of x / 2^(byte - 127)
                 ab = tile_amax.to(tl.int32, bitcast=True)
                 e = ab >> 23
@@ -280,6 +285,17 @@ def _encode_field(x, d, dst, dst16, data, foot, row, valid, mult, gscale, min_ex
         tl.store(dst + s_at + t - D0 // TILE, sb.to(tl.uint8), mask=row & t_seg)
 
 
+@triton.jit
+def _round_field(x, d, OP: tl.constexpr, D0: tl.constexpr, ND: tl.constexpr):
+    """``x`` with dims ``[D0, D0 + ND)`` rounded to bf16 for an ``OP_ROUND_BF16`` row (a mirror field is encoded
+    from the bf16 values its first copy stores); ``x`` unchanged for any other row."""
+    if OP == 8:
+        seg = (d >= D0) & (d < D0 + ND)
+        return tl.where(seg, ((_bf16_bits(x) & 0xFFFF) << 16).to(tl.float32, bitcast=True), x)
+    else:
+        return x
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -302,8 +318,8 @@ def _convert_rows(
 ):
     """Rows ``i`` (int64 ``[BLOCK_T, 1]``): decode the source token of each row, encode it into the destination.
 
-    ``SRC_PROG``/``DST_PROG`` are the layouts' record programs (``Layout.segments`` flattened, 6 ints
-    per field, ``*_NF`` fields; an empty program means dense fp32 ``[rows, 512]`` addressed by
+    ``SRC_PROG``/``DST_PROG`` are the layouts' record programs (``Layout.read_segments`` / ``Layout.segments``
+    flattened, 6 ints per field, ``*_NF`` fields; an empty program means dense fp32 ``[rows, 512]`` addressed by
     slot * 512). Rows ``i < n_tokens`` read source slot ``src_slots[i]`` (or i); -1 or a row past
     ``n_tokens`` has no source and is written as an all-zero record. ``CHECK`` writes ``flags[i]``
     (0, or ``FLAG_NONFINITE`` / ``FLAG_OUT_OF_RANGE``) for rows < n_tokens; ``WRITE`` writes rows < n_rows.
@@ -342,6 +358,8 @@ def _convert_rows(
         else:
             data = _data_base(out, dst_p, dst_pb, DST_S, DST_ALIGN)
             foot = _footer_base(out, dst_p, dst_pb, DST_S, DST_R)
+            for k in tl.static_range(DST_NF):
+                x = _round_field(x, d, DST_PROG[6 * k], DST_PROG[6 * k + 1], DST_PROG[6 * k + 2])
             for k in tl.static_range(DST_NF):
                 _encode_field(x, d, dst, dst16, data, foot, row, valid, dst_mult, dst_gscale, min_exp, HW_FP8, DST_S,
                               DST_ALIGN,
@@ -434,9 +452,10 @@ def _copy_kernel(
 # ----------------------------------------------------------------------------- host side
 
 
-def program(layout: Layout) -> tuple[int, ...]:
-    """``layout.segments`` flattened (6 ints per field): the record program the kernels take as a constexpr."""
-    return tuple(v for seg in layout.segments for v in seg)
+def program(layout: Layout, read: bool = False) -> tuple[int, ...]:
+    """``layout.segments`` (``read``: ``layout.read_segments``, what decoders execute) flattened (6 ints per
+    field): the record program the kernels take as a constexpr."""
+    return tuple(v for seg in (layout.read_segments if read else layout.segments) for v in seg)
 
 
 def supports(*layouts: Layout) -> bool:
@@ -465,12 +484,14 @@ def aligned(*tensors: torch.Tensor) -> bool:
 class Side:
     """What the kernels specialise on for one side: a layout at a page size, or dense fp32 ``[rows, 512]``.
 
-    ``program``: the record program (empty for dense); ``split``/``record``: data-row / record bytes;
+    ``program``: the record program (empty for dense), ``read_program`` what a decode of this side runs (mirror
+    fields left out); ``split``/``record``: data-row / record bytes;
     ``page_bytes``: bytes per page (padding included); ``align``: the largest power of two <= 16
     dividing every data row's byte offset.
     """
 
     program: tuple[int, ...] = ()
+    read_program: tuple[int, ...] = ()
     split: int = 0
     record: int = 0
     page_bytes: int = 0
@@ -485,7 +506,8 @@ def side(layout: Layout | None, page_size: int = 1) -> Side:
         raise LayoutError(f"layout {layout.name} has no Triton kernel (its rows are not 8-byte multiples)")
     split = layout.split if layout.split is not None else layout.record_bytes
     page_bytes = layout.page_bytes(page_size)
-    return Side(program(layout), split, layout.record_bytes, page_bytes, math.gcd(page_bytes, split, 16))
+    return Side(program(layout), program(layout, read=True), split, layout.record_bytes, page_bytes,
+                math.gcd(page_bytes, split, 16))
 
 
 @dataclass(frozen=True)
@@ -500,7 +522,7 @@ def convert_launch(src: Side, dst: Side, *, src_slots: bool, dst_slots: bool, ch
                    hw_fp8: bool) -> Launch:
     """The ``_convert_kernel`` specialisation of a launch from ``src`` to ``dst`` (what every launch site uses)."""
     return Launch(dict(
-        SRC_PROG=src.program, SRC_NF=len(src.program) // 6, SRC_S=src.split, SRC_R=src.record,
+        SRC_PROG=src.read_program, SRC_NF=len(src.read_program) // 6, SRC_S=src.split, SRC_R=src.record,
         SRC_ALIGN=src.align, SRC_HAS_SLOTS=src_slots,
         DST_PROG=dst.program, DST_NF=len(dst.program) // 6, DST_S=dst.split, DST_R=dst.record,
         DST_ALIGN=dst.align, DST_HAS_SLOTS=dst_slots,

@@ -18,10 +18,12 @@ from kvbridge.layouts.registry import (
     OP_BF16,
     OP_E2M1_E4M3,
     OP_E2M1_NVFP4,
+    OP_E2M1_NVFP4Z,
     OP_E2M1_UE8M0,
     OP_E4M3_TENSOR,
     OP_E4M3_UE8M0,
     OP_E4M3FNUZ_UE8M0,
+    OP_ROUND_BF16,
     OP_ZERO,
     Layout,
 )
@@ -75,10 +77,12 @@ class RecordCodec:
     scale byte 0xFF and ``numerics.e4m3_nonfinite_tile_codes``; FNUZ tiles
     likewise with ``numerics.fnuz_scale_exponent`` and ``e4m3fnuz``;
     E4M3-scaled E2M1 tiles get ``numerics.fp4_tile_scale`` and codes of ``x / scale``; NVFP4 tiles
-    ``numerics.nvfp4_tile_scale`` and codes of ``x * fp32(1 / fp32(scale * g))`` (``nvfp4_encode_tiles``),
+    ``numerics.nvfp4_tile_scale`` and codes of ``x * fp32(1 / fp32(scale * g))`` (``nvfp4_encode_tiles``; vLLM's
+    rule, ``OP_E2M1_NVFP4Z``, multiplies a scale-0 tile by 0),
     decoded ``fp32(e2m1 * scale) * g``, where g is the per-tensor global scale (``scale``; 1 by default);
     UE8M0-scaled E2M1 (MXFP4) tiles ``numerics.mxfp4_scale_byte`` and codes of ``x / 2^k``.
-    Pad bytes are 0.
+    Pad bytes are 0. ``OP_ROUND_BF16`` rounds dims to bf16 before the fields after it (a mirror field is
+    encoded from its bf16 first copy); decoding runs the read program (``Layout.read_segments``).
     """
 
     def __init__(self, layout: Layout):
@@ -93,6 +97,10 @@ class RecordCodec:
         rec = torch.zeros(n, self.record_bytes, dtype=torch.uint8, device=x.device)
         for op, d0, nd, off, tile, soff in self.layout.segments:
             if op == OP_ZERO:
+                continue
+            if op == OP_ROUND_BF16:
+                x = x.clone()
+                x[:, d0 : d0 + nd] = nx.bf16_from_bytes(nx.bf16_bytes(x[:, d0 : d0 + nd]))  # as the bf16 field
                 continue
             v = x[:, d0 : d0 + nd]
             if op == OP_BF16:
@@ -127,10 +135,11 @@ class RecordCodec:
                     codes = torch.where(nan_scale, torch.zeros_like(codes), codes)
                 rec[:, off : off + nd // 2] = nx.e2m1_pack(codes.reshape(n, nd))
                 rec[:, soff : soff + nd // tile] = scale_bytes
-            elif op == OP_E2M1_NVFP4:
+            elif op in (OP_E2M1_NVFP4, OP_E2M1_NVFP4Z):
                 tiles = v.reshape(n, nd // tile, tile)
                 scale_bytes = nx.nvfp4_tile_scale(tiles.abs().amax(dim=-1), scale)  # scale: the global scale g
-                codes = nx.nvfp4_encode_tiles(tiles, scale_bytes, scale).reshape(n, nd)
+                codes = nx.nvfp4_encode_tiles(tiles, scale_bytes, scale, zero_scale_zero=op == OP_E2M1_NVFP4Z)
+                codes = codes.reshape(n, nd)
                 rec[:, off : off + nd // 2] = nx.e2m1_pack(codes)
                 rec[:, soff : soff + nd // tile] = scale_bytes
             elif op == OP_E2M1_UE8M0:
@@ -143,7 +152,7 @@ class RecordCodec:
     def decode(self, records: torch.Tensor, *, scale: float) -> torch.Tensor:
         n = records.shape[0]
         out = torch.empty(n, HEAD_DIM, dtype=torch.float32, device=records.device)
-        for op, d0, nd, off, tile, soff in self.layout.segments:
+        for op, d0, nd, off, tile, soff in self.layout.read_segments:
             if op == OP_BF16:
                 out[:, d0 : d0 + nd] = nx.bf16_from_bytes(records[:, off : off + 2 * nd])
             elif op == OP_E4M3_TENSOR:
@@ -154,7 +163,7 @@ class RecordCodec:
                 values = decode(records[:, off : off + nd]).reshape(n, nd // tile, tile)
                 tile_scale = nx.ue8m0_decode(records[:, soff : soff + nd // tile])
                 out[:, d0 : d0 + nd] = (values * tile_scale.unsqueeze(-1)).reshape(n, nd)
-            elif op == OP_E2M1_NVFP4:
+            elif op in (OP_E2M1_NVFP4, OP_E2M1_NVFP4Z):
                 codes = nx.e2m1_unpack(records[:, off : off + nd // 2]).reshape(n, nd // tile, tile)
                 values = nx.nvfp4_decode_tiles(codes, records[:, soff : soff + nd // tile], scale)
                 out[:, d0 : d0 + nd] = values.reshape(n, nd)

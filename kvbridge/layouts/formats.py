@@ -50,11 +50,22 @@ OP_E2M1_NVFP4 = 6
 #: E2M1 pairs per tile with a UE8M0 scale 2^k (MXFP4, SGLang's DSV4 writer): k = round(log2(amax / 6)),
 #: byte k + 127 clamped to [0, 255], codes of x / 2^k (``numerics.mxfp4_scale_byte`` / ``mxfp4_encode_tiles``).
 OP_E2M1_UE8M0 = 7
+#: E2M1 pairs per tile with an NVFP4 E4M3 scale byte, as vLLM's ``cvt_warp_fp16_to_fp4`` writes them
+#: (local-inference-lab's ``nvfp4_ds_mla``): ``OP_E2M1_NVFP4``'s rule except that a tile whose scale byte is 0
+#: gets the multiplier 0, so its codes are signed zeros (FlashInfer's writer multiplies by 1/0 = +Inf: +-6);
+#: decoded like ``OP_E2M1_NVFP4``.
+OP_E2M1_NVFP4Z = 9
+#: Writes no bytes: the encoders round the values of dims ``[dim0, dim0 + ndims)`` to bf16 before encoding
+#: the fields after it (a bf16 field stored a second time in another format, ``Field.mirror``, is encoded
+#: from the bf16 values its first copy stores); only in a layout's encode program, never in its read program.
+OP_ROUND_BF16 = 8
 #: Every op the backends (reference codec, numba, C, Triton) execute.
 SEGMENT_OPS = (OP_BF16, OP_E4M3_TENSOR, OP_E4M3_UE8M0, OP_E2M1_E4M3, OP_ZERO, OP_E4M3FNUZ_UE8M0, OP_E2M1_NVFP4,
-               OP_E2M1_UE8M0)
+               OP_E2M1_UE8M0, OP_ROUND_BF16, OP_E2M1_NVFP4Z)
 #: Ops whose fields are E2M1 pairs scaled by one E4M3 byte per tile (decoded alike).
-E2M1_E4M3_OPS = (OP_E2M1_E4M3, OP_E2M1_NVFP4)
+E2M1_E4M3_OPS = (OP_E2M1_E4M3, OP_E2M1_NVFP4, OP_E2M1_NVFP4Z)
+#: Ops of NVFP4 tiles (E4M3 scales relative to a per-tensor fp32 global scale g outside the cache).
+NVFP4_OPS = (OP_E2M1_NVFP4, OP_E2M1_NVFP4Z)
 #: Ops that use the layout's per-tensor scale (a field compiling to one needs a per-tensor layout).
 PER_TENSOR_OPS = (OP_E4M3_TENSOR,)
 KINDS = ("value", "scale", "pad")
@@ -158,6 +169,8 @@ register_format(Format("ue8m0", "scale", 8, nonfinite=CodeRule(1, 0xFF, 0xFF), e
 register_format(Format("e4m3-scale", "scale", 8, nonfinite=E4M3_NAN))
 #: NVFP4's per-16 E4M3 scale (relative to a per-tensor fp32 global scale, 1 in FlashInfer's DSV4 record).
 register_format(Format("nvfp4-scale", "scale", 8, nonfinite=E4M3_NAN))
+#: The same scale byte as vLLM's NVFP4 writer uses it (``OP_E2M1_NVFP4Z``: a scale-0 tile's codes are signed zeros).
+register_format(Format("nvfp4-scale-vllm", "scale", 8, nonfinite=E4M3_NAN))
 register_format(Format("pad", "pad", 8, nonfinite=None))
 register_format(Format(
     "e4m3", "value", 8, nonfinite=E4M3_NAN, ops=((None, OP_E4M3_TENSOR), ("ue8m0", OP_E4M3_UE8M0)),
@@ -169,7 +182,8 @@ register_format(Format(  # float8_e4m3fnuz: bias 8, max 240 (0x7F / 0xFF), NaN 0
 ))
 register_format(Format(
     "e2m1", "value", 4, nonfinite=None,
-    ops=(("e4m3-scale", OP_E2M1_E4M3), ("nvfp4-scale", OP_E2M1_NVFP4), ("ue8m0", OP_E2M1_UE8M0)),
+    ops=(("e4m3-scale", OP_E2M1_E4M3), ("nvfp4-scale", OP_E2M1_NVFP4), ("ue8m0", OP_E2M1_UE8M0),
+         ("nvfp4-scale-vllm", OP_E2M1_NVFP4Z)),
 ))
 register_format(Format(
     "bf16", "value", 16, nonfinite=CodeRule(2, 0x7F80, 0x7F80), ops=((None, OP_BF16),),

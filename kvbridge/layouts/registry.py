@@ -9,6 +9,14 @@ holding one scale per tile. The scale rule of each tile format is chosen by the 
 that the torch reference, the numba kernels and the Triton kernels all execute, so a new layout
 made of existing element formats runs on every backend with no new code.
 
+A value field marked ``mirror`` stores dims that another field (their *first copy*, a bf16 field)
+already stores, a second time in its own format (vLLM ``nvfp4_ds_mla``: the rope dims in bf16 and
+again as E2M1 tiles). A layout therefore compiles two programs: ``segments``, what the encoders
+execute (every field; an ``OP_ROUND_BF16`` row first rounds the mirrored dims to bf16, so the second
+copy is encoded from the values the first copy stores), and ``read_segments``, what the decoders
+execute (mirrors left out: each dim read from its first copy, the exact one). ``layouts.scan.
+check_mirrors`` refuses records whose two copies disagree.
+
 Records are placed in pages of ``P`` tokens by one ``PageGeometry`` (also used by migration
 pools and the indexer-key formats):
 
@@ -30,13 +38,16 @@ import torch
 
 from kvbridge.errors import LayoutError
 from kvbridge.layouts.formats import (  # the ops are defined beside the format table; re-exported for the backends
+    NVFP4_OPS,
     OP_BF16,  # noqa: F401
     OP_E2M1_E4M3,  # noqa: F401
-    OP_E2M1_NVFP4,
+    OP_E2M1_NVFP4,  # noqa: F401
+    OP_E2M1_NVFP4Z,  # noqa: F401
     OP_E2M1_UE8M0,  # noqa: F401
     OP_E4M3_TENSOR,  # noqa: F401
     OP_E4M3_UE8M0,  # noqa: F401
     OP_E4M3FNUZ_UE8M0,  # noqa: F401
+    OP_ROUND_BF16,
     OP_ZERO,
     PER_TENSOR_OPS,
     all_formats,
@@ -73,6 +84,8 @@ class Field:
     ``e2m1``, ``bf16``) give ``dims`` (latent dims ``[start, stop)``); quantized ones give ``tile``
     (values per scale) and ``scale`` (the name of the scale field, ``ue8m0`` or ``e4m3-scale``, one
     byte per tile). An ``e4m3`` field without a scale field uses the layout's per-tensor scale.
+    ``mirror``: the field's dims are stored by another field too (a bf16 field, their first copy); the
+    encoders write this second copy from the first copy's values, the decoders read the first copy.
     """
 
     name: str
@@ -82,6 +95,14 @@ class Field:
     dims: tuple[int, int] | None = None
     tile: int | None = None
     scale: str | None = None
+    mirror: bool = False
+
+
+class Programs(NamedTuple):
+    """A layout's compiled record: what the encoders execute and what the decoders execute."""
+
+    encode: tuple[Segment, ...]
+    read: tuple[Segment, ...]
 
 
 class PageGeometry(NamedTuple):
@@ -150,8 +171,9 @@ class PageGeometry(NamedTuple):
 
 
 def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], split: int | None,
-                     per_tensor_scale: bool) -> tuple[Segment, ...]:
-    """Check a record description and compile it into ``Segment`` rows; ``LayoutError`` names what is wrong."""
+                     per_tensor_scale: bool) -> Programs:
+    """Check a record description and compile it into ``Segment`` rows (the encode and the read program, see the
+    module docstring); ``LayoutError`` names what is wrong."""
 
     def bad(msg: str) -> LayoutError:
         return LayoutError(f"layout {name}: {msg}")
@@ -161,7 +183,10 @@ def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], sp
         raise bad("field names must be distinct")
     covered = torch.zeros(record_bytes, dtype=torch.int64)
     dims = torch.zeros(HEAD_DIM, dtype=torch.int64)
+    mirrored = torch.zeros(HEAD_DIM, dtype=torch.int64)
+    bf16_dims = torch.zeros(HEAD_DIM, dtype=torch.bool)  # dims whose first copy is a bf16 field
     segments = []
+    mirrors: list[Segment] = []
     for f in fields:
         try:
             fmt = get_format(f.format)
@@ -173,6 +198,8 @@ def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], sp
         if split is not None and f.offset < split < f.offset + f.nbytes:
             raise bad(f"field {f.name} straddles the block-split point {split}")
         covered[f.offset : f.offset + f.nbytes] += 1
+        if f.mirror and fmt.kind != "value":
+            raise bad(f"field {f.name}: only a value field can be a mirror (a second copy of dims)")
         if fmt.kind == "pad":
             segments.append(Segment(OP_ZERO, 0, f.nbytes, f.offset, 0, 0))
             continue
@@ -183,7 +210,7 @@ def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], sp
         d0, d1 = f.dims
         if not 0 <= d0 < d1 <= HEAD_DIM:
             raise bad(f"field {f.name}: dims {f.dims} outside [0, {HEAD_DIM})")
-        dims[d0:d1] += 1
+        (mirrored if f.mirror else dims)[d0:d1] += 1
         n = d1 - d0
         per_byte = 8 // fmt.bits if fmt.bits < 8 else 0  # elements packed per byte (sub-byte formats)
         want = n // per_byte if per_byte else n * fmt.bits // 8
@@ -197,8 +224,10 @@ def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], sp
                 raise bad(f"field {f.name}: a {f.format} field needs a scale field "
                           f"({' or '.join(map(str, fmt.scale_formats()))})")
             raise bad(f"field {f.name}: an unscaled {f.format} field needs a per-tensor layout")
+        if op == OP_BF16 and not f.mirror:
+            bf16_dims[d0:d1] = True
         if f.scale is None:
-            segments.append(Segment(op, d0, n, f.offset, 0, 0))
+            (mirrors if f.mirror else segments).append(Segment(op, d0, n, f.offset, 0, 0))
             continue
         if op is None:
             need = " or ".join(s for s in fmt.scale_formats() if s is not None) or "none (it takes no scale)"
@@ -208,15 +237,23 @@ def compile_segments(name: str, record_bytes: int, fields: tuple[Field, ...], sp
             raise bad(f"field {f.name}: tile {f.tile} must be a power of two dividing its dims (and their start)")
         if sf.nbytes != n // tile:
             raise bad(f"scale field {sf.name} must hold {n // tile} bytes (one per tile of {f.name}), has {sf.nbytes}")
-        segments.append(Segment(op, d0, n, f.offset, tile, sf.offset))
+        (mirrors if f.mirror else segments).append(Segment(op, d0, n, f.offset, tile, sf.offset))
     if bool((dims != 1).any()):
         d = int((dims != 1).nonzero()[0])
-        raise bad(f"latent dim {d} is stored {int(dims[d])} times; every dim 0..511 must be stored exactly once")
+        raise bad(f"latent dim {d} is stored {int(dims[d])} times; every dim 0..511 must be stored exactly once "
+                  "(a second copy is a field marked mirror)")
+    if bool((mirrored > 1).any()):
+        raise bad(f"latent dim {int((mirrored > 1).nonzero()[0])} is mirrored by more than one field")
+    if bool((mirrored.bool() & ~bf16_dims).any()):
+        d = int((mirrored.bool() & ~bf16_dims).nonzero()[0])
+        raise bad(f"latent dim {d} is mirrored, but its first copy is not a bf16 field (a mirror is encoded from "
+                  "the bf16 values its first copy stores)")
     if bool((covered > 1).any()):
         raise bad(f"fields overlap at record byte {int((covered > 1).nonzero()[0])}")
     if bool((covered == 0).any()):
         raise bad(f"record byte {int((covered == 0).nonzero()[0])} belongs to no field (declare it as pad)")
-    return tuple(segments)
+    rounds = [Segment(OP_ROUND_BF16, m.dim0, m.ndims, 0, 0, 0) for m in mirrors]
+    return Programs(tuple(rounds + segments + mirrors), tuple(segments))
 
 
 @dataclass(frozen=True)
@@ -250,12 +287,26 @@ class Layout:
             raise LayoutError(f"layout {self.name}: split {self.split} is not inside the {self.record_bytes} B record")
         if self.page_align < 1:
             raise LayoutError(f"layout {self.name}: page_align must be >= 1")
-        self.segments  # noqa: B018 - validates the description at construction
+        self.programs  # noqa: B018 - validates the description at construction
 
     @cached_property
-    def segments(self) -> tuple[Segment, ...]:
-        """The record compiled for the backends (see ``Segment``)."""
+    def programs(self) -> Programs:
         return compile_segments(self.name, self.record_bytes, self.fields, self.split, self.per_tensor_scale)
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The record compiled for the encoders (see ``Segment``): every field, mirrors included."""
+        return self.programs.encode
+
+    @property
+    def read_segments(self) -> tuple[Segment, ...]:
+        """The record compiled for the decoders: each dim from its first copy (mirrors left out)."""
+        return self.programs.read
+
+    @property
+    def mirrors(self) -> tuple[Segment, ...]:
+        """The mirror fields' segments (second copies of dims; empty for most layouts)."""
+        return tuple(s for s in self.segments if s not in self.read_segments and s.op != OP_ROUND_BF16)
 
     @property
     def geometry(self) -> PageGeometry:
@@ -273,7 +324,7 @@ class Layout:
     def nvfp4_global_scale(self) -> bool:
         """Whether the records hold NVFP4 tiles, whose E4M3 tile scales are relative to a per-tensor fp32
         global scale g kept outside the cache (passed as ``scale=`` / ``src_scale=`` / ``dst_scale=``)."""
-        return any(seg.op == OP_E2M1_NVFP4 for seg in self.segments)
+        return any(seg.op in NVFP4_OPS for seg in self.segments)
 
     @property
     def takes_scale(self) -> bool:

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvbridge.errors import NonFiniteError
+from kvbridge.errors import CopyMismatchError, NonFiniteError
 from kvbridge.layouts.codec import record_codec
-from kvbridge.layouts.formats import CodeRule, Format, get_format
-from kvbridge.layouts.registry import Field, Layout
+from kvbridge.layouts.formats import E2M1_E4M3_OPS, OP_BF16, OP_E2M1_UE8M0, CodeRule, Format, get_format
+from kvbridge.layouts.registry import Field, Layout, Segment
 
+#: Ops whose values are E2M1 pairs (two per byte).
+_PACKED_OPS = (*E2M1_E4M3_OPS, OP_E2M1_UE8M0)
 #: Tokens per kernel work item.
 _BLOCK = 4096
 #: A rule that never matches (``word & 0 == 1``): the kernels' stand-in for a format without that rule.
@@ -337,6 +339,43 @@ def check_records(records: torch.Tensor, layout: Layout, what: str = "source") -
     if scan.count:
         raise NonFiniteError(scan.describe(what))
     return scan
+
+
+def _mirror_bytes(seg: Segment) -> list[tuple[int, int]]:
+    """Record byte ranges ``[lo, hi)`` a mirror segment writes: its values and, when tiled, its scale bytes."""
+    width = seg.ndims // 2 if seg.op in _PACKED_OPS else seg.ndims * (2 if seg.op == OP_BF16 else 1)
+    spans = [(seg.offset, seg.offset + width)]
+    if seg.tile:
+        spans.append((seg.scale_offset, seg.scale_offset + seg.ndims // seg.tile))
+    return spans
+
+
+def check_mirrors(records: torch.Tensor, layout: Layout, scale: float = 1.0, what: str = "source") -> None:
+    """Raise ``CopyMismatchError`` when a token record ``[N, record_bytes]`` holds a second copy (a mirror field,
+    ``Layout.mirrors``) other than its writer's: the bytes the reference codec encodes from the record's decoded
+    values (each dim read from its first copy) at ``scale``. A no-op for a layout without mirrors. Tokens whose
+    values are not all finite are not compared (what a writer stores in a second copy of NaN/Inf is not
+    established)."""
+    if not layout.mirrors:
+        return
+    codec = record_codec(layout)
+    spans = [(seg, lo, hi) for seg in layout.mirrors for lo, hi in _mirror_bytes(seg)]
+    for t0 in range(0, records.shape[0], _DECODE_TOKENS):
+        part = records[t0 : t0 + _DECODE_TOKENS]
+        values = codec.decode(part, scale=scale)
+        expected = codec.encode(values, dialect=None, scale=scale)
+        finite = torch.isfinite(values).all(dim=1)
+        for seg, lo, hi in spans:
+            bad = (part[:, lo:hi] != expected[:, lo:hi]).any(dim=1) & finite
+            if bool(bad.any()):
+                name = next(f.name for f in layout.fields if f.mirror and f.offset == seg.offset)
+                raise CopyMismatchError(
+                    f"{what} token {t0 + int(bad.nonzero()[0, 0])}: record bytes {lo}..{hi - 1} (field {name!r} "
+                    f"or its scales) of {layout.name} disagree with dims {seg.dim0}..{seg.dim0 + seg.ndims - 1} as "
+                    "their first copy stores them; the writer encodes both copies from the same values, so the "
+                    "record is corrupt or not this layout's: check the layout, page size and scale, or re-encode "
+                    "the values"
+                )
 
 
 def _values_kernel():

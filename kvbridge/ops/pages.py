@@ -19,7 +19,7 @@ from kvbridge.backends.reference import check_finite
 from kvbridge.errors import InputError, NonFiniteError, OutputBufferError
 from kvbridge.layouts import Layout, get_layout, scan
 from kvbridge.layouts.codec import HEAD_DIM, reciprocal_f32, ue8m0_dialect
-from kvbridge.layouts.registry import OP_BF16, OP_E2M1_E4M3, OP_E4M3_UE8M0, OP_ZERO, check_device
+from kvbridge.layouts.registry import OP_BF16, OP_E2M1_E4M3, OP_E4M3_UE8M0, OP_ROUND_BF16, OP_ZERO, check_device
 from kvbridge.ops.checks import _check_auto, _check_byte_move_dialect, _check_dialect, _check_scale
 from kvbridge.ops.loss import LossReport, loss_report, transcode_loss
 
@@ -57,7 +57,7 @@ def _check_nonfinite(policy: object, layout: Layout | None, dialect: str | None,
         raise InputError(f"nonfinite must be one of {', '.join(policies)}, got {policy!r:.40}")
     if policy == "propagate" and layout is not None:
         for op, *_ in layout.segments:
-            if op in (OP_BF16, OP_ZERO, OP_E2M1_E4M3) or (
+            if op in (OP_BF16, OP_ZERO, OP_ROUND_BF16, OP_E2M1_E4M3) or (
                     op == OP_E4M3_UE8M0 and ue8m0_dialect(dialect) in nx.UE8M0_NONFINITE_DIALECTS):
                 continue
             raise InputError(
@@ -178,6 +178,8 @@ def decode(
     ``out``: an existing contiguous fp32 ``[num_tokens, 512]`` tensor on the pages' device, not
     sharing memory with ``pages`` (and not requiring grad), to write into instead of allocating;
     every value of it is written, and it is returned. It is checked before anything is written.
+    A layout storing some dims twice (a mirror field, ``lil-nvfp4-ds-mla``'s rope) decodes them from their
+    first copy and raises ``CopyMismatchError`` when the second copy is not what its writer encodes from them.
     """
     lay = get_layout(layout)
     lay.check_page_size(page_size)
@@ -187,7 +189,15 @@ def decode(
     if out is not None:
         _check_out(out, dtype=torch.float32, shape=[lay.token_count(pages, page_size, num_tokens), HEAD_DIM],
                    source=pages, what="decoded latents", source_name="pages")
+    _check_copies(pages, lay, page_size, num_tokens, s)
     return dispatch.decode_pages(pages, lay, page_size, num_tokens, s, out=out)
+
+
+def _check_copies(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None, scale: float) -> None:
+    """``CopyMismatchError`` when a record of ``layout`` holds a second copy of dims (a mirror field) that
+    disagrees with their first copy (``layouts.scan.check_mirrors``); nothing for layouts without mirrors."""
+    if layout.mirrors:
+        scan.check_mirrors(layout.pages_to_records(pages, page_size, num_tokens), layout, scale)
 
 
 def is_byte_move(src: Layout, dst: Layout, src_scale: float, dst_scale: float) -> bool:
@@ -286,6 +296,7 @@ def transcode(
             return out
         return out, loss_report(LossStats(num_tokens=n), src, dst, byte_move=True, dst_scale=s_out)
     d = _check_dialect(dialect, dst)
+    _check_copies(pages, src, src_page_size, num_tokens, s_in)  # a decode reads each dim's first copy only
     if policy == "propagate":  # decoded NaN/Inf re-encoded as dst's writer does (a per-tensor dst is refused)
         _check_nonfinite(policy, dst, d)
         values = dispatch.decode_pages(pages, src, src_page_size, num_tokens, s_in)

@@ -125,7 +125,7 @@ def decode_pages(
         sp, spb, ssplit, srb = _geometry(layout, page_size)
         _run_chunks(
             _decode_kernel, -(-n // CHUNK_TOKENS),
-            _flat(pages), program(layout), sp, spb, ssplit, srb, np.float32(scale), n, _flat(out),
+            _flat(pages), program(layout, read=True), sp, spb, ssplit, srb, np.float32(scale), n, _flat(out),
             _E4M3_F32, _UE8M0_F32, _E2M1_F32,
         )
     return out
@@ -150,8 +150,8 @@ def amax_pages(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: 
     elif compiled and layout.segments == accel._FP8_SEGMENTS:
         _run_chunks(accel._CK.fp8_amax, nchunks, *geometry, n, float(np.float32(scale)), amax, bad)
     else:
-        _run_chunks(_amax_kernel, nchunks, geometry[0], program(layout), *geometry[1:], np.float32(scale), n,
-                    _E4M3_F32, _UE8M0_F32, _E2M1_F32, amax, bad)
+        _run_chunks(_amax_kernel, nchunks, geometry[0], program(layout, read=True), *geometry[1:],
+                    np.float32(scale), n, _E4M3_F32, _UE8M0_F32, _E2M1_F32, amax, bad)
     return None if bad.any() else float(amax.max())
 
 
@@ -197,7 +197,8 @@ def transcode_pages(
     else:
         mult, gscale, min_exp = _encode_params(dialect, dst_scale)
         _run_chunks(
-            _transcode_kernel, nchunks, _flat(pages), program(src), sp, spb, ssplit, srb, np.float32(src_scale), n,
+            _transcode_kernel, nchunks, _flat(pages), program(src, read=True), sp, spb, ssplit, srb,
+            np.float32(src_scale), n,
             _flat(out), program(dst), dp, dpb, dsplit, drb, mult, gscale, min_exp,
             _E4M3_F32, _UE8M0_F32, _E2M1_F32, _POW2_F32, bad_count, bad_first,
         )

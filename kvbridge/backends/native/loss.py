@@ -286,9 +286,9 @@ def loss_stats(
         )
     else:
         _run_chunks(
-            _loss_kernel, nchunks, _flat(src_pages), program(src), sp, spb, ssplit, srb,
-            np.float32(src_scale), _flat(dst_pages), program(dst), dp, dpb, dsplit, drb, np.float32(dst_scale),
-            n, per_tensor, m, _E4M3_F32, _UE8M0_F32, _E2M1_F32, maxima, sums, counts,
+            _loss_kernel, nchunks, _flat(src_pages), program(src, read=True), sp, spb, ssplit, srb,
+            np.float32(src_scale), _flat(dst_pages), program(dst, read=True), dp, dpb, dsplit, drb,
+            np.float32(dst_scale), n, per_tensor, m, _E4M3_F32, _UE8M0_F32, _E2M1_F32, maxima, sums, counts,
         )
     top = maxima.max(axis=0).view(np.float32)
     total = counts.sum(axis=0)

@@ -2,9 +2,9 @@
 
 The kernels take no list of layouts:
 
-- the record program: ``Layout.segments`` as an int64 array ``[fields, 6]`` (op, first dim,
-  dims, byte offset, tile, scale offset), a runtime argument, so one compiled (and disk-cached)
-  kernel serves every layout made of the known element formats and scale rules;
+- the record program: ``Layout.segments`` (encoders) or ``Layout.read_segments`` (decoders) as an int64
+  array ``[fields, 6]`` (op, first dim, dims, byte offset, tile, scale offset), a runtime argument,
+  so one compiled (and disk-cached) kernel serves every layout made of the known element formats and scale rules;
 - the geometry: ``record_bytes``, the block-split point ``split`` (token-major layouts use
   ``split = record_bytes``) and the padded ``page_bytes``. Record byte ``i < split`` of the
   token at row ``r`` of page ``p`` sits at ``p * page_bytes + r * split + i``, byte ``i >= split``
@@ -34,10 +34,12 @@ from kvbridge.layouts.registry import (
     OP_BF16,
     OP_E2M1_E4M3,
     OP_E2M1_NVFP4,
+    OP_E2M1_NVFP4Z,
     OP_E2M1_UE8M0,
     OP_E4M3_TENSOR,
     OP_E4M3_UE8M0,
     OP_E4M3FNUZ_UE8M0,
+    OP_ROUND_BF16,
     OP_ZERO,
 )
 
@@ -75,11 +77,12 @@ _E2M1_T0, _E2M1_T1, _E2M1_T2, _E2M1_T3, _E2M1_T4, _E2M1_T5, _E2M1_T6 = (t for t,
 
 
 @cache
-def program(layout: Layout) -> np.ndarray:
-    """The record program of ``layout``: ``Layout.segments`` as int64 ``[fields, 6]``, with neighbouring
-    unscaled fields of one op that continue each other in dims and bytes merged into one (fewer, longer loops)."""
+def program(layout: Layout, read: bool = False) -> np.ndarray:
+    """The record program of ``layout``: ``Layout.segments`` (``read``: ``Layout.read_segments``, what decoders
+    execute) as int64 ``[fields, 6]``, with neighbouring unscaled fields of one op that continue each other in
+    dims and bytes merged into one (fewer, longer loops)."""
     rows: list[list[int]] = []
-    for seg in layout.segments:
+    for seg in layout.read_segments if read else layout.segments:
         prev = rows[-1] if rows else None
         width = 2 if seg.op == OP_BF16 else 1
         if prev is not None and seg.op in (OP_BF16, OP_E4M3_TENSOR) and prev[0] == seg.op and \
@@ -231,7 +234,7 @@ def _decode_record(prog, rec, scale, e4m3, ue8m0, e2m1, vals, bits) -> None:
                 dst = vals[d0 + t * tile : d0 + (t + 1) * tile]
                 for i in range(tile):
                     dst[i] = codes[src[i]] * s
-        elif op == OP_E2M1_E4M3 or op == OP_E2M1_NVFP4 or op == OP_E2M1_UE8M0:
+        elif op == OP_E2M1_E4M3 or op == OP_E2M1_NVFP4 or op == OP_E2M1_NVFP4Z or op == OP_E2M1_UE8M0:
             half = tile // 2
             for t in range(nd // tile):
                 s = ue8m0[rec[soff + t]] if op == OP_E2M1_UE8M0 else e4m3[rec[soff + t]]
@@ -241,7 +244,7 @@ def _decode_record(prog, rec, scale, e4m3, ue8m0, e2m1, vals, bits) -> None:
                     b = src[i]
                     dst[2 * i] = e2m1[b & 15] * s
                     dst[2 * i + 1] = e2m1[b >> 4] * s
-                if op == OP_E2M1_NVFP4:  # fp32(e2m1 * scale) * g (``numerics.nvfp4_decode_tiles``)
+                if op == OP_E2M1_NVFP4 or op == OP_E2M1_NVFP4Z:  # fp32(e2m1 * scale) * g (``nvfp4_decode_tiles``)
                     for i in range(tile):
                         dst[i] = dst[i] * scale
 
@@ -333,10 +336,11 @@ def _fnuz_tiles(src, src_bits, tile: int, min_exp: int, pow2, tmp, tmp_bits, out
 
 
 @njit(cache=True, inline="always")
-def _nvfp4_tiles(src, src_bits, tile: int, rcp_g, g, e4m3, tmp, tmp_bits, out, scales) -> None:
+def _nvfp4_tiles(src, src_bits, tile: int, rcp_g, g, e4m3, tmp, tmp_bits, out, scales, zero_scale_zero) -> None:
     """NVFP4 tiles (``numerics.nvfp4_tile_scale`` / ``nvfp4_encode_tiles``) under the global scale ``g``
     (``rcp_g`` = fp32(1/g)): scale byte ``e4m3(rcp_g * (amax * fp32(1/6)))`` (0x7F and all codes 0 when the
-    tile holds NaN or Inf), codes of ``x * fp32(1/fp32(scale * g))``, a zero element keeping its signed zero."""
+    tile holds NaN or Inf), codes of ``x * fp32(1/fp32(scale * g))``, a zero element keeping its signed zero; a
+    scale-0 tile multiplies by +Inf, or by 0 with ``zero_scale_zero`` (vLLM's writer, ``OP_E2M1_NVFP4Z``)."""
     half = tile // 2
     for t in range(src.shape[0] // tile):
         lo = t * tile
@@ -352,6 +356,8 @@ def _nvfp4_tiles(src, src_bits, tile: int, rcp_g, g, e4m3, tmp, tmp_bits, out, s
         code = _e4m3_code(np.int64(tmp_bits[0]))
         scales[t] = code
         inv = np.float32(np.inf) if code == 0 else np.float32(1.0) / (e4m3[code] * g)  # 1/0 is +Inf
+        if code == 0 and zero_scale_zero:
+            inv = np.float32(0.0)
         for i in range(tile):
             v = src[lo + i]
             tmp[i] = v if v == 0 else v * inv
@@ -390,7 +396,10 @@ def _encode_record(prog, vals, bits, mult, gscale, min_exp, pow2, e4m3, tmp, tmp
     NVFP4 tile scales, s = ``gscale``, the NVFP4 global scale); ``min_exp``: the UE8M0 rule's exponent floor."""
     for k in range(prog.shape[0]):
         op, d0, nd, off, tile, soff = prog[k, 0], prog[k, 1], prog[k, 2], prog[k, 3], prog[k, 4], prog[k, 5]
-        if op == OP_BF16:
+        if op == OP_ROUND_BF16:  # the values of a mirrored bf16 field, before its second copy is encoded
+            for i in range(d0, d0 + nd):
+                bits[i] = np.uint32(_bf16_bits(np.int64(bits[i])) << 16)
+        elif op == OP_BF16:
             src_bits = bits[d0 : d0 + nd]
             dst = rec[off : off + 2 * nd]
             for i in range(nd):
@@ -432,9 +441,9 @@ def _encode_record(prog, vals, bits, mult, gscale, min_exp, pow2, e4m3, tmp, tmp
                 for i in range(tile):
                     tmp[i] = vals[lo + i] / s
                 _pack_e2m1(tmp_bits, rec[off + t * half : off + (t + 1) * half])
-        elif op == OP_E2M1_NVFP4:
+        elif op == OP_E2M1_NVFP4 or op == OP_E2M1_NVFP4Z:
             _nvfp4_tiles(vals[d0 : d0 + nd], bits[d0 : d0 + nd], tile, mult, gscale, e4m3, tmp, tmp_bits,
-                         rec[off : off + nd // 2], rec[soff : soff + nd // tile])
+                         rec[off : off + nd // 2], rec[soff : soff + nd // tile], op == OP_E2M1_NVFP4Z)
         elif op == OP_E2M1_UE8M0:
             _mxfp4_tiles(vals[d0 : d0 + nd], bits[d0 : d0 + nd], tile, pow2, tmp, tmp_bits,
                          rec[off : off + nd // 2], rec[soff : soff + nd // tile])
@@ -615,7 +624,7 @@ def _amax_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, e4m3, ue8m0,
                             flag = 1
                         else:
                             best = max(best, v)
-                elif op == OP_E2M1_E4M3 or op == OP_E2M1_NVFP4 or op == OP_E2M1_UE8M0:
+                elif op == OP_E2M1_E4M3 or op == OP_E2M1_NVFP4 or op == OP_E2M1_NVFP4Z or op == OP_E2M1_UE8M0:
                     h = tile // 2
                     for j in range(nd // tile):
                         codes = rec[off + j * h : off + (j + 1) * h]
@@ -625,7 +634,7 @@ def _amax_kernel(c0, c1, src, prog, sp, spb, ssplit, srb, scale, n, e4m3, ue8m0,
                             m = max(m, np.uint8(c & np.uint8(7)), np.uint8((c >> np.uint8(4)) & np.uint8(7)))
                         s = ue8m0[rec[soff + j]] if op == OP_E2M1_UE8M0 else e4m3[rec[soff + j]]
                         v = abs(e2m1[m] * s)
-                        if op == OP_E2M1_NVFP4:  # fp32(e2m1 * scale) * g: monotone in the code
+                        if op == OP_E2M1_NVFP4 or op == OP_E2M1_NVFP4Z:  # fp32(e2m1 * scale) * g: monotone
                             v = abs(v * scale)
                         if not np.isfinite(v):
                             flag = 1

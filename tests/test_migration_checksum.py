@@ -3,16 +3,26 @@ protocols refusing a peer of the CRC-32 protocol with a line that says so."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvbridge.backends import dispatch
+from kvbridge.backends.native import accel
+from kvbridge.errors import InputError
 from kvbridge.migration import MigrationError
 from kvbridge.migration.control import MAGIC, PROTOCOL_VERSION, Listener
 from kvbridge.migration.execute import pack, verify
@@ -47,6 +57,40 @@ def test_checksum_is_xxh3_64_on_published_vectors():
         assert xxh3_chunks(buf[:n].reshape(n, 1), [n]) == [want], n
     text = torch.frombuffer(bytearray(b"abc"), dtype=torch.uint8)
     assert xxh3_chunks(text.reshape(1, 3), [1]) == [0x78AF5F94892F3950]
+
+
+#: Chunk lengths across every XXH3-64 input class (0, 1-3, 4-8, 9-16, 17-128, 129-240, longer: stripes, blocks).
+CLASS_LENGTHS = [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 1025, 65536, 149504]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(CLASS_LENGTHS) | st.integers(0, 5000), max_size=40), st.integers(0, 63))
+def test_native_chunk_hashes_equal_the_xxhash_package(lengths, start):
+    """``dispatch.xxh3_chunks`` (one C call for every chunk where the extension is built) gives the ``xxhash``
+    package's XXH3-64 of each chunk, at any byte offset and alignment."""
+    data = np.random.default_rng(len(lengths)).integers(0, 256, start + sum(lengths), dtype=np.uint8)
+    bounds = start + np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    want = [xxhash.xxh3_64_intdigest(data[a:e]) for a, e in zip(bounds[:-1], bounds[1:], strict=True)]
+    assert dispatch.xxh3_chunks(data, bounds) == want
+
+
+def test_chunk_bounds_outside_the_data_are_refused():
+    data = np.zeros(100, dtype=np.uint8)
+    for bounds in ([0, 101], [50, 10], [-1, 5]):
+        with pytest.raises(InputError, match="checksum chunks"):
+            dispatch.xxh3_chunks(data, np.array(bounds, dtype=np.int64))
+
+
+def test_with_the_extension_switched_off_chunk_hashes_are_the_same():
+    """``KVBRIDGE_NO_CKERNELS=1`` (as a missing or stale build): one ``xxhash`` call per chunk, the same hashes."""
+    code = ("import numpy as np; from kvbridge.backends import dispatch; from kvbridge.backends.native import accel; "
+            "assert accel._SPANS is None; d = np.arange(5000, dtype=np.uint8); "
+            "print(dispatch.xxh3_chunks(d, np.array([0, 0, 7, 300, 4999], dtype=np.int64)))")
+    env = {**os.environ, accel.NO_CKERNELS_ENV: "1"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    d = np.arange(5000, dtype=np.uint8)
+    assert got.stdout.strip() == str([xxhash.xxh3_64_intdigest(d[a:e]) for a, e in ((0, 0), (0, 7), (7, 300),
+                                                                                      (300, 4999))])
 
 
 def test_chunks_follow_the_row_counts_of_multi_byte_records():

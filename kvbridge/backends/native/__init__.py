@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from kvbridge.backends import reference
 from kvbridge.backends.native import accel
@@ -263,6 +264,24 @@ def _byte_pieces(runs: np.ndarray, pieces: int) -> tuple[np.ndarray, list[int]]:
     ends = np.searchsorted(np.cumsum(nbytes), share * np.arange(1, pieces), side="left") + 1
     bounds = sorted({0, runs.shape[0], *np.minimum(ends, runs.shape[0]).tolist()})
     return runs, bounds
+
+
+def xxh3_chunks(data: np.ndarray | memoryview, bounds: np.ndarray) -> list[int]:
+    """XXH3-64 (seed 0, unsigned) of bytes ``[bounds[k], bounds[k + 1])`` of ``data`` for each k (``bounds``: int64,
+    non-decreasing, inside ``data``): one C call for every chunk where the extension is built, else one ``xxhash``
+    call per chunk (the same hashes)."""
+    bounds = np.ascontiguousarray(bounds, dtype=np.int64)
+    if bounds.shape[0] < 2:
+        return []
+    if accel._SPANS is None:
+        h, view = xxhash.xxh3_64_intdigest, memoryview(data).cast("B")
+        return [h(view[a:e]) for a, e in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)]
+    out = np.empty(bounds.shape[0] - 1, dtype=np.uint64)
+    try:
+        accel._SPANS.xxh3_chunks(data, bounds, out)
+    except ValueError as e:  # the kernel's bounds check
+        raise InputError(f"checksum chunks: {e}") from None
+    return out.tolist()
 
 
 def move_spans(moves: Sequence[SpanMove], into_pool: bool = False) -> None:

@@ -122,10 +122,10 @@ def move_spans(moves: Sequence[SpanMove], into_pool: bool = False) -> None:
         backend(tuple(t for m in moves for t in m[:2])).move_spans(moves, into_pool)
 
 
-def xxh3_chunks(data: np.ndarray | memoryview, bounds: np.ndarray) -> list[int]:
-    """XXH3-64 (seed 0) of each chunk ``[bounds[k], bounds[k + 1])`` of host bytes ``data``, in one native call
-    (``native.xxh3_chunks``)."""
-    return _device_backend(torch.device("cpu")).xxh3_chunks(data, bounds)  # type: ignore[union-attr]
+def xxh3_chunks(data: np.ndarray | memoryview, spans: np.ndarray) -> list[int]:
+    """XXH3-64 (seed 0) of each chunk ``[start, stop)`` (the rows of int64 ``spans [n, 2]``) of host bytes ``data``,
+    in one native call (``native.xxh3_chunks``)."""
+    return _device_backend(torch.device("cpu")).xxh3_chunks(data, spans)  # type: ignore[union-attr]
 
 
 def repage(pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,

@@ -40,11 +40,12 @@ def xxh3_spans(data: memoryview, start: int, rows: list[int], row_bytes: int) ->
     """XXH3-64 of consecutive chunks of ``rows[k]`` rows of ``row_bytes`` in ``data`` from byte ``start``, in one
     native call (``dispatch.xxh3_chunks``: a 131,072-token request has 127,000 chunks, and one Python call per chunk
     cost more than hashing their bytes)."""
-    bounds = np.empty(len(rows) + 1, dtype=np.int64)
-    bounds[0] = start
-    np.cumsum(np.asarray(rows, dtype=np.int64) * row_bytes, out=bounds[1:])
-    bounds[1:] += start
-    return dispatch.xxh3_chunks(data, bounds)
+    spans = np.empty((len(rows), 2), dtype=np.int64)
+    np.cumsum(np.asarray(rows, dtype=np.int64) * row_bytes, out=spans[:, 1])
+    spans[:, 1] += start
+    spans[:1, 0] = start
+    spans[1:, 0] = spans[:-1, 1]
+    return dispatch.xxh3_chunks(data, spans)
 
 
 def needs_conversion(t: Transfer) -> bool:

@@ -266,19 +266,19 @@ def _byte_pieces(runs: np.ndarray, pieces: int) -> tuple[np.ndarray, list[int]]:
     return runs, bounds
 
 
-def xxh3_chunks(data: np.ndarray | memoryview, bounds: np.ndarray) -> list[int]:
-    """XXH3-64 (seed 0, unsigned) of bytes ``[bounds[k], bounds[k + 1])`` of ``data`` for each k (``bounds``: int64,
-    non-decreasing, inside ``data``): one C call for every chunk where the extension is built, else one ``xxhash``
-    call per chunk (the same hashes)."""
-    bounds = np.ascontiguousarray(bounds, dtype=np.int64)
-    if bounds.shape[0] < 2:
-        return []
+def xxh3_chunks(data: np.ndarray | memoryview, spans: np.ndarray) -> list[int]:
+    """XXH3-64 (seed 0, unsigned) of bytes ``[start, stop)`` of ``data`` for each row of ``spans`` (int64 ``[n, 2]``,
+    inside ``data``): one C call for every chunk where the extension is built, else one ``xxhash`` call per chunk
+    (the same hashes)."""
+    spans = np.ascontiguousarray(spans, dtype=np.int64).reshape(-1, 2)
     if accel._SPANS is None:
         h, view = xxhash.xxh3_64_intdigest, memoryview(data).cast("B")
-        return [h(view[a:e]) for a, e in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)]
-    out = np.empty(bounds.shape[0] - 1, dtype=np.uint64)
+        if bool(((spans[:, 0] < 0) | (spans[:, 0] > spans[:, 1]) | (spans[:, 1] > len(view))).any()):
+            raise InputError("checksum chunks: a chunk's span is reversed or outside the data")
+        return [h(view[a:e]) for a, e in spans.tolist()]
+    out = np.empty(spans.shape[0], dtype=np.uint64)
     try:
-        accel._SPANS.xxh3_chunks(data, bounds, out)
+        accel._SPANS.xxh3_chunks(data, spans, out)
     except ValueError as e:  # the kernel's bounds check
         raise InputError(f"checksum chunks: {e}") from None
     return out.tolist()

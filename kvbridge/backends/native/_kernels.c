@@ -1714,25 +1714,25 @@ static PyObject *py_move_runs(PyObject *self, PyObject *args) {
 /* Chunk checksums (native.xxh3_chunks)                                                          */
 /* ------------------------------------------------------------------------------------------- */
 
-/* xxh3_chunks(data, bounds, out): out[k] = XXH3-64 (seed 0) of data's bytes [bounds[k], bounds[k + 1]) for the n + 1
- * int64 bounds (non-decreasing, inside data) and n uint64 slots of out; one call for all of a batch's chunks, with
- * the GIL released. */
+/* xxh3_chunks(data, spans, out): out[k] = XXH3-64 (seed 0) of data's bytes [spans[2k], spans[2k + 1]) for n int64
+ * (start, stop) pairs inside data and n uint64 slots of out; one call for all of a batch's chunks, with the GIL
+ * released. */
 static PyObject *py_xxh3_chunks(PyObject *self, PyObject *args) {
     Py_buffer views[3];
     if (!PyArg_ParseTuple(args, "y*y*w*", &views[0], &views[1], &views[2]))
         return NULL;
     const uint8_t *data = views[0].buf;
-    const int64_t *bounds = views[1].buf;
+    const int64_t *spans = views[1].buf;
     uint64_t *out = views[2].buf;
-    Py_ssize_t n = views[1].len / 8 - 1;
-    int ok = need(views[1].len % 8 == 0 && n >= 0 && views[2].len == n * 8, "bounds and out sizes disagree");
+    Py_ssize_t n = views[1].len / 16;
+    int ok = need(views[1].len % 16 == 0 && views[2].len == n * 8, "spans and out sizes disagree");
     for (Py_ssize_t k = 0; ok && k < n; k++)
-        ok = need(bounds[k] >= 0 && bounds[k] <= bounds[k + 1] && bounds[k + 1] <= views[0].len,
-                  "chunk bounds out of order or outside the data");
+        ok = need(spans[2 * k] >= 0 && spans[2 * k] <= spans[2 * k + 1] && spans[2 * k + 1] <= views[0].len,
+                  "a chunk's span is reversed or outside the data");
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t k = 0; k < n; k++)
-            out[k] = XXH3_64bits(data + bounds[k], (size_t)(bounds[k + 1] - bounds[k]));
+            out[k] = XXH3_64bits(data + spans[2 * k], (size_t)(spans[2 * k + 1] - spans[2 * k]));
         Py_END_ALLOW_THREADS
     }
     release(views, 3);
@@ -2216,8 +2216,8 @@ static PyMethodDef methods[] = {
      "move_runs(c0, c1, runs, streaming): row copies of runs [c0, c1) (int64 rows: source address, destination "
      "address, rows, source stride, destination stride, width)."},
     {"xxh3_chunks", py_xxh3_chunks, METH_VARARGS,
-     "xxh3_chunks(data, bounds, out): out[k] = XXH3-64 (seed 0) of data[bounds[k]:bounds[k + 1]] (int64 bounds, "
-     "uint64 out)."},
+     "xxh3_chunks(data, spans, out): out[k] = XXH3-64 (seed 0) of data[spans[k, 0]:spans[k, 1]] (int64 [n, 2] "
+     "spans, uint64 out)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -33,8 +33,18 @@ from kvbridge.errors import KVBridgeError
 if TYPE_CHECKING:
     from kvbridge.layouts import Layout
 
-console = Console()
-err_console = Console(stderr=True)
+class _Console(Console):
+    """A rich console whose size follows ``COLUMNS`` / ``LINES`` (or the terminal) when it prints: rich fixes
+    them when a console is made, and the consoles below are made when the CLI is imported, before a caller
+    (a test's ``CliRunner(env=...)``, a wrapper script) sets them."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._width = self._height = None  # rich then reads its environment (os.environ) at each use
+
+
+console = _Console()
+err_console = _Console(stderr=True)
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 debug_log_option = click.option(

@@ -3,20 +3,30 @@ protocols refusing a peer of the CRC-32 protocol with a line that says so."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvbridge.backends import dispatch
+from kvbridge.backends.native import accel
+from kvbridge.errors import InputError
 from kvbridge.migration import MigrationError
 from kvbridge.migration.control import MAGIC, PROTOCOL_VERSION, Listener
 from kvbridge.migration.execute import pack, verify
-from kvbridge.migration.nixl_wire import _Chunk, _xxh3
+from kvbridge.migration.nixl_wire import _Chunk, _xxh3, _xxh3_all
 from kvbridge.migration.plan import plan_migration
 from kvbridge.migration.rows import CHECKSUM, xxh3_chunks
 from kvbridge.migration.synthetic import destination_pools, source_request
@@ -49,6 +59,41 @@ def test_checksum_is_xxh3_64_on_published_vectors():
     assert xxh3_chunks(text.reshape(1, 3), [1]) == [0x78AF5F94892F3950]
 
 
+#: Chunk lengths across every XXH3-64 input class (0, 1-3, 4-8, 9-16, 17-128, 129-240, longer: stripes, blocks).
+CLASS_LENGTHS = [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 1025, 65536, 149504]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(CLASS_LENGTHS) | st.integers(0, 5000), max_size=40), st.integers(0, 63))
+def test_native_chunk_hashes_equal_the_xxhash_package(lengths, start):
+    """``dispatch.xxh3_chunks`` (one C call for every chunk where the extension is built) gives the ``xxhash``
+    package's XXH3-64 of each chunk, at any byte offset and alignment."""
+    data = np.random.default_rng(len(lengths)).integers(0, 256, start + sum(lengths), dtype=np.uint8)
+    bounds = start + np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    spans = np.stack([bounds[:-1], bounds[1:]], axis=1)[::-1]  # any order, not back to back
+    want = [xxhash.xxh3_64_intdigest(data[a:e]) for a, e in spans]
+    assert dispatch.xxh3_chunks(data, spans) == want
+
+
+def test_chunk_bounds_outside_the_data_are_refused():
+    data = np.zeros(100, dtype=np.uint8)
+    for span in ([0, 101], [50, 10], [-1, 5]):
+        with pytest.raises(InputError, match="checksum chunks"):
+            dispatch.xxh3_chunks(data, np.array([span], dtype=np.int64))
+
+
+def test_with_the_extension_switched_off_chunk_hashes_are_the_same():
+    """``KVBRIDGE_NO_CKERNELS=1`` (as a missing or stale build): one ``xxhash`` call per chunk, the same hashes."""
+    code = ("import numpy as np; from kvbridge.backends import dispatch; from kvbridge.backends.native import accel; "
+            "assert accel._SPANS is None; d = np.arange(5000, dtype=np.uint8); "
+            "print(dispatch.xxh3_chunks(d, np.array([[0, 0], [0, 7], [7, 300], [300, 4999]])))")
+    env = {**os.environ, accel.NO_CKERNELS_ENV: "1"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    d = np.arange(5000, dtype=np.uint8)
+    assert got.stdout.strip() == str([xxhash.xxh3_64_intdigest(d[a:e]) for a, e in ((0, 0), (0, 7), (7, 300),
+                                                                                      (300, 4999))])
+
+
 def test_chunks_follow_the_row_counts_of_multi_byte_records():
     buf = _sanity_buffer(2367)
     # 64-byte records: 8 rows are the first 512 B of the buffer, the next 32 rows its first 2048 B
@@ -64,6 +109,8 @@ def test_nixl_chunk_of_several_segments_hashes_as_its_bytes_back_to_back():
     split = _Chunk(403, (("a", 0, 100), ("a", 100, 300), ("a", 400, 3)))
     assert _xxh3(memory, split) == SANITY_VECTORS[403]
     assert _xxh3(memory, _Chunk(195, (("a", 0, 195),))) == SANITY_VECTORS[195]
+    chunks = [whole, _Chunk(195, (("a", 0, 195),)), split, _Chunk(80, (("b", 0, 80),)), _Chunk(0, (("a", 7, 0),))]
+    assert _xxh3_all(memory, chunks) == [_xxh3(memory, c) for c in chunks]  # batched per region, same hashes
 
 
 def test_a_flipped_bit_names_the_checksum_and_the_chunk():

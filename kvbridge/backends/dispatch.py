@@ -35,7 +35,7 @@ __all__ = [
     "BACKEND_ENV", "all_finite", "amax_pages", "backend", "backend_name", "convert_state_rows", "decode_pages",
     "encode_pages", "encode_pages_nonfinite", "fp4_to_fp8_key_rows", "fp4_to_fp8_key_segments", "fp4_to_fp8_keys",
     "gather_transcode", "key_kernels", "loss_stats", "move_spans", "nonfinite_flags", "repage",
-    "state_kernels", "transcode_pages", "transcode_slots", "transcode_slots_nonfinite",
+    "state_kernels", "transcode_pages", "transcode_slots", "transcode_slots_nonfinite", "xxh3_chunks",
 ]
 
 #: Environment variable selecting the implementation: ``auto`` (default) or ``reference``.
@@ -120,6 +120,12 @@ def move_spans(moves: Sequence[SpanMove], into_pool: bool = False) -> None:
     a backend may spread the moves over its threads; ``into_pool``: the destinations are pool pages)."""
     if moves:
         backend(tuple(t for m in moves for t in m[:2])).move_spans(moves, into_pool)
+
+
+def xxh3_chunks(data: np.ndarray | memoryview, spans: np.ndarray) -> list[int]:
+    """XXH3-64 (seed 0) of each chunk ``[start, stop)`` (the rows of int64 ``spans [n, 2]``) of host bytes ``data``,
+    in one native call (``native.xxh3_chunks``)."""
+    return _device_backend(torch.device("cpu")).xxh3_chunks(data, spans)  # type: ignore[union-attr]
 
 
 def repage(pages: torch.Tensor, src: Layout, src_page_size: int, dst: Layout, dst_page_size: int,

@@ -48,6 +48,7 @@ from kvbridge.migration.pools import (
     table_of,
 )
 from kvbridge.migration.rows import CHECKSUM, chunk_rows, convert_batch, needs_conversion, xxh3_chunks, xxh3_spans
+from kvbridge.migration.staging import staging_empty
 from kvbridge.ops import keys as ix
 from kvbridge.ops import records as record_ops
 from kvbridge.ops.loss import LossReport
@@ -232,16 +233,18 @@ def convert_payload(plan: MigrationPlan, payload: Payload, *, loss_report: bool 
                    loss.state)
 
 
-def _summed_gather(pool, storage: Storage, table, first: int, count: int, rows: list[int]
-                   ) -> tuple[torch.Tensor, list[int]] | None:
-    """Records ``[count, record_bytes]`` of entries ``[first, first + count)`` and the XXH3-64 of each chunk of
-    ``rows[k]`` of them, in one pass: batches of whole chunks of about ``STAGE_BYTES`` are gathered, then
-    checksummed while they are still in the CPU caches. None for non-contiguous pools or non-CPU tensors."""
+def _gatherable(pool) -> bool:
+    """Whether ``_summed_gather`` reads ``pool``: CPU tensors, all contiguous."""
     tensors = pool_tensors(pool)
-    if tensors[0].device.type != "cpu" or not all(x.is_contiguous() for x in tensors):
-        return None
+    return tensors[0].device.type == "cpu" and all(x.is_contiguous() for x in tensors)
+
+
+def _summed_gather(pool, storage: Storage, table, first: int, count: int, rows: list[int], out: torch.Tensor
+                   ) -> list[int]:
+    """Records of entries ``[first, first + count)`` into ``out`` (uint8 ``[count, record_bytes]``) and the XXH3-64
+    of each chunk of ``rows[k]`` of them, in one pass: batches of whole chunks of about ``STAGE_BYTES`` are
+    gathered, then checksummed while they are still in the CPU caches (a ``_gatherable`` pool)."""
     rb = storage.record_bytes
-    out = torch.empty(count, rb, dtype=torch.uint8)
     data = memoryview(out.view(-1).numpy())
     step = max(1, STAGE_BYTES // rb)
     sums: list[int] = []
@@ -251,11 +254,11 @@ def _summed_gather(pool, storage: Storage, table, first: int, count: int, rows: 
         while stop < len(rows) and n + rows[stop] <= step:
             n, stop = n + rows[stop], stop + 1
         spans = part_spans(pool, storage, table, first + lo, n)
-        assert spans is not None  # contiguous, checked above
+        assert spans is not None  # contiguous, checked by _gatherable
         move_parts(spans, _rows(spans, out, lo, n), False)
         sums += xxh3_spans(data, lo * rb, rows[k:stop], rb)
         lo, k = lo + n, stop
-    return out, sums
+    return sums
 
 
 def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, convert: bool,
@@ -264,16 +267,25 @@ def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, conver
 
     Checksums always cover the bytes that travel: with ``convert`` they are computed on the
     converted records, chunked by the source pages the entries came from; without, in the gathering
-    pass (``_summed_gather``). ``checksum=False`` leaves every transfer's checksum list empty, for a
+    pass (``_summed_gather``, every transfer's records in one block of the staging cache,
+    ``kvbridge.migration.staging``). ``checksum=False`` leaves every transfer's checksum list empty, for a
     sender that checksums what it stages itself (NIXL's sender-converted path: the destination page runs).
     """
     check_pools(plan, src, "src")
+    fused = [checksum and not convert and _gatherable(src.pool(t.spec)) for t in plan.transfers]
+    block = staging_empty(sum(t.count * t.src.record_bytes for t, f in zip(plan.transfers, fused, strict=True) if f))
     records, chunks, sums = [], [], []
-    for t in plan.transfers:
+    at = 0
+    for t, f in zip(plan.transfers, fused, strict=True):
         rows = chunk_rows(t, t.src)
         pool, table = src.pool(t.spec), table_of(tables, t.src)
-        fused = _summed_gather(pool, t.src, table, t.first, t.count, rows) if checksum and not convert else None
-        rec, summed = fused if fused is not None else (gather_records(pool, t.src, table, t.first, t.count), None)
+        summed = None
+        if f:
+            nbytes = t.count * t.src.record_bytes
+            rec = block[at : at + nbytes].view(t.count, t.src.record_bytes)
+            summed, at = _summed_gather(pool, t.src, table, t.first, t.count, rows, rec), at + nbytes
+        else:
+            rec = gather_records(pool, t.src, table, t.first, t.count)
         records.append(rec)
         chunks.append(rows)
         sums.append(summed)

@@ -88,7 +88,7 @@ from kvbridge.migration.nixl_wire import (
     _pool_keys,
     _staging_chunks,
     _tensor_tables,
-    _xxh3,
+    _xxh3_all,
     dump_fingerprint,
 )
 from kvbridge.migration.plan import MigrationPlan
@@ -407,8 +407,7 @@ class _Session:
     def _check(self, chunks: Sequence[_Chunk], sums: Sequence[int], what: Callable[[int], str]) -> None:
         if len(sums) != len(chunks):
             raise MigrationError(f"{self.chan.peer} sent {len(sums)} checksums for {len(chunks)} chunks")
-        for i, (c, want) in enumerate(zip(chunks, sums, strict=True)):
-            have = _xxh3(self.rx.memory, c)
+        for i, (have, want) in enumerate(zip(_xxh3_all(self.rx.memory, chunks), sums, strict=True)):
             if have != want:
                 raise ChecksumError(f"checksum mismatch in {what(i)} ({CHECKSUM} {have:#018x}, sender sent "
                                     f"{want:#018x}); nothing was published")
@@ -699,7 +698,7 @@ class NixlSender:
                     layout = _staging_chunks(_entry_chunk_rows(wire[i]), sizes[i] // max(1, wire[i]["shape"][0]),
                                              bases[i])
                     pieces.extend(_pieces_of(layout, bases[i]))
-                    sums.extend(_xxh3({"staging": conn.staged}, c) for c in layout)
+                    sums.extend(_xxh3_all({"staging": conn.staged}, layout))
                 conn.post(g, pieces, {"xxh3_64": sums})
             return conn.finish()
         except BaseException:

@@ -10,9 +10,9 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import xxhash
 
 from kvbridge._version import __version__
+from kvbridge.backends import dispatch
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.control import Channel
 from kvbridge.migration.errors import MigrationError, TransferError
@@ -181,6 +181,7 @@ class RequestStream:
         staged = self.conn.staged
         pieces: list[Piece] = []
         sums: list[int] = []
+        spans: list[tuple[int, int]] = []  # converted: the staged bytes of each destination page run, in order
         for i, rec, rows, chunk_sums in zip(idx, payload.records, payload.chunks, payload.checksums, strict=True):
             t, off = self.plan.transfers[i], int(self.bases[i])
             if self.convert:  # destination records, by page index into the receiver's pools
@@ -191,11 +192,13 @@ class RequestStream:
                     base = off + parts[0][0] * t.dst.record_bytes
                     pieces.extend((base + n * lo, key, roff, size)
                                   for (key, roff, size), (_, n, lo, _) in zip(chunk.segments, parts, strict=True))
-                    sums.append(xxhash.xxh3_64_intdigest(staged[base : base + chunk.nbytes]))
+                    spans.append((base, base + chunk.nbytes))
             else:  # source records, into the receiver's staging buffer (the sender's checksum per source page)
                 staged[off : off + rec.numel()] = rec.reshape(-1).numpy()
                 pieces.extend(_pieces_of(_staging_chunks(rows, t.src.record_bytes, off), off))
                 sums.extend(chunk_sums)
+        if spans:  # every run's checksum in one native call
+            sums = dispatch.xxh3_chunks(staged, np.array(spans, dtype=np.int64))
         header = {"xxh3_64": sums, "loss": [r.to_dict() for r in payload.loss],
                   "indexer_max_abs_error": payload.indexer_max_abs_error}
         self.conn.post(g, pieces, header)

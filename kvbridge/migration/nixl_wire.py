@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvbridge.backends import dispatch
 from kvbridge.dumps.dumpfile import LATENT_DTYPES, DumpEntry
 from kvbridge.engines.profiles import Storage
 from kvbridge.migration.plan import Transfer
@@ -144,6 +145,24 @@ def _xxh3(memory: dict[str, np.ndarray], chunk: _Chunk) -> int:
     for key, off, n in chunk.segments:
         h.update(memory[key][off : off + n])
     return h.intdigest()
+
+
+def _xxh3_all(memory: dict[str, np.ndarray], chunks: Sequence[_Chunk]) -> list[int]:
+    """``_xxh3`` of every chunk: the one-segment chunks of each region in one native call
+    (``dispatch.xxh3_chunks``), the others one by one."""
+    out: list[int | None] = [None] * len(chunks)
+    by_key: dict[str, list[int]] = {}
+    for i, c in enumerate(chunks):
+        if len(c.segments) == 1:
+            by_key.setdefault(c.segments[0][0], []).append(i)
+        else:
+            out[i] = _xxh3(memory, c)
+    for key, idx in by_key.items():
+        spans = np.array([chunks[i].segments[0][1:] for i in idx], dtype=np.int64).reshape(-1, 2)
+        spans[:, 1] += spans[:, 0]
+        for i, h in zip(idx, dispatch.xxh3_chunks(memory[key].reshape(-1), spans), strict=True):
+            out[i] = h
+    return out  # type: ignore[return-value]
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -53,6 +53,7 @@ from kvbridge.migration.errors import MigrationError, TransferError
 from kvbridge.migration.execute import ConvertSide, MigrationReport, Payload, check_pools
 from kvbridge.migration.plan import MigrationPlan
 from kvbridge.migration.pools import EnginePools, RequestTables
+from kvbridge.migration.staging import joined, staging_empty
 from kvbridge.migration.stream import (
     Publish,
     RequestAssembly,
@@ -246,8 +247,11 @@ def _send_group(link: _Link, payload: Payload, chunk_bytes: int, label: str, adv
         "state_max_abs_error": payload.state_max_abs_error,
     }
     head = _json_tensor(header, link.device)
-    data = torch.cat([r.reshape(-1) for r in payload.records]).to(link.device) if payload.records else \
-        torch.empty(0, dtype=torch.uint8, device=link.device)
+    flat = joined(payload.records)
+    if flat is None:
+        flat = torch.cat([r.reshape(-1) for r in payload.records]) if payload.records else \
+            torch.empty(0, dtype=torch.uint8)
+    data = flat.to(link.device)
     total = data.numel()
     link.send(torch.tensor([head.numel(), total], dtype=torch.int64, device=link.device), f"sending {label}'s meta")
     link.send(head, f"sending {label}'s header")
@@ -333,7 +337,8 @@ class _Receiver:
                                      f"{item['record_bytes']} B, the plan {t.count} x {want} B")
         if total != sum(i["rows"] * i["record_bytes"] for i in items):
             raise MigrationError(f"{label} announces {total} data bytes, its transfers add up to a different size")
-        data = torch.empty(total, dtype=torch.uint8, device=self.link.device)
+        data = staging_empty(total) if torch.device(self.link.device).type == "cpu" else \
+            torch.empty(total, dtype=torch.uint8, device=self.link.device)
         messages = -(-total // self.chunk)
         for i in range(messages):
             part = data[i * self.chunk : min((i + 1) * self.chunk, total)]

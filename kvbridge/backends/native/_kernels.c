@@ -37,6 +37,12 @@
 #include <string.h>
 #include <float.h>
 #include <math.h>
+/* XXH3-64 of the page-chunk checksums (xxh3_chunks): xxHash 0.8.4's single header, vendored unchanged beside this
+ * file (BSD 2-Clause, xxhash-LICENSE). XXH3's output is fixed since xxHash 0.8.0, which the `xxhash` package (>= 3.0) bundles,
+ * so both give the same hashes (tests/test_migration_checksum.py compares them). */
+#define XXH_INLINE_ALL
+#define XXH_STATIC_LINKING_ONLY
+#include "xxhash.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KV_X86 1
@@ -48,7 +54,7 @@
 #define CHUNK_TOKENS 256
 /* The entry points' interface: bumped whenever a function is added or its arguments change, so that
  * kvbridge.backends.native.accel refuses a stale build (accel.KERNELS_INTERFACE). */
-#define KV_INTERFACE 4
+#define KV_INTERFACE 5
 #define HEAD_DIM 512
 #define M1_DATA 576
 #define M1_RECORD 584
@@ -1705,6 +1711,37 @@ static PyObject *py_move_runs(PyObject *self, PyObject *args) {
 }
 
 /* ------------------------------------------------------------------------------------------- */
+/* Chunk checksums (native.xxh3_chunks)                                                          */
+/* ------------------------------------------------------------------------------------------- */
+
+/* xxh3_chunks(data, spans, out): out[k] = XXH3-64 (seed 0) of data's bytes [spans[2k], spans[2k + 1]) for n int64
+ * (start, stop) pairs inside data and n uint64 slots of out; one call for all of a batch's chunks, with the GIL
+ * released. */
+static PyObject *py_xxh3_chunks(PyObject *self, PyObject *args) {
+    Py_buffer views[3];
+    if (!PyArg_ParseTuple(args, "y*y*w*", &views[0], &views[1], &views[2]))
+        return NULL;
+    const uint8_t *data = views[0].buf;
+    const int64_t *spans = views[1].buf;
+    uint64_t *out = views[2].buf;
+    Py_ssize_t n = views[1].len / 16;
+    int ok = need(views[1].len % 16 == 0 && views[2].len == n * 8, "spans and out sizes disagree");
+    for (Py_ssize_t k = 0; ok && k < n; k++)
+        ok = need(spans[2 * k] >= 0 && spans[2 * k] <= spans[2 * k + 1] && spans[2 * k + 1] <= views[0].len,
+                  "a chunk's span is reversed or outside the data");
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 0; k < n; k++)
+            out[k] = XXH3_64bits(data + spans[2 * k], (size_t)(spans[2 * k + 1] - spans[2 * k]));
+        Py_END_ALLOW_THREADS
+    }
+    release(views, 3);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------------------------- */
 /* fp4 -> fp8 indexer keys (native.keys._fp4_to_fp8_keys_kernel)                                */
 /* ------------------------------------------------------------------------------------------- */
 
@@ -2178,6 +2215,9 @@ static PyMethodDef methods[] = {
     {"move_runs", py_move_runs, METH_VARARGS,
      "move_runs(c0, c1, runs, streaming): row copies of runs [c0, c1) (int64 rows: source address, destination "
      "address, rows, source stride, destination stride, width)."},
+    {"xxh3_chunks", py_xxh3_chunks, METH_VARARGS,
+     "xxh3_chunks(data, spans, out): out[k] = XXH3-64 (seed 0) of data[spans[k, 0]:spans[k, 1]] (int64 [n, 2] "
+     "spans, uint64 out)."},
     {NULL, NULL, 0, NULL},
 };
 

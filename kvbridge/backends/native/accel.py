@@ -480,7 +480,7 @@ NO_CKERNELS_ENV = "KVBRIDGE_NO_CKERNELS"
 
 
 #: The interface ``kvbridge.backends.native._kernels`` must have been built with (its ``KV_INTERFACE``).
-KERNELS_INTERFACE = 4
+KERNELS_INTERFACE = 5
 
 
 def _warn_line(message: str) -> None:

@@ -174,17 +174,17 @@ def test_debug_shows_the_exception(tmp_path: Path):
 def test_verify_passes_on_the_repository_fixtures():
     result = run("verify")
     assert result.exit_code == 0, result.output
-    assert "277/277 checks passed" in result.output and "FAIL" not in result.output
+    assert "283/283 checks passed" in result.output and "FAIL" not in result.output
     for line in ("kvbridge codecs: 33/33", "SGLang 0.5.23: 115/115", "vLLM 0.33.0: 45/45", "TensorRT-LLM main: 22/22",
                  "DeepGEMM: 22/22", "FlashMLA: 29/29", "FlashInfer: 6/6", "SGLang PR #37136: 5/5"):
         assert line in result.output  # reported per engine
     report = json.loads(run("verify", "--json").output)
-    assert report["passed"] and report["num_checks"] == 277
+    assert report["passed"] and report["num_checks"] == 283
     assert {r["layout"] for r in report["results"]} == {"flashmla-model1", "trtllm-fp8-ds-mla", "trtllm-fp8",
                                                         "indexer-fp8", "indexer-fp4", "state-fp32", "v41-fp8",
                                                         "v41-fp8-interleaved", "v41-fp4", "v41-fp4-pad512",
                                                         "v41-fp4-interleaved", "model1-fnuz", "flashinfer-nvfp4",
-                                                        "sglang-mxfp4"}
+                                                        "lil-nvfp4-ds-mla", "sglang-mxfp4"}
 
 
 def test_verify_fails_with_exit_1_on_a_bad_fixture_dir(tmp_path: Path):

@@ -9,9 +9,17 @@ import pytest
 import torch
 
 from kvbridge.errors import InputError
+from kvbridge.migration import staging
 from kvbridge.migration.staging import MIN_CACHED_BYTES, STAGING_CACHE_ENV, joined, staging_empty
 
 N = 3 * MIN_CACHED_BYTES
+
+
+@pytest.fixture(autouse=True)
+def empty_cache():
+    """Each test starts with no idle block (earlier tests' payloads leave theirs in the process's cache)."""
+    gc.collect()
+    staging._CACHE.idle.clear()
 
 
 def test_a_block_comes_back_only_when_no_view_of_it_is_left():

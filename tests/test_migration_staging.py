@@ -1,5 +1,5 @@
 """The staging cache: a block is reused only once nothing views its memory, the cache's limit, and the refusal of a
-bad limit; ``joined`` sees records staged back to back as one view."""
+bad limit; ``joined`` sees records staged back to back as one view; ``pack(into=)`` gathers in place."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import torch
 
 from kvbridge.errors import InputError
 from kvbridge.migration import staging
+from kvbridge.migration.execute import pack
+from kvbridge.migration.plan import plan_migration
 from kvbridge.migration.staging import MIN_CACHED_BYTES, STAGING_CACHE_ENV, joined, staging_empty
+from kvbridge.migration.synthetic import source_request
 
 N = 3 * MIN_CACHED_BYTES
 
@@ -69,3 +72,24 @@ def test_joined_views_records_back_to_back_and_refuses_others():
     assert joined([block[0:12].view(3, 4), block[13:19].view(1, 6)]) is None  # a gap
     assert joined([block[0:12].view(3, 4), torch.zeros(2, 3, dtype=torch.uint8)]) is None  # another storage
     assert joined([]) is None
+
+
+def test_pack_gathers_into_given_buffers_with_the_same_bytes_and_checksums():
+    """``pack(into=)`` (a transport's registered staging buffer) writes each transfer's records where it is told,
+    byte-identical to ``pack``'s own block, with the same checksums; a wrong buffer is refused."""
+    plan = plan_migration("trtllm:fp8:tpb=128", "vllm", "deepseek-v4-flash", 1000, include_mtp=False)
+    pools, tables = source_request(plan, seed=3)
+    want = pack(plan, pools, tables, convert=False)
+    buf = torch.zeros(sum(t.src_bytes for t in plan.transfers), dtype=torch.uint8)
+    into, at = [], 0
+    for t in plan.transfers:
+        into.append(buf[at : at + t.src_bytes].view(t.count, t.src.record_bytes))
+        at += t.src_bytes
+    got = pack(plan, pools, tables, convert=False, into=into)
+    assert got.checksums == want.checksums
+    for rec, out, ref in zip(got.records, into, want.records, strict=True):
+        assert rec.data_ptr() == out.data_ptr() and torch.equal(rec, ref)
+    with pytest.raises(InputError, match="into="):
+        pack(plan, pools, tables, convert=False, into=into[:-1])
+    with pytest.raises(InputError, match="into="):
+        pack(plan, pools, tables, convert=False, into=[x.t() for x in into])

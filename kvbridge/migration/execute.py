@@ -19,7 +19,7 @@ guards against corruption, not against a malicious peer.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -262,7 +262,7 @@ def _summed_gather(pool, storage: Storage, table, first: int, count: int, rows: 
 
 
 def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, convert: bool,
-         loss_report: bool = True, checksum: bool = True) -> Payload:
+         loss_report: bool = True, checksum: bool = True, into: Sequence[torch.Tensor] | None = None) -> Payload:
     """Gather every transfer's source records, checksum them per source page, optionally convert.
 
     Checksums always cover the bytes that travel: with ``convert`` they are computed on the
@@ -270,19 +270,28 @@ def pack(plan: MigrationPlan, src: EnginePools, tables: RequestTables, *, conver
     pass (``_summed_gather``, every transfer's records in one block of the staging cache,
     ``kvbridge.migration.staging``). ``checksum=False`` leaves every transfer's checksum list empty, for a
     sender that checksums what it stages itself (NIXL's sender-converted path: the destination page runs).
+    ``into``: per transfer, the uint8 CPU tensor ``[count, record_bytes]`` its records are gathered into on that
+    fused path instead (a transport's registered staging buffer: no copy from the cache's block into it).
     """
     check_pools(plan, src, "src")
     fused = [checksum and not convert and _gatherable(src.pool(t.spec)) for t in plan.transfers]
-    block = staging_empty(sum(t.count * t.src.record_bytes for t, f in zip(plan.transfers, fused, strict=True) if f))
+    if into is not None:
+        if len(into) != len(plan.transfers) or any(
+                tuple(x.shape) != (t.count, t.src.record_bytes) or x.dtype != torch.uint8 or x.device.type != "cpu"
+                or not x.is_contiguous() for t, x in zip(plan.transfers, into, strict=False)):
+            raise InputError("pack's into= needs one contiguous uint8 CPU tensor [count, source record bytes] per "
+                             "transfer of the plan")
+    block = staging_empty(0 if into is not None else
+                          sum(t.count * t.src.record_bytes for t, f in zip(plan.transfers, fused, strict=True) if f))
     records, chunks, sums = [], [], []
     at = 0
-    for t, f in zip(plan.transfers, fused, strict=True):
+    for k, (t, f) in enumerate(zip(plan.transfers, fused, strict=True)):
         rows = chunk_rows(t, t.src)
         pool, table = src.pool(t.spec), table_of(tables, t.src)
         summed = None
         if f:
             nbytes = t.count * t.src.record_bytes
-            rec = block[at : at + nbytes].view(t.count, t.src.record_bytes)
+            rec = into[k] if into is not None else block[at : at + nbytes].view(t.count, t.src.record_bytes)
             summed, at = _summed_gather(pool, t.src, table, t.first, t.count, rows, rec), at + nbytes
         else:
             rec = gather_records(pool, t.src, table, t.first, t.count)

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
 from kvbridge._version import __version__
 from kvbridge.backends import dispatch
@@ -176,9 +177,12 @@ class RequestStream:
             raise InputError(f"all {len(self.groups)} layer groups were already sent")
         g = self.next_group
         idx = self.groups[g]
-        payload = pack_group(self.plan, self.src, self.tables, idx, convert=self.convert, loss_report=self.loss_report,
-                             checksum=not self.convert)  # converted: the staged page runs are checksummed below
         staged = self.conn.staged
+        into = None if self.convert else [  # source records: gathered straight into the registered staging buffer
+            torch.from_numpy(staged[int(self.bases[i]) : int(self.bases[i + 1])]).view(
+                self.plan.transfers[i].count, self.plan.transfers[i].src.record_bytes) for i in idx]
+        payload = pack_group(self.plan, self.src, self.tables, idx, convert=self.convert, loss_report=self.loss_report,
+                             checksum=not self.convert, into=into)  # converted: the staged page runs are summed below
         pieces: list[Piece] = []
         sums: list[int] = []
         spans: list[tuple[int, int]] = []  # converted: the staged bytes of each destination page run, in order
@@ -194,7 +198,8 @@ class RequestStream:
                                   for (key, roff, size), (_, n, lo, _) in zip(chunk.segments, parts, strict=True))
                     spans.append((base, base + chunk.nbytes))
             else:  # source records, into the receiver's staging buffer (the sender's checksum per source page)
-                staged[off : off + rec.numel()] = rec.reshape(-1).numpy()
+                if rec.numel() and rec.data_ptr() != staged[off:].ctypes.data:  # not gathered in place (into=)
+                    staged[off : off + rec.numel()] = rec.reshape(-1).numpy()
                 pieces.extend(_pieces_of(_staging_chunks(rows, t.src.record_bytes, off), off))
                 sums.extend(chunk_sums)
         if spans:  # every run's checksum in one native call

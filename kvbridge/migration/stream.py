@@ -94,10 +94,12 @@ def group_plan(plan: MigrationPlan, indices: Sequence[int]) -> MigrationPlan:
 
 
 def pack_group(plan: MigrationPlan, src: EnginePools, tables: RequestTables, indices: Sequence[int], *,
-               convert: bool, loss_report: bool = True, checksum: bool = True) -> Payload:
-    """``pack`` for the transfers ``indices`` only; the payload carries the whole plan's fingerprint."""
+               convert: bool, loss_report: bool = True, checksum: bool = True,
+               into: Sequence[torch.Tensor] | None = None) -> Payload:
+    """``pack`` for the transfers ``indices`` only (``into``: one output per index); the payload carries the whole
+    plan's fingerprint."""
     payload = pack(group_plan(plan, indices), src, tables, convert=convert, loss_report=loss_report,
-                   checksum=checksum)
+                   checksum=checksum, into=into)
     payload.fingerprint = plan.fingerprint()
     return payload
 

@@ -6,7 +6,8 @@ Every backend is a module with the same interface, byte-identical to ``kvbridge.
 ``transcode_slots`` and ``gather_transcode`` (a backend whose kernel cannot write into ``out`` builds a temporary and
 copies it in: the reference does) and ``loss_stats`` (one native pass on CPU, ``kvbridge.backends.native.loss``;
 decoded values compared elsewhere). Backends with ``KEY_KERNELS`` / ``STATE_KERNELS`` also convert fp4 indexer keys
-(``fp4_to_fp8_keys``, ``fp4_to_fp8_key_rows``) and compressor-state rows (``convert_state_rows``). All of them
+(``fp4_to_fp8_keys``, ``fp4_to_fp8_key_rows``) and compressor-state rows (``convert_state_rows``), those with
+``KV_SEGMENT_KERNELS`` some KV pairs between record rows of any tensors (``transcode_kv_segments``). All of them
 execute the layouts' own record descriptions, so every registered layout runs on every backend.
 
 - CPU tensors: the native numba kernels (``kvbridge.backends.native``, imported on first use);
@@ -242,6 +243,30 @@ def fp4_to_fp8_key_segments(src_keys: torch.Tensor, src_scales: torch.Tensor, ds
     ``measure``), None when a value decodes to NaN/Inf."""
     return backend((src_keys, dst_keys)).fp4_to_fp8_key_segments(
         src_keys, src_scales, dst_keys, dst_scales, segs, strides, dim, rule, measure=measure)
+
+
+def kv_segment_split(src: Layout, dst: Layout, device: torch.device) -> tuple[int, int] | None:
+    """Where the backend for tensors on ``device`` converts ``src`` KV records to ``dst`` straight between record rows
+    of any tensors (``transcode_kv_segments``: a migration's source pages or records into its destination pages, no
+    staging), the bytes of a source and of a destination record in their data stream (the rest of a record is its
+    footer stream); None where it does not (the records then convert in staged pages, ``transcode_pages``)."""
+    chosen = _backend_on(device)
+    return chosen.kv_segment_split(src, dst) if chosen.KV_SEGMENT_KERNELS else None
+
+
+def transcode_kv_segments(streams: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], segs: np.ndarray,
+                          strides: tuple[int, int, int, int], src: Layout, dst: Layout, *, src_scale: float,
+                          dst_scale: float, dialect: str | None, into_pool: bool) -> None:
+    """``src`` KV records -> ``dst`` records between rows of four flat uint8 tensors (source data, source footer,
+    destination data, destination footer: pool parts or records; a token-major side passes one tensor twice, its
+    footer offsets ``kv_segment_split``'s data bytes further), segment by segment: ``segs`` int64 ``[S, 6]`` holds
+    the four byte offsets of a segment's first row, its rows and its first record's index (what a NaN/Inf is reported
+    at); ``strides`` the four row strides. Bytes identical to ``transcode_pages`` of the same records; a segment
+    outside its tensors is refused before any byte is written (``InputError``), NaN/Inf in the source raises
+    ``NonFiniteError`` (destination rows then partly written). ``into_pool``: the destination is pool pages (not
+    read again soon: streamed past the caches where the backend can). ``kv_segment_split`` must hold."""
+    backend((streams[0], streams[2])).transcode_kv_segments(streams, segs, strides, src, dst, src_scale, dst_scale,
+                                                            dialect, into_pool)
 
 
 def state_kernels(device: torch.device) -> bool:

@@ -20,8 +20,9 @@ from kvbridge.layouts import Layout
 from kvbridge.layouts.codec import record_codec
 
 name = "reference"
-#: No fused fp4 -> fp8 key or state-row kernels here: the torch rules of ``ops.keys`` and migration run.
-KEY_KERNELS = STATE_KERNELS = False
+#: No fused fp4 -> fp8 key, state-row or KV segment kernels here: the torch rules of ``ops.keys`` and migration,
+#: and staged KV records, run.
+KEY_KERNELS = STATE_KERNELS = KV_SEGMENT_KERNELS = False
 #: Tokens per step of the slot operations: bounds their int64 byte-index tensors (32K x 1024 x 8 B = 256 MiB).
 CHUNK_TOKENS = 1 << 15
 FLAG_NONFINITE = 1

@@ -63,8 +63,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 fp8_hardware = not INTERPRETED and os.environ.get("KVBRIDGE_TRITON_INT_E4M3") != "1"
 
 name = "triton"
-#: No fused fp4 -> fp8 key or state-row kernels here: the torch rules of ``ops.keys`` and migration run.
-KEY_KERNELS = STATE_KERNELS = False
+#: No fused fp4 -> fp8 key, state-row or KV segment kernels here: the torch rules of ``ops.keys`` and migration,
+#: and staged KV records, run.
+KEY_KERNELS = STATE_KERNELS = KV_SEGMENT_KERNELS = False
 #: Flag values of the per-token flag array (``reference.FLAG_*``): the decoded source is not finite /
 #: the slot is out of range.
 _FLAG_NONFINITE = tl.constexpr(FLAG_NONFINITE)  # the same values as kernel-visible globals

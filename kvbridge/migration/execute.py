@@ -5,7 +5,9 @@ on the device's backend): the transports (``kvbridge.migration.transport``, ``kv
 ``pack`` on the sender (gathering with the checksums in the same pass, converting when it is the side that
 transcodes) and ``finish`` or ``RequestAssembly`` on the receiver; ``migrate_local`` (one process, nothing
 on a wire, no checksum) runs staged batches: each batch of source rows is gathered into a small buffer,
-converted there and scattered into the destination pools while it is still in the CPU caches. ``finish``
+converted there and scattered into the destination pools while it is still in the CPU caches (byte moves, fp4 ->
+fp8 indexer keys and, where the backend has a segment kernel and no loss is measured, KV records go straight from
+the source pages into the destination pages instead: ``_direct``). ``finish``
 runs those batches straight from the payload's records, verifying each page chunk's checksum just before
 its rows are converted and published. Destination pages are claimed only once every source page was found;
 a refused conversion or checksum releases them again (nothing is published).
@@ -163,6 +165,7 @@ class _Loss:
 
     def __init__(self, measured: bool) -> None:
         self.reports: list[LossReport] = []
+        self.measured = measured
         self.indexer: float | None = 0.0 if measured else None
         self.state: float | None = None  # set once a state batch changes dtype while measured
 
@@ -674,7 +677,7 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_rep
                 src_buf, dst_buf = buffers[k]
                 if _direct(b, staged.converted, loss, check, moves):
                     t2 = time.perf_counter()
-                    kind = "indexer" if needs_conversion(t) and not staged.converted else None
+                    kind = t.src.kind if needs_conversion(t) and not staged.converted else None  # kv or indexer
                     if kind:
                         convert_s += t2 - t1
                         parts[kind] = parts.get(kind, 0.0) + t2 - t1
@@ -724,15 +727,19 @@ def _run_staged(plan: MigrationPlan, staged: _Staged, dst: EnginePools, loss_rep
 def _direct(b: _Batch, converted: bool, loss: _Loss, check: _Verifier | None, moves: list[SpanMove]) -> bool:
     """Run batch ``b`` with no staging when it can: a byte move (or records the sender converted) span by span from
     the source into the destination pages (added to ``moves``, which the caller runs in one call), fp4 -> fp8
-    indexer keys by the strided kernel from the source's parts into the destination's (``check`` verifies each
-    piece's chunks first); False (nothing done) otherwise."""
+    indexer keys by the strided kernel from the source's parts into the destination's, KV records by the backend's
+    segment kernel (``dispatch.kv_segment_split``; not while measuring loss, whose statistics read staged records)
+    likewise (``check`` verifies each piece's chunks first); False (nothing done) otherwise."""
     t = b.transfer
     moving = converted or not needs_conversion(t)
     first = b.pieces[0]
     device = first.records.device if first.records is not None else first.src[0][0].device
-    if not moving and not _direct_keys(t, device):
+    split = None if moving or loss.measured or t.src.kind != "kv" else dispatch.kv_segment_split(
+        t.src.layout, t.dst.layout, device)
+    if not moving and split is None and not _direct_keys(t, device):
         return False
-    work = [_move_segments(piece) if moving else _key_segments(t, piece) for piece in b.pieces]
+    work = [_move_segments(piece) if moving else _kv_segments(t, piece, split) if split else _key_segments(t, piece)
+            for piece in b.pieces]
     if any(w is None for w in work):
         return False
     for piece, w in zip(b.pieces, work, strict=True):
@@ -740,6 +747,10 @@ def _direct(b: _Batch, converted: bool, loss: _Loss, check: _Verifier | None, mo
             check.upto(piece.index, piece.first + piece.count)
         if moving:
             moves.extend(w)  # type: ignore[arg-type]
+        elif split:
+            flats, segs, strides = w  # type: ignore[misc]
+            dispatch.transcode_kv_segments(flats, segs, strides, t.src.layout, t.dst.layout, src_scale=t.src.scale,
+                                           dst_scale=t.dst.scale, dialect=t.dst.dialect, into_pool=True)
         else:
             loss.add(t, None, _convert_keys_direct(t, piece, w, loss.indexer is not None))  # type: ignore[arg-type]
     return True
@@ -796,6 +807,22 @@ def _key_segments(t: Transfer, piece: _Piece) -> KeyWork | None:
         return None
     flats, spans, strides = zip(*streams, strict=True)  # type: ignore[misc]
     return flats, merge_spans(list(zip(spans, strides, strict=True)), piece.count), strides
+
+
+def _kv_segments(t: Transfer, piece: _Piece, split: tuple[int, int]) -> KeyWork | None:
+    """Where a piece's KV records are read (its source pages' parts, or payload records) and written (its destination
+    pages' parts), as ``dispatch.transcode_kv_segments`` takes them: each side's data and footer streams (``split``:
+    ``dispatch.kv_segment_split``), segments with their first record's index; None when a part does not hold a
+    stream whole."""
+    sources = _sources(piece)
+    streams = [_stream(sources, 0, split[0]), _stream(sources, split[0], t.src.record_bytes - split[0]),
+               _stream(piece.dst, 0, split[1]), _stream(piece.dst, split[1], t.dst.record_bytes - split[1])]
+    if any(x is None for x in streams):
+        return None
+    flats, spans, strides = zip(*streams, strict=True)  # type: ignore[misc]
+    segs = merge_spans(list(zip(spans, strides, strict=True)), piece.count)
+    first = np.concatenate([[0], np.cumsum(segs[:-1, 4])]) if segs.shape[0] else np.zeros(0, np.int64)
+    return flats, np.concatenate([segs, first[:, None].astype(np.int64)], axis=1), strides
 
 
 def _convert_keys_direct(t: Transfer, piece: _Piece, work: KeyWork, measure: bool) -> float:

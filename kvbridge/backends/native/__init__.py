@@ -60,8 +60,9 @@ from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 
 name = "native"
-#: This backend converts fp4 indexer keys (``fp4_to_fp8_keys``) and compressor-state rows (``convert_state_rows``).
-KEY_KERNELS = STATE_KERNELS = True
+#: This backend converts fp4 indexer keys (``fp4_to_fp8_keys``) and compressor-state rows (``convert_state_rows``),
+#: and some KV pairs between record rows of any tensors (``kv_segment_split``, ``transcode_kv_segments``).
+KEY_KERNELS = STATE_KERNELS = KV_SEGMENT_KERNELS = True
 
 
 def supports(*layouts: Layout) -> bool:
@@ -205,6 +206,47 @@ def transcode_pages(
         )
     _raise_nonfinite(bad_count, bad_first)
     return out
+
+
+def kv_segment_split(src: Layout, dst: Layout) -> tuple[int, int] | None:
+    """``dispatch.kv_segment_split`` here: the C kernels' pairs (``accel.segment_split``)."""
+    return accel.segment_split(src, dst)
+
+
+def transcode_kv_segments(streams: tuple[torch.Tensor, ...], segs: np.ndarray, strides: tuple[int, ...],
+                          src: Layout, dst: Layout, src_scale: float, dst_scale: float, dialect: str | None,
+                          into_pool: bool) -> None:
+    """``dispatch.transcode_kv_segments`` here: every segment checked against its tensors before any byte is written
+    (``InputError``; the C kernel checks again), non-temporal stores into pool pages (``into_pool``) of at least
+    ``STREAMING_MOVE_BYTES``, NaN/Inf in the source refused as ``transcode_pages`` refuses it."""
+    split = accel.segment_split(src, dst)
+    if split is None:
+        raise InputError(f"no segment kernel converts {src.name} records to {dst.name} here (kv_segment_split)")
+    if len(streams) != 4 or any(not x.is_contiguous() or x.dtype != torch.uint8 or x.dim() != 1 for x in streams):
+        raise InputError("transcode_kv_segments takes four contiguous flat uint8 tensors")
+    segs = np.ascontiguousarray(segs, dtype=np.int64)
+    if segs.ndim != 2 or segs.shape[1] != 6:
+        raise InputError(f"KV segments must be int64 [S, 6], got shape {segs.shape}")
+    if not segs.shape[0]:
+        return
+    widths = (split[0], src.record_bytes - split[0], split[1], dst.record_bytes - split[1])
+    rows = segs[:, 4]
+    live = rows > 0
+    for k, (x, stride, width) in enumerate(zip(streams, strides, widths, strict=True)):
+        end = segs[:, k] + np.maximum(rows - 1, 0) * int(stride) + width
+        bad = (segs[:, k] < 0) | (rows < 0) | (segs[:, 5] < 0) | (live & (end > x.numel()))
+        if int(stride) < (width if k >= 2 else 0) or bool(bad.any()):
+            raise InputError(f"KV segment {int(np.flatnonzero(bad)[0]) if bad.any() else 0} lies outside its "
+                             f"tensors (stream {k}, stride {int(stride)}, {width} bytes a row)")
+    bad_count = np.zeros(segs.shape[0], np.int64)
+    bad_first = np.full(segs.shape[0], -1, np.int64)
+    streaming = into_pool and int(segs[:, 4].sum()) * dst.record_bytes >= STREAMING_MOVE_BYTES
+    try:
+        accel.transcode_segments(src, dst, tuple(x.numpy() for x in streams), segs, tuple(int(s) for s in strides),
+                                 src_scale, dst_scale, dialect, streaming, bad_count, bad_first)
+    except ValueError as e:  # the kernel's own check (the one above refuses what it would)
+        raise InputError(str(e)) from None
+    _raise_nonfinite(bad_count, bad_first)
 
 
 #: Moves of at most this many bytes run on the calling thread: handing a few MiB to the thread pool cost

@@ -14,6 +14,8 @@
  *                   16-bit lanes, 32 values a vector, fp32 and tiles reaching E4M3 subnormals in 32-bit ones);
  *   model1_decode   MODEL1 records -> fp32 latents [N, 512];
  *
+ * fp8_to_model1_segments and model1_to_fp8_segments run the same token kernels between record rows anywhere (a
+ * migration's source pages or records straight into its destination pages: segments of rows, no page geometry);
  * and the code-domain amax of a MODEL1 or per-tensor E4M3 pool (model1_amax, fp8_amax: dst_scale="auto",
  * as native.records._amax_kernel, chunks of CHUNK_TOKENS source tokens), the span copies of native.move_spans
  * (move_runs: memcpy on any CPU, non-temporal stores on AVX-512), and the fp4 -> fp8 indexer keys of
@@ -54,7 +56,7 @@
 #define CHUNK_TOKENS 256
 /* The entry points' interface: bumped whenever a function is added or its arguments change, so that
  * kvbridge.backends.native.accel refuses a stale build (accel.KERNELS_INTERFACE). */
-#define KV_INTERFACE 5
+#define KV_INTERFACE 6
 #define HEAD_DIM 512
 #define M1_DATA 576
 #define M1_RECORD 584
@@ -835,6 +837,82 @@ KV_VARIANTS(fp8_to_model1, F2M_PARAMS, TRANSCODE_ARGS)
 KV_VARIANTS(model1_to_fp8, M2F_PARAMS, TRANSCODE_ARGS)
 KV_VARIANTS(encode, ENC_PARAMS, ENC_ARGS)
 KV_VARIANTS(decode, DEC_PARAMS, DEC_ARGS)
+
+/* The same two transcodes between record rows anywhere (fp8_to_model1_segments, model1_to_fp8_segments: a
+ * migration's conversion straight from source pages or records into destination pages, no page geometry). Each
+ * side is two streams of rows, a record's data and its footer (a MODEL1 record's bytes [0, 576) and [576, 584); an
+ * FP8 record is all data, 512 bytes, its footer stream unused): a token-major side passes one buffer twice, the
+ * footer 576 bytes after the data. segs int64 [S, 6], one chunk each: the byte offsets of the segment's first row in
+ * the source data, source footer, destination data and destination footer streams, its rows, and the record index
+ * of its first row (what bad_first counts in: index * 512 + dim). Rows of a stream lie its stride apart. */
+typedef struct {
+    const uint8_t *sd, *sf;
+    uint8_t *dd, *df;
+    const int64_t *segs;
+    int64_t sds, sfs, dds, dfs;
+    int nt; /* non-temporal stores where a destination row is 64-byte aligned */
+} seg_args;
+
+KV_BODY void fp8_to_model1_segments_chunks(Py_ssize_t c0, Py_ssize_t c1, const seg_args *a, const f2m_tables *tb,
+                                          int64_t *bad_count, int64_t *bad_first, int isa) {
+#if KV_X86
+    rope_vec rv;
+    if (isa == ISA_AVX512)
+        rope_vectors(tb->rope_lut, &rv);
+#endif
+    for (Py_ssize_t c = c0; c < c1; c++) {
+        const int64_t *sg = a->segs + 6 * c;
+        int64_t count = 0, first = -1;
+        for (int64_t r = 0; r < sg[4]; r++) {
+            const uint8_t *in = a->sd + sg[0] + r * a->sds;
+            uint8_t *data = a->dd + sg[2] + r * a->dds, *foot = a->df + sg[3] + r * a->dfs;
+            Py_ssize_t t = sg[5] + r;
+#if KV_X86
+            if (isa == ISA_AVX512)
+                f2m_token_avx512(in, data, foot, tb, &rv, t, a->nt && ((uintptr_t)data & 63) == 0, &count, &first);
+            else
+#endif
+                f2m_token_scalar(in, data, foot, tb, t, &count, &first);
+        }
+        bad_count[c] = count;
+        bad_first[c] = first;
+    }
+    store_fence();
+}
+
+KV_BODY void model1_to_fp8_segments_chunks(Py_ssize_t c0, Py_ssize_t c1, const seg_args *a, const m2f_tables *tb,
+                                          int64_t *bad_count, int64_t *bad_first, int isa) {
+    uint8_t bad_from[256];
+    const uint8_t *thresholds = isa == ISA_AVX512 && bad_thresholds(tb->bad_mag, bad_from) ? bad_from : NULL;
+    (void)thresholds; /* unused where only the scalar code is compiled */
+    for (Py_ssize_t c = c0; c < c1; c++) {
+        const int64_t *sg = a->segs + 6 * c;
+        int64_t count = 0, first = -1;
+        for (int64_t r = 0; r < sg[4]; r++) {
+            const uint8_t *data = a->sd + sg[0] + r * a->sds, *foot = a->sf + sg[1] + r * a->sfs;
+            uint8_t *out = a->dd + sg[2] + r * a->dds;
+            Py_ssize_t t = sg[5] + r;
+#if KV_X86
+            if (isa == ISA_AVX512)
+                m2f_token_avx512(data, foot, out, tb, thresholds, t, a->nt && ((uintptr_t)out & 63) == 0, &count,
+                                 &first);
+            else
+#endif
+                m2f_token_scalar(data, foot, out, tb, t, &count, &first);
+        }
+        bad_count[c] = count;
+        bad_first[c] = first;
+    }
+    store_fence();
+}
+
+#define F2MS_PARAMS Py_ssize_t c0, Py_ssize_t c1, const seg_args *a, const f2m_tables *tb, int64_t *bad_count, \
+    int64_t *bad_first
+#define M2FS_PARAMS Py_ssize_t c0, Py_ssize_t c1, const seg_args *a, const m2f_tables *tb, int64_t *bad_count, \
+    int64_t *bad_first
+#define SEG_ARGS c0, c1, a, tb, bad_count, bad_first
+KV_VARIANTS(fp8_to_model1_segments, F2MS_PARAMS, SEG_ARGS)
+KV_VARIANTS(model1_to_fp8_segments, M2FS_PARAMS, SEG_ARGS)
 
 /* ------------------------------------------------------------------------------------------- */
 /* Code-domain amax (dst_scale="auto"): one read pass over the codes and scale bytes            */
@@ -2175,6 +2253,81 @@ static PyObject *py_fp4_to_fp8_keys(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Every segment of [c0, c1) inside its four streams (widths: sdw, sfw, ddw, dfw bytes a row; a destination row
+ * stride at least its width), the segment table and the outputs long enough. */
+static int check_segments(Py_ssize_t c0, Py_ssize_t c1, const Py_buffer *v, const seg_args *a, int64_t sdw,
+                          int64_t sfw, int64_t ddw, int64_t dfw, Py_ssize_t bad_len, Py_ssize_t first_len) {
+    Py_ssize_t nseg = v[4].len / 48;
+    int ok = need(v[4].len % 48 == 0 && c0 >= 0 && c1 >= c0 && c1 <= nseg, "segment range out of bounds") &&
+             need(a->dds >= ddw && a->dfs >= dfw, "destination rows overlap") &&
+             need(bad_len >= c1 * 8 && first_len >= c1 * 8, "short bad_count/bad_first");
+    for (Py_ssize_t k = c0; ok && k < c1; k++) {
+        const int64_t *sg = a->segs + 6 * k;
+        ok = need(rows_fit(sg[0], sg[4], a->sds, sdw, v[0].len) && rows_fit(sg[1], sg[4], a->sfs, sfw, v[1].len) &&
+                      rows_fit(sg[2], sg[4], a->dds, ddw, v[2].len) && rows_fit(sg[3], sg[4], a->dfs, dfw, v[3].len) &&
+                      sg[5] >= 0,
+                  "KV segment out of bounds");
+    }
+    return ok;
+}
+
+/* fp8_to_model1_segments(c0, c1, sd, sf, dd, df, segs, sds, sfs, dds, dfs, nt, scale_lut, bad_mag, code_lut,
+ * rope_lut, bad_count, bad_first): fp8_to_model1's tables, the rows of seg_args. */
+static PyObject *py_fp8_to_model1_segments(PyObject *self, PyObject *args) {
+    Py_ssize_t c0, c1;
+    seg_args a;
+    Py_buffer v[11];
+    memset(v, 0, sizeof v);
+    long long sds, sfs, dds, dfs;
+    if (!PyArg_ParseTuple(args, "nny*y*w*w*y*LLLLpy*y*y*y*w*w*", &c0, &c1, &v[0], &v[1], &v[2], &v[3], &v[4], &sds,
+                          &sfs, &dds, &dfs, &a.nt, &v[5], &v[6], &v[7], &v[8], &v[9], &v[10]))
+        return NULL;
+    a.sd = v[0].buf, a.sf = v[1].buf, a.dd = v[2].buf, a.df = v[3].buf, a.segs = v[4].buf;
+    a.sds = sds, a.sfs = sfs, a.dds = dds, a.dfs = dfs;
+    int ok = check_segments(c0, c1, v, &a, FP8_RECORD, 0, M1_DATA, M1_RECORD - M1_DATA, v[9].len, v[10].len) &&
+             need(v[5].len >= 128 && v[6].len >= 128 && v[7].len >= 128 * 256 && v[8].len >= 512, "short table");
+    if (ok) {
+        f2m_tables tb = {v[5].buf, v[6].buf, v[7].buf, v[8].buf};
+        int isa = kv_isa;
+        Py_BEGIN_ALLOW_THREADS
+        fp8_to_model1_segments_run(c0, c1, &a, &tb, v[9].buf, v[10].buf, isa);
+        Py_END_ALLOW_THREADS
+    }
+    release(v, 11);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* model1_to_fp8_segments(c0, c1, sd, sf, dd, df, segs, sds, sfs, dds, dfs, nt, nope_lut, bad_mag, rope_lut,
+ * bad_count, bad_first, mult): model1_to_fp8's tables and multiplier, the rows of seg_args. */
+static PyObject *py_model1_to_fp8_segments(PyObject *self, PyObject *args) {
+    Py_ssize_t c0, c1;
+    seg_args a;
+    Py_buffer v[10];
+    memset(v, 0, sizeof v);
+    long long sds, sfs, dds, dfs;
+    float mult;
+    if (!PyArg_ParseTuple(args, "nny*y*w*w*y*LLLLpy*y*y*w*w*f", &c0, &c1, &v[0], &v[1], &v[2], &v[3], &v[4], &sds,
+                          &sfs, &dds, &dfs, &a.nt, &v[5], &v[6], &v[7], &v[8], &v[9], &mult))
+        return NULL;
+    a.sd = v[0].buf, a.sf = v[1].buf, a.dd = v[2].buf, a.df = v[3].buf, a.segs = v[4].buf;
+    a.sds = sds, a.sfs = sfs, a.dds = dds, a.dfs = dfs;
+    int ok = check_segments(c0, c1, v, &a, M1_DATA, M1_RECORD - M1_DATA, FP8_RECORD, 0, v[8].len, v[9].len) &&
+             need(v[5].len >= 256 * 256 && v[6].len >= 256 * 128 && v[7].len >= 65536, "short table");
+    if (ok) {
+        m2f_tables tb = {v[5].buf, v[6].buf, v[7].buf, mult};
+        int isa = kv_isa;
+        Py_BEGIN_ALLOW_THREADS
+        model1_to_fp8_segments_run(c0, c1, &a, &tb, v[8].buf, v[9].buf, isa);
+        Py_END_ALLOW_THREADS
+    }
+    release(v, 10);
+    if (!ok)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_fp8_model1_loss(PyObject *self, PyObject *args) { return loss_entry(args, 1); }
 
 static PyObject *py_model1_fp8_loss(PyObject *self, PyObject *args) { return loss_entry(args, 0); }
@@ -2212,6 +2365,10 @@ static PyMethodDef methods[] = {
     {"key_cpu_isa", py_key_cpu_isa, METH_NOARGS, "The best instruction set for fp4_to_fp8_keys this CPU supports."},
     {"set_key_isa", py_set_key_isa, METH_O,
      "Run fp4_to_fp8_keys with the given ISA (at most key_cpu_isa()); returns the previous."},
+    {"fp8_to_model1_segments", py_fp8_to_model1_segments, METH_VARARGS,
+     "fp8_to_model1 between record rows segment by segment (a migration's pages or records, no page geometry)."},
+    {"model1_to_fp8_segments", py_model1_to_fp8_segments, METH_VARARGS,
+     "model1_to_fp8 between record rows segment by segment (a migration's pages or records, no page geometry)."},
     {"move_runs", py_move_runs, METH_VARARGS,
      "move_runs(c0, c1, runs, streaming): row copies of runs [c0, c1) (int64 rows: source address, destination "
      "address, rows, source stride, destination stride, width)."},

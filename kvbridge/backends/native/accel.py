@@ -50,6 +50,11 @@ from kvbridge.layouts.codec import ue8m0_dialect
 
 #: MODEL1 record: bytes [0, 576) nope E4M3 + rope bf16, [576, 584) 7 UE8M0 scales + pad (the accelerators').
 MODEL1_DATA_BYTES = 576
+#: Per-tensor E4M3 record (TensorRT-LLM FP8): 512 bytes, no footer.
+_FP8_RECORD_BYTES = 512
+#: Segment transcodes writing at most this many bytes run on the calling thread (handing them to the pool cost
+#: more than it saved: a layer's sliding window is a few hundred records).
+INLINE_CONVERT_BYTES = 1 << 20
 
 @njit(cache=True, inline="always")
 def _tile_shift(rec_in, rec_out, base: int, j: int, sub, width: int = 64) -> None:
@@ -480,7 +485,7 @@ NO_CKERNELS_ENV = "KVBRIDGE_NO_CKERNELS"
 
 
 #: The interface ``kvbridge.backends.native._kernels`` must have been built with (its ``KV_INTERFACE``).
-KERNELS_INTERFACE = 5
+KERNELS_INTERFACE = 6
 
 
 def _warn_line(message: str) -> None:
@@ -581,6 +586,42 @@ ACCELERATORS = {
     (LATENTS, get_layout("flashmla-model1").segments): _model1_encode,
     (get_layout("flashmla-model1").segments, LATENTS): _model1_decode,
 }
+
+
+def segment_split(src: Layout, dst: Layout) -> tuple[int, int] | None:
+    """Where the C kernels convert ``src`` KV records to ``dst`` between record rows of any tensors (per-tensor
+    E4M3 <-> MODEL1 with ``_CK`` loaded: ``_kernels.fp8_to_model1_segments`` / ``model1_to_fp8_segments``), the
+    bytes of a source and of a destination record in their data stream (the rest is the footer stream: MODEL1's
+    scale bytes [576, 584); none for per-tensor E4M3); None elsewhere."""
+    fast = accelerator(src, dst) if _CK is not None else None
+    if fast is _fp8_to_model1:
+        return _FP8_RECORD_BYTES, MODEL1_DATA_BYTES
+    if fast is _model1_to_fp8:
+        return MODEL1_DATA_BYTES, _FP8_RECORD_BYTES
+    return None
+
+
+def transcode_segments(src: Layout, dst: Layout, flats: tuple[np.ndarray, ...], segs: np.ndarray,
+                       strides: tuple[int, ...], src_scale: float, dst_scale: float, dialect: str | None,
+                       streaming: bool, bad_count: np.ndarray, bad_first: np.ndarray) -> None:
+    """``_kernels``' segment transcode for ``segment_split``'s pairs: ``flats`` the four flat uint8 arrays (source
+    data, source footer, destination data, destination footer), ``segs`` int64 ``[S, 6]`` (the four streams' byte
+    offsets of a segment's first row, its rows, its first record's index), ``strides`` the four row strides;
+    ``bad_count`` / ``bad_first`` per segment, as the page kernels'. Inputs too small to share run on the calling
+    thread."""
+    fast = accelerator(src, dst)
+    if fast is _fp8_to_model1:
+        tables = _fp8_to_model1_tables(float(src_scale), ue8m0_dialect(dialect))
+        kernel, extra = _CK.fp8_to_model1_segments, ()
+        args = tuple(tables[name] for name in ("scale_lut", "bad_mag", "code_lut", "rope_lut"))
+    else:
+        mult, _, _ = _encode_params(dialect, dst_scale)
+        kernel, extra, args = _CK.model1_to_fp8_segments, (float(mult),), _model1_to_fp8_tables(float(mult))
+    call = (*flats, segs, *strides, streaming, *args, bad_count, bad_first, *extra)
+    if int(segs[:, 4].sum()) * dst.record_bytes <= INLINE_CONVERT_BYTES:
+        kernel(0, segs.shape[0], *call)
+    else:
+        _run_chunks(kernel, segs.shape[0], *call)
 
 
 def accelerator(src: Layout | str, dst: Layout | str):

@@ -17,6 +17,7 @@ from kvbridge.errors import InputError
 from kvbridge.layouts.registry import MAX_PAGE_SIZE, Layout
 from kvbridge.ops import keys as ix
 from kvbridge.ops import pages as page_ops
+from kvbridge.ops.checks import _check_dialect, _check_scale
 from kvbridge.ops.loss import LossReport, transcode_loss
 from kvbridge.ops.pages import check_copies, is_byte_move, record_layout
 
@@ -40,11 +41,18 @@ def convert_kv_records(records: torch.Tensor, src: Layout, dst: Layout, *, src_s
     if n == 0:
         return out, None
     records = records.contiguous()
-    if src.mirrors and not is_byte_move(src, dst, src_scale, dst_scale):
-        check_copies(records, src, 1.0 if src_scale is None else src_scale, what, first)
+    checked = src.mirrors and not is_byte_move(src, dst, src_scale, dst_scale)
+    if checked:  # every record before any is written; then the kernels directly (transcode would compare again)
+        s_in, s_out = _check_scale(src_scale, src, "src_scale"), _check_scale(dst_scale, dst, "dst_scale")
+        check_copies(records, src, s_in, what, first)
+        d = _check_dialect(dialect, dst)
     whole = n - n % RECORD_PAGE_ROWS
     for lo, hi, rows in ((0, whole, RECORD_PAGE_ROWS), (whole, n, n - whole)):
-        if hi > lo:  # pages of ``rows`` records: the same bytes, in units the kernels spread over their threads
+        if hi > lo and checked:
+            dispatch.transcode_pages(records[lo:hi].view(-1, rows * src.record_bytes), record_layout(src), rows,
+                                     record_layout(dst), rows, None, s_in, s_out, d,
+                                     out=out[lo:hi].view(-1, rows * dst.record_bytes))
+        elif hi > lo:  # pages of ``rows`` records: the same bytes, in units the kernels spread over their threads
             page_ops.transcode(records[lo:hi].view(-1, rows * src.record_bytes), record_layout(src),
                                record_layout(dst), src_page_size=rows, dst_page_size=rows, src_scale=src_scale,
                                dst_scale=dst_scale, dialect=dialect, out=out[lo:hi].view(-1, rows * dst.record_bytes))

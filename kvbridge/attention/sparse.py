@@ -24,6 +24,7 @@ from kvbridge.backends import dispatch
 from kvbridge.errors import InputError
 from kvbridge.layouts import Layout
 from kvbridge.layouts.codec import HEAD_DIM
+from kvbridge.ops.pages import first_bad_copy
 
 #: At most this many fp32 values are gathered at once by the reference decode.
 _MAX_GATHERED_VALUES = 64 * 1024 * 1024
@@ -33,13 +34,16 @@ def _decode_slots(pages: torch.Tensor, layout: Layout, page_size: int, slots: to
                   scale: float) -> torch.Tensor:
     """fp32 values ``[U, 512]`` of the tokens at in-range ``slots``: whole records gathered per record
     part (one row index per token and part), decoded by the dispatcher's backend (bit-identical to
-    the layout's codec)."""
+    the layout's codec); ``CopyMismatchError`` for a token whose two copies of some dims disagree (mirrors)."""
     parts = [view.reshape(-1, hi - lo).index_select(0, slots) for view, lo, hi in layout.geometry.page_views(
         pages, page_size)]
     records = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     n = records.shape[0]
     if n == 0:
         return torch.zeros(0, HEAD_DIM, dtype=torch.float32, device=pages.device)
+    found = first_bad_copy(records, layout, scale)  # None without mirrors (nothing read)
+    if found is not None:
+        raise found.error(layout, f"pool slot {int(slots[found.index])}")
     return dispatch.decode_pages(layout.records_to_pages(records, n), layout, n, n, scale)
 
 

@@ -14,8 +14,8 @@ already stores, a second time in its own format (vLLM ``nvfp4_ds_mla``: the rope
 again as E2M1 tiles). A layout therefore compiles two programs: ``segments``, what the encoders
 execute (every field; an ``OP_ROUND_BF16`` row first rounds the mirrored dims to bf16, so the second
 copy is encoded from the values the first copy stores), and ``read_segments``, what the decoders
-execute (mirrors left out: each dim read from its first copy, the exact one). ``layouts.scan.
-check_mirrors`` refuses records whose two copies disagree.
+execute (mirrors left out: each dim read from its first copy, the exact one). ``ops.pages.
+check_copies`` refuses records whose two copies disagree.
 
 Records are placed in pages of ``P`` tokens by one ``PageGeometry`` (also used by migration
 pools and the indexer-key formats):

@@ -350,32 +350,45 @@ def _mirror_bytes(seg: Segment) -> list[tuple[int, int]]:
     return spans
 
 
-def check_mirrors(records: torch.Tensor, layout: Layout, scale: float = 1.0, what: str = "source") -> None:
-    """Raise ``CopyMismatchError`` when a token record ``[N, record_bytes]`` holds a second copy (a mirror field,
-    ``Layout.mirrors``) other than its writer's: the bytes the reference codec encodes from the record's decoded
-    values (each dim read from its first copy) at ``scale``. A no-op for a layout without mirrors. Tokens whose
-    values are not all finite are not compared (what a writer stores in a second copy of NaN/Inf is not
-    established)."""
-    if not layout.mirrors:
-        return
-    codec = record_codec(layout)
+@dataclass(frozen=True)
+class CopyMismatch:
+    """The first record whose second copy differs from what its writer encodes: its index among the records
+    compared, the mirror field, the record bytes ``[lo, hi)`` that differ (its values or its scales) and the
+    latent dims ``[dim0, dim0 + ndims)`` it stores a second time."""
+
+    index: int
+    field: str
+    lo: int
+    hi: int
+    dim0: int
+    ndims: int
+
+    def error(self, layout: Layout, where: str) -> CopyMismatchError:
+        """The ``CopyMismatchError`` for this record (``where`` names it: ``"source token 5"``), with the remedy."""
+        return CopyMismatchError(
+            f"{where}: record bytes {self.lo}..{self.hi - 1} (field {self.field!r} or its scales) of {layout.name} "
+            f"disagree with dims {self.dim0}..{self.dim0 + self.ndims - 1} as their first copy stores them; the "
+            "writer encodes both copies from the same values, so the record is corrupt or not this layout's: "
+            "check the layout, page size and scale, or re-encode the values"
+        )
+
+
+def mirror_mismatch(records: torch.Tensor, expected: torch.Tensor, layout: Layout) -> CopyMismatch | None:
+    """The first of token records ``[N, record_bytes]`` whose second copies (``Layout.mirrors``: the mirror
+    fields' value and scale bytes) differ from ``expected`` ``[N, record_bytes]``, the records as their writer
+    encodes them from their decoded values (each dim read from its first copy); None when all agree. Only the
+    mirror bytes are compared (a caller that skips a record copies it into ``expected``)."""
     spans = [(seg, lo, hi) for seg in layout.mirrors for lo, hi in _mirror_bytes(seg)]
-    for t0 in range(0, records.shape[0], _DECODE_TOKENS):
-        part = records[t0 : t0 + _DECODE_TOKENS]
-        values = codec.decode(part, scale=scale)
-        expected = codec.encode(values, dialect=None, scale=scale)
-        finite = torch.isfinite(values).all(dim=1)
-        for seg, lo, hi in spans:
-            bad = (part[:, lo:hi] != expected[:, lo:hi]).any(dim=1) & finite
-            if bool(bad.any()):
-                name = next(f.name for f in layout.fields if f.mirror and f.offset == seg.offset)
-                raise CopyMismatchError(
-                    f"{what} token {t0 + int(bad.nonzero()[0, 0])}: record bytes {lo}..{hi - 1} (field {name!r} "
-                    f"or its scales) of {layout.name} disagree with dims {seg.dim0}..{seg.dim0 + seg.ndims - 1} as "
-                    "their first copy stores them; the writer encodes both copies from the same values, so the "
-                    "record is corrupt or not this layout's: check the layout, page size and scale, or re-encode "
-                    "the values"
-                )
+    if not spans:
+        return None
+    bad = torch.stack([(records[:, lo:hi] != expected[:, lo:hi]).any(dim=1) for _, lo, hi in spans], dim=1)
+    rows = bad.any(dim=1)
+    if not bool(rows.any()):
+        return None
+    index = int(rows.nonzero()[0, 0])
+    seg, lo, hi = spans[int(bad[index].nonzero()[0, 0])]
+    name = next(f.name for f in layout.fields if f.mirror and f.offset == seg.offset)
+    return CopyMismatch(index, name, lo, hi, seg.dim0, seg.ndims)
 
 
 def _values_kernel():

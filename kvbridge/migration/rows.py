@@ -126,5 +126,6 @@ def convert_batch(t: Transfer, records: torch.Tensor, loss_report: bool, first: 
         return keys, None, err
     converted, report = record_ops.convert_kv_records(records, t.src.layout, t.dst.layout, src_scale=t.src.scale,
                                                       dst_scale=t.dst.scale, dialect=t.dst.dialect, out=out,
-                                                      report=loss_report)
+                                                      report=loss_report, what=f"layer {t.spec.layer} "
+                                                      f"{t.spec.role.value} source entry", first=t.first + first)
     return converted, report, None

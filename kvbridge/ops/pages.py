@@ -7,7 +7,9 @@ Every function returns on the device of its input.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from functools import cache
 from typing import Literal
 
 import torch
@@ -189,15 +191,68 @@ def decode(
     if out is not None:
         _check_out(out, dtype=torch.float32, shape=[lay.token_count(pages, page_size, num_tokens), HEAD_DIM],
                    source=pages, what="decoded latents", source_name="pages")
-    _check_copies(pages, lay, page_size, num_tokens, s)
+    _check_page_copies(pages, lay, page_size, num_tokens, s)
     return dispatch.decode_pages(pages, lay, page_size, num_tokens, s, out=out)
 
 
-def _check_copies(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None, scale: float) -> None:
-    """``CopyMismatchError`` when a record of ``layout`` holds a second copy of dims (a mirror field) that
-    disagrees with their first copy (``layouts.scan.check_mirrors``); nothing for layouts without mirrors."""
+@cache
+def record_layout(layout: Layout) -> Layout:
+    """``layout`` with its records stored token-major and unpadded: a page of N rows is N records ``[N, rb]``
+    (the record, hence the compiled segments and the loss note, is unchanged)."""
+    if layout.split is None and layout.page_align == 1:
+        return layout
+    return dataclasses.replace(layout, split=None, page_align=1)
+
+
+#: Records per pass of the copy check (16,384 tokens: 32 MiB of fp32 values, 7 MiB of re-encoded records at 432 B).
+COPY_CHECK_TOKENS = 1 << 14
+
+
+def first_bad_copy(records: torch.Tensor, layout: Layout, scale: float = 1.0) -> scan.CopyMismatch | None:
+    """The first of token records ``[N, record_bytes]`` of ``layout`` whose second copy of some dims (a mirror
+    field) is not what its writer encodes from their first copy (``layouts.scan.mirror_mismatch``), else None.
+    The records are decoded (each dim from its first copy) and re-encoded at ``scale`` with the layout's default
+    dialect on the dispatcher's backend (byte-identical to the reference codec), ``COPY_CHECK_TOKENS`` at a time;
+    tokens whose values are not all finite are not compared (what a writer stores in a second copy of NaN/Inf is
+    not established). Always None for a layout without mirrors."""
+    if not layout.mirrors:
+        return None
+    view = record_layout(layout)
+    for t0 in range(0, records.shape[0], COPY_CHECK_TOKENS):
+        part = records[t0 : t0 + COPY_CHECK_TOKENS].contiguous()
+        k = part.shape[0]
+        values = dispatch.decode_pages(part.view(1, -1), view, k, k, scale)
+        finite = torch.isfinite(values).all(dim=1)
+        skipped = not bool(finite.all())
+        if skipped:
+            values = values.masked_fill(~finite[:, None], 0.0)
+        expected = dispatch.encode_pages(values, view, k, layout.default_dialect, scale).view(k, -1)
+        if skipped:
+            expected[~finite] = part[~finite]
+        found = scan.mirror_mismatch(part, expected, layout)
+        if found is not None:
+            return dataclasses.replace(found, index=t0 + found.index)
+    return None
+
+
+def check_copies(records: torch.Tensor, layout: Layout, scale: float = 1.0, what: str = "source token",
+                 first: int = 0) -> None:
+    """Raise ``CopyMismatchError`` naming ``what`` and the index (``first`` + its row) of the first of token records
+    ``[N, record_bytes]`` whose two copies of some dims disagree (``first_bad_copy``). Every operation that decodes
+    records of a layout with mirrors runs it before it writes anything; nothing is read for other layouts."""
     if layout.mirrors:
-        scan.check_mirrors(layout.pages_to_records(pages, page_size, num_tokens), layout, scale)
+        found = first_bad_copy(records, layout, scale)
+        if found is not None:
+            raise found.error(layout, f"{what} {first + found.index}")
+
+
+def _check_page_copies(pages: torch.Tensor, layout: Layout, page_size: int, num_tokens: int | None,
+                       scale: float) -> None:
+    """``check_copies`` of the first ``num_tokens`` (default all) tokens of ``pages``; nothing for layouts
+    without mirrors (no records gathered)."""
+    if layout.mirrors:
+        check_copies(layout.pages_to_records(pages, page_size, layout.token_count(pages, page_size, num_tokens)),
+                     layout, scale)
 
 
 def is_byte_move(src: Layout, dst: Layout, src_scale: float, dst_scale: float) -> bool:
@@ -269,6 +324,8 @@ def transcode(
     ``propagate`` decodes it and re-encodes the values as the destination dialect's writer does
     (``encode(..., nonfinite="propagate")``, on the reference codec; refused where that is not available),
     and a byte move then keeps the source's codes as they are. ``report`` is refused with ``propagate``.
+    A source layout with mirrors (``lil-nvfp4-ds-mla``) whose two copies disagree raises ``CopyMismatchError``
+    before ``out`` is touched (``check_copies``); a byte move decodes nothing and does not compare them.
     """
     if not isinstance(report, bool):
         raise InputError(f"report must be True or False, got {type(report).__name__}")
@@ -296,7 +353,7 @@ def transcode(
             return out
         return out, loss_report(LossStats(num_tokens=n), src, dst, byte_move=True, dst_scale=s_out)
     d = _check_dialect(dialect, dst)
-    _check_copies(pages, src, src_page_size, num_tokens, s_in)  # a decode reads each dim's first copy only
+    _check_page_copies(pages, src, src_page_size, num_tokens, s_in)  # a decode reads each dim's first copy only
     if policy == "propagate":  # decoded NaN/Inf re-encoded as dst's writer does (a per-tensor dst is refused)
         _check_nonfinite(policy, dst, d)
         values = dispatch.decode_pages(pages, src, src_page_size, num_tokens, s_in)

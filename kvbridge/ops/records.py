@@ -10,9 +10,6 @@ its own, so batching records of many transfers together does not change a byte.
 
 from __future__ import annotations
 
-import dataclasses
-from functools import cache
-
 import torch
 
 from kvbridge.backends import dispatch
@@ -20,28 +17,23 @@ from kvbridge.errors import InputError
 from kvbridge.layouts.registry import MAX_PAGE_SIZE, Layout
 from kvbridge.ops import keys as ix
 from kvbridge.ops import pages as page_ops
+from kvbridge.ops.checks import _check_dialect, _check_scale
 from kvbridge.ops.loss import LossReport, transcode_loss
+from kvbridge.ops.pages import check_copies, is_byte_move, record_layout
 
 #: Rows per page of the record view a conversion runs on (its last page holds the rest): the native kernels'
 #: unit of work (``CHUNK_TOKENS``), so that one batch of records spreads over their threads.
 RECORD_PAGE_ROWS = 256
 
 
-@cache
-def record_layout(layout: Layout) -> Layout:
-    """``layout`` with its records stored token-major and unpadded: a page of N rows is N records ``[N, rb]``
-    (the record, hence the compiled segments and the loss note, is unchanged)."""
-    if layout.split is None and layout.page_align == 1:
-        return layout
-    return dataclasses.replace(layout, split=None, page_align=1)
-
-
 def convert_kv_records(records: torch.Tensor, src: Layout, dst: Layout, *, src_scale: float, dst_scale: float,
-                       dialect: str | None, out: torch.Tensor | None = None, report: bool = False
-                       ) -> tuple[torch.Tensor, LossReport | None]:
+                       dialect: str | None, out: torch.Tensor | None = None, report: bool = False,
+                       what: str = "source record", first: int = 0) -> tuple[torch.Tensor, LossReport | None]:
     """At most ``MAX_PAGE_SIZE`` KV records of ``src`` -> records of ``dst`` (into ``out``, ``[N, dst.record_bytes]``,
     when given), on the records' device's backend; with ``report`` their ``LossReport`` (else None). NaN/Inf in the
-    source raises ``NonFiniteError`` (``out`` may then be partly written)."""
+    source raises ``NonFiniteError`` (``out`` may then be partly written). A source with mirrors whose two copies
+    disagree raises ``CopyMismatchError`` naming ``what`` and ``first`` + the record's row before ``out`` is touched
+    (all records checked first; a byte move compares nothing)."""
     n = records.shape[0]
     if n > MAX_PAGE_SIZE:
         raise InputError(f"{n} records in one conversion; convert at most {MAX_PAGE_SIZE} per call")
@@ -49,9 +41,18 @@ def convert_kv_records(records: torch.Tensor, src: Layout, dst: Layout, *, src_s
     if n == 0:
         return out, None
     records = records.contiguous()
+    checked = src.mirrors and not is_byte_move(src, dst, src_scale, dst_scale)
+    if checked:  # every record before any is written; then the kernels directly (transcode would compare again)
+        s_in, s_out = _check_scale(src_scale, src, "src_scale"), _check_scale(dst_scale, dst, "dst_scale")
+        check_copies(records, src, s_in, what, first)
+        d = _check_dialect(dialect, dst)
     whole = n - n % RECORD_PAGE_ROWS
     for lo, hi, rows in ((0, whole, RECORD_PAGE_ROWS), (whole, n, n - whole)):
-        if hi > lo:  # pages of ``rows`` records: the same bytes, in units the kernels spread over their threads
+        if hi > lo and checked:
+            dispatch.transcode_pages(records[lo:hi].view(-1, rows * src.record_bytes), record_layout(src), rows,
+                                     record_layout(dst), rows, None, s_in, s_out, d,
+                                     out=out[lo:hi].view(-1, rows * dst.record_bytes))
+        elif hi > lo:  # pages of ``rows`` records: the same bytes, in units the kernels spread over their threads
             page_ops.transcode(records[lo:hi].view(-1, rows * src.record_bytes), record_layout(src),
                                record_layout(dst), src_page_size=rows, dst_page_size=rows, src_scale=src_scale,
                                dst_scale=dst_scale, dialect=dialect, out=out[lo:hi].view(-1, rows * dst.record_bytes))

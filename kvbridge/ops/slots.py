@@ -18,6 +18,7 @@ from kvbridge.ops.pages import (
     _check_dialect,
     _check_nonfinite,
     _check_scale,
+    first_bad_copy,
     is_byte_move,
 )
 
@@ -116,7 +117,9 @@ def transcode_slots(
     token is decoded (``src_scale``) and re-encoded (``dialect``, ``dst_scale``); a non-finite
     decoded source raises ``NonFiniteError`` before anything is written, unless ``nonfinite="propagate"``:
     then the tokens are re-encoded as the destination dialect's writer does (``transcode``; on the reference
-    codec), and a byte move copies the source's codes as they are.
+    codec), and a byte move copies the source's codes as they are. A source layout with mirrors
+    (``lil-nvfp4-ds-mla``) whose two copies of a token disagree raises ``CopyMismatchError`` before anything is
+    written; a byte move decodes nothing and does not compare them.
     Returns ``dst_pages``.
     """
     src = get_layout(src_layout)
@@ -169,6 +172,7 @@ def transcode_slots(
         if bad is not None:
             _raise_nonfinite_slot(src_slots, bad)
     if not byte_move:  # a first pass, so that nothing is written when any source token is bad
+        _check_slot_copies(src_pages, src, src_page_size, src_slots, s_in, "src_slots")
         flags = dispatch.nonfinite_flags(src_pages, src, src_page_size, src_slots, s_in)
         if bool(flags.any()):
             if policy == "error":
@@ -179,6 +183,22 @@ def transcode_slots(
     dispatch.transcode_slots(src_pages, src, src_page_size, dst_pages, dst, dst_page_size, src_slots, dst_slots,
                              s_in, s_out, d, byte_move)
     return dst_pages
+
+
+def _check_slot_copies(pages: torch.Tensor, layout: Layout, page_size: int, slots: torch.Tensor, scale: float,
+                       name: str, positions: torch.Tensor | None = None) -> None:
+    """``CopyMismatchError`` naming ``name[k]`` (``k``: the slot's position, or ``positions[k]`` when given) for the
+    first of the tokens at in-range ``slots`` whose two copies of some dims disagree (``ops.pages.first_bad_copy``);
+    nothing is gathered for a layout without mirrors (a byte move does not call it: it decodes nothing)."""
+    if not layout.mirrors:
+        return
+    for start in range(0, slots.numel(), reference.CHUNK_TOKENS):
+        part = slots[start : start + reference.CHUNK_TOKENS]
+        found = first_bad_copy(reference.records_at(pages, layout, page_size, part), layout, scale)
+        if found is not None:
+            k = start + found.index
+            pos = k if positions is None else int(positions[k])
+            raise found.error(layout, f"{name}[{pos}] = slot {int(slots[k])}")
 
 
 def _raise_nonfinite_slot(slots: torch.Tensor, k: int) -> None:
@@ -207,7 +227,8 @@ def gather_transcode(
     ``out_page_size`` (rows of -1 entries, unused rows and the page tail are zero), and int32
     ``remapped`` of the shape of ``indices`` (``k`` where valid, -1 kept). ``scale`` is the
     source's per-tensor scale; ``dialect`` the scratch layout's encoder rule (refused when the
-    source stores the same records, which are then copied). A non-finite source token raises ``NonFiniteError``.
+    source stores the same records, which are then copied). A non-finite source token raises ``NonFiniteError``;
+    a source layout with mirrors whose two copies of a token disagree, ``CopyMismatchError`` (not for a byte move).
     """
     src = get_layout(layout)
     dst = get_layout(out_layout)
@@ -231,6 +252,12 @@ def gather_transcode(
         if bad is not None:
             _raise_out_of_range(indices, bad, capacity)
         _check_gathered_codes(pool, src, page_size, flat, indices)
+    elif src.mirrors:  # the copies compared before the kernel runs: the slots must be in range first
+        bad = _first_out_of_range(flat, capacity, allow_invalid=True)
+        if bad is not None:
+            _raise_out_of_range(indices, bad, capacity)
+        valid = (flat >= 0).nonzero()[:, 0]
+        _check_slot_copies(pool, src, page_size, flat[valid], s_in, "indices (flat)", valid)
     scratch, flags = dispatch.gather_transcode(pool, src, page_size, flat.contiguous(), s_in, d, byte_move,
                                                out_page_size, dst)
     _raise_flags(flags, indices, capacity)

@@ -752,7 +752,7 @@ def _direct(b: _Batch, converted: bool, loss: _Loss, check: _Verifier | None, mo
             dispatch.transcode_kv_segments(flats, segs, strides, t.src.layout, t.dst.layout, src_scale=t.src.scale,
                                            dst_scale=t.dst.scale, dialect=t.dst.dialect, into_pool=True)
         else:
-            loss.add(t, None, _convert_keys_direct(t, piece, w, loss.indexer is not None))  # type: ignore[arg-type]
+            loss.add(t, None, _convert_keys_direct(t, piece, w, loss.measured))  # type: ignore[arg-type]
     return True
 
 
@@ -796,31 +796,34 @@ def _move_segments(piece: _Piece) -> list[SpanMove] | None:
 KeyWork = tuple[tuple[torch.Tensor, ...], np.ndarray, tuple[int, ...]]
 
 
-def _key_segments(t: Transfer, piece: _Piece) -> KeyWork | None:
-    """Where a piece's fp4 keys are read (the source pages' two parts, or payload records) and its fp8 keys written
-    (the destination pages' parts); None when a part does not hold whole codes or scales."""
-    src, dst = t.src.indexer, t.dst.indexer
+def _split_streams(piece: _Piece, src_at: int, src_bytes: int, dst_at: int, dst_bytes: int) -> KeyWork | None:
+    """A piece's records as two streams a side (record bytes ``[0, at)`` and ``[at, at + bytes)``: source pages'
+    parts or payload records, destination pages' parts) with the segments that lie in one run of every stream
+    (``merge_spans``); None when a part does not hold a stream whole."""
     sources = _sources(piece)
-    streams = [_stream(sources, 0, src.split), _stream(sources, src.split, src.record_bytes - src.split),
-               _stream(piece.dst, 0, dst.split), _stream(piece.dst, dst.split, dst.record_bytes - dst.split)]
+    streams = [_stream(sources, 0, src_at), _stream(sources, src_at, src_bytes),
+               _stream(piece.dst, 0, dst_at), _stream(piece.dst, dst_at, dst_bytes)]
     if any(x is None for x in streams):
         return None
     flats, spans, strides = zip(*streams, strict=True)  # type: ignore[misc]
     return flats, merge_spans(list(zip(spans, strides, strict=True)), piece.count), strides
 
 
+def _key_segments(t: Transfer, piece: _Piece) -> KeyWork | None:
+    """Where a piece's fp4 keys are read (the source pages' two parts, or payload records) and its fp8 keys written
+    (the destination pages' parts); None when a part does not hold whole codes or scales."""
+    src, dst = t.src.indexer, t.dst.indexer
+    return _split_streams(piece, src.split, src.record_bytes - src.split, dst.split, dst.record_bytes - dst.split)
+
+
 def _kv_segments(t: Transfer, piece: _Piece, split: tuple[int, int]) -> KeyWork | None:
-    """Where a piece's KV records are read (its source pages' parts, or payload records) and written (its destination
-    pages' parts), as ``dispatch.transcode_kv_segments`` takes them: each side's data and footer streams (``split``:
-    ``dispatch.kv_segment_split``), segments with their first record's index; None when a part does not hold a
-    stream whole."""
-    sources = _sources(piece)
-    streams = [_stream(sources, 0, split[0]), _stream(sources, split[0], t.src.record_bytes - split[0]),
-               _stream(piece.dst, 0, split[1]), _stream(piece.dst, split[1], t.dst.record_bytes - split[1])]
-    if any(x is None for x in streams):
+    """Where a piece's KV records are read and written, as ``dispatch.transcode_kv_segments`` takes them: each side's
+    data and footer streams (``split``: ``dispatch.kv_segment_split``), each segment with its first record's index;
+    None when a part does not hold a stream whole."""
+    work = _split_streams(piece, split[0], t.src.record_bytes - split[0], split[1], t.dst.record_bytes - split[1])
+    if work is None:
         return None
-    flats, spans, strides = zip(*streams, strict=True)  # type: ignore[misc]
-    segs = merge_spans(list(zip(spans, strides, strict=True)), piece.count)
+    flats, segs, strides = work
     first = np.concatenate([[0], np.cumsum(segs[:-1, 4])]) if segs.shape[0] else np.zeros(0, np.int64)
     return flats, np.concatenate([segs, first[:, None].astype(np.int64)], axis=1), strides
 

@@ -240,15 +240,19 @@ def transcode_kv_segments(streams: tuple[torch.Tensor, ...], segs: np.ndarray, s
                              f"tensors (stream {k}, stride {int(stride)}, {width} bytes a row)")
     bad_count = np.zeros(segs.shape[0], np.int64)
     bad_first = np.full(segs.shape[0], -1, np.int64)
-    streaming = into_pool and int(segs[:, 4].sum()) * dst.record_bytes >= STREAMING_MOVE_BYTES
+    nbytes = int(rows.sum()) * dst.record_bytes
     try:
         accel.transcode_segments(src, dst, tuple(x.numpy() for x in streams), segs, tuple(int(s) for s in strides),
-                                 src_scale, dst_scale, dialect, streaming, bad_count, bad_first)
+                                 src_scale, dst_scale, dialect, into_pool and nbytes >= STREAMING_MOVE_BYTES,
+                                 nbytes <= INLINE_CONVERT_BYTES, bad_count, bad_first)
     except ValueError as e:  # the kernel's own check (the one above refuses what it would)
         raise InputError(str(e)) from None
     _raise_nonfinite(bad_count, bad_first)
 
 
+#: Segment transcodes writing at most this many bytes run on the calling thread (handing them to the pool cost
+#: more than it saved: a layer's sliding window is a few hundred records).
+INLINE_CONVERT_BYTES = 1 << 20
 #: Moves of at most this many bytes run on the calling thread: handing a few MiB to the thread pool cost
 #: more than it saved (a 128K-token request's staged gathers took 0.4-0.9x an ``np.copyto`` of their bytes
 #: on one thread, 0.5-1.6x on two, at load 4-6 on 2 cores).

@@ -52,9 +52,6 @@ from kvbridge.layouts.codec import ue8m0_dialect
 MODEL1_DATA_BYTES = 576
 #: Per-tensor E4M3 record (TensorRT-LLM FP8): 512 bytes, no footer.
 _FP8_RECORD_BYTES = 512
-#: Segment transcodes writing at most this many bytes run on the calling thread (handing them to the pool cost
-#: more than it saved: a layer's sliding window is a few hundred records).
-INLINE_CONVERT_BYTES = 1 << 20
 
 @njit(cache=True, inline="always")
 def _tile_shift(rec_in, rec_out, base: int, j: int, sub, width: int = 64) -> None:
@@ -534,12 +531,25 @@ def kernel_implementation() -> str:
     return f"C ({_CK.isa()})" if _CK is not None else f"numba ({_CK_WHY_NOT})"
 
 
-def _fp8_to_model1(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
+def _fp8_to_model1_c_tables(src_scale: float, dialect: str | None) -> tuple[np.ndarray, ...]:
+    """The table arguments of the C kernels ``fp8_to_model1`` and ``fp8_to_model1_segments``, in order."""
     tables = _fp8_to_model1_tables(float(src_scale), ue8m0_dialect(dialect))
+    return tuple(tables[name] for name in ("scale_lut", "bad_mag", "code_lut", "rope_lut"))
+
+
+def _model1_to_fp8_params(dst_scale: float, dialect: str | None) -> tuple[tuple[np.ndarray, ...], float]:
+    """The tables of ``_model1_to_fp8_kernel`` (and its C twins) and the per-tensor multiplier they were built for
+    (the C kernels also take it: their vector code computes the rope's codes)."""
+    mult, _, _ = _encode_params(dialect, dst_scale)
+    return _model1_to_fp8_tables(float(mult)), float(mult)
+
+
+def _fp8_to_model1(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
     if _CK is not None:
-        _run_chunks(_CK.fp8_to_model1, len(bad_count), *geometry,
-                    *(tables[name] for name in ("scale_lut", "bad_mag", "code_lut", "rope_lut")), bad_count, bad_first)
+        _run_chunks(_CK.fp8_to_model1, len(bad_count), *geometry, *_fp8_to_model1_c_tables(src_scale, dialect),
+                    bad_count, bad_first)
         return
+    tables = _fp8_to_model1_tables(float(src_scale), ue8m0_dialect(dialect))
     _run_chunks(_fp8_to_model1_kernel, len(bad_count), *geometry, src_scale == 1.0,
                 *(tables[name] for name in _FP8_TO_MODEL1_TABLES), bad_count, bad_first)
 
@@ -551,10 +561,9 @@ def _fp8_to_mxfp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad
 
 
 def _model1_to_fp8(pages, src_scale, dst_scale, dialect, geometry, bad_count, bad_first) -> None:
-    mult, _, _ = _encode_params(dialect, dst_scale)
-    tables = _model1_to_fp8_tables(float(mult))
-    if _CK is not None:  # the C kernel also takes the multiplier (its vector code computes the rope's codes)
-        _run_chunks(_CK.model1_to_fp8, len(bad_count), *geometry, *tables, bad_count, bad_first, float(mult))
+    tables, mult = _model1_to_fp8_params(dst_scale, dialect)
+    if _CK is not None:
+        _run_chunks(_CK.model1_to_fp8, len(bad_count), *geometry, *tables, bad_count, bad_first, mult)
         return
     _run_chunks(_model1_to_fp8_kernel, len(bad_count), *geometry, *tables, bad_count, bad_first)
 
@@ -603,22 +612,18 @@ def segment_split(src: Layout, dst: Layout) -> tuple[int, int] | None:
 
 def transcode_segments(src: Layout, dst: Layout, flats: tuple[np.ndarray, ...], segs: np.ndarray,
                        strides: tuple[int, ...], src_scale: float, dst_scale: float, dialect: str | None,
-                       streaming: bool, bad_count: np.ndarray, bad_first: np.ndarray) -> None:
+                       streaming: bool, inline: bool, bad_count: np.ndarray, bad_first: np.ndarray) -> None:
     """``_kernels``' segment transcode for ``segment_split``'s pairs: ``flats`` the four flat uint8 arrays (source
     data, source footer, destination data, destination footer), ``segs`` int64 ``[S, 6]`` (the four streams' byte
     offsets of a segment's first row, its rows, its first record's index), ``strides`` the four row strides;
-    ``bad_count`` / ``bad_first`` per segment, as the page kernels'. Inputs too small to share run on the calling
-    thread."""
-    fast = accelerator(src, dst)
-    if fast is _fp8_to_model1:
-        tables = _fp8_to_model1_tables(float(src_scale), ue8m0_dialect(dialect))
-        kernel, extra = _CK.fp8_to_model1_segments, ()
-        args = tuple(tables[name] for name in ("scale_lut", "bad_mag", "code_lut", "rope_lut"))
+    ``bad_count`` / ``bad_first`` per segment, as the page kernels'. ``inline``: on the calling thread."""
+    if accelerator(src, dst) is _fp8_to_model1:
+        kernel, args, extra = _CK.fp8_to_model1_segments, _fp8_to_model1_c_tables(src_scale, dialect), ()
     else:
-        mult, _, _ = _encode_params(dialect, dst_scale)
-        kernel, extra, args = _CK.model1_to_fp8_segments, (float(mult),), _model1_to_fp8_tables(float(mult))
+        args, mult = _model1_to_fp8_params(dst_scale, dialect)
+        kernel, extra = _CK.model1_to_fp8_segments, (mult,)
     call = (*flats, segs, *strides, streaming, *args, bad_count, bad_first, *extra)
-    if int(segs[:, 4].sum()) * dst.record_bytes <= INLINE_CONVERT_BYTES:
+    if inline:
         kernel(0, segs.shape[0], *call)
     else:
         _run_chunks(kernel, segs.shape[0], *call)

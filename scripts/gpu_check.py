@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     flashmla_note = flashmla_section(device, checker, timings) if not args.smoke else "skipped in --smoke"
     sglang_pd_section(device, checker)
     vllm_section(device, checker)
+    digest_section(device, checker, timer, timings, args.smoke)
     report(checker.checks, timings, flashmla_note, device, time.perf_counter() - started, args)
     if args.json:
         write_json(args.json, checker.checks, timings, flashmla_note, device)
@@ -834,6 +835,46 @@ def vllm_section(device, checker: Validator) -> None:
                    device)
     checker.record("vllm", "connector consumer and producer, one process each (gloo loopback), caches on the device",
                    vllm_loopback, device)
+
+
+def device_digest_matches(device) -> bool | str:
+    """The Triton XXH3-64 of spans of a device tensor (every length path, page-chunk sizes) = the CPU's; a migration's
+    checksums of device records (``rows.xxh3_chunks``, what the senders and the verifier call) = of their host copy."""
+    import numpy as np
+    import torch
+
+    from kvbridge.backends import dispatch
+    from kvbridge.migration.rows import xxh3_chunks
+
+    data = torch.from_numpy(np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8))
+    lengths = [*range(300), 1023, 1024, 1025, 4096, 18688, 75776, 300000]
+    spans = np.array([(7 * k, 7 * k + n) for k, n in enumerate(lengths)], dtype=np.int64)
+    want = dispatch.xxh3_chunks(data.numpy(), spans)
+    got = dispatch.xxh3_chunks(data.to(device), spans)
+    if got != want:
+        return f"{sum(a != b for a, b in zip(got, want, strict=True))} of {len(want)} spans differ"
+    records = data[: 584 * 1000].view(1000, 584)
+    rows = [1, 63, 64, 256, 616]
+    return xxh3_chunks(records.to(device), rows) == xxh3_chunks(records, rows) or "record chunks differ"
+
+
+def digest_section(device, checker: Validator, timer: Bench, timings: list[Timing], smoke: bool) -> None:
+    """The migration checksums on the device (docs/adapters.md: records on a GPU are hashed where they are), and their
+    speed over a 131,072-token request's worth of page chunks next to a copy of the same bytes."""
+    checker.record("digest", "Triton XXH3-64 of device spans and record chunks = CPU", device_digest_matches, device)
+    if smoke or not checker.checks[-1].passed:
+        return
+    import numpy as np
+    import torch
+
+    from kvbridge.backends import dispatch
+
+    nbytes, chunk = 413343744, 18688  # the bench request's payload; 32 MODEL1 records of 584 B a chunk
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    starts = np.arange(0, nbytes - chunk + 1, chunk, dtype=np.int64)
+    spans = np.stack([starts, starts + chunk], axis=1)
+    timings.append(timer.time(f"xxh3 digest, {len(spans)} chunks of {chunk} B (bytes read)", 0, len(spans) * chunk,
+                              dispatch.xxh3_chunks, data, spans))
 
 
 def report(checks: list[Check], timings: list[Timing], flashmla_note: str, device, seconds: float,

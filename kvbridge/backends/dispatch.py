@@ -123,9 +123,19 @@ def move_spans(moves: Sequence[SpanMove], into_pool: bool = False) -> None:
         backend(tuple(t for m in moves for t in m[:2])).move_spans(moves, into_pool)
 
 
-def xxh3_chunks(data: np.ndarray | memoryview, spans: np.ndarray) -> list[int]:
-    """XXH3-64 (seed 0) of each chunk ``[start, stop)`` (the rows of int64 ``spans [n, 2]``) of host bytes ``data``,
-    in one native call (``native.xxh3_chunks``)."""
+def xxh3_chunks(data: np.ndarray | memoryview | torch.Tensor, spans: np.ndarray) -> list[int]:
+    """XXH3-64 (seed 0) of each chunk ``[start, stop)`` (the rows of int64 ``spans [n, 2]``) of the bytes ``data``
+    (host bytes, or a flat contiguous uint8 tensor): on the CPU in one native call (``native.xxh3_chunks``), on a
+    CUDA tensor in one Triton launch where the bytes are (``triton_digest``; without Triton, of a host copy)."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            try:
+                from kvbridge.backends import triton_digest  # optional dependency: triton
+            except ImportError:
+                data = data.cpu()
+            else:
+                return triton_digest.xxh3_chunks(data, spans)
+        data = memoryview(data.contiguous().view(-1).numpy())
     return _device_backend(torch.device("cpu")).xxh3_chunks(data, spans)  # type: ignore[union-attr]
 
 

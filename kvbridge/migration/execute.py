@@ -321,14 +321,20 @@ def _check_payload(plan: MigrationPlan, payload: Payload) -> None:
             raise MigrationError(f"layer {t.spec.layer} {t.spec.role.value}: page chunks do not cover its records")
 
 
+def _hashable(records: torch.Tensor) -> memoryview | torch.Tensor:
+    """``records``' bytes as ``dispatch.xxh3_chunks`` reads them where they are: host bytes, or the flat device
+    tensor (hashed on its device, no copy to host)."""
+    flat = records.detach().contiguous().view(torch.uint8).reshape(-1)
+    return memoryview(flat.numpy()) if flat.device.type == "cpu" else flat
+
+
 class _Verifier:
     """Checks a payload's page-chunk checksums chunk by chunk, in the pass that reads the records (each chunk
     just before its rows are first converted or published, while they are in the CPU caches)."""
 
     def __init__(self, plan: MigrationPlan, payload: Payload) -> None:
         self.plan, self.payload = plan, payload
-        self.data = [memoryview(r.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(-1))
-                     for r in payload.records]
+        self.data = [_hashable(r) for r in payload.records]
         self.chunk = [0] * len(plan.transfers)  # the next chunk to check, per transfer
         self.rows = [0] * len(plan.transfers)  # rows covered by the checked chunks
 

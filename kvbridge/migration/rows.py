@@ -31,12 +31,13 @@ CHECKSUM = "xxh3-64"
 
 
 def xxh3_chunks(records: torch.Tensor, rows: list[int]) -> list[int]:
-    """XXH3-64 (seed 0, unsigned 64-bit) of each consecutive chunk of ``rows[k]`` records (on a host copy)."""
-    data = records.detach().cpu().contiguous().view(torch.uint8)
-    return xxh3_spans(memoryview(data.numpy().reshape(-1)), 0, rows, data.shape[1] if data.dim() > 1 else 1)
+    """XXH3-64 (seed 0, unsigned 64-bit) of each consecutive chunk of ``rows[k]`` records, hashed on the records'
+    device (``dispatch.xxh3_chunks``)."""
+    data = records.detach().contiguous().view(torch.uint8)
+    return xxh3_spans(data.reshape(-1), 0, rows, data.shape[1] if data.dim() > 1 else 1)
 
 
-def xxh3_spans(data: memoryview, start: int, rows: list[int], row_bytes: int) -> list[int]:
+def xxh3_spans(data: memoryview | torch.Tensor, start: int, rows: list[int], row_bytes: int) -> list[int]:
     """XXH3-64 of consecutive chunks of ``rows[k]`` rows of ``row_bytes`` in ``data`` from byte ``start``, in one
     native call (``dispatch.xxh3_chunks``: a 131,072-token request has 127,000 chunks, and one Python call per chunk
     cost more than hashing their bytes)."""

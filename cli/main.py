@@ -32,6 +32,7 @@ COMMANDS = {
     "serve-sglang-prefill": ("adapter_sglang_cmd", "Be the prefill server of an SGLang decode (PD over NIXL)."),
     "sglang-decode": ("adapter_sglang_decode_cmd", "Be the decode server of an SGLang prefill (PD over NIXL)."),
     "vllm-config": ("adapter_vllm_cmd", "Print vLLM's --kv-transfer-config for the kvbridge connector."),
+    "pd-proxy": ("pd_proxy_cmd", "Drive an SGLang and a vLLM server as one request's prefill and decode."),
 }
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

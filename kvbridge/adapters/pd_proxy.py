@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from kvbridge.errors import InputError
+from kvbridge.errors import InputError, KVBridgeError
 
 #: pair -> (prefill engine, decode engine).
 PAIRS = {"sglang-vllm": ("sglang", "vllm"), "vllm-sglang": ("vllm", "sglang")}
@@ -113,7 +113,7 @@ class ProxyConfig:
         return cls(pair, pre, dec, bootstrap_address(bootstrap, pre), float(timeout), model)
 
 
-class UpstreamError(Exception):
+class UpstreamError(KVBridgeError):
     """One side failed: ``side`` (prefill / decode), its URL, its HTTP status (None: no answer), why."""
 
     def __init__(self, side: str, url: str, status: int | None, why: str, timed_out: bool = False):

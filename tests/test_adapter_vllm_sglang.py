@@ -286,38 +286,58 @@ def test_the_peer_withdraws_a_room_no_decode_asked_for():
     assert not peer.withdraw(7, "too late")
 
 
+def _sent_pages(peer, plan, tables) -> dict[tuple[int, Role], list[int]]:
+    """The pages of each cache ``SGLangPrefillPeer._send`` writes for a room: the KV pages of its table (at most
+    one per 256 tokens), the window's SWA pages of every SWA-page buffer, the ratio-128 ring."""
+    lay, n = peer.layout, plan.num_tokens
+    num_pages, first = -(-n // 256), max(0, n - peer.pools.model.sliding_window) // 256
+    sent = {}
+    for spec in lay.kv:
+        sent[(spec.layer, spec.role)] = tables[peer.pools.storage(spec).table][:num_pages]
+    for spec in lay.swa_state:
+        sent[(spec.layer, spec.role)] = tables[peer.pools.storage(spec).table][first:num_pages]
+    for spec in lay.request_state:
+        sent[(spec.layer, spec.role)] = tables[peer.pools.storage(spec).table][:1]
+    return sent
+
+
 def test_a_reused_page_carries_no_earlier_room():
-    """Without SGLang: the peer's pages travel whole, and a request fills only its tokens' records of a page
-    (and its rows of a state ring); released pages are zeroed, so a 1-token room on the pages a 1,026-token
-    room held reaches its decode byte-identical to its conversion into fresh pools."""
+    """Without SGLang: the peer's pages travel whole, a request fills only its entries' slots of a page (and its
+    rows of a state ring), and released pages are not zeroed (``SGLangPrefillPeer._clean_unwritten`` cleans, per
+    room, the pages it sends but does not fill). Rooms of 2,050, 1, 257, 1,000, 129, 1,026 and 2,050 tokens
+    (every page phase: a last page of 1, 58 or 64 compressed entries, windows in one and in two SWA pages) go
+    through the same pools one after another, each on pages earlier rooms left dirty: every page each one sends
+    is byte-identical to its conversion into fresh pools."""
     from kvbridge.adapters.sglang import SGLangPrefillPeer
     from kvbridge.engines.topology import FLASH
     from kvbridge.migration import source_request
 
     model = FLASH.with_layers(5)
-    long, short = (plan_migration("sglang", "sglang", model, n, include_mtp=False) for n in (1026, 1))
-    peer = SGLangPrefillPeer(destination_pools(long, spare_pages=1), state_memory=STATE_MEMORY)
-    src, src_tables = source_request(long, spare_pages=1, seed=2)
-    before = peer.add_migrated_request(7, long, src, src_tables, first_token=3)
-    assert peer.withdraw(7, "nobody asked")
-    peer.release_pages(before)
-    peer.forget(7)
-    for spec in model.all_caches(False):
-        assert not peer.pools.pool(spec).any(), f"layer {spec.layer} {spec.role.value}: a released page kept bytes"
-    src, src_tables = source_request(short, spare_pages=1, seed=4)
-    tables = peer.add_migrated_request(8, short, src, src_tables, first_token=3)
-    fresh = destination_pools(short, spare_pages=1)
-    want, _ = migrate_local(short, src, src_tables, fresh, loss_report=False)
-    reused = 0
-    for spec in model.all_caches(False):
-        name = peer.pools.storage(spec).table
-        for got_id, want_id in zip(tables[name], want[name], strict=True):
-            if got_id >= 0:
-                reused += got_id in before[name]
-                assert torch.equal(peer.pools.pool(spec)[got_id], fresh.pool(spec)[want_id]), (spec, got_id)
-    # every page the short room holds was the long room's: 10 caches' (SWA KV, compressor states, the ratio-128
-    # ring); a 1-token request holds no compressed-KV page
-    assert reused == 10 and tables["full"] == []
+    lengths = (2050, 1, 257, 1000, 129, 1026, 2050)
+    peer = SGLangPrefillPeer(destination_pools(plan_migration("sglang", "sglang", model, 2050, include_mtp=False),
+                                               spare_pages=1), state_memory=STATE_MEMORY)
+    dirty_reused = partial_dirty = 0
+    for k, n in enumerate(lengths):
+        plan = plan_migration("sglang", "sglang", model, n, include_mtp=False)
+        dirty = {(s.layer, s.role): {i for i in range(peer.pools.pool(s).shape[0]) if peer.pools.pool(s)[i].any()}
+                 for s in model.all_caches(False)}
+        src, src_tables = source_request(plan, spare_pages=1, seed=40 + k)
+        tables = peer.add_migrated_request(100 + k, plan, src, src_tables, first_token=3)
+        fresh = destination_pools(plan, spare_pages=1)
+        want, _ = migrate_local(plan, src, src_tables, fresh, loss_report=False)
+        got_sent, want_sent = _sent_pages(peer, plan, tables), _sent_pages(peer, plan, want)
+        for t in plan.transfers:
+            key = (t.spec.layer, t.spec.role)
+            for pos, (g, w) in enumerate(zip(got_sent[key], want_sent[key], strict=True)):
+                assert torch.equal(peer.pools.pool(t.spec)[g], fresh.pool(t.spec)[w]), (n, key, pos)
+                if g in dirty[key]:
+                    dirty_reused += 1
+                    partial_dirty += t.dst.kind == "state" or (pos + 1) * t.dst.page_size > t.first + t.count
+        assert peer.withdraw(100 + k, "measured")
+        peer.release_pages(tables)
+        peer.forget(100 + k)
+    # the later rooms ran on pages earlier ones had written, also as a partial last page or a state ring
+    assert dirty_reused > 100 and partial_dirty > 30, (dirty_reused, partial_dirty)
 
 
 if __name__ == "__main__":

@@ -373,6 +373,7 @@ class SGLangPrefillPeer:
             raise InputError(f"plan's destination is {plan.dst.spec}, the peer's pools are {self.pools.profile.spec}")
         with self._pools_lock:
             tables, _ = migrate_local(plan, src, src_tables, self.pools, loss_report=False)
+            self._clean_unwritten(plan, tables)
         try:
             self.add_request(room, tables, plan.num_tokens, first_token)
         except BaseException:
@@ -403,18 +404,53 @@ class SGLangPrefillPeer:
 
     def release_pages(self, tables: RequestTables) -> None:
         """Return a request's pages (``add_migrated_request``'s or ``add_dump_request``'s tables) to the
-        pools, once it ended, zeroed first: a request fills only its tokens' records of a page (and its
-        rows of a state ring), but the whole page travels, so a reused page would carry an earlier room's
-        bytes to another room's decode."""
+        pools once it ended. They are not zeroed: the next room cleans what it sends but does not write
+        (``_clean_unwritten``)."""
         with self._pools_lock:
-            for spec in self.pools.model.all_caches(self.pools.include_mtp):
-                st = self.pools.storage(spec)
-                for name, t in zip((st.table, st.score_table or st.table), pool_tensors(self.pools.pool(spec)),
-                                   strict=False):
-                    ids = [i for i in tables.get(name, []) if i >= 0]
-                    if ids:
-                        t[ids] = 0
             self.pools.release(tables)
+
+    def _clean_unwritten(self, plan: MigrationPlan, tables: RequestTables) -> None:
+        """Zero every byte of the pages this room will send (``_send``) that its records do not cover, then
+        write its records back: the whole page travels, and a page may hold an earlier room's bytes.
+
+        A KV page (compressed KV, indexer keys, SWA KV) whose every entry slot is one of the room's entries
+        is overwritten by them, except bytes no record covers (a page's padding, e.g. 1 byte per entry of
+        SGLang's 585-byte fp8 slot, 560 bytes of a ratio-128 page), which kvbridge's writes never touch, so
+        they keep the pools' zeros; only the pages holding the first or last entries, where the room's
+        entries do not fill the page (the tail of each cache's last page), are rewritten. A compressor-state
+        page (the window's SWA-page rings, the ratio-128 ring) holds a few rows of the room: every one it
+        sends is rewritten. Cost: about two pages per cache per room, not the room's bytes."""
+        lay, pools = self.layout, self.pools
+        page, n = lay.page_size, plan.num_tokens
+        num_pages = -(-n // page)
+        first_window = max(0, n - pools.model.sliding_window) // page
+        kv = {(s.layer, s.role) for s in lay.kv}
+        swa = {(s.layer, s.role) for s in lay.swa_state}
+        for t in plan.transfers:
+            st, key = t.dst, (t.spec.layer, t.spec.role)
+            table = table_of(tables, st)
+            if key in kv:
+                sent = range(min(len(tables[st.table]), num_pages))
+            elif key in swa:
+                sent = range(first_window, num_pages)
+            else:
+                sent = range(min(1, len(tables[st.table])))
+            pool, end = pools.pool(t.spec), t.first + t.count
+            if st.kind == "state":  # the room's rows, wherever the ring puts them
+                rows = gather_records(pool, st, table, t.first, t.count)
+                for x in pool_tensors(pool):
+                    x[[tables[st.table][i] for i in sent]] = 0
+                scatter_records(pool, st, table, t.first, rows)
+                continue
+            for i in sent:
+                lo, hi = max(t.first, i * st.page_size), min(end, (i + 1) * st.page_size)
+                if (lo, hi) == (i * st.page_size, (i + 1) * st.page_size):
+                    continue  # every slot is one of the room's entries
+                rec = gather_records(pool, st, table, lo, hi - lo) if hi > lo else None
+                for x in pool_tensors(pool):
+                    x[tables[st.table][i]] = 0
+                if rec is not None:
+                    scatter_records(pool, st, table, lo, rec)
 
     def add_dump_request(self, room: int, dump: Dump, num_tokens: int, first_token: int) -> RequestTables:
         """Load a request from a kvbridge dump (``request_dump``'s entries: each KV cache's pages, in any
@@ -443,8 +479,10 @@ class SGLangPrefillPeer:
             loaded.append((t, st.layout.pages_to_records(entry.data, st.page_size, t.count)))
         with self._pools_lock:
             tables = self.pools.claim(plan.table_lengths("dst"), plan.released("dst"))
-        for t, rec in loaded:
-            scatter_records(self.pools.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, rec)
+        with self._pools_lock:
+            for t, rec in loaded:
+                scatter_records(self.pools.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, rec)
+            self._clean_unwritten(plan, tables)
         self.add_request(room, tables, num_tokens, first_token)
         return tables
 

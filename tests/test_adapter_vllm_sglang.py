@@ -243,6 +243,12 @@ def test_kv_transfer_config_sglang_keys():
     for key in ("bootstrap", "register_with", "state_memory"):
         with pytest.raises(InputError, match=f"{key}: keys of a prefill"):
             kv_transfer_config("consumer", transport="sglang", **{key: "DRAM" if key == "state_memory" else "h:1"})
+    assert kv_transfer_config("producer", transport="sglang", max_send_rate=10**9)["kv_connector_extra_config"] == {
+        "transport": "sglang", "max_send_rate": 10**9}
+    with pytest.raises(InputError, match="max_send_rate.*must be a positive integer"):
+        kv_transfer_config("producer", transport="sglang", max_send_rate=0)
+    with pytest.raises(InputError, match="max_send_rate: keys of a prefill"):
+        kv_transfer_config("consumer", transport="sglang", max_send_rate=5)
     with pytest.raises(InputError, match="landing_tokens sizes"):
         kv_transfer_config("producer", transport="nixl", landing_tokens=5)
     for kwargs, match in (({"bootstrap": "h:1", "register_with": "h:2"}, "not both"),

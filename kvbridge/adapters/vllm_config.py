@@ -39,9 +39,9 @@ def ape_paths(value: object) -> list[str]:
 def check_sglang_keys(kv_role: str, transport: str | None, extra: dict[str, Any]) -> None:
     """Refuse, with one line, what transport ``sglang`` cannot do: role ``kv_both`` (the connector is either
     an SGLang decode's prefill, ``kv_producer``, or an SGLang prefill's decode, ``kv_consumer``), its keys with
-    another transport, a prefill's keys (``bootstrap``, ``register_with``, ``state_memory``) on a decode, both
-    ``bootstrap`` and ``register_with``, a malformed address, a spec that is not SGLang's, an unknown state
-    kind."""
+    another transport, a prefill's keys (``bootstrap``, ``register_with``, ``state_memory``, ``max_send_rate``) on a
+    decode, both ``bootstrap`` and ``register_with``, a malformed address, a spec that is not SGLang's, an unknown
+    state kind, a rate that is not a positive integer."""
     keys = [k for k in ("bootstrap", "register_with", "sglang_engine", "state_memory", "max_send_rate") if k in extra]
     if transport != "sglang":
         if keys:

@@ -112,7 +112,8 @@ def test_vllm_producer_feeds_an_sglang_decode_byte_exact(tmp_path):
     rate = int(_room_bytes(model, DYING[0]) / DYING_SECONDS)
     proc, next_line = _decode({"bootstrap": "sglang", "bootstrap_port": port, "compress_ratios": [0, 0, 4, 128, 4],
                                "pages": KV_PAGES, "swa_pages": SWA_PAGES, "req_slots": 7, "aux_rows": 6,
-                               "requests": requests, "watch": DYING[1], "dump_failed": True}, tmp_path)
+                               "requests": requests, "watch": DYING[1], "dump_failed": True,
+                               "timeout": 300}, tmp_path)  # two vLLM engines starting on a loaded machine
     dying = None
     try:
         _until(next_line, "event", "ready")

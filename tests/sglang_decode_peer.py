@@ -11,9 +11,12 @@ registers with.
 Input: one JSON object on stdin (see ``main``; ``"requests"`` receives several rooms at once). Output:
 JSON lines on stdout; the last one is ``{"result": ...}``: ``refused`` (SGLang's handshake raised, with
 its message), ``Success`` (every room) or ``Failed`` (a receiver's final poll, with the room and the
-failure reason), ``timeout``. On ``Success`` every
-registered buffer is written to ``dump`` (``numpy.savez``: ``kv<i>``, ``state<c>_<i>``, ``aux<i>``,
-as uint8, in registration order). With ``"kv_checksum": true`` the decode runs as with
+failure reason), ``timeout``. ``"watch": ROOM`` emits ``{"event": "partial"}``
+once a byte of that room's first KV page landed, and dumps its request-state rows as SGLang cleared them
+(``watch_state<c>_<i>``); with ``"dump_failed": true`` a ``Failed`` result names every room's end (``rooms``;
+``ended_at``: the wall-clock time its receiver's poll first returned it; ``reasons``) and the buffers are
+dumped too. On ``Success`` every registered buffer is written to ``dump`` (``numpy.savez``: ``kv<i>``,
+``state<c>_<i>``, ``aux<i>``, as uint8, in registration order). With ``"kv_checksum": true`` the decode runs as with
 ``--disaggregation-enable-kv-checksum`` (one more metadata buffer, the checksum row) and ``Success``
 also carries what SGLang's own code reads from that row (``MetadataBuffers.get_kv_checksum``) and this
 decode's layout signature (``kv_layout_signature``). Ends with ``os._exit``: NIXL's libraries can
@@ -72,24 +75,26 @@ def run(cfg: dict) -> None:
     mgr = NixlKVManager(kv_args, DisaggregationMode.DECODE, sa, is_mla_backend(pool))
     emit(event="ready", bootstrap_addr=addr)
 
+    # one request by default; "requests": [{"room", "num_tokens", "kv_page_ids", "swa_page_ids", "req_pool_idx",
+    # "aux_index"}, ...] receives several at once, each through a receiver of its own (a request's own
+    # "bootstrap_addr": a prefill serving its bootstrap route itself)
+    keys = ("room", "num_tokens", "kv_page_ids", "swa_page_ids", "req_pool_idx", "aux_index")
+    requests = cfg.get("requests") or [{k: cfg[k] for k in keys}]
     deadline = time.monotonic() + cfg["timeout"]
     try:
-        while not mgr.try_ensure_parallel_info(addr):  # 503 until the prefill registered
-            if time.monotonic() > deadline:
-                emit(result="timeout", stage="bootstrap")
-                return
-            time.sleep(0.2)
+        for where in dict.fromkeys(r.get("bootstrap_addr", addr) for r in requests):
+            while not mgr.try_ensure_parallel_info(where):  # 503 until the prefill registered
+                if time.monotonic() > deadline:
+                    emit(result="timeout", stage="bootstrap")
+                    return
+                time.sleep(0.2)
     except RuntimeError as exc:  # SGLang's handshake refusing the prefill's page size, dtype or layout
         emit(result="refused", reason=str(exc))
         return
 
-    # one request by default; "requests": [{"room", "num_tokens", "kv_page_ids", "swa_page_ids", "req_pool_idx",
-    # "aux_index"}, ...] receives several at once, each through a receiver of its own
-    keys = ("room", "num_tokens", "kv_page_ids", "swa_page_ids", "req_pool_idx", "aux_index")
-    requests = cfg.get("requests") or [{k: cfg[k] for k in keys}]
     receivers = []
     for r in requests:
-        receivers.append(NixlKVReceiver(mgr, addr, r["room"]))
+        receivers.append(NixlKVReceiver(mgr, r.get("bootstrap_addr", addr), r["room"]))
         receivers[-1].init(prefill_dp_rank=0)
     for receiver in receivers:
         while receiver.poll() == KVPoll.Bootstrapping:
@@ -97,7 +102,9 @@ def run(cfg: dict) -> None:
                 emit(result="timeout", stage="init")
                 return
             time.sleep(0.05)
-    sent = []
+    import ctypes
+
+    sent, cleared = [], {}
     for r, receiver in zip(requests, receivers, strict=True):
         payloads = {StateType.SWA: lambda r=r: np.asarray(r["swa_page_ids"], dtype=np.int32),
                     StateType.DSV4_REQUEST_STATE: lambda r=r: pool.request_state_transfer_indices(r["req_pool_idx"],
@@ -105,25 +112,38 @@ def run(cfg: dict) -> None:
         pool.clear_request_scoped_state(r["req_pool_idx"])
         state_indices = [payloads[st]() if st in payloads else None for st in kv_args.state_types]
         sent.append([None if s is None else [int(i) for i in s] for s in state_indices])
+        if r["room"] == cfg.get("watch"):  # the watched room's request-state rows as SGLang cleared them
+            for c, rows in enumerate(state_indices[1:], start=1):
+                for i, (ptr, n) in enumerate(zip(kv_args.state_data_ptrs[c], kv_args.state_item_lens[c],
+                                                 strict=True)):
+                    at = ptr + int(rows[0]) * n
+                    cleared[f"watch_state{c}_{i}"] = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(at)).copy()
         receiver.send_metadata(np.asarray(r["kv_page_ids"], dtype=np.int32), r["aux_index"], state_indices)
     emit(event="metadata", state_indices=sent[0] if len(sent) == 1 else sent)
-    status = {}
+    # "watch": a room whose first KV page of the first KV buffer is watched: "partial" once a byte landed there
+    watch = next((r for r in requests if r["room"] == cfg.get("watch")), None)
+    if watch is not None:
+        item = kv_args.kv_item_lens[0]
+        first_page = np.ctypeslib.as_array((ctypes.c_uint8 * item).from_address(
+            kv_args.kv_data_ptrs[0] + watch["kv_page_ids"][0] * item))
+    status, ended_at = {}, {}
     while len(status) < len(receivers):
         for r, receiver in zip(requests, receivers, strict=True):
             if r["room"] not in status and (st := receiver.poll()) in (KVPoll.Success, KVPoll.Failed):
-                status[r["room"]] = st
+                status[r["room"]], ended_at[r["room"]] = st, time.time()
+        if watch is not None and first_page.any():
+            emit(event="partial", room=watch["room"], at=time.time())
+            watch = None
         if time.monotonic() > deadline:
             emit(result="timeout", stage="transfer", done=sorted(status))
             return
         time.sleep(0.02)
     failed = [room for room, st in status.items() if st == KVPoll.Failed]
-    if failed:
+    if failed and not cfg.get("dump_failed"):
         emit(result="Failed", room=failed[0], reason=mgr.failure_records.get(failed[0], ""))
         return
 
     def raw(ptr_list, lens):  # a copy of each registered buffer, by address (what NIXL wrote into)
-        import ctypes
-
         return [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p)).copy()
                 for p, n in zip(ptr_list, lens, strict=True)]
 
@@ -131,6 +151,7 @@ def run(cfg: dict) -> None:
     for c, (ptrs, lens) in enumerate(zip(kv_args.state_data_ptrs, kv_args.state_data_lens, strict=True)):
         arrays.update({f"state{c}_{i}": a for i, a in enumerate(raw(ptrs, lens))})
     arrays.update({f"aux{i}": a for i, a in enumerate(raw(kv_args.aux_data_ptrs, kv_args.aux_data_lens))})
+    arrays.update(cleared)
     tmp = cfg["dump"] + ".part.npz"
     np.savez(tmp, **arrays)
     os.replace(tmp, cfg["dump"])
@@ -138,6 +159,12 @@ def run(cfg: dict) -> None:
     if meta.kv_checksum is not None:  # what SGLang's decode reads from the row when the request commits
         checksum = {"kv_checksum_row": list(meta.get_kv_checksum(cfg["aux_index"])),
                     "layout_signature": kv_layout_signature(kv_args)}
+    if failed:  # "dump_failed": every room's end (status, wall-clock time, SGLang's failure record) and the dump
+        emit(result="Failed", rooms={str(room): "Success" if st == KVPoll.Success else "Failed"
+                                     for room, st in status.items()},
+             ended_at={str(room): t for room, t in ended_at.items()},
+             reasons={str(room): mgr.failure_records.get(room, "") for room in failed}, dump=cfg["dump"])
+        return
     emit(result="Success", dump=cfg["dump"], **checksum)
 
 

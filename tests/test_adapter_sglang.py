@@ -152,7 +152,7 @@ def _until(next_line, key: str, value: str | None = None) -> dict:
             return msg
 
 
-def _serve(pools, tables, *, tmp_path, decode_cfg, bootstrap="sglang"):
+def _serve(pools, tables, *, tmp_path, decode_cfg, bootstrap="sglang", max_rate=None):
     """Run one request through kvbridge's peer into SGLang's receiver; returns (events, result, peer result)."""
     from kvbridge.adapters.sglang import SGLangPrefillPeer
 
@@ -168,7 +168,7 @@ def _serve(pools, tables, *, tmp_path, decode_cfg, bootstrap="sglang"):
         layout = _until(next_line, "event", "layout")
         _until(next_line, "event", "ready")
         peer = SGLangPrefillPeer(pools, bootstrap_port=None, register_with=f"127.0.0.1:{port}",
-                                 state_memory=STATE_MEMORY).start()
+                                 state_memory=STATE_MEMORY, max_rate=max_rate).start()
     try:
         peer.add_request(cfg.get("room", 4242), tables, TOKENS, first_token=31337)
         result = _until(next_line, "result")
@@ -183,12 +183,14 @@ def _serve(pools, tables, *, tmp_path, decode_cfg, bootstrap="sglang"):
 def test_sglang_decode_receives_exact_bytes(request_pools, tmp_path, kv_checksum):
     """With ``kv_checksum`` the decode runs as with ``--disaggregation-enable-kv-checksum``: its checksum
     row holds, as SGLang's own code reads it, the Adler-32 of exactly the bytes that landed, in SGLang's
-    order, and signature 0 ("not comparable": SGLang 0.5.23 cannot digest DeepSeek-V4 state)."""
+    order, and signature 0 ("not comparable": SGLang 0.5.23 cannot digest DeepSeek-V4 state). That case is
+    also paced (``max_rate``: about a second for the room, in chunks, the metadata rows last)."""
     _need_sglang()
     from kvbridge.adapters.sglang_protocol import CHECKSUM_ROW_BYTES, metadata_item_lens, pd_layout
 
     src, tables = request_pools
-    layout, result, sent = _serve(src, tables, tmp_path=tmp_path, decode_cfg={"kv_checksum": kv_checksum})
+    layout, result, sent = _serve(src, tables, tmp_path=tmp_path, decode_cfg={"kv_checksum": kv_checksum},
+                                  max_rate=3_000_000 if kv_checksum else None)
     lay = pd_layout(src)
     # SGLang's own buffer list is the one the adapter models
     assert layout["kv_layout"] == lay.kv_layout == "v4,c4:v4,c128:v4"
@@ -198,6 +200,8 @@ def test_sglang_decode_receives_exact_bytes(request_pools, tmp_path, kv_checksum
     assert layout["aux_item_lens"] == metadata_item_lens() + [CHECKSUM_ROW_BYTES] * kv_checksum
     assert result["result"] == "Success", result
     assert sent["status"] == "Success" and sent["peers"] == 1
+    if kv_checksum:  # paced: the room took its bytes' share of the rate
+        assert sent["seconds"] >= 0.9 * sent["bytes"] / 3_000_000, sent
     dump = np.load(result["dump"])
 
     def page(name: str, item: int, i: int) -> bytes:

@@ -309,9 +309,9 @@ def producer(transport: str, model_dir: str, out_dir: str, request_id: str, num_
 
 def sglang_producer(model_dir: str, out_dir: str, requests: list[tuple[int, int]], *options: str) -> None:
     """A vLLM prefill serving an SGLang decode (transport ``sglang``): ``options`` are ``KEY=VALUE`` connector
-    keys (``register_with``, ``bootstrap``, ``state_memory``) and ``ape=PATH``. One request ``vllm-req-K`` per
-    ``(num_tokens, room)`` of ``requests``, all added at once, whose ``kv_transfer_params`` carry
-    ``bootstrap_room`` ROOM; each is scheduled whole (as many a step as vLLM's token budget takes), its blocks
+    keys (``register_with``, ``bootstrap``, ``state_memory``, ``max_send_rate``) and ``ape=PATH``. One request
+    ``vllm-req-K`` per ``(num_tokens, room)`` of ``requests``, all added at once, whose ``kv_transfer_params``
+    carry ``bootstrap_room`` ROOM; each is scheduled whole (as many a step as vLLM's token budget takes), its blocks
     filled as vLLM's writers store them (records saved for the test, ``records-vllm-req-K.safetensors``), it
     samples token 5 + K and finishes; the worker serves each until the decode took its room. Writes vLLM's KV
     buffer and the result to OUT_DIR."""
@@ -319,8 +319,10 @@ def sglang_producer(model_dir: str, out_dir: str, requests: list[tuple[int, int]
 
     from kvbridge.migration.plan import plan_migration
 
-    keys = dict(o.split("=", 1) for o in options)
+    keys: dict = dict(o.split("=", 1) for o in options)
     ape = keys.pop("ape", None)
+    if "max_send_rate" in keys:
+        keys["max_send_rate"] = int(keys["max_send_rate"])
     eng = Engine(model_dir, "producer", "sglang", ape=ape, max_len=2304, kv_bytes=128 << 20, sglang=keys)
     reqs = {f"vllm-req-{k}": eng.request(n, {"bootstrap_room": room}, max_tokens=1, request_id=f"vllm-req-{k}")
             for k, (n, room) in enumerate(requests)}

@@ -197,12 +197,16 @@ class SGLangPrefillPeer:
     or ``DRAM``) the decode registered its compressor-state buffers as, which SGLang does not announce:
     SGLang 0.5.23 always registers them as ``VRAM`` (``nixl/conn.py`` ``register_buffer_to_engine``),
     also when its KV is in host memory (hisparse), so that is the default; ``DRAM`` only for a decode
-    changed to register host state as host memory (as the CPU tests do).
+    changed to register host state as host memory (as the CPU tests do). ``max_rate``: bytes per second
+    one room's writes may take (None: as fast as NIXL goes): its pages are written in chunks of a tenth of
+    a second's bytes, each waited for and paced, the metadata row after the last (PD traffic sharing a
+    link with other traffic).
     """
 
     def __init__(self, pools: EnginePools, *, hidden_state_bytes: int = HIDDEN_STATE_BYTES, host: str = "127.0.0.1",
                  bootstrap_port: int | None = 0, register_with: str | None = None,
-                 kv_cache_dtype: str = "fp8_e4m3", timeout: float = 60.0, state_memory: str = "VRAM"):
+                 kv_cache_dtype: str = "fp8_e4m3", timeout: float = 60.0, state_memory: str = "VRAM",
+                 max_rate: float | None = None):
         if not isinstance(pools, EnginePools):
             raise InputError(f"pools must be EnginePools, got {type(pools).__name__}")
         if isinstance(hidden_state_bytes, bool) or not isinstance(hidden_state_bytes, int) or hidden_state_bytes < 1:
@@ -210,6 +214,10 @@ class SGLangPrefillPeer:
         if state_memory not in ("DRAM", "VRAM"):
             raise InputError(f"state_memory must be DRAM or VRAM, got {state_memory!r}")
         self.state_memory = state_memory
+        if max_rate is not None and (isinstance(max_rate, bool) or not isinstance(max_rate, int | float)
+                                     or not max_rate > 0):
+            raise InputError(f"max_rate must be a positive number of bytes per second, got {max_rate!r}")
+        self.max_rate = None if max_rate is None else float(max_rate)
         if (bootstrap_port is None) == (register_with is None):
             raise InputError("give exactly one of bootstrap_port (serve the bootstrap route) and register_with "
                              "(an SGLang bootstrap server's host:port)")
@@ -365,6 +373,7 @@ class SGLangPrefillPeer:
             raise InputError(f"plan's destination is {plan.dst.spec}, the peer's pools are {self.pools.profile.spec}")
         with self._pools_lock:
             tables, _ = migrate_local(plan, src, src_tables, self.pools, loss_report=False)
+            self._clean_unwritten(plan, tables)
         try:
             self.add_request(room, tables, plan.num_tokens, first_token)
         except BaseException:
@@ -395,18 +404,53 @@ class SGLangPrefillPeer:
 
     def release_pages(self, tables: RequestTables) -> None:
         """Return a request's pages (``add_migrated_request``'s or ``add_dump_request``'s tables) to the
-        pools, once it ended, zeroed first: a request fills only its tokens' records of a page (and its
-        rows of a state ring), but the whole page travels, so a reused page would carry an earlier room's
-        bytes to another room's decode."""
+        pools once it ended. They are not zeroed: the next room cleans what it sends but does not write
+        (``_clean_unwritten``)."""
         with self._pools_lock:
-            for spec in self.pools.model.all_caches(self.pools.include_mtp):
-                st = self.pools.storage(spec)
-                for name, t in zip((st.table, st.score_table or st.table), pool_tensors(self.pools.pool(spec)),
-                                   strict=False):
-                    ids = [i for i in tables.get(name, []) if i >= 0]
-                    if ids:
-                        t[ids] = 0
             self.pools.release(tables)
+
+    def _clean_unwritten(self, plan: MigrationPlan, tables: RequestTables) -> None:
+        """Zero every byte of the pages this room will send (``_send``) that its records do not cover, then
+        write its records back: the whole page travels, and a page may hold an earlier room's bytes.
+
+        A KV page (compressed KV, indexer keys, SWA KV) whose every entry slot is one of the room's entries
+        is overwritten by them, except bytes no record covers (a page's padding, e.g. 1 byte per entry of
+        SGLang's 585-byte fp8 slot, 560 bytes of a ratio-128 page), which kvbridge's writes never touch, so
+        they keep the pools' zeros; only the pages holding the first or last entries, where the room's
+        entries do not fill the page (the tail of each cache's last page), are rewritten. A compressor-state
+        page (the window's SWA-page rings, the ratio-128 ring) holds a few rows of the room: every one it
+        sends is rewritten. Cost: about two pages per cache per room, not the room's bytes."""
+        lay, pools = self.layout, self.pools
+        page, n = lay.page_size, plan.num_tokens
+        num_pages = -(-n // page)
+        first_window = max(0, n - pools.model.sliding_window) // page
+        kv = {(s.layer, s.role) for s in lay.kv}
+        swa = {(s.layer, s.role) for s in lay.swa_state}
+        for t in plan.transfers:
+            st, key = t.dst, (t.spec.layer, t.spec.role)
+            table = table_of(tables, st)
+            if key in kv:
+                sent = range(min(len(tables[st.table]), num_pages))
+            elif key in swa:
+                sent = range(first_window, num_pages)
+            else:
+                sent = range(min(1, len(tables[st.table])))
+            pool, end = pools.pool(t.spec), t.first + t.count
+            if st.kind == "state":  # the room's rows, wherever the ring puts them
+                rows = gather_records(pool, st, table, t.first, t.count)
+                for x in pool_tensors(pool):
+                    x[[tables[st.table][i] for i in sent]] = 0
+                scatter_records(pool, st, table, t.first, rows)
+                continue
+            for i in sent:
+                lo, hi = max(t.first, i * st.page_size), min(end, (i + 1) * st.page_size)
+                if (lo, hi) == (i * st.page_size, (i + 1) * st.page_size):
+                    continue  # every slot is one of the room's entries
+                rec = gather_records(pool, st, table, lo, hi - lo) if hi > lo else None
+                for x in pool_tensors(pool):
+                    x[tables[st.table][i]] = 0
+                if rec is not None:
+                    scatter_records(pool, st, table, lo, rec)
 
     def add_dump_request(self, room: int, dump: Dump, num_tokens: int, first_token: int) -> RequestTables:
         """Load a request from a kvbridge dump (``request_dump``'s entries: each KV cache's pages, in any
@@ -435,8 +479,10 @@ class SGLangPrefillPeer:
             loaded.append((t, st.layout.pages_to_records(entry.data, st.page_size, t.count)))
         with self._pools_lock:
             tables = self.pools.claim(plan.table_lengths("dst"), plan.released("dst"))
-        for t, rec in loaded:
-            scatter_records(self.pools.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, rec)
+        with self._pools_lock:
+            for t, rec in loaded:
+                scatter_records(self.pools.pool(t.spec), t.dst, table_of(tables, t.dst), t.first, rec)
+            self._clean_unwritten(plan, tables)
         self.add_request(room, tables, num_tokens, first_token)
         return tables
 
@@ -621,24 +667,49 @@ class SGLangPrefillPeer:
                            digest if peer.kv_checksum else None)
         aux = np.frombuffer(b"".join(row), dtype=np.uint8)
         self._aux.numpy()[: aux.size] = aux
-        off = 0
+        aux_local, aux_remote, off = [], [], 0
         for ptr, b in zip(peer.aux_ptrs, row, strict=True):  # host memory on both ends (SGLang's send_aux)
-            local.setdefault(("DRAM", "DRAM"), []).append((self._aux_addr + off, len(b), 0))
-            remote.setdefault(("DRAM", "DRAM"), []).append((ptr + info.aux_index * len(b), len(b), 0))
+            aux_local.append((self._aux_addr + off, len(b), 0))
+            aux_remote.append((ptr + info.aux_index * len(b), len(b), 0))
             off += len(b)
+        if self.max_rate is None:  # every write at once, the metadata row with the host-memory ones
+            local.setdefault(("DRAM", "DRAM"), []).extend(aux_local)
+            remote.setdefault(("DRAM", "DRAM"), []).extend(aux_remote)
+            steps = [[(key, local[key], remote[key]) for key in local]]
+            return self._write(info, peer.nixl_name, steps), digest, peer.kv_checksum
+        # paced: chunks of a tenth of a second's bytes (at least one page), each waited for; the row last
+        chunk = max(1, int(self.max_rate / 10))
+        steps = []
+        for key in local:
+            start, size = 0, 0
+            for j, (_, n, _) in enumerate(local[key]):
+                size += n
+                if size >= chunk or j == len(local[key]) - 1:
+                    steps.append([(key, local[key][start : j + 1], remote[key][start : j + 1])])
+                    start, size = j + 1, 0
+        steps.append([(("DRAM", "DRAM"), aux_local, aux_remote)])
+        return self._write(info, peer.nixl_name, steps), digest, peer.kv_checksum
+
+    def _write(self, info: TransferInfo, nixl_name: str, steps: list[list[tuple[tuple[str, str], list, list]]]
+               ) -> int:
+        """Post each step's writes (one NIXL transfer per (remote, local) memory kind), wait for them, then
+        (``max_rate``) sleep until the bytes so far took their share of the rate; returns the bytes written."""
         assert self._agent is not None
-        total = 0
-        xids = []
-        for key in local:  # the device writes, then the metadata row
-            xid = uuid.uuid4().int & (2**62 - 1)
-            loc = np.array(local[key], dtype=np.uint64).reshape(-1, 3)
-            rem = np.array(remote[key], dtype=np.uint64).reshape(-1, 3)
-            self._agent.call("posting the NIXL write", "write", xid, loc, rem, peer.nixl_name, b"", *key)
-            xids.append(xid)
-            total += int(loc[:, 1].sum())
-        for xid in xids:
-            state = self._agent.call("waiting for the NIXL write", "wait", xid, self.timeout,
-                                     timeout=self.timeout + 10)
-            if state != "DONE":
-                raise TransferError(f"NIXL write to decode agent {info.agent_name} ended {state}")
-        return total, digest, peer.kv_checksum
+        total, t0 = 0, time.monotonic()
+        for step in steps:
+            xids = []
+            for key, loc_list, rem_list in step:
+                xid = uuid.uuid4().int & (2**62 - 1)
+                loc = np.array(loc_list, dtype=np.uint64).reshape(-1, 3)
+                rem = np.array(rem_list, dtype=np.uint64).reshape(-1, 3)
+                self._agent.call("posting the NIXL write", "write", xid, loc, rem, nixl_name, b"", *key)
+                xids.append(xid)
+                total += int(loc[:, 1].sum())
+            for xid in xids:
+                state = self._agent.call("waiting for the NIXL write", "wait", xid, self.timeout,
+                                         timeout=self.timeout + 10)
+                if state != "DONE":
+                    raise TransferError(f"NIXL write to decode agent {info.agent_name} ended {state}")
+            if self.max_rate is not None:
+                time.sleep(max(0.0, t0 + total / self.max_rate - time.monotonic()))
+        return total

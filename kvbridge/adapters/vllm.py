@@ -360,7 +360,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def _sglang_peer(self, extra: dict, max_model_len: int) -> SGLangPrefillPeer:
         """The SGLang prefill peer this producer serves from: SGLang-layout pools in host memory holding
         ``max_inflight`` requests of up to ``landing_tokens`` tokens (default ``max_model_len``), its bootstrap
-        route on ``bootstrap`` (default 127.0.0.1:8998, SGLang's port) or registered ``register_with``."""
+        route on ``bootstrap`` (default 127.0.0.1:8998, SGLang's port) or registered ``register_with``, its writes
+        paced at ``max_send_rate`` bytes per second where given."""
         tokens = positive_int(extra.get("landing_tokens", max_model_len), "kv_connector_extra_config landing_tokens")
         if self.ape is None and ape_needed(self.profile, self.sglang_profile, self.model, False):
             raise InputError(f"transport sglang: {self.sglang_profile.spec} stores compressor scores without the APE "
@@ -376,7 +377,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             where = {"bootstrap_port": port}
         hidden = positive_int(extra.get("hidden_state_bytes", HIDDEN_STATE_BYTES),
                               "kv_connector_extra_config hidden_state_bytes")
-        return SGLangPrefillPeer(pools, host=host, hidden_state_bytes=hidden, timeout=self.timeout,
+        rate = extra.get("max_send_rate")
+        if rate is not None:
+            rate = positive_int(rate, "kv_connector_extra_config max_send_rate")
+        return SGLangPrefillPeer(pools, host=host, hidden_state_bytes=hidden, timeout=self.timeout, max_rate=rate,
                                  kv_cache_dtype=str(extra.get("kv_cache_dtype", "fp8_e4m3")),
                                  state_memory=str(extra.get("state_memory", "VRAM")), **where).start()
 

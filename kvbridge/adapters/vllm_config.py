@@ -39,10 +39,10 @@ def ape_paths(value: object) -> list[str]:
 def check_sglang_keys(kv_role: str, transport: str | None, extra: dict[str, Any]) -> None:
     """Refuse, with one line, what transport ``sglang`` cannot do: role ``kv_both`` (the connector is either
     an SGLang decode's prefill, ``kv_producer``, or an SGLang prefill's decode, ``kv_consumer``), its keys with
-    another transport, a prefill's keys (``bootstrap``, ``register_with``, ``state_memory``) on a decode, both
-    ``bootstrap`` and ``register_with``, a malformed address, a spec that is not SGLang's, an unknown state
-    kind."""
-    keys = [k for k in ("bootstrap", "register_with", "sglang_engine", "state_memory") if k in extra]
+    another transport, a prefill's keys (``bootstrap``, ``register_with``, ``state_memory``, ``max_send_rate``) on a
+    decode, both ``bootstrap`` and ``register_with``, a malformed address, a spec that is not SGLang's, an unknown
+    state kind, a rate that is not a positive integer."""
+    keys = [k for k in ("bootstrap", "register_with", "sglang_engine", "state_memory", "max_send_rate") if k in extra]
     if transport != "sglang":
         if keys:
             raise InputError(f"kv_connector_extra_config {', '.join(keys)}: keys of transport sglang, the transport "
@@ -51,7 +51,7 @@ def check_sglang_keys(kv_role: str, transport: str | None, extra: dict[str, Any]
     if kv_role not in ("kv_producer", "kv_consumer"):
         raise InputError(f"transport sglang makes this vLLM an SGLang decode's prefill (kv_producer) or an SGLang "
                          f"prefill's decode (kv_consumer), one of them: got {kv_role}")
-    prefill_keys = [k for k in ("bootstrap", "register_with", "state_memory") if k in extra]
+    prefill_keys = [k for k in ("bootstrap", "register_with", "state_memory", "max_send_rate") if k in extra]
     if kv_role == "kv_consumer" and prefill_keys:
         raise InputError(f"kv_connector_extra_config {', '.join(prefill_keys)}: keys of a prefill (kv_producer); a "
                          "decode finds each request's SGLang prefill in its kv_transfer_params (bootstrap_host, "
@@ -68,6 +68,8 @@ def check_sglang_keys(kv_role: str, transport: str | None, extra: dict[str, Any]
     if "state_memory" in extra and extra["state_memory"] not in STATE_MEMORIES:
         raise InputError("kv_connector_extra_config state_memory must be VRAM or DRAM, got "
                          f"{extra['state_memory']!r}")
+    if "max_send_rate" in extra:
+        positive_int(extra["max_send_rate"], "kv_connector_extra_config max_send_rate (bytes per second)")
 
 
 def sglang_source(params: dict[str, Any]) -> tuple[str, int]:
@@ -134,7 +136,8 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
                        landing_tokens: int | None = None, ape: list[str] | None = None,
                        max_inflight: int | None = None, hold_timeout: float | None = None,
                        bootstrap: str | None = None, register_with: str | None = None,
-                       sglang_engine: str | None = None, state_memory: str | None = None) -> dict[str, Any]:
+                       sglang_engine: str | None = None, state_memory: str | None = None,
+                       max_send_rate: int | None = None) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for kvbridge's connector (``kvbridge.adapters.vllm``) in ``role``.
 
     Only the keys given go into ``kv_connector_extra_config`` (the connector's defaults apply to
@@ -147,7 +150,8 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
     with ``bootstrap`` (``host:port`` where the connector serves SGLang's bootstrap route) or
     ``register_with`` (an SGLang bootstrap server's ``host:port``), ``sglang_engine`` (the decode's
     kvbridge spec, default ``sglang``) and ``state_memory`` (the kind the decode registers its
-    compressor state as: ``VRAM``, SGLang's, or ``DRAM``); role ``consumer`` makes it the decode of an
+    compressor state as: ``VRAM``, SGLang's, or ``DRAM``) and ``max_send_rate`` (bytes per second a room's
+    writes may take, paced; default unpaced); role ``consumer`` makes it the decode of an
     unmodified SGLang prefill (``sglang_engine``: the prefill's spec; ``landing_tokens``: the longest
     request its SGLang-layout landing pools hold); see ``check_sglang_keys``.
     """
@@ -181,7 +185,8 @@ def kv_transfer_config(role: str, *, listen: str | None = None, engine: str | No
                              f"or from an SGLang prefill), got {transport!r}")
         extra["transport"] = transport
     sglang = {k: v for k, v in (("bootstrap", bootstrap), ("register_with", register_with),
-                                ("sglang_engine", sglang_engine), ("state_memory", state_memory)) if v is not None}
+                                ("sglang_engine", sglang_engine), ("state_memory", state_memory),
+                                ("max_send_rate", max_send_rate)) if v is not None}
     if transport == "sglang" or sglang:
         check_sglang_keys(ROLES[role], transport, sglang)
         extra.update(sglang)

@@ -346,7 +346,9 @@ class SGLangPrefillPeer:
 
     def add_request(self, room: int, tables: RequestTables, num_tokens: int, first_token: int) -> None:
         """Offer a prefilled request, held in ``pools`` at ``tables``, to the decode that asks for
-        ``room`` (the request's ``bootstrap_room``). ``first_token``: the token id the prefill sampled."""
+        ``room`` (the request's ``bootstrap_room``). ``first_token``: the token id the prefill sampled. The pages
+        travel whole, as they are: bytes of them the caller's request did not write (an earlier request's, on a
+        reused page) are the caller's to clear (``add_migrated_request`` and ``add_dump_request`` do it)."""
         if isinstance(room, bool) or not isinstance(room, int) or not 0 < room < 2**63:
             raise InputError(f"room must be a positive 63-bit integer, got {room!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:

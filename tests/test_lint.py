@@ -19,6 +19,7 @@ DEFERRED = {
     "kvbridge.backends.native": "numba",
     "kvbridge.backends.native._kernels": "the C extension",
     "kvbridge.backends.triton_kernels": "triton",
+    "kvbridge.backends.triton_digest": "triton",
 }
 
 

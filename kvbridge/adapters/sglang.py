@@ -81,13 +81,22 @@ from kvbridge.adapters.sglang_protocol import (
 )
 from kvbridge.dumps.convert import convert_entry
 from kvbridge.dumps.dumpfile import Dump, DumpEntry, entry_name
+from kvbridge.engines.profiles import Storage
 from kvbridge.engines.topology import CacheSpec, Role
 from kvbridge.errors import InputError, KVBridgeError
 from kvbridge.migration.errors import TransferError
 from kvbridge.migration.execute import migrate_local
 from kvbridge.migration.nixl_agent import _Agent, _LocalAgent, _new_agent, memory_kind
 from kvbridge.migration.plan import MigrationPlan, plan_migration
-from kvbridge.migration.pools import EnginePools, RequestTables, gather_records, pool_tensors, scatter_records, table_of
+from kvbridge.migration.pools import (
+    EnginePools,
+    Pool,
+    RequestTables,
+    gather_records,
+    pool_tensors,
+    scatter_records,
+    table_of,
+)
 
 SGLANG_VERSION = "0.5.23"
 
@@ -181,6 +190,18 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
     result: dict[str, Any] | None = None
     sending: bool = False  # its NIXL writes are under way (set by the worker; withdraw then refuses)
+
+
+def _rewrite_pages(pool: Pool, st: Storage, tables: RequestTables, pages: Sequence[int], lo: int, hi: int) -> None:
+    """Zero ``pages`` (indices into the request's block tables) of every tensor of ``pool``, each through its own
+    table, keeping the request's entries ``[lo, hi)``: they are gathered first and written back."""
+    rec = gather_records(pool, st, table_of(tables, st), lo, hi - lo) if hi > lo else None
+    tensors = pool_tensors(pool)
+    names = [st.table, st.score_table] if st.score_table is not None else [st.table] * len(tensors)
+    for x, name in zip(tensors, names, strict=True):
+        x[[tables[name][i] for i in pages]] = 0
+    if rec is not None:
+        scatter_records(pool, st, table_of(tables, st), lo, rec)
 
 
 class SGLangPrefillPeer:
@@ -430,7 +451,6 @@ class SGLangPrefillPeer:
         swa = {(s.layer, s.role) for s in lay.swa_state}
         for t in plan.transfers:
             st, key = t.dst, (t.spec.layer, t.spec.role)
-            table = table_of(tables, st)
             if key in kv:
                 sent = range(min(len(tables[st.table]), num_pages))
             elif key in swa:
@@ -439,20 +459,12 @@ class SGLangPrefillPeer:
                 sent = range(min(1, len(tables[st.table])))
             pool, end = pools.pool(t.spec), t.first + t.count
             if st.kind == "state":  # the room's rows, wherever the ring puts them
-                rows = gather_records(pool, st, table, t.first, t.count)
-                for x in pool_tensors(pool):
-                    x[[tables[st.table][i] for i in sent]] = 0
-                scatter_records(pool, st, table, t.first, rows)
+                _rewrite_pages(pool, st, tables, sent, t.first, end)
                 continue
             for i in sent:
                 lo, hi = max(t.first, i * st.page_size), min(end, (i + 1) * st.page_size)
-                if (lo, hi) == (i * st.page_size, (i + 1) * st.page_size):
-                    continue  # every slot is one of the room's entries
-                rec = gather_records(pool, st, table, lo, hi - lo) if hi > lo else None
-                for x in pool_tensors(pool):
-                    x[tables[st.table][i]] = 0
-                if rec is not None:
-                    scatter_records(pool, st, table, lo, rec)
+                if (lo, hi) != (i * st.page_size, (i + 1) * st.page_size):  # else every slot is the room's
+                    _rewrite_pages(pool, st, tables, [i], lo, hi)
 
     def add_dump_request(self, room: int, dump: Dump, num_tokens: int, first_token: int) -> RequestTables:
         """Load a request from a kvbridge dump (``request_dump``'s entries: each KV cache's pages, in any
